@@ -1,0 +1,352 @@
+"""The PyTorch reference of AQUA attention, registered through transformers' attention interface.
+
+Nothing happens on import. ``apply_aqua(model, projection, config)`` is a context manager that
+registers the ``aqua`` attention function, attaches per-layer state, folds P_v into W_V / W_O for
+AQUA-Memory, and undoes all of it on exit.
+
+Per layer, per query head of KV group h (DESIGN.md 3), with r the retained width, k selected:
+
+    q^ = (q P_h)[:r]            k^ = (k P_h)[:r]  (cached: the cache holds k^, r wide)
+    I  = top-k(|q^|)            (ties -> lower index; 'static': I = {0..k-1})
+    s_j = scale * q^[I] . k^_j[I]      softmax over visible j, times V (P_v basis, r wide)
+
+AQUA-H2O keeps ceil(h2o_ratio * n) of the n tokens a sequence has seen, half of them the most
+recent, the rest the heavy hitters by accumulated softmax(approximate scores) summed over the
+query heads of the group. A multi-token forward simulates the token-by-token eviction exactly, so
+perplexity evaluation and prefill agree with step-by-step generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .calibrate import Projection
+from .config import AquaConfig, ConfigError
+from .fold import fold_output, fold_value
+from .models import architecture_of, attention_geometry
+
+IMPL = "aqua"
+
+
+# --------------------------------------------------------------------------------------------
+# The operator
+# --------------------------------------------------------------------------------------------
+
+def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [..., Hkv, g, T, r] -> indices [..., k] of the coordinates each query keeps.
+
+    key_rms [Hkv, r] is needed for 'weighted'. Ties go to the lower index (stable sort).
+    """
+    r = qh.shape[-1]
+    if selection == "static":
+        return torch.arange(k, device=qh.device).expand(*qh.shape[:-1], k)
+    score = qh.abs()
+    if selection == "weighted":
+        score = score * key_rms[:, None, None, :].to(score.dtype)
+    elif selection != "magnitude":
+        raise ConfigError(f"unknown selection {selection!r}")
+    assert 1 <= k <= r
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def approx_scores(qh: torch.Tensor, kh: torch.Tensor, k: int, selection: str,
+                  key_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [B, Hkv, g, Tq, r], kh [B, Hkv, S, r] -> q^[I] . k^[:, I]^T, [B, Hkv, g, Tq, S] (unscaled)."""
+    r = qh.shape[-1]
+    if k < r:
+        idx = select_indices(qh, k, selection, key_rms)
+        keep = torch.zeros_like(qh).scatter_(-1, idx, 1.0)
+        qh = qh * keep  # zeroed coordinates add exact zeros: same as gathering I
+    return qh @ kh[:, :, None].transpose(-1, -2)
+
+
+def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Which visible slots survive eviction.
+
+    visible [B, Hkv, S] bool, acc [B, Hkv, S] accumulated attention, budget [B] tokens to keep.
+    Half of the budget (floor) goes to the most recent visible slots, the rest to the largest acc
+    among the others (ties -> lower slot).
+    """
+    n_recent = (budget // 2)[:, None, None]
+    n_heavy = (budget - budget // 2)[:, None, None]
+    vis = visible.to(torch.int64)
+    from_end = vis.flip(-1).cumsum(-1).flip(-1) - 1  # 0 for the most recent visible slot
+    recent = visible & (from_end < n_recent)
+    cand = visible & ~recent
+    key = torch.where(cand, acc, torch.full_like(acc, -math.inf))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    heavy = cand & (rank < n_heavy)
+    return recent | heavy
+
+
+def h2o_budget(ratio: float, n_seen: torch.Tensor) -> torch.Tensor:
+    return torch.ceil(ratio * n_seen.to(torch.float64) - 1e-9).to(torch.int64).clamp_min(1)
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------
+
+class AquaLayerCache(DynamicLayer):
+    """One layer of an AquaCache.
+
+    keys   [B, Hkv, S, r]  projected keys k^ (post-RoPE, P applied, sliced to r)
+    values [B, Hkv, S, r]  values in P_v's basis, sliced to r
+    valid  [B, Hkv, S]     slot holds a real, not evicted token
+    acc    [B, Hkv, S]     H2O accumulated attention
+    n_real [B]             real (non-padding) tokens this sequence has seen
+    seen                   logical length (tokens seen incl. padding): what HF's masks and positions use
+    """
+
+    def __init__(self, state: "LayerAqua"):
+        super().__init__()
+        self.state = state
+        self.seen = 0
+        self.valid = self.acc = self.n_real = None
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        b, hkv = key_states.shape[:2]
+        r = self.state.r
+        self.keys = key_states.new_zeros(b, hkv, 0, r)
+        self.values = value_states.new_zeros(b, hkv, 0, r)
+        self.valid = torch.zeros(b, hkv, 0, dtype=torch.bool, device=key_states.device)
+        self.acc = torch.zeros(b, hkv, 0, dtype=torch.float32, device=key_states.device)
+        self.n_real = torch.zeros(b, dtype=torch.int64, device=key_states.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states/value_states [B, Hkv, T, d] post-RoPE, unprojected; stores k^ and sliced v."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        st = self.state
+        kh = key_states @ st.P_r[None].to(key_states.dtype)
+        vh = value_states[..., : st.r]
+        t = key_states.shape[2]
+        self.keys = torch.cat([self.keys, kh], dim=-2)
+        self.values = torch.cat([self.values, vh], dim=-2)
+        b, hkv = kh.shape[:2]
+        self.valid = torch.cat([self.valid, torch.ones(b, hkv, t, dtype=torch.bool, device=kh.device)], dim=-1)
+        self.acc = torch.cat([self.acc, torch.zeros(b, hkv, t, device=kh.device)], dim=-1)
+        self.seen += t
+        st.fresh = (self.keys, self)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def compact(self) -> None:
+        """Physically drop invalid slots; the length becomes the largest kept count over (batch, head)."""
+        keep = int(self.valid.sum(-1).max().item()) if self.valid.numel() else 0
+        order = torch.sort((~self.valid).to(torch.int8), dim=-1, stable=True).indices[..., :keep]
+        self.keys = torch.gather(self.keys, 2, order[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values = torch.gather(self.values, 2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        self.valid = torch.gather(self.valid, 2, order)
+        self.acc = torch.gather(self.acc, 2, order)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("AquaCache does not support cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("AquaCache does not support beam search / num_return_sequences > 1")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("AquaCache does not support beam search")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("AquaCache does not support beam search")
+
+
+class AquaCache(Cache):
+    """KV cache holding projected, possibly narrowed, possibly evicted keys and values."""
+
+    def __init__(self, states: list["LayerAqua"]):
+        super().__init__(layers=[AquaLayerCache(s) for s in states])
+
+
+# --------------------------------------------------------------------------------------------
+# Attention function
+# --------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class LayerAqua:
+    """Per-layer state attached to the attention module while AQUA is applied."""
+
+    P_r: torch.Tensor  # [Hkv, d, r]
+    r: int
+    k: int
+    d: int
+    selection: str
+    key_rms: torch.Tensor  # [Hkv, r]
+    h2o_ratio: float
+    fresh: tuple | None = field(default=None, repr=False)
+
+
+def _take_layer_cache(st: LayerAqua, key: torch.Tensor) -> AquaLayerCache | None:
+    fresh, st.fresh = st.fresh, None
+    if fresh is not None and fresh[0] is key:
+        return fresh[1]
+    return None
+
+
+def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention interface. query [B, H, Tq, d]; key/value [B, Hkv, S, d] (or k^/v from
+    an AquaCache, r wide); attention_mask [B, 1, Tq, S_logical] float (0 = attend). Returns [B, Tq, H, d]."""
+    st: LayerAqua = module._aqua
+    layer = _take_layer_cache(st, key)
+    b, h, tq, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    P_r = st.P_r.to(query.dtype)
+    qh = query.reshape(b, hkv, g, tq, d) @ P_r[None, :, None]
+    if layer is not None:
+        kh, v = key, value
+    else:
+        if st.h2o_ratio < 1.0 and key.shape[2] > tq:
+            raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
+        kh, v = key @ P_r[None], value[..., : st.r]
+    s = kh.shape[2]
+    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms) * scaling
+
+    if attention_mask is not None:
+        ok = (attention_mask == 0)[:, 0]  # [B, Tq, S_logical]
+    else:
+        ok = torch.ones(tq, s, dtype=torch.bool, device=query.device).tril(s - tq).expand(b, tq, s)
+    new_ok = ok[..., -tq:]  # the chunk's own keys: causal + padding
+    is_real = torch.diagonal(new_ok, dim1=-2, dim2=-1)  # [B, Tq] token is not padding
+    if layer is not None:
+        past = s - tq
+        layer.valid[:, :, past:] &= is_real[:, None, :]
+        allowed = torch.cat([
+            layer.valid[:, :, None, :past].expand(b, hkv, tq, past),
+            new_ok[:, None].expand(b, hkv, tq, tq),
+        ], dim=-1)
+    else:
+        allowed = ok[:, None].expand(b, hkv, tq, s)
+
+    if st.h2o_ratio < 1.0:
+        out = _h2o_attend(st, layer, scores, allowed, is_real, v)
+    else:
+        neg = torch.finfo(scores.dtype).min
+        w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
+        out = w.to(v.dtype) @ v[:, :, None]  # [B, Hkv, g, Tq, r]
+    if st.r < d:
+        out = torch.nn.functional.pad(out, (0, d - st.r))
+    return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
+
+
+def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is_real, v):
+    """Token-by-token attention with H2O eviction. scores [B, Hkv, g, Tq, S], allowed [B, Hkv, Tq, S]."""
+    b, hkv, g, tq, s = scores.shape
+    dev = scores.device
+    if layer is not None:
+        acc, n_real = layer.acc.clone(), layer.n_real.clone()
+    else:
+        acc = torch.zeros(b, hkv, s, device=dev)
+        n_real = torch.zeros(b, dtype=torch.int64, device=dev)
+    keep = torch.ones(b, hkv, s, dtype=torch.bool, device=dev)
+    neg = torch.finfo(scores.dtype).min
+    outs = []
+    for t in range(tq):
+        vis = allowed[:, :, t] & keep
+        w = torch.softmax(scores[:, :, :, t].masked_fill(~vis[:, :, None], neg), dim=-1, dtype=torch.float32)
+        outs.append(w.to(v.dtype) @ v)  # [B, Hkv, g, r]
+        real = is_real[:, t]
+        acc = acc + w.sum(2) * real[:, None, None]
+        n_real = n_real + real.to(torch.int64)
+        kept = h2o_keep(vis, acc, h2o_budget(st.h2o_ratio, n_real)) | ~allowed[:, :, t]
+        keep = torch.where(real[:, None, None], keep & kept, keep)
+    if layer is not None:
+        layer.valid &= keep
+        layer.acc = acc
+        layer.n_real = n_real
+        layer.compact()
+    return torch.stack(outs, dim=3)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying AQUA to a model
+# --------------------------------------------------------------------------------------------
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(IMPL, aqua_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL, eager_mask)
+
+
+def layer_states(model, projection: Projection, config: AquaConfig) -> list[LayerAqua]:
+    geo = attention_geometry(model)
+    d = geo["head_dim"]
+    r = config.retained_width(d)
+    k = config.selected_width(d)
+    states = []
+    for i in range(geo["layers"]):
+        states.append(LayerAqua(
+            P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
+            key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio,
+        ))
+    return states
+
+
+class AquaSession:
+    """What ``apply_aqua`` yields: the states, and a cache factory for generation."""
+
+    def __init__(self, model, config: AquaConfig, states: list[LayerAqua]):
+        self.model, self.config, self.states = model, config, states
+
+    def new_cache(self) -> AquaCache:
+        return AquaCache(self.states)
+
+    def generate(self, **kwargs):
+        """model.generate with an AquaCache (needed for H2O eviction and the narrow Memory cache)."""
+        kwargs.setdefault("past_key_values", self.new_cache())
+        return self.model.generate(**kwargs)
+
+
+@contextlib.contextmanager
+def apply_aqua(model, projection: Projection, config: AquaConfig):
+    """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit."""
+    architecture_of(model.config)
+    projection.check_model(model)
+    _register()
+    states = layer_states(model, projection, config)
+    previous = model.config._attn_implementation
+    attns = [layer.self_attn for layer in model.model.layers]
+    saved = []
+    g = model.config.num_attention_heads // attention_geometry(model)["kv_heads"]
+    try:
+        with torch.no_grad():
+            for a, st, pv in zip(attns, states, projection.P_v):
+                a._aqua = st
+                if config.slice_ratio > 0:
+                    saved.append((a, a.v_proj.weight.detach().clone(),
+                                  None if a.v_proj.bias is None else a.v_proj.bias.detach().clone(),
+                                  a.o_proj.weight.detach().clone()))
+                    w, bias = fold_value(a.v_proj.weight, a.v_proj.bias, pv)
+                    a.v_proj.weight.copy_(w)
+                    if bias is not None:
+                        a.v_proj.bias.copy_(bias)
+                    a.o_proj.weight.copy_(fold_output(a.o_proj.weight, pv, g))
+        model.set_attn_implementation(IMPL)
+        yield AquaSession(model, config, states)
+    finally:
+        model.set_attn_implementation(previous)
+        with torch.no_grad():
+            for a, w, bias, o in saved:
+                a.v_proj.weight.copy_(w)
+                if bias is not None:
+                    a.v_proj.bias.copy_(bias)
+                a.o_proj.weight.copy_(o)
+        for a in attns:
+            if hasattr(a, "_aqua"):
+                del a._aqua

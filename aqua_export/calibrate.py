@@ -1,0 +1,291 @@
+"""Calibration: stream text through the model, accumulate second moments, write the projection artifact.
+
+Per layer l and KV head h (DESIGN.md 1), with the g query heads of the group:
+    C_qk[l, h] = sum over tokens of q_1 q_1^T + ... + q_g q_g^T + k k^T   (post-RoPE, float64)
+    C_k[l, h]  = sum of k k^T          (for the 'weighted' selection rule)
+    C_v[l, h]  = sum of v v^T
+P[l, h] = eigenvectors of C_qk, columns by descending eigenvalue, each column's largest-magnitude
+entry positive. Memory is L * Hkv * 3 * d * d float64, whatever the token count.
+
+Artifact (safetensors, keyed by layer):
+    layers.{i}.P        [Hkv, d, d]   float32
+    layers.{i}.P_v      [Hkv, d, d]   float32
+    layers.{i}.energy   [Hkv, d]      mean squared coordinate of the q/k stack in P's basis
+    layers.{i}.energy_v [Hkv, d]      same for values in P_v's basis
+    layers.{i}.key_rms  [Hkv, d]      rms of k^ per coordinate (keys only)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import __version__, corpus
+from .config import ConfigError
+from .models import attention_geometry, fingerprint
+from .safetensors_io import save as save_safetensors
+
+FORMAT_VERSION = "1"
+_CALIB_IMPL = "aqua_calibrate"
+
+
+@dataclass
+class Moments:
+    """Running float64 sums, one [Hkv, d, d] block per layer for each of q/k stack, keys, values."""
+
+    qk: torch.Tensor  # [L, Hkv, d, d]
+    k: torch.Tensor  # [L, Hkv, d, d]
+    v: torch.Tensor  # [L, Hkv, d, d]
+    n_qk: int = 0
+    n_k: int = 0
+
+    @classmethod
+    def zeros(cls, layers: int, kv_heads: int, d: int) -> "Moments":
+        z = lambda: torch.zeros(layers, kv_heads, d, d, dtype=torch.float64)  # noqa: E731
+        return cls(z(), z(), z())
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """x [Hkv, N, d] -> sum over N of outer products, [Hkv, d, d] in float64."""
+    x = x.to(torch.float64)
+    return x.transpose(1, 2) @ x
+
+
+def _calibration_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Records post-RoPE q/k and v into module._aqua_moments, then computes eager attention.
+
+    query [B, H, T, d], key/value [B, Hkv, T, d] (no cache during calibration).
+    """
+    mom: Moments = module._aqua_moments
+    li = module.layer_idx
+    sink = module._aqua_query_sink
+    if sink is not None:  # [H, B*T, d] per call, for retention analysis
+        sink.setdefault(li, []).append(query.detach().transpose(0, 1).reshape(query.shape[1], -1, query.shape[-1]))
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    q = query.reshape(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
+    k = key.permute(1, 0, 2, 3).reshape(hkv, b * t, d)
+    v = value.permute(1, 0, 2, 3).reshape(hkv, b * t, d)
+    gk = _gram(k)
+    mom.qk[li] += _gram(q) + gk
+    mom.k[li] += gk
+    mom.v[li] += _gram(v)
+    if li == 0:
+        mom.n_qk += b * (g + 1) * t
+        mom.n_k += b * t
+    kr = key.repeat_interleave(g, dim=1)
+    vr = value.repeat_interleave(g, dim=1)
+    w = (query @ kr.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        w = w + attention_mask
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    return (w @ vr).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def recording(model, moments: Moments, query_sink: dict | None = None):
+    """Route attention through the recorder; everything is put back on exit.
+
+    With ``query_sink``, each layer's post-RoPE queries are also kept: sink[layer] = list of [H, N, d].
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(_CALIB_IMPL, _calibration_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_CALIB_IMPL, eager_mask)
+    previous = model.config._attn_implementation
+    attns = [layer.self_attn for layer in model.model.layers]
+    for a in attns:
+        a._aqua_moments = moments
+        a._aqua_query_sink = query_sink
+    model.set_attn_implementation(_CALIB_IMPL)
+    try:
+        yield moments
+    finally:
+        model.set_attn_implementation(previous)
+        for a in attns:
+            del a._aqua_moments, a._aqua_query_sink
+
+
+def _eig_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """c [..., d, d] symmetric -> (eigenvalues descending [..., d], eigenvectors as columns [..., d, d]).
+
+    Sign convention: each column's largest-magnitude entry (lowest index on ties) is positive,
+    so the same moments always give the same bytes.
+    """
+    c = 0.5 * (c + c.transpose(-1, -2))
+    w, v = torch.linalg.eigh(c)
+    w, v = w.flip(-1), v.flip(-1)
+    idx = v.abs().argmax(dim=-2, keepdim=True)
+    sign = torch.sign(torch.gather(v, -2, idx))
+    sign[sign == 0] = 1
+    return w.clamp_min(0), v * sign
+
+
+def projection_tensors(mom: Moments) -> dict[str, torch.Tensor]:
+    out = {}
+    w, p = _eig_desc(mom.qk)
+    wv, pv = _eig_desc(mom.v)
+    # key_rms in P's basis: sqrt(diag(P^T C_k P) / n_k)
+    key_ms = torch.einsum("lhij,lhik,lhkj->lhj", p, mom.k, p) / max(mom.n_k, 1)
+    for i in range(p.shape[0]):
+        out[f"layers.{i}.P"] = p[i].to(torch.float32)
+        out[f"layers.{i}.P_v"] = pv[i].to(torch.float32)
+        out[f"layers.{i}.energy"] = (w[i] / max(mom.n_qk, 1)).to(torch.float32)
+        out[f"layers.{i}.energy_v"] = (wv[i] / max(mom.n_k, 1)).to(torch.float32)
+        out[f"layers.{i}.key_rms"] = key_ms[i].clamp_min(0).sqrt().to(torch.float32)
+    return out
+
+
+def generated_token_stream(model, tok, n_tokens: int, seed: int, batch: int = 8) -> torch.Tensor:
+    """Text the model writes itself from fixed prompts and a fixed seed: a corpus that needs no dataset."""
+    prompts = [
+        "The history of", "In mathematics,", "Once upon a time", "The following program",
+        "Scientists recently", "A recipe for", "The city council", "In this chapter we",
+    ][:batch]
+    per = math.ceil(n_tokens / len(prompts))
+    gen = torch.Generator().manual_seed(seed)
+    old = tok.padding_side
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    tok.padding_side = old
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    out = []
+    past = None
+    cur_ids, cur_mask = ids, mask
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        for _ in range(per):
+            r = model(input_ids=cur_ids, attention_mask=cur_mask, position_ids=pos, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            probs = torch.softmax(r.logits[:, -1, :].float(), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+            out.append(nxt)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            cur_ids, cur_mask = nxt, mask
+            pos = pos[:, -1:] + 1
+    return torch.cat(out, dim=1).reshape(-1)[:n_tokens]
+
+
+def calibrate(model, tok, *, texts: list[str] | None = None, tokens: int = 16384, seq_len: int = 512,
+              seed: int = 0, batch: int = 4, progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Run calibration; returns (tensors, metadata) of the artifact."""
+    if tokens < 1 or seq_len < 2:
+        raise ConfigError("calibration needs --tokens >= 1 and --seq-len >= 2")
+    geo = attention_geometry(model)
+    if texts:
+        text = corpus.read_texts(texts)
+        ids = corpus.tokenize(tok, text, tokens)
+        desc, digest = corpus.describe(texts), corpus.sha256_text(text)
+    else:
+        ids = generated_token_stream(model, tok, tokens, seed)
+        desc = f"self-generated(seed={seed})"
+        digest = corpus.sha256_text(",".join(map(str, ids.tolist())))
+    if ids.numel() < 2:
+        raise ConfigError("calibration text has fewer than 2 tokens: give a longer --text")
+    windows = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len)]
+    windows = [w for w in windows if w.numel() >= 2]
+    mom = Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"])
+    bar = _progress(len(windows), "calibrate", progress)
+    with torch.no_grad(), recording(model, mom):
+        full = [w for w in windows if w.numel() == windows[0].numel()]
+        rest = [w for w in windows if w.numel() != windows[0].numel()]
+        for i in range(0, len(full), batch):
+            chunk = torch.stack(full[i:i + batch])
+            model(input_ids=chunk, use_cache=False)
+            bar.update(chunk.shape[0])
+        for w in rest:
+            model(input_ids=w[None], use_cache=False)
+            bar.update(1)
+    bar.close()
+    tensors = projection_tensors(mom)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": json.dumps(fingerprint(model), sort_keys=True),
+        "corpus": desc,
+        "corpus_sha256": digest,
+        "tokens": str(int(sum(w.numel() for w in windows))),
+        "seq_len": str(seq_len),
+        "seed": str(seed),
+        "tool": f"aqua-export {__version__}",
+    }
+    return tensors, meta
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="win", disable=not enabled)
+
+
+def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    save_safetensors(Path(path), tensors, metadata)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A loaded artifact. P[l]: [Hkv, d, d]; energy[l]: [Hkv, d]; same for the value side."""
+
+    P: tuple[torch.Tensor, ...]
+    P_v: tuple[torch.Tensor, ...]
+    energy: tuple[torch.Tensor, ...]
+    energy_v: tuple[torch.Tensor, ...]
+    key_rms: tuple[torch.Tensor, ...]
+    metadata: dict
+
+    @property
+    def fingerprint(self) -> dict:
+        return json.loads(self.metadata["fingerprint"])
+
+    def check_model(self, model) -> None:
+        mine, theirs = self.fingerprint, fingerprint(model)
+        if mine != theirs:
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ConfigError(
+                f"projection was calibrated on another model (differs in {', '.join(diff)}): "
+                "recalibrate with `aqua-export calibrate --model ...` on this model"
+            )
+
+
+def load_projection(path: str | Path) -> Projection:
+    """Read and validate an artifact; any problem is one ConfigError line naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"projection file {path} does not exist: create it with `aqua-export calibrate`")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"projection file {path} is corrupt or not safetensors ({str(e).splitlines()[0]})") from None
+    if meta.get("format_version") != FORMAT_VERSION or "fingerprint" not in meta:
+        raise ConfigError(f"projection file {path} is not an aqua-export projection (format {meta.get('format_version')!r})")
+    try:
+        fp = json.loads(meta["fingerprint"])
+        n_layers, hkv, d = int(fp["layers"]), int(fp["kv_heads"]), int(fp["head_dim"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"projection file {path} has a corrupt fingerprint") from None
+    out: dict[str, list] = {k: [] for k in ("P", "P_v", "energy", "energy_v", "key_rms")}
+    for i in range(n_layers):
+        for k, shape in (("P", (hkv, d, d)), ("P_v", (hkv, d, d)), ("energy", (hkv, d)),
+                         ("energy_v", (hkv, d)), ("key_rms", (hkv, d))):
+            t = tensors.get(f"layers.{i}.{k}")
+            if t is None or tuple(t.shape) != shape or t.dtype != torch.float32:
+                raise ConfigError(f"projection file {path} is corrupt: layers.{i}.{k} missing or not float32 {list(shape)}")
+            if not torch.isfinite(t).all():
+                raise ConfigError(f"projection file {path} is corrupt: layers.{i}.{k} has non-finite values")
+            out[k].append(t)
+        for k in ("P", "P_v"):
+            p = out[k][-1]
+            err = (p.transpose(-1, -2) @ p - torch.eye(d)).abs().max().item()
+            if err > 1e-4:
+                raise ConfigError(f"projection file {path} is corrupt: layers.{i}.{k} is not orthogonal (error {err:.1e})")
+    return Projection(**{k: tuple(v) for k, v in out.items()}, metadata=meta)

@@ -1,0 +1,96 @@
+"""Typed, frozen configuration of the AQUA variants, round-tripping through JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+CONFIG_VERSION = 1
+SELECTIONS = ("magnitude", "static", "weighted")
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is one line that names the fix."""
+
+
+def _ratio(name: str, value: object, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    lo_bad = v <= lo if lo_open else v < lo
+    hi_bad = v >= hi if hi_open else v > hi
+    if lo_bad or hi_bad:
+        lb = "(" if lo_open else "["
+        hb = ")" if hi_open else "]"
+        raise ConfigError(f"{name}={value!r} is out of range: use a value in {lb}{lo:g}, {hi:g}{hb}")
+    return v
+
+
+@dataclass(frozen=True)
+class AquaConfig:
+    """What AQUA does at inference time.
+
+    k_ratio:     fraction of the retained width r whose coordinates score each query, in (0, 1].
+    slice_ratio: AQUA-Memory, fraction of P's trailing columns dropped before caching K and V, in [0, 1).
+    h2o_ratio:   AQUA-H2O, fraction of tokens kept in the cache, in (0, 1]; 1 = no eviction.
+    selection:   how coordinates are chosen: 'magnitude' (the paper: top-k of |q^|), 'static'
+                 (LoKi-style: the first k principal coordinates) or 'weighted' (top-k of
+                 |q^_i| * rms(k^_i), the expected contribution of coordinate i to the score).
+    """
+
+    k_ratio: float = 1.0
+    slice_ratio: float = 0.0
+    h2o_ratio: float = 1.0
+    selection: str = "magnitude"
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k_ratio", _ratio("k_ratio", self.k_ratio, 0.0, 1.0, True, False))
+        object.__setattr__(self, "slice_ratio", _ratio("slice_ratio", self.slice_ratio, 0.0, 1.0, False, True))
+        object.__setattr__(self, "h2o_ratio", _ratio("h2o_ratio", self.h2o_ratio, 0.0, 1.0, True, False))
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"selection={self.selection!r} is unknown: use one of {', '.join(SELECTIONS)}")
+        if self.version != CONFIG_VERSION:
+            raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
+
+    # Widths follow DESIGN.md: r = d - round(slice_ratio * d), k = round(k_ratio * r), at least 1.
+    def retained_width(self, head_dim: int) -> int:
+        r = head_dim - round(self.slice_ratio * head_dim)
+        if r < 1:
+            raise ConfigError(f"slice_ratio={self.slice_ratio} leaves no coordinate of head_dim={head_dim}: lower it")
+        return r
+
+    def selected_width(self, head_dim: int) -> int:
+        return max(1, min(self.retained_width(head_dim), round(self.k_ratio * self.retained_width(head_dim))))
+
+    @property
+    def is_dense(self) -> bool:
+        return self.k_ratio == 1.0 and self.slice_ratio == 0.0 and self.h2o_ratio == 1.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AquaConfig":
+        if not isinstance(data, dict):
+            raise ConfigError("an AQUA config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown AQUA config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "AquaConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"AQUA config is not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(data)

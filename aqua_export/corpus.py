@@ -1,0 +1,81 @@
+"""Text sources for calibration and evaluation, all available offline.
+
+A source is a path to a plain-text or JSONL file (JSONL: each line an object with a "text" field),
+or ``builtin:NAME`` for texts every fresh machine of ours has:
+
+- ``builtin:python-reference``: the Python language/library reference prose shipped in CPython's
+  ``pydoc_data.topics`` (~465k characters of English technical text).
+- ``builtin:gpl-3``: the GNU GPL v3 text from Debian's ``base-files`` (/usr/share/common-licenses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .config import ConfigError
+
+BUILTIN = ("python-reference", "gpl-3")
+
+
+def _builtin_text(name: str) -> str:
+    if name == "python-reference":
+        import pydoc_data.topics as topics
+
+        return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    if name == "gpl-3":
+        p = Path("/usr/share/common-licenses/GPL-3")
+        if not p.exists():
+            raise ConfigError("builtin:gpl-3 needs /usr/share/common-licenses/GPL-3 (Debian base-files)")
+        return p.read_text(encoding="utf-8")
+    raise ConfigError(f"unknown builtin text {name!r}: use one of {', '.join('builtin:' + b for b in BUILTIN)}")
+
+
+def read_text(source: str) -> str:
+    """The text of one source, whitespace kept as it is."""
+    if source.startswith("builtin:"):
+        return _builtin_text(source.split(":", 1)[1])
+    p = Path(source)
+    if not p.is_file():
+        raise ConfigError(f"text file {source} does not exist")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"text file {source} is not UTF-8 text") from None
+    if p.suffix == ".jsonl":
+        parts = []
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{source}:{n} is not a JSON object: JSONL lines need a \"text\" field") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ConfigError(f"{source}:{n} has no string \"text\" field")
+            parts.append(obj["text"])
+        return "\n\n".join(parts)
+    return raw
+
+
+def read_texts(sources: list[str]) -> str:
+    return "\n\n".join(read_text(s) for s in sources)
+
+
+def describe(sources: list[str]) -> str:
+    return ",".join(s if s.startswith("builtin:") else Path(s).name for s in sources)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenize(tok, text: str, max_tokens: int | None = None):
+    """Token ids [N] (int64) of the text, no special tokens added."""
+    import torch
+
+    ids = tok(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return torch.tensor(ids, dtype=torch.long)

@@ -1,0 +1,132 @@
+"""Evaluation: perplexity with and without AQUA, and the information retention loss of a projection.
+
+Perplexity: the first ``tokens`` tokens of a text, cut into non-overlapping windows of ``seq_len``
+(the last, shorter window kept if it has >= 2 tokens); every window starts fresh; the loss of each
+token given the ones before it in its window, averaged over all predicted tokens.
+
+Retention loss (per layer, per query head): the share of a query's energy in P's basis that the
+selected coordinates drop, averaged over the evaluation tokens,
+    L = E_q[ 1 - ||q^[I]||^2 / ||q^||^2 ],
+for 'magnitude' (I = top-k |q^|) and 'static' (I = first k) selection, with P calibrated offline
+(another corpus) or online (the evaluation tokens themselves). Since |q^[I].k^[I] - q.k| <=
+||q^ outside I|| * ||k||, L bounds the relative score error a head can suffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from . import corpus
+from .attention import apply_aqua, select_indices
+from .calibrate import Moments, Projection, projection_tensors, recording
+from .config import AquaConfig, ConfigError
+
+
+def windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    if seq_len < 2:
+        raise ConfigError("--seq-len must be at least 2")
+    ws = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len)]
+    return [w for w in ws if w.numel() >= 2]
+
+
+def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of one window [T] (float64 sum)."""
+    logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].to(torch.float64)
+    return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item(), ids.numel() - 1
+
+
+def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: Projection | None = None,
+               config: AquaConfig | None = None, progress: bool = False) -> dict:
+    config = config or AquaConfig()
+    ids = corpus.tokenize(tok, text, tokens)
+    ws = windows(ids, seq_len)
+    if not ws:
+        raise ConfigError("the evaluation text has fewer than 2 tokens")
+    if projection is None and not config.is_dense:
+        raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1 need --projection")
+    from tqdm import tqdm
+
+    ctx = apply_aqua(model, projection, config) if projection is not None else contextlib.nullcontext()
+    total, count = 0.0, 0
+    with torch.no_grad(), ctx:
+        for w in tqdm(ws, desc="eval", unit="win", disable=not progress):
+            s, n = _nll(model, w)
+            total, count = total + s, count + n
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": int(sum(w.numel() for w in ws)),
+            "predicted_tokens": count, "windows": len(ws), "seq_len": seq_len, "config": config.to_dict()}
+
+
+# --------------------------------------------------------------------------------------------
+# Retention
+# --------------------------------------------------------------------------------------------
+
+def collect_queries_and_moments(model, ids_windows: list[torch.Tensor]) -> tuple[list[torch.Tensor], Moments]:
+    """Post-RoPE queries per layer [H, N, d] and the q/k/v moments of the same tokens."""
+    from .models import attention_geometry
+
+    geo = attention_geometry(model)
+    mom = Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"])
+    store: dict = {}
+    with torch.no_grad(), recording(model, mom, query_sink=store):
+        for w in ids_windows:
+            model(input_ids=w[None], use_cache=False)
+    return [torch.cat(store[i], dim=1) for i in range(geo["layers"])], mom
+
+
+def retention_loss(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], k_ratio: float, selection: str) -> torch.Tensor:
+    """queries[l] [H, N, d], P[l] [Hkv, d, d] -> mean dropped query energy [L, H]."""
+    out = []
+    for q, p in zip(queries, P):
+        h, n, d = q.shape
+        hkv = p.shape[0]
+        k = max(1, round(k_ratio * d))
+        qh = q.reshape(hkv, h // hkv, n, d) @ p[:, None]
+        idx = select_indices(qh, k, selection)
+        kept = torch.gather(qh.square(), -1, idx).sum(-1)
+        total = qh.square().sum(-1).clamp_min(1e-30)
+        out.append((1 - kept / total).mean(-1).reshape(h))
+    return torch.stack(out)
+
+
+def retention_report(model, tok, text: str, projection: Projection, *, tokens: int, seq_len: int,
+                     k_ratio: float) -> dict:
+    ids = corpus.tokenize(tok, text, tokens)
+    queries, mom = collect_queries_and_moments(model, windows(ids, seq_len))
+    online = projection_tensors(mom)
+    P_online = tuple(online[f"layers.{i}.P"] for i in range(len(queries)))
+    res = {}
+    for pname, P in (("offline", projection.P), ("online", P_online)):
+        for sel in ("magnitude", "static"):
+            res[f"{sel}/{pname}"] = retention_loss(queries, P, k_ratio, sel)
+    return {"k_ratio": k_ratio, "tokens": int(ids.numel()), "loss": {k: v.tolist() for k, v in res.items()},
+            "mean": {k: float(v.mean()) for k, v in res.items()}}
+
+
+def plot_retention(report: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(report["loss"])
+    vmax = max(max(max(r) for r in report["loss"][k]) for k in keys)
+    fig, axes = plt.subplots(1, len(keys) + 1, figsize=(4 * len(keys) + 5, 5))
+    for ax, k in zip(axes, keys):
+        im = ax.imshow(torch.tensor(report["loss"][k]).numpy(), aspect="auto", vmin=0, vmax=vmax, cmap="viridis")
+        ax.set_title(f"{k}\nmean {report['mean'][k]:.4f}")
+        ax.set_xlabel("query head")
+        ax.set_ylabel("layer")
+    fig.colorbar(im, ax=axes[len(keys) - 1])
+    ax = axes[-1]
+    for k in keys:
+        ax.plot(torch.tensor(report["loss"][k]).mean(-1).numpy(), label=k)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean retention loss")
+    ax.legend()
+    fig.suptitle(f"Information retention loss, k_ratio={report['k_ratio']} ({report['tokens']} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

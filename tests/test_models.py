@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from aqua_export import models
+from aqua_export.config import ConfigError
+
+
+@pytest.mark.parametrize("arch", sorted(models.REGISTRY))
+def test_every_registered_architecture_builds_and_fingerprints(arch):
+    m = models.tiny_model(arch)
+    fp = models.fingerprint(m)
+    assert fp["architecture"] == arch and fp["kv_heads"] == 2 and fp["head_dim"] == 16
+    with torch.no_grad():
+        m.model.layers[1].self_attn.k_proj.weight[0, 0] += 1e-3
+    assert models.fingerprint(m)["attention_sha256"] != fp["attention_sha256"]
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(ConfigError, match="architecture 'gpt2' is not supported: aqua-export handles llama, mistral, qwen2"):
+        models.architecture_of(GPT2Config())
+
+
+def test_missing_local_folder_and_gguf(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="not a Hugging Face model folder"):
+        models.resolve(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        models.resolve(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.slow
+def test_embedded_default_loads_from_cache(smollm):
+    model, tok = smollm
+    assert models.fingerprint(model)["architecture"] == "llama"
+    assert models.attention_geometry(model) == {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "hidden_size": 576}
+    folder, name = models.resolve("llama")
+    assert (folder / "model.safetensors").exists() and name == "llama"
+    assert tok("Hello world")["input_ids"]
