@@ -29,14 +29,18 @@ def _config(a) -> AquaConfig:
 
 
 def _check_out_file(path: str) -> Path:
+    """Fail before any work if the output cannot be written (the write itself is atomic)."""
+    import tempfile
+
     out = Path(path)
-    parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder: give a file path")
-    import os
-
-    if parent.exists() and not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out}: folder {parent} is not writable")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {out} is not writable ({e.strerror}): choose another path") from None
     return out
 
 

@@ -148,7 +148,9 @@ def resolve(spec: str) -> tuple[Path | str, str]:
 def load(spec: str, dtype: torch.dtype = torch.float32):
     """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # keep stderr for our own progress and one-line errors
     where, _ = resolve(spec)
     try:
         cfg = AutoConfig.from_pretrained(where)
