@@ -55,11 +55,15 @@ def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tens
 
 
 def approx_scores(qh: torch.Tensor, kh: torch.Tensor, k: int, selection: str,
-                  key_rms: torch.Tensor | None = None) -> torch.Tensor:
-    """qh [B, Hkv, g, Tq, r], kh [B, Hkv, S, r] -> q^[I] . k^[:, I]^T, [B, Hkv, g, Tq, S] (unscaled)."""
+                  key_rms: torch.Tensor | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [B, Hkv, g, Tq, r], kh [B, Hkv, S, r] -> q^[I] . k^[:, I]^T, [B, Hkv, g, Tq, S] (unscaled).
+
+    idx [B, Hkv, g, Tq, k], when given, is used as I instead of selecting (parity under a shared selection).
+    """
     r = qh.shape[-1]
     if k < r:
-        idx = select_indices(qh, k, selection, key_rms)
+        if idx is None:
+            idx = select_indices(qh, k, selection, key_rms)
         keep = torch.zeros_like(qh).scatter_(-1, idx, 1.0)
         qh = qh * keep  # zeroed coordinates add exact zeros: same as gathering I
     return qh @ kh[:, :, None].transpose(-1, -2)
@@ -188,6 +192,9 @@ class LayerAqua:
     key_rms: torch.Tensor  # [Hkv, r]
     h2o_ratio: float
     fresh: tuple | None = field(default=None, repr=False)
+    # parity harness: indices chosen by another implementation, and how often ours differ from them
+    forced: torch.Tensor | None = field(default=None, repr=False)
+    flips: list = field(default_factory=list, repr=False)
 
 
 def _take_layer_cache(st: LayerAqua, key: torch.Tensor) -> AquaLayerCache | None:
@@ -214,7 +221,10 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
             raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
         kh, v = key @ P_r[None], value[..., : st.r]
     s = kh.shape[2]
-    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms) * scaling
+    forced, st.forced = st.forced, None
+    if forced is not None:
+        _record_flips(st, qh, forced)
+    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=forced) * scaling
 
     if attention_mask is not None:
         ok = (attention_mask == 0)[:, 0]  # [B, Tq, S_logical]
@@ -241,6 +251,18 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
     if st.r < d:
         out = torch.nn.functional.pad(out, (0, d - st.r))
     return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
+
+
+def _record_flips(st: LayerAqua, qh: torch.Tensor, forced: torch.Tensor) -> None:
+    """Rows whose own selection differs from ``forced``, with the relative gap between the k-th and
+    (k+1)-th largest |q^| of each such row (a float near-tie has a gap near rounding error)."""
+    if st.k >= st.r:
+        return
+    own = select_indices(qh, st.k, st.selection, st.key_rms)
+    differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)
+    mags = qh.abs().sort(-1, descending=True).values
+    gap = (mags[..., st.k - 1] - mags[..., st.k]) / mags[..., st.k - 1].clamp_min(1e-30)
+    st.flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
 
 
 def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is_real, v):

@@ -1,4 +1,7 @@
-"""Command line: ``aqua-export {calibrate,eval,retention} ...``.
+"""Command line.
+
+    aqua-export --model M --k-ratio R [...]        build a ready-to-serve folder (the main job)
+    aqua-export {calibrate,eval,retention,run,parity} ...
 
 Every bad input ends in one line on stderr, ``aqua-export: error: ...``, and exit code 2.
 """
@@ -97,6 +100,81 @@ def cmd_retention(a) -> int:
     return 0
 
 
+def cmd_run(a) -> int:
+    from .runtime import OrtLM, SamplingConfig, encode_prompts, load_tokenizer
+
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
+                              top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    if a.backend != "onnx":
+        raise ConfigError("--backend tensorrt is not available in this build yet: use --backend onnx")
+    lm = OrtLM.from_folder(a.folder)
+    tok = load_tokenizer(a.folder)
+    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat)
+    eos = tok.eos_token_id
+    if len(a.prompt) == 1:
+        shown = [""]
+        got: list[int] = []
+
+        def stream(step, nxt):
+            got.append(int(nxt[0]))
+            text = tok.decode(got, skip_special_tokens=True)
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+        lm.generate(ids, mask, sampling, eos_token_id=eos, on_token=stream)
+        print()
+    else:
+        out = lm.generate(ids, mask, sampling, eos_token_id=eos)
+        for p, row in zip(a.prompt, out):
+            print(f"--- {p!r}\n{tok.decode(row, skip_special_tokens=True)}")
+    return 0
+
+
+def cmd_parity(a) -> int:
+    from . import calibrate, models
+    from .config import AquaConfig as _C
+    from .parity import run_parity
+    from .runtime import OrtLM, read_config
+
+    cfg = read_config(a.folder)
+    import onnx
+
+    lm = OrtLM.from_folder(a.folder)
+    model, tok = models.load(cfg["model"])
+    proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
+    proto = onnx.load(str(Path(a.folder) / "model.onnx"))
+    res = run_parity(lm, model, tok, proj, _C.from_dict(cfg["aqua"]), proto, steps=a.steps, dtype=cfg["dtype"])
+    if a.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        for key in ("ort_vs_reference", "ort_k1_vs_hf"):
+            print(f"{key}: {json.dumps(res[key], sort_keys=True)}")
+        print("PASS" if res["pass"] else "FAIL")
+    return 0 if res["pass"] else 1
+
+
+def build_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="aqua-export", description="Build a ready-to-serve AQUA model folder "
+                                 "(subcommands: calibrate, eval, retention, run, parity)")
+    _model_arg(ap)
+    _config_args(ap)
+    ap.add_argument("--projection", help="reuse a calibrated projection instead of calibrating")
+    ap.add_argument("--calib-text", action="append", help="calibration text file or builtin:NAME (repeatable)")
+    ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--out", help="output folder (default engines/<model>-k<R>[-s<S>])")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"])
+    ap.add_argument("--parity-steps", type=int, default=64)
+    a = ap.parse_args(argv)
+    from .build import build
+
+    out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
+                calib_tokens=a.calib_tokens, out=a.out, dtype=a.dtype, backend=a.backend, parity_steps=a.parity_steps)
+    print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="aqua-export", description="AQUA attention for Hugging Face decoder LLMs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -130,13 +208,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(fn=cmd_retention)
+
+    p = sub.add_parser("run", help="generate with ONNX Runtime from a built folder")
+    p.add_argument("folder")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"])
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
+    p.add_argument("folder")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_parity)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+            return build_main(argv)
+        a = build_parser().parse_args(argv)
         return a.fn(a)
     except ConfigError as e:
         print(f"aqua-export: error: {e}", file=sys.stderr)

@@ -146,6 +146,10 @@ class AquaExportModel(nn.Module):
         self.geo = geo
         d = geo["head_dim"]
         self.r, self.k = config.retained_width(d), config.selected_width(d)
+        # At k = r and no slicing nothing is selected or dropped: P and P_v cancel exactly in the maths,
+        # so the export uses identity projections (no O(d^2) per-step cost, no extra rounding).
+        self.dense = self.k == self.r and config.slice_ratio == 0
+        eye = torch.eye(d).expand(geo["kv_heads"], d, d).contiguous()
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
         self.lm_head = model.lm_head
@@ -156,7 +160,8 @@ class AquaExportModel(nn.Module):
         self.ln2 = nn.ModuleList(layer.post_attention_layernorm for layer in model.model.layers)
         self.mlp = nn.ModuleList(layer.mlp for layer in model.model.layers)
         self.attn = nn.ModuleList(
-            AquaAttentionExport(layer.self_attn, projection.P[i], projection.P_v[i], self.r, self.k, geo["heads"],
+            AquaAttentionExport(layer.self_attn, eye if self.dense else projection.P[i],
+                                eye if self.dense else projection.P_v[i], self.r, self.k, geo["heads"],
                                 geo["kv_heads"], d, layer.self_attn.scaling, i)
             for i, layer in enumerate(model.model.layers))
 

@@ -1,0 +1,155 @@
+"""The one-command build: calibrate (or reuse) -> export -> parity -> a ready-to-serve folder, atomically.
+
+Folder contents: model.onnx (+ model.onnx.data when large), projection.safetensors, aqua_config.json,
+the tokenizer files, parity.json. It is assembled in a temporary sibling folder and renamed into
+place only when every stage succeeded, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__, calibrate, models
+from .config import AquaConfig, ConfigError
+
+STAGES = 5
+
+LAYOUT_WHY = ("K^ is stored dim-major [batch, kv_heads, r, past]: selecting coordinate c of every cached key "
+              "reads one contiguous row of `past` values, so a fused TopKGatherDot kernel reads only k/r of the "
+              "K cache; a row-major [past, r] cache turns selection into a strided gather (SparQ measured this "
+              "as slow). V stays [batch, kv_heads, past, r]: the value product reads whole rows.")
+
+
+def default_out(model_name: str, config: AquaConfig) -> Path:
+    name = f"{model_name}-k{config.k_ratio:g}"
+    if config.slice_ratio:
+        name += f"-s{config.slice_ratio:g}"
+    if config.h2o_ratio < 1:
+        name += f"-h{config.h2o_ratio:g}"
+    return Path("engines") / name
+
+
+def _stage(i: int, text: str) -> float:
+    print(f"[{i}/{STAGES}] {text}", flush=True)
+    return time.perf_counter()
+
+
+def check_out_dir(out: Path) -> None:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {out} is not writable ({e.strerror}): choose another folder") from None
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder: choose another path")
+
+
+def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
+          calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
+          dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64) -> Path:
+    if backend == "tensorrt":
+        raise ConfigError("--backend tensorrt is not available in this build yet: use --backend onnx")
+    if backend != "onnx":
+        raise ConfigError(f"unknown --backend {backend!r}: use onnx or tensorrt")
+    if dtype != "float32":
+        raise ConfigError(f"--dtype {dtype} is not supported on the CPU runtime yet: use --dtype float32")
+    if projection_path and calib_texts:
+        raise ConfigError("give either --projection or --calib-text, not both")
+    projection = calibrate.load_projection(projection_path) if projection_path else None
+    out_dir = Path(out) if out else default_out(models.short_name(model_spec), config)
+    check_out_dir(out_dir)
+
+    t0 = _stage(1, f"loading {model_spec}")
+    model, tok = models.load(model_spec)
+    t_load = time.perf_counter() - t0
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        t0 = _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
+                                        f"calibrating on {', '.join(calib_texts or ['builtin:python-reference'])}"))
+        if projection is None:
+            tensors, meta = calibrate.calibrate(model, tok, texts=calib_texts or ["builtin:python-reference"],
+                                                tokens=calib_tokens)
+            calibrate.write(tmp / "projection.safetensors", tensors, meta)
+            projection = calibrate.load_projection(tmp / "projection.safetensors")
+        else:
+            projection.check_model(model)
+            shutil.copyfile(projection_path, tmp / "projection.safetensors")
+        t_cal = time.perf_counter() - t0
+
+        t0 = _stage(3, f"exporting ONNX (k={config.selected_width(models.attention_geometry(model)['head_dim'])}"
+                       f" of r={config.retained_width(models.attention_geometry(model)['head_dim'])})")
+        from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
+
+        proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=torch.float32)
+        t_export = time.perf_counter() - t0
+        tok.save_pretrained(tmp)
+        geo = models.attention_geometry(model)
+        d = geo["head_dim"]
+        import onnx
+        import onnxruntime
+        import transformers
+
+        cfg = {
+            "format_version": 1,
+            "model": model_spec,
+            "aqua": config.to_dict(),
+            "fingerprint": models.fingerprint(model),
+            "geometry": geo,
+            "dtype": dtype,
+            "cache": {"width": config.retained_width(d), "selected": config.selected_width(d),
+                      "key_layout": "[batch, kv_heads, r, past] dim-major K^ = RoPE(k) @ P[:, :r]",
+                      "value_layout": "[batch, kv_heads, past, r] values in P_v's basis (folded into W_V / W_O)",
+                      "why_dim_major": LAYOUT_WHY},
+            "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
+                         "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
+            "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"]))),
+            "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
+                       "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
+            "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                      "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+            "timings_s": {"load": round(t_load, 1), "calibrate": round(t_cal, 1), "export": round(t_export, 1)},
+        }
+        (tmp / "aqua_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+
+        t0 = _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({parity_steps} decode steps)")
+        from .parity import run_parity
+        from .runtime import OrtLM, make_session
+
+        lm = OrtLM(make_session(tmp / "model.onnx"), cfg)
+        res = run_parity(lm, model, tok, projection, config, proto, steps=parity_steps, dtype=dtype)
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+        r = res["ort_vs_reference"]
+        print(f"      ORT vs reference: max |dlogit| prefill {r['max_abs_logit_diff_prefill']:.2e}, decode "
+              f"{r['max_abs_logit_diff_decode']:.2e}, top-1 {r['top1_agreement']:.3f}")
+        if "pass" in res["ort_k1_vs_hf"]:
+            h = res["ort_k1_vs_hf"]
+            print(f"      ORT at k=r vs HF: max |dlogit| prefill {h['max_abs_logit_diff_prefill']:.2e}, decode "
+                  f"{h['max_abs_logit_diff_decode']:.2e}, top-1 {h['top1_agreement']:.3f}")
+        if not res["pass"]:
+            raise ConfigError(f"parity failed (see numbers above): the export does not match the reference")
+
+        _stage(5, f"writing {out_dir}")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)

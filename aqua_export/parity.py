@@ -1,0 +1,156 @@
+"""Parity: ONNX Runtime vs the PyTorch reference (same AQUA settings), and ORT at k = r vs HF transformers.
+
+Protocol: a real prompt (the first ``prompt_tokens`` tokens of builtin:gpl-3), prefill, then
+``steps`` greedy decode steps chosen by ORT; the reference is fed the same tokens, so every step
+compares logits of the same context.
+
+Why a shared selection: top-k over |q^| is discontinuous. Two float32 implementations (ORT's MLAS,
+PyTorch's kernels) accumulate in different orders, so where the k-th and (k+1)-th magnitudes of a
+row are equal to within rounding, they may keep different coordinates, and that row's scores then
+differ by a whole q_i k_i term. So parity is checked in two parts:
+  1. values: the reference run with ORT's selected indices (read from the TopK outputs of an inlined
+     copy of the graph) must match ORT's logits within the dtype's tolerance, greedy identical;
+  2. selection: every row where the reference's own choice differs from ORT's must be a float
+     near-tie (relative gap between the k-th and (k+1)-th |q^| below NEAR_TIE).
+The unforced comparison (each side with its own selection) is reported too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import corpus
+from .attention import apply_aqua
+from .calibrate import Projection
+from .config import AquaConfig
+
+PARITY_TEXT = "builtin:gpl-3"
+TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4}, "float16": {"aqua": 5e-2, "dense_vs_hf": 5e-2}}
+NEAR_TIE = 1e-4
+
+
+def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False):
+    """Logits per forward ([T, V] at prefill, [1, V] per step), tokens chosen, and TopK indices per forward."""
+    mask = np.ones_like(ids)
+    pos = np.arange(ids.shape[1])[None]
+    logits, past, idx = _run(lm, ids, mask, pos, lm.empty_past(1), with_indices)
+    trace, toks, sel = [logits[0]], [], [idx]
+    for s in range(steps):
+        t = int(logits[0, -1].argmax())
+        toks.append(t)
+        mask = np.concatenate([mask, [[1]]], axis=1)
+        logits, past, idx = _run(lm, np.array([[t]]), mask, np.array([[ids.shape[1] + s]]), past, with_indices)
+        trace.append(logits[0])
+        sel.append(idx)
+    return trace, toks, sel
+
+
+def _run(lm, ids, mask, pos, past, with_indices):
+    logits, rest = lm.step(ids, mask, pos, past)
+    n = 2 * lm.layers
+    return logits, rest[:n], (rest[n:] if with_indices else None)
+
+
+def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, states=None, forced=None):
+    t_ids = torch.from_numpy(ids)
+    n = t_ids.shape[1]
+    trace = []
+    with torch.no_grad():
+        for s in range(len(toks) + 1):
+            if forced is not None and forced[s] is not None:
+                for st, idx in zip(states, forced[s]):
+                    st.forced = torch.from_numpy(idx)
+            if s == 0:
+                out = model(input_ids=t_ids, past_key_values=cache, use_cache=True)
+            else:
+                out = model(input_ids=torch.tensor([[toks[s - 1]]]), attention_mask=torch.ones(1, n + s, dtype=torch.long),
+                            position_ids=torch.tensor([[n + s - 1]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            trace.append(out.logits[0].float().numpy())
+    return trace
+
+
+def _compare(ort_trace, ref_trace, tol: float) -> dict:
+    prefill = float(np.abs(ort_trace[0] - ref_trace[0]).max())
+    steps = [float(np.abs(a[-1] - b[-1]).max()) for a, b in zip(ort_trace[1:], ref_trace[1:])]
+    agree = [int(a[-1].argmax() == b[-1].argmax()) for a, b in zip(ort_trace, ref_trace)]
+    worst = max([prefill] + steps)
+    return {"max_abs_logit_diff_prefill": prefill, "max_abs_logit_diff_decode": max(steps) if steps else 0.0,
+            "top1_agreement": sum(agree) / len(agree), "greedy_identical": all(agree), "tolerance": tol,
+            "pass": worst <= tol and all(agree)}
+
+
+def _set_k(model_proto, k: int):
+    import onnx
+
+    from .export import DOMAIN, OP_TYPE
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model_proto)
+    for n in m.graph.node:
+        if n.domain == DOMAIN and n.op_type == OP_TYPE:
+            for a in n.attribute:
+                if a.name == "k":
+                    a.i = k
+    return m
+
+
+def with_selection_outputs(model_proto) -> bytes:
+    """The graph with TopKGatherDot inlined and each layer's TopK indices as extra outputs, in layer order."""
+    import onnx
+    import onnx.inliner
+
+    m = onnx.inliner.inline_local_functions(model_proto)
+    for i, n in enumerate(x for x in m.graph.node if x.op_type == "TopK"):
+        m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
+    return m.SerializeToString()
+
+
+def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model_proto=None, *,
+               prompt_tokens: int = 256, steps: int = 64, dtype: str = "float32") -> dict:
+    """lm: runtime.OrtLM of the built model; model: the HF model it came from (unmodified)."""
+    from .runtime import OrtLM, make_session
+
+    ids = corpus.tokenize(tok, corpus.read_text(PARITY_TEXT), prompt_tokens).numpy()[None]
+    tol = TOLERANCE[dtype]
+    res = {"prompt": PARITY_TEXT, "prompt_tokens": int(ids.shape[1]), "decode_steps": steps, "near_tie": NEAR_TIE}
+    ort_trace, toks, _ = _ort_trace(lm, ids, steps)
+    with apply_aqua(model, projection, config) as aqua:
+        own = _torch_trace(model, ids, toks, aqua.new_cache())
+        res["ort_vs_reference_unforced"] = _compare(ort_trace, own, tol["aqua"])
+        sparse = lm.cfg["cache"]["selected"] < lm.cfg["cache"]["width"]
+        if sparse and model_proto is not None:
+            dbg = OrtLM(make_session(with_selection_outputs(model_proto)), lm.cfg)
+            d_trace, d_toks, sel = _ort_trace(dbg, ids, steps, with_indices=True)
+            del dbg
+            for st in aqua.states:
+                st.flips.clear()
+            forced = _torch_trace(model, ids, d_toks, aqua.new_cache(), aqua.states, sel)
+            rows = sum(f[0] for st in aqua.states for f in st.flips)
+            differ = sum(f[1] for st in aqua.states for f in st.flips)
+            worst_gap = max((f[2] for st in aqua.states for f in st.flips), default=0.0)
+            res["ort_vs_reference"] = _compare(d_trace, forced, tol["aqua"])
+            res["selection"] = {"rows": rows, "rows_differing": differ, "max_gap_of_differing": worst_gap,
+                                "pass": worst_gap <= NEAR_TIE}
+        else:
+            res["ort_vs_reference"] = res["ort_vs_reference_unforced"]
+            res["selection"] = {"skipped": "k = r: nothing is selected"}
+    if config.k_ratio == 1 and config.slice_ratio == 0:
+        # a dense build: the folder's own model against HF (identity projections, see export.py)
+        hf = _torch_trace(model, ids, toks, None)
+        res["ort_k1_vs_hf"] = _compare(ort_trace, hf, tol["dense_vs_hf"])
+    elif config.slice_ratio == 0 and model_proto is not None:
+        # the same graph with k = r: exact dense attention through the calibrated P, whose extra
+        # float32 rounding is of the order of HF's own float32 error, so the AQUA tolerance applies
+        dense = OrtLM(make_session(_set_k(model_proto, lm.r).SerializeToString()), lm.cfg)
+        d_trace, d_toks, _ = _ort_trace(dense, ids, steps)
+        del dense
+        hf = _torch_trace(model, ids, d_toks, None)
+        res["ort_k1_vs_hf"] = _compare(d_trace, hf, tol["aqua"])
+        res["ort_k1_vs_hf"]["graph"] = "this folder's graph with k set to r (calibrated P kept)"
+    else:
+        res["ort_k1_vs_hf"] = {"skipped": "slice_ratio > 0 changes the model itself; HF comparison needs slice 0"}
+    res["pass"] = (res["ort_vs_reference"]["pass"] and res["selection"].get("pass", True)
+                   and res["ort_k1_vs_hf"].get("pass", True))
+    return res
