@@ -19,8 +19,8 @@ $(BIN)/aqua-export: pyproject.toml
 setup: $(BIN)/aqua-export
 
 demo: setup
-	$(BIN)/aqua-export calibrate --model llama --text builtin:python-reference --tokens 16384 --out engines/llama-projection.safetensors
-	$(BIN)/aqua-export eval --model llama --projection engines/llama-projection.safetensors --k-ratio 0.75 --text builtin:gpl-3 --tokens 4096
+	$(BIN)/aqua-export --model llama --k-ratio 0.75
+	$(BIN)/aqua-export run engines/llama-k0.75 --chat --max-new-tokens 48 --prompt "What is a license for software?"
 
 test: setup
 	$(BIN)/python -m pytest -q

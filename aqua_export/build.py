@@ -130,6 +130,11 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         r = res["ort_vs_reference"]
         print(f"      ORT vs reference: max |dlogit| prefill {r['max_abs_logit_diff_prefill']:.2e}, decode "
               f"{r['max_abs_logit_diff_decode']:.2e}, top-1 {r['top1_agreement']:.3f}")
+        sel = res["selection"]
+        if "rows" in sel:
+            print(f"      selection: {sel['rows_differing']} of {sel['rows']} query rows chose differently, all float "
+                  f"near-ties (largest gap {sel['max_gap_of_differing']:.1e} <= {res['near_tie']:.0e})"
+                  if sel["pass"] else f"      selection: differing rows are not near-ties (gap {sel['max_gap_of_differing']:.1e})")
         if "pass" in res["ort_k1_vs_hf"]:
             h = res["ort_k1_vs_hf"]
             print(f"      ORT at k=r vs HF: max |dlogit| prefill {h['max_abs_logit_diff_prefill']:.2e}, decode "
@@ -146,6 +151,9 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the folder is meant to be shared/served
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)

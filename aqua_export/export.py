@@ -295,7 +295,13 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         dyn_past += [{0: B, 3: P}, {0: B, 2: P}]
     dynamic_shapes = ({0: B, 1: T}, {0: B, 1: S}, {0: B, 1: T}, tuple(dyn_past))  # *past: a tuple (DESIGN.md 7)
     op = topk_gather_dot_op()
-    with torch.no_grad():
+    import logging
+    import warnings
+
+    # torch's exporter logs every torchvision op it cannot register; none are used here
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
         prog = torch.onnx.export(
             em, (ids, mask, pos, *past), dynamo=True, input_names=ins, output_names=outs,
             dynamic_shapes=dynamic_shapes, custom_translation_table={op.default: _translate},

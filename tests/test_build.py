@@ -1,0 +1,84 @@
+"""The one-command build on the embedded model (slow), and its bad-input paths (fast: they fail before work)."""
+
+import json
+
+import onnx
+import pytest
+
+from aqua_export.cli import main
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--k-ratio", "0"], "k_ratio=0.0 is out of range"),
+    (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
+    (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
+    (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt is not available"),
+    (["--k-ratio", "0.5", "--dtype", "float16"], "--dtype float16 is not supported"),
+])
+def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
+    rc = main(["--model", "llama", "--out", str(tmp_path / "o")] + args)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_out(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["--model", "llama", "--k-ratio", "0.5", "--out", str(f / "sub" / "o")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_corrupt_projection(tmp_path, capsys):
+    p = tmp_path / "p.safetensors"
+    p.write_bytes(b"not a safetensors file at all")
+    assert main(["--model", "llama", "--k-ratio", "0.5", "--projection", str(p), "--out", str(tmp_path / "o")]) == 2
+    assert "corrupt" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_build_run_parity_on_the_embedded_model(tmp_path, smollm_projection, capsys):
+    """k 0.75 build reusing a projection: folder contents, parity gate, one node per layer, run and parity commands."""
+    from aqua_export.calibrate import write
+
+    proj = tmp_path / "proj.safetensors"
+    write(proj, {f"layers.{i}.{k}": getattr(smollm_projection, k)[i] for i in range(30)
+                 for k in ("P", "P_v", "energy", "energy_v", "key_rms")}, smollm_projection.metadata)
+    out = tmp_path / "eng"
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--projection", str(proj), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    for must in ("model.onnx", "projection.safetensors", "aqua_config.json", "parity.json", "tokenizer.json"):
+        assert must in names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    cfg = json.loads((out / "aqua_config.json").read_text())
+    assert cfg["cache"]["width"] == 64 and cfg["cache"]["selected"] == 48 and cfg["operator"]["nodes"] == 30
+    assert "dim-major" in cfg["cache"]["why_dim_major"] and cfg["tools"]["onnxruntime"]
+    par = json.loads((out / "parity.json").read_text())
+    assert par["pass"] and par["prompt_tokens"] == 256 and par["decode_steps"] == 64
+    fr = par["ort_vs_reference"]
+    assert fr["max_abs_logit_diff_prefill"] <= 1e-3 and fr["max_abs_logit_diff_decode"] <= 1e-3 and fr["greedy_identical"]
+    assert par["selection"]["max_gap_of_differing"] <= 1e-4
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert sum(n.op_type == "TopKGatherDot" for n in m.graph.node) == 30
+    capsys.readouterr()
+    assert main(["run", str(out), "--prompt", "What is the GNU GPL?", "--chat", "--max-new-tokens", "12"]) == 0
+    assert len(capsys.readouterr().out.strip()) > 0
+    assert main(["run", str(out), "--prompt", "Hello", "--prompt", "The license says", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.count("--- ") == 2
+
+
+@pytest.mark.slow
+def test_dense_build_matches_hf(tmp_path, smollm_projection):
+    from aqua_export.calibrate import write
+
+    proj = tmp_path / "proj.safetensors"
+    write(proj, {f"layers.{i}.{k}": getattr(smollm_projection, k)[i] for i in range(30)
+                 for k in ("P", "P_v", "energy", "energy_v", "key_rms")}, smollm_projection.metadata)
+    out = tmp_path / "dense"
+    assert main(["--model", "llama", "--k-ratio", "1", "--projection", str(proj), "--out", str(out),
+                 "--parity-steps", "32"]) == 0
+    par = json.loads((out / "parity.json").read_text())
+    h = par["ort_k1_vs_hf"]
+    assert h["max_abs_logit_diff_prefill"] <= 1e-4 and h["max_abs_logit_diff_decode"] <= 1e-4 and h["greedy_identical"]

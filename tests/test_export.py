@@ -1,0 +1,154 @@
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from aqua_export import models
+from aqua_export.attention import apply_aqua
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.export import (DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, AquaExportModel, export_onnx,
+                                io_names, topk_gather_dot_reference)
+from aqua_export.runtime import OrtLM, make_session
+
+from helpers import left_padded, tiny_projection
+
+CONFIGS = [AquaConfig(), AquaConfig(k_ratio=0.5), AquaConfig(k_ratio=0.75, slice_ratio=0.25)]
+
+
+def _cfg(model, config):
+    geo = models.attention_geometry(model)
+    return {"geometry": geo, "dtype": "float32",
+            "cache": {"width": config.retained_width(geo["head_dim"]), "selected": config.selected_width(geo["head_dim"])}}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One tiny llama exported at three settings (export is the slow part)."""
+    tmp = tmp_path_factory.mktemp("export")
+    m = models.tiny_model("llama")
+    proj = tiny_projection(m, tmp)
+    out = {}
+    for cfg in CONFIGS:
+        path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}.onnx"
+        proto = export_onnx(m, proj, cfg, path)
+        out[cfg] = (path, proto)
+    return m, proj, out
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["dense", "k0.5", "memory"])
+def test_graph_contract(exported, cfg):
+    m, _, out = exported
+    path, proto = out[cfg]
+    nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+    assert len(nodes) == 2  # exactly one per layer
+    assert [n.name for n in nodes] == ["/model/layers.0/attn/TopKGatherDot", "/model/layers.1/attn/TopKGatherDot"]
+    r, k = cfg.retained_width(16), cfg.selected_width(16)
+    for n in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs == {"k": k, "plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
+    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, OP_TYPE)]
+    assert proto.ir_version <= 10
+    ins, outs = io_names(2)
+    assert [i.name for i in proto.graph.input] == ins and [o.name for o in proto.graph.output] == outs
+    # the cache really has width r (dim-major keys), dynamic batch / past
+    key = next(i for i in proto.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
+    val = next(i for i in proto.graph.input if i.name == "past_key_values.0.value").type.tensor_type.shape.dim
+    assert key[2].dim_value == r and val[3].dim_value == r
+    assert key[0].dim_param and key[3].dim_param and val[2].dim_param
+    onnx.checker.check_model(proto)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["dense", "k0.5", "memory"])
+def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg):
+    """ORT (function body, no custom kernel) vs the PyTorch reference, batch 2 left-padded, 6 decode steps."""
+    m, proj, out = exported
+    path, _ = out[cfg]
+    lm = OrtLM(make_session(path), _cfg(m, cfg))
+    ids, mask = left_padded(128, [11, 6])
+    pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
+    logits, past = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
+    r = cfg.retained_width(16)
+    assert past[0].shape == (2, 2, r, 11) and past[1].shape == (2, 2, 11, r)
+    with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
+        cache = aqua.new_cache()
+        ref = m(input_ids=ids, attention_mask=mask, position_ids=torch.from_numpy(pos), past_key_values=cache).logits
+        real = mask.bool().numpy()
+        assert np.abs(logits - ref.numpy())[real].max() <= 1e-4
+        tmask, tpos = mask.numpy(), pos[:, -1:]
+        for _ in range(6):
+            nxt = logits[:, -1].argmax(-1)
+            assert np.array_equal(nxt, ref[:, -1].argmax(-1).numpy())
+            tmask = np.concatenate([tmask, np.ones((2, 1), np.int64)], 1)
+            tpos = tpos + 1
+            logits, past = lm.step(nxt[:, None], tmask, tpos, past)
+            ref = m(input_ids=torch.from_numpy(nxt[:, None]), attention_mask=torch.from_numpy(tmask),
+                    position_ids=torch.from_numpy(tpos), past_key_values=cache).logits
+            assert np.abs(logits - ref.numpy()).max() <= 1e-4
+    assert tuple(cache.layers[0].keys.shape[-1:]) == (r,)
+
+
+def test_dense_export_uses_identity_projection_and_matches_hf(exported):
+    m, _, out = exported
+    path, _ = out[AquaConfig()]
+    lm = OrtLM(make_session(path), _cfg(m, AquaConfig()))
+    ids, mask = left_padded(128, [9, 9])
+    pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
+    logits, _ = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
+    with torch.no_grad():
+        hf = m(input_ids=ids, attention_mask=mask).logits.numpy()
+    assert np.abs(logits - hf).max() <= 1e-5
+
+
+def test_function_body_matches_reference_on_random_inputs():
+    """The portable ONNX body alone, incl. ties (lower index wins), k = 1 and k = r, odd sizes."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    from aqua_export.export import _register_schema, function_body
+
+    _register_schema()
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 3, 8):
+        node = H.make_node(OP_TYPE, ["q", "kc"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua", plugin_version="1")
+        graph = H.make_graph([node], "t", [H.make_tensor_value_info("q", TensorProto.FLOAT, None),
+                                           H.make_tensor_value_info("kc", TensorProto.FLOAT, None)],
+                             [H.make_tensor_value_info("s", TensorProto.FLOAT, None)])
+        model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, 1)],
+                             functions=[function_body(20)], ir_version=10)
+        sess = ort.InferenceSession(model.SerializeToString())
+        q = torch.randn(3, 2, 2, 5, 8, generator=g)
+        q[0, 0, 0, 0, :4] = 1.5  # four-way tie
+        kc = torch.randn(3, 2, 8, 7, generator=g)
+        got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy()})[0]
+        ref = topk_gather_dot_reference(q, kc, k).numpy()
+        assert np.abs(got - ref).max() <= 1e-5
+
+
+def test_export_refuses_what_it_cannot_do(tmp_path):
+    m = models.tiny_model("llama")
+    proj = tiny_projection(m, tmp_path)
+    with pytest.raises(ConfigError, match="selection='magnitude'"):
+        AquaExportModel(m, proj, AquaConfig(k_ratio=0.5, selection="static"))
+    with pytest.raises(ConfigError, match="AQUA-H2O"):
+        AquaExportModel(m, proj, AquaConfig(h2o_ratio=0.5))
+    with pytest.raises(ConfigError, match="another model"):
+        AquaExportModel(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
+
+
+def test_ort_generate_equals_reference_generate(exported):
+    from aqua_export.runtime import SamplingConfig
+
+    m, proj, out = exported
+    cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25)
+    path, _ = out[cfg]
+    lm = OrtLM(make_session(path), _cfg(m, cfg))
+    ids, mask = left_padded(128, [10, 4])
+    streamed = []
+    got = lm.generate(ids.numpy(), mask.numpy(), SamplingConfig(max_new_tokens=12),
+                      on_token=lambda step, t: streamed.append(t.copy()))
+    with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
+        ref = aqua.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)
+    assert np.array_equal(got, ref[:, ids.shape[1]:].numpy())
+    assert np.array_equal(np.stack(streamed, 1), got)
