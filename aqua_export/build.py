@@ -137,8 +137,13 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
                   if sel["pass"] else f"      selection: differing rows are not near-ties (gap {sel['max_gap_of_differing']:.1e})")
         if "pass" in res["ort_k1_vs_hf"]:
             h = res["ort_k1_vs_hf"]
-            print(f"      ORT at k=r vs HF: max |dlogit| prefill {h['max_abs_logit_diff_prefill']:.2e}, decode "
+            ref = h.get("reference", "HF transformers in float32, same graph with k = r")
+            print(f"      ORT at k=r vs {ref}: max |dlogit| prefill {h['max_abs_logit_diff_prefill']:.2e}, decode "
                   f"{h['max_abs_logit_diff_decode']:.2e}, top-1 {h['top1_agreement']:.3f}")
+            if "hf_float32_vs_hf_float64" in res:
+                a, b = res["ort_k1_vs_hf_float32"], res["hf_float32_vs_hf_float64"]
+                print(f"      (ORT vs HF float32: {a['max_abs_logit_diff_prefill']:.2e}; HF float32 vs float64: "
+                      f"{b['max_abs_logit_diff_prefill']:.2e})")
         if not res["pass"]:
             raise ConfigError(f"parity failed (see numbers above): the export does not match the reference")
 

@@ -67,7 +67,7 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, states=None, fo
                 out = model(input_ids=torch.tensor([[toks[s - 1]]]), attention_mask=torch.ones(1, n + s, dtype=torch.long),
                             position_ids=torch.tensor([[n + s - 1]]), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            trace.append(out.logits[0].float().numpy())
+            trace.append(out.logits[0].numpy())
     return trace
 
 
@@ -137,9 +137,22 @@ def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model
             res["ort_vs_reference"] = res["ort_vs_reference_unforced"]
             res["selection"] = {"skipped": "k = r: nothing is selected"}
     if config.k_ratio == 1 and config.slice_ratio == 0:
-        # a dense build: the folder's own model against HF (identity projections, see export.py)
-        hf = _torch_trace(model, ids, toks, None)
-        res["ort_k1_vs_hf"] = _compare(ort_trace, hf, tol["dense_vs_hf"])
+        # A dense build: the folder's own model against HF. Two correct float32 implementations of
+        # a 30-layer model differ by their two rounding errors added up, so the gate is against HF
+        # evaluated in float64 (the exact answer); agreement with HF float32 is reported beside it.
+        import copy
+
+        hf32 = _torch_trace(model, ids, toks, None)
+        hf64 = _torch_trace(copy.deepcopy(model).double(), ids, toks, None)
+        res["ort_k1_vs_hf"] = _compare(ort_trace, hf64, tol["dense_vs_hf"])
+        res["ort_k1_vs_hf"]["reference"] = "HF transformers in float64"
+        vs32 = _compare(ort_trace, hf32, tol["dense_vs_hf"])
+        own = _compare(hf32, hf64, tol["dense_vs_hf"])
+        res["ort_k1_vs_hf"]["greedy_identical_to_hf_float32"] = vs32["greedy_identical"]
+        res["ort_k1_vs_hf"]["pass"] = res["ort_k1_vs_hf"]["pass"] and vs32["greedy_identical"]
+        res["ort_k1_vs_hf_float32"] = {k: vs32[k] for k in ("max_abs_logit_diff_prefill", "max_abs_logit_diff_decode",
+                                                            "top1_agreement")}
+        res["hf_float32_vs_hf_float64"] = {k: own[k] for k in ("max_abs_logit_diff_prefill", "max_abs_logit_diff_decode")}
     elif config.slice_ratio == 0 and model_proto is not None:
         # the same graph with k = r: exact dense attention through the calibrated P, whose extra
         # float32 rounding is of the order of HF's own float32 error, so the AQUA tolerance applies

@@ -81,4 +81,8 @@ def test_dense_build_matches_hf(tmp_path, smollm_projection):
                  "--parity-steps", "32"]) == 0
     par = json.loads((out / "parity.json").read_text())
     h = par["ort_k1_vs_hf"]
+    assert h["reference"] == "HF transformers in float64"
     assert h["max_abs_logit_diff_prefill"] <= 1e-4 and h["max_abs_logit_diff_decode"] <= 1e-4 and h["greedy_identical"]
+    assert h["greedy_identical_to_hf_float32"]
+    # ORT is at least as close to the exact answer as HF's own float32 forward
+    assert h["max_abs_logit_diff_prefill"] <= par["hf_float32_vs_hf_float64"]["max_abs_logit_diff_prefill"] * 1.5
