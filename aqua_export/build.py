@@ -18,6 +18,7 @@ import torch
 
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
+from .safetensors_io import check_writable_parent
 
 STAGES = 5
 
@@ -42,12 +43,7 @@ def _stage(i: int, text: str) -> float:
 
 
 def check_out_dir(out: Path) -> None:
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--out {out} is not writable ({e.strerror}): choose another folder") from None
+    check_writable_parent(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder: choose another path")
 

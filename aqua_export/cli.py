@@ -33,17 +33,12 @@ def _config(a) -> AquaConfig:
 
 def _check_out_file(path: str) -> Path:
     """Fail before any work if the output cannot be written (the write itself is atomic)."""
-    import tempfile
+    from .safetensors_io import check_writable_parent
 
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder: give a file path")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--out {out} is not writable ({e.strerror}): choose another path") from None
+    check_writable_parent(out)
     return out
 
 

@@ -17,6 +17,18 @@ import torch
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.int64: "I64"}
 
 
+def check_writable_parent(out: Path) -> None:
+    """Fail before any work if files cannot be created next to ``out`` (one line naming the fix)."""
+    from .config import ConfigError
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {out} is not writable ({e.strerror}): choose another path") from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
