@@ -141,7 +141,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
                 print(f"      (ORT vs HF float32: {a['max_abs_logit_diff_prefill']:.2e}; HF float32 vs float64: "
                       f"{b['max_abs_logit_diff_prefill']:.2e})")
         if not res["pass"]:
-            raise ConfigError(f"parity failed (see numbers above): the export does not match the reference")
+            raise ConfigError("parity failed (see numbers above): the export does not match the reference")
 
         _stage(5, f"writing {out_dir}")
         _replace_dir(tmp, out_dir)

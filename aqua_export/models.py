@@ -188,7 +188,7 @@ def fingerprint(model) -> dict:
     """Architecture, shapes and a hash of every attention weight: ties a projection to its model."""
     arch = architecture_of(model.config)
     h = hashlib.sha256()
-    for i, layer in enumerate(model.model.layers):
+    for layer in model.model.layers:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(attn, name)

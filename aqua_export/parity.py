@@ -102,7 +102,7 @@ def with_selection_outputs(model_proto) -> bytes:
     import onnx.inliner
 
     m = onnx.inliner.inline_local_functions(model_proto)
-    for i, n in enumerate(x for x in m.graph.node if x.op_type == "TopK"):
+    for n in (x for x in m.graph.node if x.op_type == "TopK"):
         m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
     return m.SerializeToString()
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aqua_export import models
-from aqua_export.attention import (AquaCache, LayerAqua, aqua_attention, apply_aqua, h2o_keep)
+from aqua_export.attention import (LayerAqua, aqua_attention, apply_aqua, h2o_keep)
 from aqua_export.config import AquaConfig, ConfigError
 
 from helpers import left_padded, tiny_projection
