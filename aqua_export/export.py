@@ -277,6 +277,10 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     import onnx
 
     _register_schema()
+    if dtype != torch.float32:
+        import copy
+
+        model = copy.deepcopy(model)  # the export module shares norms/MLP/embeddings with the model it wraps
     em = AquaExportModel(model, projection, config).to(dtype).eval()
     geo = em.geo
     ins, outs = io_names(geo["layers"])

@@ -8,12 +8,22 @@ import pytest
 from aqua_export.cli import main
 
 
+@pytest.fixture
+def proj(tmp_path, smollm_projection):
+    """The session's SmolLM2 projection as a file (a build reuses it instead of calibrating)."""
+    from aqua_export.calibrate import write
+
+    path = tmp_path / "proj.safetensors"
+    write(path, {f"layers.{i}.{k}": getattr(smollm_projection, k)[i] for i in range(30)
+                 for k in ("P", "P_v", "energy", "energy_v", "key_rms")}, smollm_projection.metadata)
+    return path
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--k-ratio", "0"], "k_ratio=0.0 is out of range"),
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt is not available"),
-    (["--k-ratio", "0.5", "--dtype", "float16"], "--dtype float16 is not supported"),
 ])
 def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
     rc = main(["--model", "llama", "--out", str(tmp_path / "o")] + args)
@@ -39,13 +49,8 @@ def test_corrupt_projection(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_build_run_parity_on_the_embedded_model(tmp_path, smollm_projection, capsys):
+def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     """k 0.75 build reusing a projection: folder contents, parity gate, one node per layer, run and parity commands."""
-    from aqua_export.calibrate import write
-
-    proj = tmp_path / "proj.safetensors"
-    write(proj, {f"layers.{i}.{k}": getattr(smollm_projection, k)[i] for i in range(30)
-                 for k in ("P", "P_v", "energy", "energy_v", "key_rms")}, smollm_projection.metadata)
     out = tmp_path / "eng"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--projection", str(proj), "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
@@ -67,15 +72,13 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, smollm_projection, cap
     assert len(capsys.readouterr().out.strip()) > 0
     assert main(["run", str(out), "--prompt", "Hello", "--prompt", "The license says", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.count("--- ") == 2
+    assert main(["parity", str(out), "--steps", "4", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["pass"] and again["decode_steps"] == 4
 
 
 @pytest.mark.slow
-def test_dense_build_matches_hf(tmp_path, smollm_projection):
-    from aqua_export.calibrate import write
-
-    proj = tmp_path / "proj.safetensors"
-    write(proj, {f"layers.{i}.{k}": getattr(smollm_projection, k)[i] for i in range(30)
-                 for k in ("P", "P_v", "energy", "energy_v", "key_rms")}, smollm_projection.metadata)
+def test_dense_build_matches_hf(tmp_path, proj):
     out = tmp_path / "dense"
     assert main(["--model", "llama", "--k-ratio", "1", "--projection", str(proj), "--out", str(out),
                  "--parity-steps", "32"]) == 0
@@ -86,3 +89,17 @@ def test_dense_build_matches_hf(tmp_path, smollm_projection):
     assert h["greedy_identical_to_hf_float32"]
     # ORT is at least as close to the exact answer as HF's own float32 forward
     assert h["max_abs_logit_diff_prefill"] <= par["hf_float32_vs_hf_float64"]["max_abs_logit_diff_prefill"] * 1.5
+
+
+@pytest.mark.slow
+def test_float16_build(tmp_path, proj):
+    out = tmp_path / "fp16"
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--dtype", "float16", "--projection", str(proj),
+                 "--out", str(out), "--parity-steps", "16"]) == 0
+    par = json.loads((out / "parity.json").read_text())
+    assert par["dtype"] == "float16" and par["pass"]
+    assert par["ort_vs_reference"]["max_abs_logit_diff_prefill"] <= 0.5 and par["ort_vs_reference"]["greedy_identical"]
+    assert par["ort_vs_reference_unforced"]["greedy_identical"]
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    key = next(i for i in m.graph.input if i.name == "past_key_values.0.key")
+    assert key.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
