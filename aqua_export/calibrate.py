@@ -189,8 +189,7 @@ def calibrate(model, tok, *, texts: list[str] | None = None, tokens: int = 16384
         digest = corpus.sha256_text(",".join(map(str, ids.tolist())))
     if ids.numel() < 2:
         raise ConfigError("calibration text has fewer than 2 tokens: give a longer --text")
-    windows = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len)]
-    windows = [w for w in windows if w.numel() >= 2]
+    windows = corpus.windows(ids, seq_len)
     mom = Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"])
     bar = _progress(len(windows), "calibrate", progress)
     with torch.no_grad(), recording(model, mom):

@@ -79,3 +79,11 @@ def tokenize(tok, text: str, max_tokens: int | None = None):
     if max_tokens is not None:
         ids = ids[:max_tokens]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(ids, seq_len: int) -> list:
+    """Non-overlapping windows of ``seq_len`` tokens; a last, shorter window is kept if it has >= 2."""
+    if seq_len < 2:
+        raise ConfigError("--seq-len must be at least 2")
+    ws = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len)]
+    return [w for w in ws if w.numel() >= 2]

@@ -25,13 +25,6 @@ from .calibrate import Moments, Projection, projection_tensors, recording
 from .config import AquaConfig, ConfigError
 
 
-def windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
-    if seq_len < 2:
-        raise ConfigError("--seq-len must be at least 2")
-    ws = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len)]
-    return [w for w in ws if w.numel() >= 2]
-
-
 def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
     """Summed next-token negative log-likelihood of one window [T] (float64 sum)."""
     logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].to(torch.float64)
@@ -42,7 +35,7 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
                config: AquaConfig | None = None, progress: bool = False) -> dict:
     config = config or AquaConfig()
     ids = corpus.tokenize(tok, text, tokens)
-    ws = windows(ids, seq_len)
+    ws = corpus.windows(ids, seq_len)
     if not ws:
         raise ConfigError("the evaluation text has fewer than 2 tokens")
     if projection is None and not config.is_dense:
@@ -94,7 +87,7 @@ def retention_loss(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], k_r
 def retention_report(model, tok, text: str, projection: Projection, *, tokens: int, seq_len: int,
                      k_ratio: float) -> dict:
     ids = corpus.tokenize(tok, text, tokens)
-    queries, mom = collect_queries_and_moments(model, windows(ids, seq_len))
+    queries, mom = collect_queries_and_moments(model, corpus.windows(ids, seq_len))
     online = projection_tensors(mom)
     P_online = tuple(online[f"layers.{i}.P"] for i in range(len(queries)))
     res = {}

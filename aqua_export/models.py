@@ -128,7 +128,7 @@ def resolve(spec: str) -> tuple[Path | str, str]:
         if not (folder / "config.json").exists():
             print(f"[aqua-export] converting the embedded GGUF once into {folder} (about 30 s)", flush=True)
             _convert_gguf(gguf, folder)
-        return folder, "llama"
+        return folder, short_name(spec)
     p = Path(spec)
     if p.suffix == ".gguf":
         if not p.exists():
@@ -137,12 +137,12 @@ def resolve(spec: str) -> tuple[Path | str, str]:
         folder = cache_dir() / "models" / f"{p.stem}-{digest}-f32"
         if not (folder / "config.json").exists():
             _convert_gguf(p, folder)
-        return folder, p.stem
+        return folder, short_name(spec)
     if p.exists():
         if not (p / "config.json").exists():
             raise ConfigError(f"{spec} is not a Hugging Face model folder (no config.json)")
-        return p, p.name
-    return spec, spec.split("/")[-1]
+        return p, short_name(spec)
+    return spec, short_name(spec)
 
 
 def load(spec: str, dtype: torch.dtype = torch.float32):
