@@ -81,15 +81,14 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
             shutil.copyfile(projection_path, tmp / "projection.safetensors")
         t_cal = time.perf_counter() - t0
 
-        t0 = _stage(3, f"exporting ONNX (k={config.selected_width(models.attention_geometry(model)['head_dim'])}"
-                       f" of r={config.retained_width(models.attention_geometry(model)['head_dim'])})")
+        d = models.attention_geometry(model)["head_dim"]
+        t0 = _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})")
         from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
 
         proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=dtypes[dtype])
         t_export = time.perf_counter() - t0
         tok.save_pretrained(tmp)
         geo = models.attention_geometry(model)
-        d = geo["head_dim"]
         import onnx
         import onnxruntime
         import transformers

@@ -128,7 +128,6 @@ def cmd_run(a) -> int:
 
 def cmd_parity(a) -> int:
     from . import calibrate, models
-    from .config import AquaConfig as _C
     from .parity import run_parity
     from .runtime import OrtLM, read_config
 
@@ -139,7 +138,7 @@ def cmd_parity(a) -> int:
     model, tok = models.load(cfg["model"])
     proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
     proto = onnx.load(str(Path(a.folder) / "model.onnx"))
-    res = run_parity(lm, model, tok, proj, _C.from_dict(cfg["aqua"]), proto, steps=a.steps, dtype=cfg["dtype"])
+    res = run_parity(lm, model, tok, proj, AquaConfig.from_dict(cfg["aqua"]), proto, steps=a.steps, dtype=cfg["dtype"])
     if a.json:
         print(json.dumps(res, sort_keys=True))
     else:

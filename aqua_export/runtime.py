@@ -75,7 +75,6 @@ class OrtLM:
         self.kv_heads = cfg["geometry"]["kv_heads"]
         self.r = cfg["cache"]["width"]
         self.dtype = np.float16 if cfg["dtype"] == "float16" else np.float32
-        self.output_names = [o.name for o in session.get_outputs()]
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0) -> "OrtLM":
