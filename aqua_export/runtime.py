@@ -54,20 +54,52 @@ def providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
 
 
-def make_session(model: str | Path | bytes, threads: int = 0):
-    """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU)."""
+KERNELS = ("auto", "native", "function")
+NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
+
+
+def native_library() -> Path | None:
+    """The built native TopKGatherDot kernel (plugins/ort, built by `make setup`), or None."""
+    import os
+
+    env = os.environ.get(NATIVE_ENV)
+    if env:
+        if not Path(env).is_file():
+            raise ConfigError(f"${NATIVE_ENV}={env} does not exist: unset it or run `make plugin`")
+        return Path(env)
+    lib = Path(__file__).parent / "_native" / "libaqua_ort.so"
+    return lib if lib.is_file() else None
+
+
+def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto"):
+    """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
+
+    kernel: "native" registers the C++ TopKGatherDot kernel (error when not built), "function" runs the
+    model's portable function body, "auto" is native when built.
+    """
     import onnxruntime as ort
 
+    if kernel not in KERNELS:
+        raise ConfigError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    lib = native_library() if kernel != "function" else None
+    if kernel == "native" and lib is None:
+        raise ConfigError("the native TopKGatherDot kernel is not built: run `make plugin` (or use kernel='function')")
+    if lib is not None:
+        so.register_custom_ops_library(str(lib))
     src = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(src, sess_options=so, providers=providers())
 
 
 class OrtLM:
-    """A causal LM served by ONNX Runtime with the folder's KV-cache contract."""
+    """A causal LM served by ONNX Runtime with the folder's KV-cache contract.
+
+    With AQUA-H2O the past is an H2OCache (per-head slot validity, heavy-hitter statistics) and every
+    forward runs one token at a time, evicting between tokens, exactly as the PyTorch reference does.
+    """
 
     def __init__(self, session, cfg: dict):
         self.session, self.cfg = session, cfg
@@ -75,32 +107,59 @@ class OrtLM:
         self.kv_heads = cfg["geometry"]["kv_heads"]
         self.r = cfg["cache"]["width"]
         self.dtype = np.float16 if cfg["dtype"] == "float16" else np.float32
+        self.h2o_ratio = float(cfg.get("aqua", {}).get("h2o_ratio", 1.0))
+        self.h2o = self.h2o_ratio < 1
+        self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
+        self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
 
     @classmethod
-    def from_folder(cls, folder: str | Path, threads: int = 0) -> "OrtLM":
+    def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto") -> "OrtLM":
         cfg = read_config(folder)
         path = Path(folder) / "model.onnx"
         if not path.is_file():
             raise ConfigError(f"{folder} has no model.onnx: rebuild the folder")
-        return cls(make_session(path, threads), cfg)
+        return cls(make_session(path, threads, kernel), cfg)
 
-    def empty_past(self, batch: int) -> list[np.ndarray]:
+    def empty_past(self, batch: int):
         out = []
         for _ in range(self.layers):
             out += [np.zeros((batch, self.kv_heads, self.r, 0), self.dtype), np.zeros((batch, self.kv_heads, 0, self.r), self.dtype)]
-        return out
+        return H2OCache(out, self.kv_heads, self.h2o_ratio) if self.h2o else out
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-             past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One forward. input_ids/position_ids [B, T], attention_mask [B, P+T]; past as from empty_past."""
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
+        """One forward. input_ids/position_ids [B, T], attention_mask [B, P+T] (logical: every token seen,
+        padding 0); past as from empty_past. Returns (logits [B, T, V], present)."""
+        if self.h2o:
+            return self._step_h2o(input_ids, attention_mask, position_ids, past)
+        self.last_extra = []
+        out = self._run(input_ids, attention_mask, position_ids, past, [])
+        return out[0], out[1:1 + 2 * self.layers]
+
+    def _run(self, input_ids, attention_mask, position_ids, past, valid) -> list[np.ndarray]:
         feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
                 "position_ids": position_ids.astype(np.int64)}
         for i in range(self.layers):
             feed[f"past_key_values.{i}.key"] = past[2 * i]
             feed[f"past_key_values.{i}.value"] = past[2 * i + 1]
+            if valid:
+                feed[f"past_key_values.{i}.valid"] = valid[i]
         out = self.session.run(None, feed)
-        return out[0], out[1:]
+        self.last_extra.append(out[self.n_outputs:])
+        return out
 
+    def _step_h2o(self, input_ids, attention_mask, position_ids, cache: "H2OCache"):
+        b, t = input_ids.shape
+        real = attention_mask[:, -t:].astype(bool)
+        logits = []
+        self.last_extra = []
+        for j in range(t):
+            # past visibility comes from the per-head validity; the mask's past columns are not read
+            p = cache.length
+            mask = np.concatenate([np.ones((b, p), np.int64), real[:, j:j + 1].astype(np.int64)], axis=1)
+            out = self._run(input_ids[:, j:j + 1], mask, position_ids[:, j:j + 1], cache.kv, cache.valid)
+            cache.append_and_evict(out[1:1 + 2 * self.layers], out[1 + 2 * self.layers:self.n_outputs], real[:, j])
+            logits.append(out[0])
+        return np.concatenate(logits, axis=1), cache
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
                  eos_token_id: int | None = None, on_token=None, on_logits=None) -> np.ndarray:
         """Left-padded prompts [B, T] -> generated ids [B, N]. on_token(step, ids[B]) streams; on_logits(step,
@@ -129,6 +188,80 @@ class OrtLM:
             last_pos = last_pos + 1
             logits, past = self.step(nxt[:, None], mask, last_pos, past)
         return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)
+
+
+class H2OCache:
+    """The KV cache of an AQUA-H2O model, evicted between tokens (DESIGN.md 5).
+
+    kv     [key_0, value_0, ...]: key [B, Hkv, r, P] dim-major, value [B, Hkv, P, r]
+    valid  per layer [B, Hkv, P] bool: the slot holds a real token that was not evicted
+    acc    per layer [B, Hkv, P] float32: attention received, summed over the group's query heads
+    n_real [B]: real (non-padding) tokens each sequence has seen; each sequence keeps ceil(ratio * n_real)
+    All layers share one length P (the graph ties them); invalid slots are masked out in the graph.
+    """
+
+    def __init__(self, kv: list[np.ndarray], kv_heads: int, ratio: float):
+        b = kv[0].shape[0]
+        self.kv, self.ratio = kv, ratio
+        n = len(kv) // 2
+        self.valid = [np.zeros((b, kv_heads, 0), bool) for _ in range(n)]
+        self.acc = [np.zeros((b, kv_heads, 0), np.float32) for _ in range(n)]
+        self.n_real = np.zeros(b, np.int64)
+
+    @property
+    def length(self) -> int:
+        return self.kv[0].shape[-1]
+
+    def append_and_evict(self, present: list[np.ndarray], weights: list[np.ndarray], real: np.ndarray) -> None:
+        """present: the graph's present.{i}.key/.value (one token appended); weights [B, Hkv, 1, P+1]; real [B]."""
+        self.n_real = self.n_real + real
+        budget = h2o_budget(self.ratio, self.n_real)
+        r3 = real[:, None, None]
+        for i in range(len(self.valid)):
+            b, h = self.valid[i].shape[:2]
+            valid = np.concatenate([self.valid[i], np.broadcast_to(r3, (b, h, 1))], axis=-1)
+            acc = np.concatenate([self.acc[i], np.zeros((b, h, 1), np.float32)], axis=-1)
+            acc = acc + weights[i][:, :, 0].astype(np.float32) * r3
+            kept = h2o_keep(valid, acc, budget) | ~valid
+            self.valid[i] = np.where(r3, valid & kept, valid)
+            self.acc[i] = acc
+        self.kv = list(present)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop slots that no (batch, head) of any layer still uses; the order of live slots is kept."""
+        keep = max(int(v.sum(-1).max()) for v in self.valid)
+        if keep == self.length:
+            return
+        for i, v in enumerate(self.valid):
+            order = np.argsort(~v, axis=-1, kind="stable")[..., :keep]  # live slots first, in order
+            k, val = self.kv[2 * i], self.kv[2 * i + 1]
+            self.kv[2 * i] = np.take_along_axis(k, order[:, :, None, :], axis=-1)
+            self.kv[2 * i + 1] = np.take_along_axis(val, order[..., None], axis=2)
+            self.valid[i] = np.take_along_axis(v, order, axis=-1)
+            self.acc[i] = np.take_along_axis(self.acc[i], order, axis=-1)
+
+
+def h2o_budget(ratio: float, n_real: np.ndarray) -> np.ndarray:
+    """Tokens each sequence keeps: ceil(ratio * n), at least 1 (as attention.h2o_budget)."""
+    return np.maximum(np.ceil(ratio * n_real.astype(np.float64) - 1e-9).astype(np.int64), 1)
+
+
+def h2o_keep(visible: np.ndarray, acc: np.ndarray, budget: np.ndarray) -> np.ndarray:
+    """NumPy twin of attention.h2o_keep: visible [B, H, S] bool, acc [B, H, S], budget [B] -> kept [B, H, S].
+
+    floor(budget / 2) most recent visible slots, then the largest acc among the rest (ties -> lower slot).
+    """
+    n_recent = (budget // 2)[:, None, None]
+    n_heavy = (budget - budget // 2)[:, None, None]
+    from_end = np.flip(np.cumsum(np.flip(visible.astype(np.int64), -1), -1), -1) - 1
+    recent = visible & (from_end < n_recent)
+    cand = visible & ~recent
+    key = np.where(cand, acc.astype(np.float64), -np.inf)
+    order = np.argsort(-key, axis=-1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
+    return recent | (cand & (rank < n_heavy))
 
 
 def pick(logits: np.ndarray, s: SamplingConfig, rng) -> np.ndarray:

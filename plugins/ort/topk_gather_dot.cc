@@ -1,0 +1,195 @@
+// Native ONNX Runtime CPU kernel for com.aqua::TopKGatherDot.
+//
+//   query_hat [B, Hkv, g, T, r]   key_cache [B, Hkv, r, S] (dim-major K^)   ->   scores [B, Hkv, g, T, S]
+//
+// Per query row: I = the k coordinates of largest |q^| (ties -> lower index, as everywhere in the
+// project), scores[s] = sum_{c in I} q^[c] * K^[c, s]. Because K^ is dim-major, coordinate c of every
+// cached key is one contiguous row of S values: the kernel streams exactly k of the r rows, so it
+// reads k/r of the key cache and nothing twice (the portable function body materialises a masked
+// copy of q^ and multiplies all r rows).
+//
+// Work split: rows (B * Hkv * g * T) across ORT's intra-op thread pool; within a row, S is walked
+// in blocks that stay in L1 while the k selected rows are accumulated into them (the inner loop is
+// a unit-stride multiply-add the compiler vectorises).
+//
+// Built against the ONNX Runtime C API headers of Debian's libonnxruntime-dev (fetched at build
+// time, see plugins/ort/CMakeLists.txt); the C API is versioned, so this loads in newer runtimes.
+
+// the API table comes from the loading runtime (RegisterCustomOps), not from a link-time symbol
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr const char* kDomain = "com.aqua";
+constexpr const char* kOpName = "TopKGatherDot";
+constexpr int64_t kBlock = 1024;  // floats of the score row kept hot while k key rows stream through
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
+
+// Indices of the k largest |q| (ties -> lower index), returned in ascending index order so the k
+// key rows are visited front to back.
+inline void select_topk(const float* q, int64_t r, int64_t k, int64_t* order, int64_t* out) {
+  std::iota(order, order + r, int64_t{0});
+  if (k < r) {
+    std::partial_sort(order, order + k, order + r, [q](int64_t a, int64_t b) {
+      const float fa = std::fabs(q[a]), fb = std::fabs(q[b]);
+      return fa > fb || (fa == fb && a < b);
+    });
+  }
+  std::copy(order, order + k, out);
+  std::sort(out, out + k);
+}
+
+template <typename T>
+struct Job {
+  const T* q;
+  const T* kc;
+  T* out;
+  int64_t rows_per_kv;  // g * T
+  int64_t r, s, k;
+};
+
+template <typename T>
+void run_row(void* data, size_t row) {
+  const auto& j = *static_cast<const Job<T>*>(data);
+  const int64_t bh = static_cast<int64_t>(row) / j.rows_per_kv;
+  const T* key = j.kc + bh * j.r * j.s;
+  T* out = j.out + static_cast<int64_t>(row) * j.s;
+
+  // small per-row scratch on the stack for typical head sizes, heap otherwise
+  float qs[256];
+  int64_t order_buf[256], idx_buf[256];
+  std::vector<float> qv;
+  std::vector<int64_t> ov, iv;
+  float* q = qs;
+  int64_t* order = order_buf;
+  int64_t* idx = idx_buf;
+  if (j.r > 256) {
+    qv.resize(j.r), ov.resize(j.r), iv.resize(j.r);
+    q = qv.data(), order = ov.data(), idx = iv.data();
+  }
+  for (int64_t c = 0; c < j.r; ++c) q[c] = load(j.q + static_cast<int64_t>(row) * j.r, c);
+  select_topk(q, j.r, j.k, order, idx);
+
+  alignas(64) float acc[kBlock];
+  for (int64_t s0 = 0; s0 < j.s; s0 += kBlock) {
+    const int64_t n = std::min(kBlock, j.s - s0);
+    std::memset(acc, 0, sizeof(float) * n);
+    for (int64_t t = 0; t < j.k; ++t) {
+      const int64_t c = idx[t];
+      const float w = q[c];
+      const T* krow = key + c * j.s + s0;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t i = 0; i < n; ++i) acc[i] += w * krow[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) acc[i] += w * load(krow, i);
+      }
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(out + s0, acc, sizeof(float) * n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) store(out, s0 + i, acc[i]);
+    }
+  }
+}
+
+template <typename T>
+struct Kernel {
+  explicit Kernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    k_ = ki.GetAttribute<int64_t>("k");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto q_in = ctx.GetInput(0);
+    auto k_in = ctx.GetInput(1);
+    const auto qs = q_in.GetTensorTypeAndShapeInfo().GetShape();
+    const auto ks = k_in.GetTensorTypeAndShapeInfo().GetShape();
+    if (qs.size() != 5 || ks.size() != 4) {
+      ORT_CXX_API_THROW("TopKGatherDot: expected query_hat [B,Hkv,g,T,r] and key_cache [B,Hkv,r,S]",
+                        ORT_INVALID_ARGUMENT);
+    }
+    if (qs[0] != ks[0] || qs[1] != ks[1] || qs[4] != ks[2]) {
+      ORT_CXX_API_THROW("TopKGatherDot: query_hat and key_cache disagree on B, Hkv or r", ORT_INVALID_ARGUMENT);
+    }
+    const int64_t r = qs[4];
+    if (k_ < 1 || k_ > r) {
+      ORT_CXX_API_THROW("TopKGatherDot: attribute k must be in [1, r]", ORT_INVALID_ARGUMENT);
+    }
+    std::vector<int64_t> os{qs[0], qs[1], qs[2], qs[3], ks[3]};
+    auto out = ctx.GetOutput(0, os);
+    const int64_t rows = qs[0] * qs[1] * qs[2] * qs[3];
+    if (rows == 0 || ks[3] == 0) return;
+    Job<T> job{q_in.GetTensorData<T>(), k_in.GetTensorData<T>(), out.GetTensorMutableData<T>(),
+               qs[2] * qs[3], r, ks[3], k_};
+    ctx.ParallelFor(&run_row<T>, static_cast<size_t>(rows), 0, &job);
+  }
+
+  int64_t k_;
+};
+
+template <typename T>
+constexpr ONNXTensorElementDataType element_type() {
+  if constexpr (std::is_same_v<T, float>) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+
+template <typename T>
+struct Op : Ort::CustomOpBase<Op<T>, Kernel<T>> {
+  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new Kernel<T>(info); }
+  const char* GetName() const { return kOpName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return element_type<T>(); }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
+};
+
+std::mutex g_mutex;
+std::vector<Ort::CustomOpDomain> g_domains;  // must outlive every session they were added to
+
+}  // namespace
+
+// the library is built with -fvisibility=hidden: only these two symbols are exported
+#define AQUA_EXPORT __attribute__((visibility("default")))
+
+extern "C" {
+
+// Entry point looked up by SessionOptions.register_custom_ops_library.
+AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  static Op<float> op_f32;
+  static Op<Ort::Float16_t> op_f16;
+  try {
+    Ort::CustomOpDomain domain{kDomain};
+    domain.Add(&op_f32);
+    domain.Add(&op_f16);
+    Ort::UnownedSessionOptions(options).Add(domain);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_domains.push_back(std::move(domain));
+  } catch (const Ort::Exception& e) {
+    return Ort::Status(e).release();
+  }
+  return nullptr;
+}
+
+// The C API version this library was compiled against (checked by the loader in runtime.py).
+AQUA_EXPORT uint32_t AquaOrtApiVersion() { return ORT_API_VERSION; }
+
+}  // extern "C"
