@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup plugin demo test quality
+.PHONY: setup plugin demo test quality bench
 
 NATIVE := aqua_export/_native/libaqua_ort.so
 
@@ -39,3 +39,9 @@ test: setup
 
 quality: setup
 	$(BIN)/python tools/quality.py
+
+# performance tables (benchmarks/performance.md); onnxruntime-genai is the peer exporter compared against
+bench: setup
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/python tools/bench_attention.py
+	$(BIN)/python tools/bench_decode.py

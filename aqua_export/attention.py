@@ -104,6 +104,7 @@ class AquaLayerCache(DynamicLayer):
     values [B, Hkv, S, r]  values in P_v's basis, sliced to r
     valid  [B, Hkv, S]     slot holds a real, not evicted token
     acc    [B, Hkv, S]     H2O accumulated attention
+    pos    [B, Hkv, S]     which token (0-based, padding counted) each slot holds
     n_real [B]             real (non-padding) tokens this sequence has seen
     seen                   logical length (tokens seen incl. padding): what HF's masks and positions use
     """
@@ -112,7 +113,7 @@ class AquaLayerCache(DynamicLayer):
         super().__init__()
         self.state = state
         self.seen = 0
-        self.valid = self.acc = self.n_real = None
+        self.valid = self.acc = self.n_real = self.pos = None
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
@@ -122,6 +123,7 @@ class AquaLayerCache(DynamicLayer):
         self.values = value_states.new_zeros(b, hkv, 0, r)
         self.valid = torch.zeros(b, hkv, 0, dtype=torch.bool, device=key_states.device)
         self.acc = torch.zeros(b, hkv, 0, dtype=torch.float32, device=key_states.device)
+        self.pos = torch.zeros(b, hkv, 0, dtype=torch.int64, device=key_states.device)
         self.n_real = torch.zeros(b, dtype=torch.int64, device=key_states.device)
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -137,6 +139,8 @@ class AquaLayerCache(DynamicLayer):
         b, hkv = kh.shape[:2]
         self.valid = torch.cat([self.valid, torch.ones(b, hkv, t, dtype=torch.bool, device=kh.device)], dim=-1)
         self.acc = torch.cat([self.acc, torch.zeros(b, hkv, t, device=kh.device)], dim=-1)
+        new_pos = torch.arange(self.seen, self.seen + t, device=kh.device)
+        self.pos = torch.cat([self.pos, new_pos.expand(b, hkv, t)], dim=-1)
         self.seen += t
         st.fresh = (self.keys, self)
         return self.keys, self.values
@@ -155,6 +159,7 @@ class AquaLayerCache(DynamicLayer):
         self.values = torch.gather(self.values, 2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         self.valid = torch.gather(self.valid, 2, order)
         self.acc = torch.gather(self.acc, 2, order)
+        self.pos = torch.gather(self.pos, 2, order)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("AquaCache does not support cropping (assisted decoding)")
@@ -195,6 +200,9 @@ class LayerAqua:
     # parity harness: indices chosen by another implementation, and how often ours differ from them
     forced: torch.Tensor | None = field(default=None, repr=False)
     flips: list = field(default_factory=list, repr=False)
+    # the same for H2O eviction: per token index, live tokens [B, Hkv, index + 1] chosen elsewhere
+    forced_keep: list | None = field(default=None, repr=False)
+    evict_flips: list = field(default_factory=list, repr=False)
 
 
 def _take_layer_cache(st: LayerAqua, key: torch.Tensor) -> AquaLayerCache | None:
@@ -284,7 +292,10 @@ def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is
         real = is_real[:, t]
         acc = acc + w.sum(2) * real[:, None, None]
         n_real = n_real + real.to(torch.int64)
-        kept = h2o_keep(vis, acc, h2o_budget(st.h2o_ratio, n_real)) | ~allowed[:, :, t]
+        budget = h2o_budget(st.h2o_ratio, n_real)
+        kept = h2o_keep(vis, acc, budget) | ~allowed[:, :, t]
+        if st.forced_keep is not None and layer is not None:
+            kept = _forced_eviction(st, layer, t - tq, vis, acc, budget, kept, ~allowed[:, :, t], real)
         keep = torch.where(real[:, None, None], keep & kept, keep)
     if layer is not None:
         layer.valid &= keep
@@ -292,6 +303,20 @@ def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is
         layer.n_real = n_real
         layer.compact()
     return torch.stack(outs, dim=3)
+
+
+def _forced_eviction(st: LayerAqua, layer: AquaLayerCache, offset: int, vis, acc, budget, own, hidden, real):
+    """Replace this token's eviction by the one another implementation made (parity harness) and
+    record where ours differs. offset: this token's index minus the layer's token count."""
+    from .runtime import eviction_flips
+
+    index = layer.seen + offset
+    live = torch.from_numpy(st.forced_keep[index])  # [B, Hkv, index + 1]
+    slot_pos = layer.pos.clamp_max(index)  # slots of later tokens in this chunk are hidden, kept anyway
+    forced = torch.gather(live, 2, slot_pos) | hidden
+    st.evict_flips.append(eviction_flips(vis.numpy(), acc.numpy(), budget.numpy(), own.numpy(), forced.numpy(),
+                                         real.numpy()))
+    return forced
 
 
 # --------------------------------------------------------------------------------------------

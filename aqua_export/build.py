@@ -103,10 +103,18 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
             "cache": {"width": config.retained_width(d), "selected": config.selected_width(d),
                       "key_layout": "[batch, kv_heads, r, past] dim-major K^ = RoPE(k) @ P[:, :r]",
                       "value_layout": "[batch, kv_heads, past, r] values in P_v's basis (folded into W_V / W_O)",
-                      "why_dim_major": LAYOUT_WHY},
+                      "why_dim_major": LAYOUT_WHY,
+                      **({"h2o": {"ratio": config.h2o_ratio,
+                                  "valid_layout": "past_key_values.{i}.valid [batch, kv_heads, past] bool: slot live",
+                                  "weights": "attention_weights.{i} [batch, kv_heads, T, past+T]: softmax summed over "
+                                             "the group's query heads",
+                                  "eviction": "runtime, between tokens (runtime.H2OCache): keep ceil(ratio*n) per "
+                                              "sequence, floor(half) most recent, the rest by accumulated weights; "
+                                              "the graph runs one token per forward"}}
+                         if config.h2o_ratio < 1 else {})},
             "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
                          "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
-            "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"]))),
+            "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], config.h2o_ratio < 1))),
             "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
                        "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
             "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -119,8 +127,11 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         from .parity import run_parity
         from .runtime import OrtLM, make_session
 
-        lm = OrtLM(make_session(tmp / "model.onnx"), cfg)
-        res = run_parity(lm, model, tok, projection, config, proto, steps=parity_steps, dtype=dtype)
+        from .runtime import native_library
+
+        kernel = "native" if native_library() is not None else "function"
+        lm = OrtLM(make_session(tmp / "model.onnx", kernel=kernel), cfg)
+        res = run_parity(lm, model, tok, projection, config, proto, steps=parity_steps, dtype=dtype, kernel=kernel)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))
         r = res["ort_vs_reference"]
@@ -134,6 +145,14 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
             print(f"      selection: {sel['rows_differing']} of {sel['rows']} query rows chose differently, all float "
                   f"near-ties (largest gap {sel['max_gap_of_differing']:.1e} <= {res['near_tie']:.0e})"
                   if sel["pass"] else f"      selection: differing rows are not near-ties (gap {sel['max_gap_of_differing']:.1e})")
+        if "eviction" in res:
+            e = res["eviction"]
+            print(f"      H2O eviction (replayed from ORT): the reference's own choice differs in {e['decisions_differing']} "
+                  f"of {e['decisions']} decisions, largest accumulator gap {e['max_gap_of_differing']:.1e}")
+        if "native_vs_function_body" in res:
+            n = res["native_vs_function_body"]
+            print(f"      native kernel vs function body: max |dlogit| prefill {n['max_abs_logit_diff_prefill']:.2e}, "
+                  f"decode {n['max_abs_logit_diff_decode']:.2e}, top-1 {n['top1_agreement']:.3f}")
         if "pass" in res["ort_k1_vs_hf"]:
             h = res["ort_k1_vs_hf"]
             ref = h.get("reference", "HF transformers in float32, same graph with k = r")

@@ -102,7 +102,7 @@ def cmd_run(a) -> int:
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     if a.backend != "onnx":
         raise ConfigError("--backend tensorrt is not available in this build yet: use --backend onnx")
-    lm = OrtLM.from_folder(a.folder)
+    lm = OrtLM.from_folder(a.folder, kernel=a.kernel)
     tok = load_tokenizer(a.folder)
     ids, mask = encode_prompts(tok, a.prompt, chat=a.chat)
     eos = tok.eos_token_id
@@ -134,16 +134,21 @@ def cmd_parity(a) -> int:
     cfg = read_config(a.folder)
     import onnx
 
-    lm = OrtLM.from_folder(a.folder)
+    from .runtime import native_library
+
+    kernel = a.kernel if a.kernel != "auto" else ("native" if native_library() is not None else "function")
+    lm = OrtLM.from_folder(a.folder, kernel=kernel)
     model, tok = models.load(cfg["model"])
     proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
     proto = onnx.load(str(Path(a.folder) / "model.onnx"))
-    res = run_parity(lm, model, tok, proj, AquaConfig.from_dict(cfg["aqua"]), proto, steps=a.steps, dtype=cfg["dtype"])
+    res = run_parity(lm, model, tok, proj, AquaConfig.from_dict(cfg["aqua"]), proto, steps=a.steps, dtype=cfg["dtype"],
+                     kernel=kernel)
     if a.json:
         print(json.dumps(res, sort_keys=True))
     else:
-        for key in ("ort_vs_reference", "ort_k1_vs_hf"):
-            print(f"{key}: {json.dumps(res[key], sort_keys=True)}")
+        for key in ("ort_vs_reference", "selection", "eviction", "native_vs_function_body", "ort_k1_vs_hf"):
+            if key in res:
+                print(f"{key}: {json.dumps(res[key], sort_keys=True)}")
         print("PASS" if res["pass"] else "FAIL")
     return 0 if res["pass"] else 1
 
@@ -214,11 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"])
+    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
+                   help="TopKGatherDot: the native C++ kernel (auto: when built) or the model's function body")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
     p.add_argument("folder")
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_parity)
     return ap

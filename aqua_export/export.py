@@ -330,8 +330,9 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         past += [torch.randn(b, geo["kv_heads"], em.r, p, dtype=dtype), torch.randn(b, geo["kv_heads"], p, em.r, dtype=dtype)]
         if em.h2o:
             past.append(torch.rand(b, geo["kv_heads"], p) < 0.7)
-    # AUTO lets torch.export derive attention_mask's length = past + sequence from the graph
-    B = T = P = S = torch.export.Dim.AUTO
+    # named batch / sequence / past; AUTO lets torch.export derive attention_mask = past + sequence
+    B, T, P = (torch.export.Dim(n, min=1) for n in ("batch", "sequence", "past"))
+    S = torch.export.Dim.AUTO
     dyn_past = []
     for _ in range(geo["layers"]):
         dyn_past += [{0: B, 3: P}, {0: B, 2: P}] + ([{0: B, 2: P}] if em.h2o else [])
@@ -344,6 +345,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*axis name.*will not be used")
         prog = torch.onnx.export(
             em, (ids, mask, pos, *past), dynamo=True, input_names=ins, output_names=outs,
             dynamic_shapes=dynamic_shapes, custom_translation_table={op.default: _translate},

@@ -108,7 +108,9 @@ class OrtLM:
         self.r = cfg["cache"]["width"]
         self.dtype = np.float16 if cfg["dtype"] == "float16" else np.float32
         self.h2o_ratio = float(cfg.get("aqua", {}).get("h2o_ratio", 1.0))
-        self.h2o = self.h2o_ratio < 1
+        # the graph's inputs say whether it takes per-head validity (an H2O export); a ratio of 1 on such a
+        # graph runs it without eviction
+        self.h2o = any(i.name.endswith(".valid") for i in session.get_inputs())
         self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
         self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
 
@@ -120,11 +122,12 @@ class OrtLM:
             raise ConfigError(f"{folder} has no model.onnx: rebuild the folder")
         return cls(make_session(path, threads, kernel), cfg)
 
-    def empty_past(self, batch: int):
+    def empty_past(self, batch: int, log: list | None = None, force: list | None = None):
+        """Zero-length past; an H2OCache for H2O graphs (log / force: see H2OCache)."""
         out = []
         for _ in range(self.layers):
             out += [np.zeros((batch, self.kv_heads, self.r, 0), self.dtype), np.zeros((batch, self.kv_heads, 0, self.r), self.dtype)]
-        return H2OCache(out, self.kv_heads, self.h2o_ratio) if self.h2o else out
+        return H2OCache(out, self.kv_heads, self.h2o_ratio, log, force) if self.h2o else out
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
         """One forward. input_ids/position_ids [B, T], attention_mask [B, P+T] (logical: every token seen,
@@ -196,17 +199,27 @@ class H2OCache:
     kv     [key_0, value_0, ...]: key [B, Hkv, r, P] dim-major, value [B, Hkv, P, r]
     valid  per layer [B, Hkv, P] bool: the slot holds a real token that was not evicted
     acc    per layer [B, Hkv, P] float32: attention received, summed over the group's query heads
+    pos    per layer [B, Hkv, P] int64: which token (0-based, padding counted) a slot holds
     n_real [B]: real (non-padding) tokens each sequence has seen; each sequence keeps ceil(ratio * n_real)
     All layers share one length P (the graph ties them); invalid slots are masked out in the graph.
+
+    Parity harness: ``log`` (a list) receives, per token, each layer's live tokens [B, Hkv, seen] after
+    eviction; ``force`` replays such a log instead of deciding (eviction is discontinuous in the
+    accumulators, so two implementations are compared under a shared eviction, as for selection).
     """
 
-    def __init__(self, kv: list[np.ndarray], kv_heads: int, ratio: float):
+    def __init__(self, kv: list[np.ndarray], kv_heads: int, ratio: float, log: list | None = None,
+                 force: list | None = None):
         b = kv[0].shape[0]
         self.kv, self.ratio = kv, ratio
         n = len(kv) // 2
         self.valid = [np.zeros((b, kv_heads, 0), bool) for _ in range(n)]
         self.acc = [np.zeros((b, kv_heads, 0), np.float32) for _ in range(n)]
+        self.pos = [np.zeros((b, kv_heads, 0), np.int64) for _ in range(n)]
         self.n_real = np.zeros(b, np.int64)
+        self.seen = 0
+        self.log, self.force = log, force
+        self.flips: list[tuple[int, int, float]] = []  # under force: (decisions, own differs, largest gap)
 
     @property
     def length(self) -> int:
@@ -217,14 +230,27 @@ class H2OCache:
         self.n_real = self.n_real + real
         budget = h2o_budget(self.ratio, self.n_real)
         r3 = real[:, None, None]
+        entry = []
         for i in range(len(self.valid)):
             b, h = self.valid[i].shape[:2]
             valid = np.concatenate([self.valid[i], np.broadcast_to(r3, (b, h, 1))], axis=-1)
             acc = np.concatenate([self.acc[i], np.zeros((b, h, 1), np.float32)], axis=-1)
             acc = acc + weights[i][:, :, 0].astype(np.float32) * r3
+            self.pos[i] = np.concatenate([self.pos[i], np.full((b, h, 1), self.seen, np.int64)], axis=-1)
             kept = h2o_keep(valid, acc, budget) | ~valid
+            if self.force is not None:
+                forced = np.take_along_axis(self.force[self.seen][i], self.pos[i], axis=-1) | ~valid
+                self.flips.append(eviction_flips(valid, acc, budget, kept, forced, real))
+                kept = forced
             self.valid[i] = np.where(r3, valid & kept, valid)
             self.acc[i] = acc
+            if self.log is not None:
+                live = np.zeros((b, h, self.seen + 1), bool)
+                np.put_along_axis(live, self.pos[i], self.valid[i], axis=-1)
+                entry.append(live)
+        if self.log is not None:
+            self.log.append(entry)
+        self.seen += 1
         self.kv = list(present)
         self._compact()
 
@@ -238,8 +264,29 @@ class H2OCache:
             k, val = self.kv[2 * i], self.kv[2 * i + 1]
             self.kv[2 * i] = np.take_along_axis(k, order[:, :, None, :], axis=-1)
             self.kv[2 * i + 1] = np.take_along_axis(val, order[..., None], axis=2)
-            self.valid[i] = np.take_along_axis(v, order, axis=-1)
-            self.acc[i] = np.take_along_axis(self.acc[i], order, axis=-1)
+            for name in ("valid", "acc", "pos"):
+                getattr(self, name)[i] = np.take_along_axis(getattr(self, name)[i], order, axis=-1)
+
+
+def eviction_flips(visible, acc, budget, own, forced, real) -> tuple[int, int, float]:
+    """(decisions, decisions where ``own`` differs from ``forced``, largest relative gap at the heavy-hitter
+    boundary among those): a float near-tie of two accumulators has a gap near rounding error."""
+    visible, acc, own, forced = (np.asarray(x) for x in (visible, acc, own, forced))
+    real = np.asarray(real, bool)
+    differ = ((own != forced) & visible).any(-1) & real[:, None]
+    gap = 0.0
+    if differ.any():
+        n_recent = np.asarray(budget) // 2
+        for b, h in zip(*np.nonzero(differ)):
+            from_end = np.cumsum(visible[b, h][::-1])[::-1] - 1
+            cand = visible[b, h] & ~(from_end < n_recent[b])
+            vals = np.sort(acc[b, h][cand].astype(np.float64))[::-1]
+            n_heavy = int(budget[b] - n_recent[b])
+            if 0 < n_heavy < len(vals):
+                gap = max(gap, float((vals[n_heavy - 1] - vals[n_heavy]) / max(abs(vals[n_heavy - 1]), 1e-30)))
+            else:
+                gap = float("inf")  # not a boundary question: a real disagreement
+    return int(real.sum()) * visible.shape[1], int(differ.sum()), gap
 
 
 def h2o_budget(ratio: float, n_real: np.ndarray) -> np.ndarray:

@@ -12,12 +12,14 @@ from aqua_export.runtime import OrtLM, make_session
 
 from helpers import left_padded, tiny_projection
 
-CONFIGS = [AquaConfig(), AquaConfig(k_ratio=0.5), AquaConfig(k_ratio=0.75, slice_ratio=0.25)]
+CONFIGS = [AquaConfig(), AquaConfig(k_ratio=0.5), AquaConfig(k_ratio=0.75, slice_ratio=0.25),
+           AquaConfig(k_ratio=0.75, h2o_ratio=0.5)]
+IDS = ["dense", "k0.5", "memory", "h2o"]
 
 
 def _cfg(model, config):
     geo = models.attention_geometry(model)
-    return {"geometry": geo, "dtype": "float32",
+    return {"geometry": geo, "dtype": "float32", "aqua": config.to_dict(),
             "cache": {"width": config.retained_width(geo["head_dim"]), "selected": config.selected_width(geo["head_dim"])}}
 
 
@@ -35,7 +37,7 @@ def exported(tmp_path_factory):
     return m, proj, out
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["dense", "k0.5", "memory"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_graph_contract(exported, cfg):
     m, _, out = exported
     path, proto = out[cfg]
@@ -48,27 +50,45 @@ def test_graph_contract(exported, cfg):
         assert attrs == {"k": k, "plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
     assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, OP_TYPE)]
     assert proto.ir_version <= 10
-    ins, outs = io_names(2)
+    ins, outs = io_names(2, h2o=cfg.h2o_ratio < 1)
     assert [i.name for i in proto.graph.input] == ins and [o.name for o in proto.graph.output] == outs
     # the cache really has width r (dim-major keys), dynamic batch / past
     key = next(i for i in proto.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
     val = next(i for i in proto.graph.input if i.name == "past_key_values.0.value").type.tensor_type.shape.dim
     assert key[2].dim_value == r and val[3].dim_value == r
     assert key[0].dim_param and key[3].dim_param and val[2].dim_param
+    if cfg.h2o_ratio < 1:
+        valid = next(i for i in proto.graph.input if i.name == "past_key_values.0.valid").type.tensor_type
+        assert valid.elem_type == onnx.TensorProto.BOOL and valid.shape.dim[1].dim_value == 2
+        assert valid.shape.dim[2].dim_param == key[3].dim_param
     onnx.checker.check_model(proto)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["dense", "k0.5", "memory"])
-def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg):
-    """ORT (function body, no custom kernel) vs the PyTorch reference, batch 2 left-padded, 6 decode steps."""
+@pytest.mark.parametrize("kernel", ["function", "native"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kernel):
+    """ORT (function body, or the native kernel) vs the PyTorch reference, batch 2 left-padded, 6 decode steps.
+
+    H2O: budget ceil(0.5 n) per sequence, so eviction starts at the first token and the ORT cache is
+    compacted between tokens; the reference evicts with its own statistics.
+    """
+    from aqua_export.runtime import native_library
+
+    if kernel == "native" and native_library() is None:
+        pytest.skip("native kernel not built (run `make plugin`)")
     m, proj, out = exported
     path, _ = out[cfg]
-    lm = OrtLM(make_session(path), _cfg(m, cfg))
+    lm = OrtLM(make_session(path, kernel=kernel), _cfg(m, cfg))
     ids, mask = left_padded(128, [11, 6])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits, past = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
     r = cfg.retained_width(16)
-    assert past[0].shape == (2, 2, r, 11) and past[1].shape == (2, 2, 11, r)
+    if cfg.h2o_ratio < 1:
+        # 11 and 6 real tokens -> 6 and 3 kept per head; the shared length is the largest kept count
+        assert past.length == 6 and [v.sum(-1).tolist() for v in past.valid[:1]] == [[[6, 6], [3, 3]]]
+        assert past.kv[0].shape == (2, 2, r, 6) and past.n_real.tolist() == [11, 6]
+    else:
+        assert past[0].shape == (2, 2, r, 11) and past[1].shape == (2, 2, 11, r)
     with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
         cache = aqua.new_cache()
         ref = m(input_ids=ids, attention_mask=mask, position_ids=torch.from_numpy(pos), past_key_values=cache).logits
@@ -85,6 +105,10 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg):
                     position_ids=torch.from_numpy(tpos), past_key_values=cache).logits
             assert np.abs(logits - ref.numpy()).max() <= 1e-4
     assert tuple(cache.layers[0].keys.shape[-1:]) == (r,)
+    if cfg.h2o_ratio < 1:
+        # both sides evicted the same tokens: per (batch, head) the same number of live slots
+        for i, layer in enumerate(cache.layers):
+            assert np.array_equal(past.valid[i].sum(-1), layer.valid.sum(-1).numpy())
 
 
 def test_dense_export_uses_identity_projection_and_matches_hf(exported):
@@ -130,8 +154,6 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
     proj = tiny_projection(m, tmp_path)
     with pytest.raises(ConfigError, match="selection='magnitude'"):
         AquaExportModel(m, proj, AquaConfig(k_ratio=0.5, selection="static"))
-    with pytest.raises(ConfigError, match="AQUA-H2O"):
-        AquaExportModel(m, proj, AquaConfig(h2o_ratio=0.5))
     with pytest.raises(ConfigError, match="another model"):
         AquaExportModel(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
 

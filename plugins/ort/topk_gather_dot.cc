@@ -8,9 +8,10 @@
 // reads k/r of the key cache and nothing twice (the portable function body materialises a masked
 // copy of q^ and multiplies all r rows).
 //
-// Work split: rows (B * Hkv * g * T) across ORT's intra-op thread pool; within a row, S is walked
-// in blocks that stay in L1 while the k selected rows are accumulated into them (the inner loop is
-// a unit-stride multiply-add the compiler vectorises).
+// Work split (ORT's intra-op thread pool): first the selection of every query row, then tasks of
+// (batch, kv head, block of S): each task accumulates the selected key row segments of all the
+// group's query rows into an L1-resident block (unit-stride multiply-add, vectorised by the
+// compiler). Blocking over S makes the group's heads share each key row segment read from DRAM.
 //
 // Built against the ONNX Runtime C API headers of Debian's libonnxruntime-dev (fetched at build
 // time, see plugins/ort/CMakeLists.txt); the C API is versioned, so this loads in newer runtimes.
@@ -55,23 +56,18 @@ inline void select_topk(const float* q, int64_t r, int64_t k, int64_t* order, in
   std::sort(out, out + k);
 }
 
+// Phase 1, per query row: the selected coordinates and their q^ values.
 template <typename T>
-struct Job {
+struct SelectJob {
   const T* q;
-  const T* kc;
-  T* out;
-  int64_t rows_per_kv;  // g * T
-  int64_t r, s, k;
+  int64_t r, k;
+  int32_t* sel;  // [rows, k]
+  float* qsel;   // [rows, k]
 };
 
 template <typename T>
-void run_row(void* data, size_t row) {
-  const auto& j = *static_cast<const Job<T>*>(data);
-  const int64_t bh = static_cast<int64_t>(row) / j.rows_per_kv;
-  const T* key = j.kc + bh * j.r * j.s;
-  T* out = j.out + static_cast<int64_t>(row) * j.s;
-
-  // small per-row scratch on the stack for typical head sizes, heap otherwise
+void select_row(void* data, size_t row) {
+  const auto& j = *static_cast<const SelectJob<T>*>(data);
   float qs[256];
   int64_t order_buf[256], idx_buf[256];
   std::vector<float> qv;
@@ -83,27 +79,55 @@ void run_row(void* data, size_t row) {
     qv.resize(j.r), ov.resize(j.r), iv.resize(j.r);
     q = qv.data(), order = ov.data(), idx = iv.data();
   }
-  for (int64_t c = 0; c < j.r; ++c) q[c] = load(j.q + static_cast<int64_t>(row) * j.r, c);
+  const int64_t base = static_cast<int64_t>(row);
+  for (int64_t c = 0; c < j.r; ++c) q[c] = load(j.q + base * j.r, c);
   select_topk(q, j.r, j.k, order, idx);
+  for (int64_t t = 0; t < j.k; ++t) {
+    j.sel[base * j.k + t] = static_cast<int32_t>(idx[t]);
+    j.qsel[base * j.k + t] = q[idx[t]];
+  }
+}
 
+// Phase 2, per (batch, kv head, block of S): every query row of the group. The group's query heads
+// select different coordinates of one shared K^; walking them block by block means a key row
+// segment comes from DRAM once and is reused from cache by the other heads of the group, so the
+// traffic is the union of the group's selections, not g times k rows.
+template <typename T>
+struct ScoreJob {
+  const T* kc;
+  const int32_t* sel;
+  const float* qsel;
+  T* out;
+  int64_t rows_per_kv;  // g * T
+  int64_t r, s, k, blocks;
+};
+
+template <typename T>
+void score_block(void* data, size_t task) {
+  const auto& j = *static_cast<const ScoreJob<T>*>(data);
+  const int64_t bh = static_cast<int64_t>(task) / j.blocks;
+  const int64_t s0 = (static_cast<int64_t>(task) % j.blocks) * kBlock;
+  const int64_t n = std::min(kBlock, j.s - s0);
+  const T* key = j.kc + bh * j.r * j.s + s0;
   alignas(64) float acc[kBlock];
-  for (int64_t s0 = 0; s0 < j.s; s0 += kBlock) {
-    const int64_t n = std::min(kBlock, j.s - s0);
+  for (int64_t row = bh * j.rows_per_kv; row < (bh + 1) * j.rows_per_kv; ++row) {
     std::memset(acc, 0, sizeof(float) * n);
+    const int32_t* idx = j.sel + row * j.k;
+    const float* w = j.qsel + row * j.k;
     for (int64_t t = 0; t < j.k; ++t) {
-      const int64_t c = idx[t];
-      const float w = q[c];
-      const T* krow = key + c * j.s + s0;
+      const T* krow = key + static_cast<int64_t>(idx[t]) * j.s;
+      const float wt = w[t];
       if constexpr (std::is_same_v<T, float>) {
-        for (int64_t i = 0; i < n; ++i) acc[i] += w * krow[i];
+        for (int64_t i = 0; i < n; ++i) acc[i] += wt * krow[i];
       } else {
-        for (int64_t i = 0; i < n; ++i) acc[i] += w * load(krow, i);
+        for (int64_t i = 0; i < n; ++i) acc[i] += wt * load(krow, i);
       }
     }
+    T* out = j.out + row * j.s + s0;
     if constexpr (std::is_same_v<T, float>) {
-      std::memcpy(out + s0, acc, sizeof(float) * n);
+      std::memcpy(out, acc, sizeof(float) * n);
     } else {
-      for (int64_t i = 0; i < n; ++i) store(out, s0 + i, acc[i]);
+      for (int64_t i = 0; i < n; ++i) store(out, i, acc[i]);
     }
   }
 }
@@ -136,9 +160,14 @@ struct Kernel {
     auto out = ctx.GetOutput(0, os);
     const int64_t rows = qs[0] * qs[1] * qs[2] * qs[3];
     if (rows == 0 || ks[3] == 0) return;
-    Job<T> job{q_in.GetTensorData<T>(), k_in.GetTensorData<T>(), out.GetTensorMutableData<T>(),
-               qs[2] * qs[3], r, ks[3], k_};
-    ctx.ParallelFor(&run_row<T>, static_cast<size_t>(rows), 0, &job);
+    std::vector<int32_t> sel(static_cast<size_t>(rows * k_));
+    std::vector<float> qsel(static_cast<size_t>(rows * k_));
+    SelectJob<T> sj{q_in.GetTensorData<T>(), r, k_, sel.data(), qsel.data()};
+    ctx.ParallelFor(&select_row<T>, static_cast<size_t>(rows), 0, &sj);
+    const int64_t blocks = (ks[3] + kBlock - 1) / kBlock;
+    ScoreJob<T> job{k_in.GetTensorData<T>(), sel.data(), qsel.data(), out.GetTensorMutableData<T>(),
+                    qs[2] * qs[3], r, ks[3], k_, blocks};
+    ctx.ParallelFor(&score_block<T>, static_cast<size_t>(qs[0] * qs[1] * blocks), 0, &job);
   }
 
   int64_t k_;

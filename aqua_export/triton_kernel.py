@@ -1,0 +1,92 @@
+"""The GPU kernel of TopKGatherDot, in Triton: one kernel for the PyTorch host here and the TensorRT
+plugin (plugins/tensorrt), same contract as the ONNX node and the native CPU kernel.
+
+    query_hat [B, Hkv, g, T, r]   key_cache [B, Hkv, r, S] (dim-major K^)   ->   scores [B, Hkv, g, T, S]
+
+One program per (query row, block of S):
+
+    |q^| --pairwise rank (ties: lower index)--> keep = rank < k
+    K^[rows, block] loaded under the mask `keep`  (masked lanes issue no memory traffic: k of r rows read)
+    scores[block] = sum over kept rows of q^[c] * K^[c, block]   (float32 accumulation)
+
+The selection is computed as a rank rather than a sort so it is exact and branch-free: coordinate c
+is kept iff fewer than k coordinates beat it, where j beats c when |q_j| > |q_c|, or they are equal
+and j < c.
+
+triton is imported only when a kernel is built. Without a GPU, ``interpret=True`` runs the same
+kernel in Triton's interpreter on the CPU (how the tests check it on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_KERNELS: dict[bool, object] = {}
+
+
+def _kernel(interpret: bool):
+    if interpret in _KERNELS:
+        return _KERNELS[interpret]
+    if interpret:
+        # Triton reads this when it is first imported: set it before anything imports triton
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:
+        raise RuntimeError("the GPU kernel needs triton: pip install triton") from e
+
+    @triton.jit
+    def topk_gather_dot_kernel(q_ptr, k_ptr, out_ptr, S, rows_per_kv,
+                               R: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        bh = row // rows_per_kv
+        c = tl.arange(0, BLOCK_R)
+        in_r = c < R
+        q = tl.load(q_ptr + row * R + c, mask=in_r, other=0.0).to(tl.float32)
+        a = tl.where(in_r, tl.abs(q), -1.0)
+        beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (c[None, :] < c[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        keep = (rank < K) & in_r
+        s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+        in_s = s < S
+        kb = tl.load(k_ptr + bh * R * S + c[:, None] * S + s[None, :], mask=keep[:, None] & in_s[None, :], other=0.0)
+        scores = tl.sum(tl.where(keep, q, 0.0)[:, None] * kb.to(tl.float32), axis=0)
+        tl.store(out_ptr + row * S + s, scores.to(out_ptr.dtype.element_ty), mask=in_s)
+
+    _KERNELS[interpret] = (topk_gather_dot_kernel, triton)
+    return _KERNELS[interpret]
+
+
+def block_sizes(r: int, s: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_S): r padded to a power of two; S blocks sized so a program holds <= 8k elements."""
+    block_r = 1 << max(0, (r - 1).bit_length())
+    block_s = max(16, min(1 << max(0, (s - 1).bit_length()), 8192 // block_r))
+    return block_r, block_s
+
+
+def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, interpret: bool | None = None) -> torch.Tensor:
+    """query_hat [B, Hkv, g, T, r], key_cache [B, Hkv, r, S] -> scores [B, Hkv, g, T, S] (query_hat's dtype)."""
+    if query_hat.dim() != 5 or key_cache.dim() != 4:
+        raise ValueError("expected query_hat [B, Hkv, g, T, r] and key_cache [B, Hkv, r, S]")
+    b, hkv, g, t, r = query_hat.shape
+    if key_cache.shape[:3] != (b, hkv, r):
+        raise ValueError(f"query_hat {tuple(query_hat.shape)} and key_cache {tuple(key_cache.shape)} disagree on B, Hkv or r")
+    if not 1 <= k <= r:
+        raise ValueError(f"k must be in [1, r={r}], got {k}")
+    if interpret is None:
+        interpret = not query_hat.is_cuda
+    kernel, triton = _kernel(interpret)
+    s = key_cache.shape[-1]
+    q = query_hat.contiguous()
+    kc = key_cache.contiguous().to(q.dtype)
+    out = torch.empty(b, hkv, g, t, s, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_r, block_s = block_sizes(r, s)
+    grid = (b * hkv * g * t, triton.cdiv(s, block_s))
+    kernel[grid](q, kc, out, s, g * t, R=r, K=k, BLOCK_R=block_r, BLOCK_S=block_s)
+    return out

@@ -1,0 +1,193 @@
+"""One decode attention step in ONNX Runtime: AQUA (native TopKGatherDot) vs dense vs GroupQueryAttention.
+
+    -> benchmarks/attention_step.json and the "Attention step" section of benchmarks/performance.md
+
+Geometry: the embedded model's (9 query heads, 3 KV heads, d = 64). Each graph is one session with
+the same thread count, fed the same cache; times are medians of repeated runs and every figure
+reported is a ratio measured in this run.
+
+    AQUA   q^ --TopKGatherDot(k)--> scores --Softmax--> --MatMul V--> out     (K^ dim-major [B,Hkv,d,T])
+    dense  q  --MatMul K-----------> scores --Softmax--> --MatMul V--> out     (same layout, same session style)
+    GQA    com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's decode op)
+
+Byte limit: a decode step reads K and V (dense) or the selected rows of K plus V (AQUA). Every query
+head selects its own k coordinates on its group's shared K^, so the rows read are the union u of the
+group's selections: limit = (K + V) / (u K + V); u = k/d for g = 1. The query distribution decides u:
+"iid" draws q^ coordinates with equal variance (worst case: the group's picks barely overlap),
+"spectrum" draws coordinate c with the variance the calibration measured for it (the embedded model's
+projection, median layer), which is what the model's queries look like after P.
+
+Rerun: `.venv/bin/python tools/bench_attention.py` (about 10 minutes on 2 cores; --quick for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
+
+HQ, HKV, D = 9, 3, 64
+G = HQ // HKV
+
+
+def _graph(kind: str, k: int):
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    from aqua_export.export import DOMAIN, OPSET_VERSION, OP_TYPE, _register_schema, function_body
+
+    _register_schema()
+    f = TensorProto.FLOAT
+    if kind == "gqa":
+        node = H.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
+                           ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV)
+        ins = [H.make_tensor_value_info("q", f, ["B", 1, HQ * D]), H.make_tensor_value_info("k", f, ["B", 1, HKV * D]),
+               H.make_tensor_value_info("v", f, ["B", 1, HKV * D]),
+               H.make_tensor_value_info("past_k", f, ["B", HKV, "T", D]),
+               H.make_tensor_value_info("past_v", f, ["B", HKV, "T", D]),
+               H.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+               H.make_tensor_value_info("total", TensorProto.INT32, [1])]
+        outs = [H.make_tensor_value_info("out", f, None), H.make_tensor_value_info("present_k", f, None),
+                H.make_tensor_value_info("present_v", f, None)]
+        g = H.make_graph([node], "gqa", ins, outs)
+        return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
+    nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
+             H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]),
+             H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"])]
+    if kind == "aqua":
+        nodes.append(H.make_node(OP_TYPE, ["q", "kc"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
+                                 plugin_version="1"))
+    else:
+        nodes.append(H.make_node("MatMul", ["q", "kc_g"], ["s"]))
+    nodes += [H.make_node("Softmax", ["s"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
+    ins = [H.make_tensor_value_info("q", f, ["B", HKV, G, 1, D]), H.make_tensor_value_info("kc", f, ["B", HKV, D, "T"]),
+           H.make_tensor_value_info("v", f, ["B", HKV, "T", D])]
+    g = H.make_graph(nodes, kind, ins, [H.make_tensor_value_info("out", f, None)])
+    return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                        functions=[function_body(20)], ir_version=10)
+
+
+def _median_time(fn, reps: int, budget_s: float) -> float:
+    fn()  # warm-up (allocations, thread pool)
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s and len(times) >= 5:
+            break
+    return statistics.median(times)
+
+
+def _spectrum() -> np.ndarray:
+    """Per-coordinate q^ standard deviation [Hkv, d] of the embedded model's median layer (energy is the
+    eigenvalue of the group's uncentred second moment, sorted); iid fallback without the artifact."""
+    path = ROOT / "benchmarks" / "llama-projection.safetensors"
+    if not path.is_file():
+        return None
+    from aqua_export.calibrate import load_projection
+
+    proj = load_projection(path)
+    layer = len(proj.P) // 2
+    return np.sqrt(np.maximum(proj.energy[layer].numpy(), 0))
+
+
+def _union_fraction(q: np.ndarray, k: int) -> float:
+    """Mean over (batch, kv head) of |union of the group's top-k coordinate sets| / d."""
+    idx = np.argsort(-np.abs(q), axis=-1, kind="stable")[..., :k]  # [B, Hkv, g, 1, k]
+    b, h = q.shape[:2]
+    sizes = [len(np.unique(idx[i, j])) for i in range(b) for j in range(h)]
+    return float(np.mean(sizes)) / q.shape[-1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ratios", default="1,0.75,0.5,0.25")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="T 1024 only, few repetitions")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    a = ap.parse_args()
+    from aqua_export.runtime import make_session, native_library
+
+    if native_library() is None:
+        print("the native kernel is not built: run `make plugin`", file=sys.stderr)
+        return 2
+    contexts = [1024] if a.quick else [int(x) for x in a.contexts.split(",")]
+    reps = 5 if a.quick else a.reps
+    ratios = [float(x) for x in a.ratios.split(",")]
+    spectrum = _spectrum()
+    dists = ["iid"] + (["spectrum"] if spectrum is not None else [])
+    sessions = {"dense": make_session(_graph("dense", D).SerializeToString(), a.threads, "function"),
+                "gqa": make_session(_graph("gqa", D).SerializeToString(), a.threads, "function")}
+    for r in ratios:
+        k = max(1, round(r * D))
+        sessions[k] = make_session(_graph("aqua", k).SerializeToString(), a.threads, "native")
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in contexts:
+        for b in [int(x) for x in a.batches.split(",")]:
+            kc = rng.standard_normal((b, HKV, D, t), dtype=np.float32)
+            v = rng.standard_normal((b, HKV, t, D), dtype=np.float32)
+            budget = 20.0 if t >= 16384 else 8.0
+            q_iid = rng.standard_normal((b, HKV, G, 1, D), dtype=np.float32)
+            dense_t = _median_time(lambda: sessions["dense"].run(None, {"q": q_iid, "kc": kc, "v": v}), reps, budget)
+            gqa_t = _time_gqa(sessions["gqa"], b, t, rng, reps, budget)
+            for dist in dists:
+                if dist == "iid":
+                    q = q_iid
+                else:
+                    q = (rng.standard_normal((b, HKV, G, 1, D)) * spectrum[None, :, None, None, :]).astype(np.float32)
+                for r in ratios:
+                    k = max(1, round(r * D))
+                    if dist == "spectrum" and k == D:
+                        continue
+                    aq = _median_time(lambda: sessions[k].run(None, {"q": q, "kc": kc, "v": v}), reps, budget)
+                    u = _union_fraction(q, k)
+                    rows.append({"T": t, "batch": b, "k_ratio": r, "k": k, "queries": dist, "union_fraction": round(u, 3),
+                                 "dense_over_aqua": round(dense_t / aq, 3), "gqa_over_aqua": round(gqa_t / aq, 3),
+                                 "byte_limit": round(2.0 / (1.0 + u), 3), "byte_limit_g1": round(2.0 / (1.0 + k / D), 3)})
+                    print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": a.threads, "reps": reps, "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
+            "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
+    atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
+    return 0
+
+
+def _time_gqa(sess, b: int, t: int, rng, reps: int, budget: float) -> float:
+    """GQA appends one token to a past of t - 1 inside a shared past/present buffer of length t."""
+    import onnxruntime as ort
+
+    buf_k = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((b, HKV, t, D), dtype=np.float32))
+    buf_v = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((b, HKV, t, D), dtype=np.float32))
+    io = sess.io_binding()
+    io.bind_cpu_input("q", rng.standard_normal((b, 1, HQ * D), dtype=np.float32))
+    io.bind_cpu_input("k", rng.standard_normal((b, 1, HKV * D), dtype=np.float32))
+    io.bind_cpu_input("v", rng.standard_normal((b, 1, HKV * D), dtype=np.float32))
+    io.bind_ortvalue_input("past_k", buf_k)
+    io.bind_ortvalue_input("past_v", buf_v)
+    io.bind_cpu_input("seqlens_k", np.full((b,), t - 1, np.int32))
+    io.bind_cpu_input("total", np.array([t], np.int32))
+    io.bind_output("out")
+    io.bind_ortvalue_output("present_k", buf_k)
+    io.bind_ortvalue_output("present_v", buf_v)
+    return _median_time(lambda: sess.run_with_iobinding(io), reps, budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
