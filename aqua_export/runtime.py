@@ -71,11 +71,12 @@ def native_library() -> Path | None:
     return lib if lib.is_file() else None
 
 
-def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto"):
+def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True):
     """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
 
     kernel: "native" registers the C++ TopKGatherDot kernel (error when not built), "function" runs the
-    model's portable function body, "auto" is native when built.
+    model's portable function body, "auto" is native when built. spin=False stops the intra-op threads
+    from busy-waiting between runs (benchmarks holding several sessions, so they do not steal cores).
     """
     import onnxruntime as ort
 
@@ -85,6 +86,8 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     lib = native_library() if kernel != "function" else None
     if kernel == "native" and lib is None:
         raise ConfigError("the native TopKGatherDot kernel is not built: run `make plugin` (or use kernel='function')")

@@ -77,17 +77,21 @@ def _graph(kind: str, k: int):
                         functions=[function_body(20)], ir_version=10)
 
 
-def _median_time(fn, reps: int, budget_s: float) -> float:
-    fn()  # warm-up (allocations, thread pool)
-    times = []
+def _interleaved_medians(fns: dict, reps: int, budget_s: float) -> dict:
+    """Median seconds per callable, measured in rounds that run every callable once (drift and
+    frequency changes hit all of them alike)."""
+    for fn in fns.values():
+        fn()  # warm-up (allocations, thread pool)
+    times = {name: [] for name in fns}
     start = time.perf_counter()
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s and len(times) >= 5:
+    for i in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s and i >= 4:
             break
-    return statistics.median(times)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def _spectrum() -> np.ndarray:
@@ -131,34 +135,38 @@ def main() -> int:
     ratios = [float(x) for x in a.ratios.split(",")]
     spectrum = _spectrum()
     dists = ["iid"] + (["spectrum"] if spectrum is not None else [])
-    sessions = {"dense": make_session(_graph("dense", D).SerializeToString(), a.threads, "function"),
-                "gqa": make_session(_graph("gqa", D).SerializeToString(), a.threads, "function")}
+    sessions = {"dense": make_session(_graph("dense", D).SerializeToString(), a.threads, "function", spin=False),
+                "gqa": make_session(_graph("gqa", D).SerializeToString(), a.threads, "function", spin=False)}
     for r in ratios:
         k = max(1, round(r * D))
-        sessions[k] = make_session(_graph("aqua", k).SerializeToString(), a.threads, "native")
+        sessions[k] = make_session(_graph("aqua", k).SerializeToString(), a.threads, "native", spin=False)
     rng = np.random.default_rng(0)
     rows = []
     for t in contexts:
         for b in [int(x) for x in a.batches.split(",")]:
             kc = rng.standard_normal((b, HKV, D, t), dtype=np.float32)
             v = rng.standard_normal((b, HKV, t, D), dtype=np.float32)
-            budget = 20.0 if t >= 16384 else 8.0
-            q_iid = rng.standard_normal((b, HKV, G, 1, D), dtype=np.float32)
-            dense_t = _median_time(lambda: sessions["dense"].run(None, {"q": q_iid, "kc": kc, "v": v}), reps, budget)
-            gqa_t = _time_gqa(sessions["gqa"], b, t, rng, reps, budget)
-            for dist in dists:
-                if dist == "iid":
-                    q = q_iid
-                else:
-                    q = (rng.standard_normal((b, HKV, G, 1, D)) * spectrum[None, :, None, None, :]).astype(np.float32)
+            qs = {"iid": rng.standard_normal((b, HKV, G, 1, D), dtype=np.float32)}
+            if spectrum is not None:
+                qs["spectrum"] = (rng.standard_normal((b, HKV, G, 1, D)) * spectrum[None, :, None, None, :]).astype(np.float32)
+            fns = {"dense": lambda: sessions["dense"].run(None, {"q": qs["iid"], "kc": kc, "v": v}),
+                   "gqa": _gqa_runner(sessions["gqa"], b, t, rng)}
+            for dist, q in qs.items():
                 for r in ratios:
                     k = max(1, round(r * D))
                     if dist == "spectrum" and k == D:
                         continue
-                    aq = _median_time(lambda: sessions[k].run(None, {"q": q, "kc": kc, "v": v}), reps, budget)
+                    fns[(dist, r)] = (lambda s=sessions[k], q=q: s.run(None, {"q": q, "kc": kc, "v": v}))
+            med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
+            for dist, q in qs.items():
+                for r in ratios:
+                    k = max(1, round(r * D))
+                    if (dist, r) not in med:
+                        continue
                     u = _union_fraction(q, k)
+                    aq = med[(dist, r)]
                     rows.append({"T": t, "batch": b, "k_ratio": r, "k": k, "queries": dist, "union_fraction": round(u, 3),
-                                 "dense_over_aqua": round(dense_t / aq, 3), "gqa_over_aqua": round(gqa_t / aq, 3),
+                                 "dense_over_aqua": round(med["dense"] / aq, 3), "gqa_over_aqua": round(med["gqa"] / aq, 3),
                                  "byte_limit": round(2.0 / (1.0 + u), 3), "byte_limit_g1": round(2.0 / (1.0 + k / D), 3)})
                     print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
@@ -169,8 +177,9 @@ def main() -> int:
     return 0
 
 
-def _time_gqa(sess, b: int, t: int, rng, reps: int, budget: float) -> float:
-    """GQA appends one token to a past of t - 1 inside a shared past/present buffer of length t."""
+def _gqa_runner(sess, b: int, t: int, rng):
+    """GQA appends one token to a past of t - 1 inside a shared past/present buffer of length t
+    (onnxruntime-genai's decode setup)."""
     import onnxruntime as ort
 
     buf_k = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((b, HKV, t, D), dtype=np.float32))
@@ -186,7 +195,7 @@ def _time_gqa(sess, b: int, t: int, rng, reps: int, budget: float) -> float:
     io.bind_output("out")
     io.bind_ortvalue_output("present_k", buf_k)
     io.bind_ortvalue_output("present_v", buf_v)
-    return _median_time(lambda: sess.run_with_iobinding(io), reps, budget)
+    return lambda: sess.run_with_iobinding(io)
 
 
 if __name__ == "__main__":

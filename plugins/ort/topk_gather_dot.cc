@@ -9,9 +9,11 @@
 // copy of q^ and multiplies all r rows).
 //
 // Work split (ORT's intra-op thread pool): first the selection of every query row, then tasks of
-// (batch, kv head, block of S): each task accumulates the selected key row segments of all the
-// group's query rows into an L1-resident block (unit-stride multiply-add, vectorised by the
-// compiler). Blocking over S makes the group's heads share each key row segment read from DRAM.
+// (batch, kv head, block of 1024 positions). Within a task, query rows go in groups of up to 4: the
+// union of their selected coordinates is walked once, and each selected key row segment (1024
+// contiguous values) is loaded once and multiplied into all the group's L1-resident accumulators
+// (weight 0 where a row did not select that coordinate). The query heads of a GQA group share K^,
+// so the key cache is read once per group, restricted to the union of the group's selections.
 //
 // Built against the ONNX Runtime C API headers of Debian's libonnxruntime-dev (fetched at build
 // time, see plugins/ort/CMakeLists.txt); the C API is versioned, so this loads in newer runtimes.
@@ -35,7 +37,10 @@ namespace {
 
 constexpr const char* kDomain = "com.aqua";
 constexpr const char* kOpName = "TopKGatherDot";
-constexpr int64_t kBlock = 1024;  // floats of the score row kept hot while k key rows stream through
+#ifndef AQUA_BLOCK
+#define AQUA_BLOCK 2048
+#endif
+constexpr int64_t kBlock = AQUA_BLOCK;  // positions per task: each selected key row is read in runs of this length
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
@@ -102,6 +107,41 @@ struct ScoreJob {
   int64_t r, s, k, blocks;
 };
 
+constexpr int kRows = 4;  // query rows accumulated together
+
+// acc[r][0..n) += w[c][r] * key[c][0..n) for every c in the union: one pass over each selected key
+// row segment (n contiguous values, prefetch-friendly) feeds NR rows' L1-resident accumulators.
+template <int NR, typename T>
+void accumulate(const T* key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf, int64_t n,
+                float (*acc)[kBlock]) {
+  for (int rr = 0; rr < NR; ++rr) std::memset(acc[rr], 0, sizeof(float) * n);
+  int64_t u = 0;
+  // four key rows per pass: the accumulators are read and written once per four rows
+  for (; u + 4 <= nu; u += 4) {
+    const T* k0 = key + uni[u] * stride;
+    const T* k1 = key + uni[u + 1] * stride;
+    const T* k2 = key + uni[u + 2] * stride;
+    const T* k3 = key + uni[u + 3] * stride;
+    float w[4][NR];
+    for (int t = 0; t < 4; ++t) {
+      for (int rr = 0; rr < NR; ++rr) w[t][rr] = wbuf[uni[u + t] * kRows + rr];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float a0 = load(k0, i), a1 = load(k1, i), a2 = load(k2, i), a3 = load(k3, i);
+      for (int rr = 0; rr < NR; ++rr) acc[rr][i] += w[0][rr] * a0 + w[1][rr] * a1 + w[2][rr] * a2 + w[3][rr] * a3;
+    }
+  }
+  for (; u < nu; ++u) {
+    const T* kr = key + uni[u] * stride;
+    float w[NR];
+    for (int rr = 0; rr < NR; ++rr) w[rr] = wbuf[uni[u] * kRows + rr];
+    for (int64_t i = 0; i < n; ++i) {
+      const float kv = load(kr, i);
+      for (int rr = 0; rr < NR; ++rr) acc[rr][i] += w[rr] * kv;
+    }
+  }
+}
+
 template <typename T>
 void score_block(void* data, size_t task) {
   const auto& j = *static_cast<const ScoreJob<T>*>(data);
@@ -109,25 +149,42 @@ void score_block(void* data, size_t task) {
   const int64_t s0 = (static_cast<int64_t>(task) % j.blocks) * kBlock;
   const int64_t n = std::min(kBlock, j.s - s0);
   const T* key = j.kc + bh * j.r * j.s + s0;
-  alignas(64) float acc[kBlock];
-  for (int64_t row = bh * j.rows_per_kv; row < (bh + 1) * j.rows_per_kv; ++row) {
-    std::memset(acc, 0, sizeof(float) * n);
-    const int32_t* idx = j.sel + row * j.k;
-    const float* w = j.qsel + row * j.k;
-    for (int64_t t = 0; t < j.k; ++t) {
-      const T* krow = key + static_cast<int64_t>(idx[t]) * j.s;
-      const float wt = w[t];
-      if constexpr (std::is_same_v<T, float>) {
-        for (int64_t i = 0; i < n; ++i) acc[i] += wt * krow[i];
-      } else {
-        for (int64_t i = 0; i < n; ++i) acc[i] += wt * load(krow, i);
+  // per group of up to 4 query rows: their weights dense over r (0 where a row did not select the
+  // coordinate) and the union of their selections
+  std::vector<float> wbuf(static_cast<size_t>(kRows * j.r));
+  std::vector<int32_t> uni(static_cast<size_t>(j.r));
+  std::vector<char> mark(static_cast<size_t>(j.r));
+  alignas(64) static thread_local float acc[kRows][kBlock];
+  const int64_t first = bh * j.rows_per_kv, last = first + j.rows_per_kv;
+  for (int64_t row0 = first; row0 < last; row0 += kRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRows, last - row0));
+    std::fill(wbuf.begin(), wbuf.end(), 0.0f);
+    std::fill(mark.begin(), mark.end(), 0);
+    for (int rr = 0; rr < nr; ++rr) {
+      const int32_t* idx = j.sel + (row0 + rr) * j.k;
+      const float* w = j.qsel + (row0 + rr) * j.k;
+      for (int64_t t = 0; t < j.k; ++t) {
+        wbuf[static_cast<size_t>(idx[t]) * kRows + rr] = w[t];
+        mark[static_cast<size_t>(idx[t])] = 1;
       }
     }
-    T* out = j.out + row * j.s + s0;
-    if constexpr (std::is_same_v<T, float>) {
-      std::memcpy(out, acc, sizeof(float) * n);
-    } else {
-      for (int64_t i = 0; i < n; ++i) store(out, i, acc[i]);
+    int64_t nu = 0;
+    for (int64_t c = 0; c < j.r; ++c) {
+      if (mark[static_cast<size_t>(c)]) uni[static_cast<size_t>(nu++)] = static_cast<int32_t>(c);
+    }
+    switch (nr) {
+      case 1: accumulate<1>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
+      case 2: accumulate<2>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
+      case 3: accumulate<3>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
+      default: accumulate<4>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
+    }
+    for (int rr = 0; rr < nr; ++rr) {
+      T* out = j.out + (row0 + rr) * j.s + s0;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(out, acc[rr], sizeof(float) * n);
+      } else {
+        for (int64_t i = 0; i < n; ++i) store(out, i, acc[rr][i]);
+      }
     }
   }
 }
