@@ -37,8 +37,8 @@ def default_out(model_name: str, config: AquaConfig) -> Path:
     return Path("engines") / name
 
 
-def _stage(i: int, text: str) -> float:
-    print(f"[{i}/{STAGES}] {text}", flush=True)
+def _stage(i: int, text: str, total: int = STAGES) -> float:
+    print(f"[{i}/{total}] {text}", flush=True)
     return time.perf_counter()
 
 
@@ -50,10 +50,14 @@ def check_out_dir(out: Path) -> None:
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
           calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
-          dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64) -> Path:
+          dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64,
+          trt_limits: tuple[int, int, int] = (8, 4096, 1024)) -> Path:
+    """trt_limits: (max batch, max context, max prompt) of the TensorRT engine's optimization profiles."""
     if backend == "tensorrt":
-        raise ConfigError("--backend tensorrt is not available in this build yet: use --backend onnx")
-    if backend != "onnx":
+        from .tensorrt_backend import require_tensorrt
+
+        require_tensorrt()  # before any work: no TensorRT, one line and nothing written
+    elif backend != "onnx":
         raise ConfigError(f"unknown --backend {backend!r}: use onnx or tensorrt")
     dtypes = {"float32": torch.float32, "float16": torch.float16}
     if dtype not in dtypes:
@@ -165,7 +169,13 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         if not res["pass"]:
             raise ConfigError("parity failed (see numbers above): the export does not match the reference")
 
-        _stage(5, f"writing {out_dir}")
+        if backend == "tensorrt":
+            from .tensorrt_backend import build_engine
+
+            _stage(5, f"building the TensorRT engine (batch <= {trt_limits[0]}, context <= {trt_limits[1]}, "
+                      f"prompt <= {trt_limits[2]})", STAGES + 1)
+            build_engine(tmp, *trt_limits)
+        _stage(STAGES + (backend == "tensorrt"), f"writing {out_dir}", STAGES + (backend == "tensorrt"))
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

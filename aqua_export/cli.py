@@ -100,9 +100,12 @@ def cmd_run(a) -> int:
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    if a.backend != "onnx":
-        raise ConfigError("--backend tensorrt is not available in this build yet: use --backend onnx")
-    lm = OrtLM.from_folder(a.folder, kernel=a.kernel)
+    if a.backend == "tensorrt":
+        from .tensorrt_backend import engine_lm
+
+        lm = engine_lm(a.folder)
+    else:
+        lm = OrtLM.from_folder(a.folder, kernel=a.kernel)
     tok = load_tokenizer(a.folder)
     ids, mask = encode_prompts(tok, a.prompt, chat=a.chat)
     eos = tok.eos_token_id
@@ -163,13 +166,18 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--out", help="output folder (default engines/<model>-k<R>[-s<S>])")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
-    ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"])
+    ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
+                    help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
+    ap.add_argument("--trt-max-batch", type=int, default=8)
+    ap.add_argument("--trt-max-context", type=int, default=4096)
+    ap.add_argument("--trt-max-prompt", type=int, default=1024)
     ap.add_argument("--parity-steps", type=int, default=64)
     a = ap.parse_args(argv)
     from .build import build
 
     out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
-                calib_tokens=a.calib_tokens, out=a.out, dtype=a.dtype, backend=a.backend, parity_steps=a.parity_steps)
+                calib_tokens=a.calib_tokens, out=a.out, dtype=a.dtype, backend=a.backend, parity_steps=a.parity_steps,
+                trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt))
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
     return 0
 

@@ -3,7 +3,9 @@ plugin (plugins/tensorrt), same contract as the ONNX node and the native CPU ker
 
     query_hat [B, Hkv, g, T, r]   key_cache [B, Hkv, r, S] (dim-major K^)   ->   scores [B, Hkv, g, T, S]
 
-One program per (query row, block of S):
+Arguments are ordered (input pointers, int32 scalars, output pointer) then compile-time constants:
+the calling convention TensorRT's ahead-of-time plugin launch uses, so the same compiled kernel
+serves both hosts. One program per (query row, block of S):
 
     |q^| --pairwise rank (ties: lower index)--> keep = rank < k
     K^[rows, block] loaded under the mask `keep`  (masked lanes issue no memory traffic: k of r rows read)
@@ -26,12 +28,19 @@ import torch
 _KERNELS: dict[bool, object] = {}
 
 
+KERNEL_SIGNATURE = ("query_hat", "key_cache", "S", "rows_per_kv", "scores")  # the runtime arguments, in order
+
+
 def _kernel(interpret: bool):
     if interpret in _KERNELS:
         return _KERNELS[interpret]
+    # triton.jit decides at decoration time whether a kernel is interpreted; language functions follow
+    # the setting at first import, so the interpreter is selected before anything imports triton
+    previous = os.environ.get("TRITON_INTERPRET")
     if interpret:
-        # Triton reads this when it is first imported: set it before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
     try:
         import triton
         import triton.language as tl
@@ -39,7 +48,7 @@ def _kernel(interpret: bool):
         raise RuntimeError("the GPU kernel needs triton: pip install triton") from e
 
     @triton.jit
-    def topk_gather_dot_kernel(q_ptr, k_ptr, out_ptr, S, rows_per_kv,
+    def topk_gather_dot_kernel(q_ptr, k_ptr, S, rows_per_kv, out_ptr,
                                R: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
         row = tl.program_id(0)
         blk = tl.program_id(1)
@@ -57,8 +66,17 @@ def _kernel(interpret: bool):
         scores = tl.sum(tl.where(keep, q, 0.0)[:, None] * kb.to(tl.float32), axis=0)
         tl.store(out_ptr + row * S + s, scores.to(out_ptr.dtype.element_ty), mask=in_s)
 
+    if previous is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
     _KERNELS[interpret] = (topk_gather_dot_kernel, triton)
     return _KERNELS[interpret]
+
+
+def jit_kernel():
+    """The @triton.jit function itself (for ahead-of-time compilation by the TensorRT plugin)."""
+    return _kernel(False)[0]
 
 
 def block_sizes(r: int, s: int) -> tuple[int, int]:
@@ -88,5 +106,5 @@ def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, in
         return out
     block_r, block_s = block_sizes(r, s)
     grid = (b * hkv * g * t, triton.cdiv(s, block_s))
-    kernel[grid](q, kc, out, s, g * t, R=r, K=k, BLOCK_R=block_r, BLOCK_S=block_s)
+    kernel[grid](q, kc, s, g * t, out, R=r, K=k, BLOCK_R=block_r, BLOCK_S=block_s)
     return out

@@ -23,7 +23,7 @@ def proj(tmp_path, smollm_projection):
     (["--k-ratio", "0"], "k_ratio=0.0 is out of range"),
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
-    (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt is not available"),
+    (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt: TensorRT is not installed here"),
 ])
 def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
     rc = main(["--model", "llama", "--out", str(tmp_path / "o")] + args)

@@ -1,0 +1,110 @@
+"""The seed paper's break-even: AQUA pays O(d^2) per head and step to project q (q^ = qP) and saves
+O(T (d - k)) in the scores, so it wins for T > d^2 / (d - k). Measured here in ONNX Runtime:
+
+    AQUA   q --MatMul P--> q^ --TopKGatherDot(k)--> Softmax --MatMul V-->     (native kernel)
+    dense  q --MatMul K----------------------------> Softmax --MatMul V-->
+
+for T from 16 to 8192 (batch 1, the embedded model's 9 query / 3 KV heads, d = 64), interleaved
+medians. The measured crossover is the smallest T from which AQUA stays faster.
+    -> benchmarks/breakeven.json (tables in benchmarks/performance.md via tools/perf_report.py)
+
+Rerun: `.venv/bin/python tools/bench_breakeven.py` (about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_attention import D, G, HKV, _interleaved_medians  # noqa: E402
+
+from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
+
+CONTEXTS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+
+
+def _graph(k: int | None, P: np.ndarray):
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as H
+
+    from aqua_export.export import DOMAIN, OPSET_VERSION, OP_TYPE, _register_schema, function_body
+
+    _register_schema()
+    f = TensorProto.FLOAT
+    nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
+             H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]),
+             H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"])]
+    inits = []
+    if k is None:
+        nodes.append(H.make_node("MatMul", ["q", "kc_g"], ["s"]))
+    else:
+        inits.append(numpy_helper.from_array(P[:, None], "P"))  # [Hkv, 1, d, d]
+        nodes += [H.make_node("MatMul", ["q", "P"], ["q_hat"]),
+                  H.make_node(OP_TYPE, ["q_hat", "kc"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
+                              plugin_version="1")]
+    nodes += [H.make_node("Softmax", ["s"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
+    ins = [H.make_tensor_value_info("q", f, [1, HKV, G, 1, D]), H.make_tensor_value_info("kc", f, [1, HKV, D, "T"]),
+           H.make_tensor_value_info("v", f, [1, HKV, "T", D])]
+    g = H.make_graph(nodes, "breakeven", ins, [H.make_tensor_value_info("out", f, None)], initializer=inits)
+    return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                        functions=[function_body(20)], ir_version=10)
+
+
+def crossover(ts: list[int], ratios: list[float]) -> int | None:
+    """Smallest T from which every measured ratio (dense time / AQUA time) is above 1."""
+    for i, t in enumerate(ts):
+        if all(r > 1 for r in ratios[i:]):
+            return t
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k-ratios", default="0.75,0.5,0.25")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    a = ap.parse_args()
+    from aqua_export.runtime import make_session, native_library
+
+    if native_library() is None:
+        print("the native kernel is not built: run `make plugin`", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
+    ks = [max(1, round(float(r) * D)) for r in a.k_ratios.split(",")]
+    sessions = {"dense": make_session(_graph(None, P).SerializeToString(), a.threads, "function", spin=False)}
+    for k in ks:
+        sessions[k] = make_session(_graph(k, P).SerializeToString(), a.threads, "native", spin=False)
+    q = rng.standard_normal((1, HKV, G, 1, D), dtype=np.float32)
+    ratios = {k: [] for k in ks}
+    for t in CONTEXTS:
+        kc = rng.standard_normal((1, HKV, D, t), dtype=np.float32)
+        v = rng.standard_normal((1, HKV, t, D), dtype=np.float32)
+        feed = {"q": q, "kc": kc, "v": v}
+        med = _interleaved_medians({name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items()},
+                                   a.reps, 10.0)
+        for k in ks:
+            ratios[k].append(med["dense"] / med[k])
+        print(t, {k: round(ratios[k][-1], 3) for k in ks}, flush=True)
+    rows = [{"k": k, "k_ratio": k / D, "predicted_T": D * D / (D - k), "measured_crossover_T": crossover(list(CONTEXTS), ratios[k]),
+             "dense_over_aqua_by_T": dict(zip(map(str, CONTEXTS), [round(x, 3) for x in ratios[k]]))} for k in ks]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": a.threads, "reps": a.reps, "batch": 1, "geometry": {"heads": HKV * G, "kv_heads": HKV, "head_dim": D}}
+    atomic_write_bytes(out / "breakeven.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
