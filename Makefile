@@ -44,4 +44,6 @@ quality: setup
 bench: setup
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/python tools/bench_attention.py
+	$(BIN)/python tools/bench_breakeven.py
 	$(BIN)/python tools/bench_decode.py
+	$(BIN)/python tools/perf_report.py

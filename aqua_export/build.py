@@ -37,6 +37,15 @@ def default_out(model_name: str, config: AquaConfig) -> Path:
     return Path("engines") / name
 
 
+KV_CACHE_WHY = {
+    "shared": ("past_key_values.{i}.* and present.{i}.* are one buffer of capacity C (bound to both with IOBinding); "
+               "the graph writes the new entries at cache_position (ScatterElements, done in place) and attends "
+               "over the C slots with attention_mask [B, C] masking the unused ones: no copy of the cache per "
+               "step (runtime.SharedCache grows C in steps of 256)"),
+    "concat": "present = Concat(past, new): new tensors every step (simple I/O; H2O and TensorRT use it)",
+}
+
+
 def _stage(i: int, text: str, total: int = STAGES) -> float:
     print(f"[{i}/{total}] {text}", flush=True)
     return time.perf_counter()
@@ -51,8 +60,18 @@ def check_out_dir(out: Path) -> None:
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
           calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
           dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64,
-          trt_limits: tuple[int, int, int] = (8, 4096, 1024)) -> Path:
-    """trt_limits: (max batch, max context, max prompt) of the TensorRT engine's optimization profiles."""
+          trt_limits: tuple[int, int, int] = (8, 4096, 1024), kv_cache: str = "auto") -> Path:
+    """trt_limits: (max batch, max context, max prompt) of the TensorRT engine's optimization profiles.
+    kv_cache: "shared" (past/present one buffer, updated in place by ONNX Runtime), "concat" (present =
+    past + new), "auto" = shared unless H2O (which compacts its cache) or TensorRT (engine I/O is concat)."""
+    if kv_cache == "auto":
+        kv_cache = "concat" if config.h2o_ratio < 1 or backend == "tensorrt" else "shared"
+    if kv_cache not in ("concat", "shared"):
+        raise ConfigError(f"unknown --kv-cache {kv_cache!r}: use auto, shared or concat")
+    if kv_cache == "shared" and config.h2o_ratio < 1:
+        raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat (or auto) with --h2o-ratio")
+    if kv_cache == "shared" and backend == "tensorrt":
+        raise ConfigError("the TensorRT engine runner uses --kv-cache concat: drop --kv-cache shared")
     if backend == "tensorrt":
         from .tensorrt_backend import require_tensorrt
 
@@ -89,7 +108,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         t0 = _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})")
         from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
 
-        proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=dtypes[dtype])
+        proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=dtypes[dtype], kv_cache=kv_cache)
         t_export = time.perf_counter() - t0
         tok.save_pretrained(tmp)
         geo = models.attention_geometry(model)
@@ -104,7 +123,8 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
             "fingerprint": models.fingerprint(model),
             "geometry": geo,
             "dtype": dtype,
-            "cache": {"width": config.retained_width(d), "selected": config.selected_width(d),
+            "cache": {"width": config.retained_width(d), "selected": config.selected_width(d), "kv_cache": kv_cache,
+                      "kv_cache_why": KV_CACHE_WHY[kv_cache],
                       "key_layout": "[batch, kv_heads, r, past] dim-major K^ = RoPE(k) @ P[:, :r]",
                       "value_layout": "[batch, kv_heads, past, r] values in P_v's basis (folded into W_V / W_O)",
                       "why_dim_major": LAYOUT_WHY,
@@ -118,7 +138,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
                          if config.h2o_ratio < 1 else {})},
             "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
                          "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
-            "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], config.h2o_ratio < 1))),
+            "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], config.h2o_ratio < 1, kv_cache == "shared"))),
             "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
                        "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
             "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,

@@ -168,6 +168,9 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                     help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
+    ap.add_argument("--kv-cache", default="auto", choices=["auto", "shared", "concat"],
+                    help="shared: past/present one buffer updated in place (fast decode); concat: present = past + "
+                         "new; auto: shared unless --h2o-ratio or --backend tensorrt")
     ap.add_argument("--trt-max-batch", type=int, default=8)
     ap.add_argument("--trt-max-context", type=int, default=4096)
     ap.add_argument("--trt-max-prompt", type=int, default=1024)
@@ -177,7 +180,7 @@ def build_main(argv: list[str]) -> int:
 
     out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, dtype=a.dtype, backend=a.backend, parity_steps=a.parity_steps,
-                trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt))
+                trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), kv_cache=a.kv_cache)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
     return 0
 

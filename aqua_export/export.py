@@ -33,6 +33,7 @@ OP_TYPE = "TopKGatherDot"
 PLUGIN_NAMESPACE = "aqua"
 PLUGIN_VERSION = "1"
 OPSET_VERSION = 1
+KV_CACHE_MODES = ("concat", "shared")
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ class AquaAttentionExport(nn.Module):
         # pass 3: P cannot fold into W_Q/W_K under RoPE; it is applied after the rotation
         self.register_buffer("P_r", P[:, :, :r].contiguous().clone(), persistent=False)
 
-    def forward(self, x, cos, sin, mask_add, past_k, past_v):
+    def forward(self, x, cos, sin, mask_add, past_k, past_v, cache_position=None):
         """x [B, T, D]; cos/sin [B, T, d]; mask_add [B, 1 or Hkv, 1, T, S]; past_k [B, Hkv, r, P]; past_v [B, Hkv, P, r].
 
         Returns (attention output [B, T, D], present key, present value, weights [B, Hkv, T, S] summed over g)."""
@@ -117,8 +118,14 @@ class AquaAttentionExport(nn.Module):
         k = k * c + _rotate_half(k) * s
         qh = q.reshape(b, self.hkv, self.g, t, self.d) @ self.P_r[None, :, None]
         kh = (k @ self.P_r[None]).transpose(-1, -2)
-        key_cache = torch.cat([past_k, kh], dim=-1)
-        value_cache = torch.cat([past_v, v], dim=2)
+        if cache_position is None:
+            key_cache = torch.cat([past_k, kh], dim=-1)
+            value_cache = torch.cat([past_v, v], dim=2)
+        else:
+            # shared buffer: write the new entries into their slots (ScatterElements); with past and present
+            # bound to one buffer ONNX Runtime updates it in place instead of copying the cache every step
+            key_cache = past_k.scatter(3, cache_position[None, None, None, :].expand(b, self.hkv, self.r, t), kh)
+            value_cache = past_v.scatter(2, cache_position[None, None, :, None].expand(b, self.hkv, t, self.r), v)
         scores = topk_gather_dot_op()(qh, key_cache, self.k) + mask_add
         w = torch.softmax(scores, dim=-1)
         out = w @ value_cache[:, :, None]  # [B, Hkv, g, T, r]
@@ -135,8 +142,15 @@ def _rotate_half(x):
 class AquaExportModel(nn.Module):
     """A causal LM with AQUA attention and flat KV-cache I/O, built from an HF model."""
 
-    def __init__(self, model, projection: Projection, config: AquaConfig):
+    def __init__(self, model, projection: Projection, config: AquaConfig, kv_cache: str = "concat"):
+        """kv_cache: "concat" (present = past + new, new tensors every step) or "shared" (past and present are
+        one buffer of a capacity the runtime chooses; new entries are written at cache_position)."""
         super().__init__()
+        if kv_cache not in KV_CACHE_MODES:
+            raise ConfigError(f"--kv-cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
+        if kv_cache == "shared" and config.h2o_ratio < 1:
+            raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat with --h2o-ratio")
+        self.kv_cache = kv_cache
         architecture_of(model.config)
         projection.check_model(model)
         if config.selection != "magnitude":
@@ -169,9 +183,13 @@ class AquaExportModel(nn.Module):
             for i, layer in enumerate(model.model.layers))
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
-        """past = (key_0, value_0, key_1, value_1, ...), or with H2O (key_0, value_0, valid_0, ...).
+        """past = (key_0, value_0, key_1, value_1, ...), or with H2O (key_0, value_0, valid_0, ...), or with the
+        shared cache (cache_position, key_0, value_0, ...).
 
         Returns (logits, present key_0, value_0, ...[, attention_weights_0, ...] with H2O)."""
+        cache_position = None
+        if self.kv_cache == "shared":
+            cache_position, past = past[0], past[1:]
         x = self.embed(input_ids)
         b, t = input_ids.shape
         s = attention_mask.shape[1]
@@ -179,9 +197,10 @@ class AquaExportModel(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * self.rope_scale).to(x.dtype), (emb.sin() * self.rope_scale).to(x.dtype)
         neg = torch.finfo(x.dtype).min
-        # causal + padding: key j is visible to query i iff j <= (S - T) + i and attention_mask[b, j] == 1
+        # causal + padding: key j is visible to query i iff j <= (S - T) + i (concat) or j <= cache_position[i]
+        # (shared buffer), and attention_mask[b, j] == 1
         j = torch.arange(s, device=x.device)
-        qpos = torch.arange(t, device=x.device) + (s - t)
+        qpos = torch.arange(t, device=x.device) + (s - t) if cache_position is None else cache_position
         ok = (j[None, :] <= qpos[:, None])[None] & attention_mask[:, None, :].to(torch.bool)
         mask_add = torch.where(ok, 0.0, neg).to(x.dtype)[:, None, None]  # [B, 1, 1, T, S]
         n = 3 if self.h2o else 2
@@ -194,7 +213,7 @@ class AquaExportModel(nn.Module):
                 p = valid.shape[-1]
                 past_add = torch.where(valid, 0.0, neg).to(x.dtype)[:, :, None, None, :].expand(-1, -1, 1, t, -1)
                 m = torch.cat([past_add, mask_add[..., p:].expand(-1, valid.shape[1], -1, -1, -1)], dim=-1)
-            a, kc, vc, w = self.attn[i](self.ln1[i](x), cos, sin, m, past[n * i], past[n * i + 1])
+            a, kc, vc, w = self.attn[i](self.ln1[i](x), cos, sin, m, past[n * i], past[n * i + 1], cache_position)
             x = x + a
             x = x + self.mlp[i](self.ln2[i](x))
             presents += [kc, vc]
@@ -211,10 +230,11 @@ class AquaExportModel(nn.Module):
         return out
 
 
-def io_names(layers: int, h2o: bool = False) -> tuple[list[str], list[str]]:
+def io_names(layers: int, h2o: bool = False, shared: bool = False) -> tuple[list[str], list[str]]:
     """Graph input and output names. H2O adds past_key_values.{i}.valid [B, Hkv, P] (bool) and
-    attention_weights.{i} [B, Hkv, T, P+T] (softmax summed over the group's query heads)."""
-    ins = ["input_ids", "attention_mask", "position_ids"]
+    attention_weights.{i} [B, Hkv, T, P+T] (softmax summed over the group's query heads); the shared
+    cache adds cache_position [T] (the buffer slots the new tokens are written to)."""
+    ins = ["input_ids", "attention_mask", "position_ids"] + (["cache_position"] if shared else [])
     outs = ["logits"]
     for i in range(layers):
         ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"] + ([f"past_key_values.{i}.valid"] if h2o else [])
@@ -308,7 +328,8 @@ def _translate(query_hat, key_cache, k: int):
                               plugin_version=PLUGIN_VERSION)
 
 
-def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32):
+def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
+                kv_cache: str = "concat"):
     """Export to ``path`` (written by the caller into a temporary folder). Returns the ONNX ModelProto."""
     import onnx
 
@@ -317,15 +338,16 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         import copy
 
         model = copy.deepcopy(model)  # the export module shares norms/MLP/embeddings with the model it wraps
-    em = AquaExportModel(model, projection, config).to(dtype).eval()
+    em = AquaExportModel(model, projection, config, kv_cache).to(dtype).eval()
     geo = em.geo
-    ins, outs = io_names(geo["layers"], em.h2o)
+    shared = kv_cache == "shared"
+    ins, outs = io_names(geo["layers"], em.h2o, shared)
     # example sizes >= 2 everywhere, or the exporter freezes them (DESIGN.md 4)
     b, t, p = 2, 3, 4
     ids = torch.randint(3, model.config.vocab_size, (b, t))
     mask = torch.ones(b, p + t, dtype=torch.long)
     pos = torch.arange(p, p + t)[None].expand(b, t).contiguous()
-    past = []
+    past = [torch.arange(1, 1 + t)] if shared else []  # shared: a buffer of p slots, tokens written at 1..t
     for _ in range(geo["layers"]):
         past += [torch.randn(b, geo["kv_heads"], em.r, p, dtype=dtype), torch.randn(b, geo["kv_heads"], p, em.r, dtype=dtype)]
         if em.h2o:
@@ -333,7 +355,10 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     # named batch / sequence / past; AUTO lets torch.export derive attention_mask = past + sequence
     B, T, P = (torch.export.Dim(n, min=1) for n in ("batch", "sequence", "past"))
     S = torch.export.Dim.AUTO
-    dyn_past = []
+    if shared:
+        mask = torch.ones(b, p, dtype=torch.long)
+        S = P  # the mask covers the buffer
+    dyn_past = [{0: T}] if shared else []
     for _ in range(geo["layers"]):
         dyn_past += [{0: B, 3: P}, {0: B, 2: P}] + ([{0: B, 2: P}] if em.h2o else [])
     dynamic_shapes = ({0: B, 1: T}, {0: B, 1: S}, {0: B, 1: T}, tuple(dyn_past))  # *past: a tuple (DESIGN.md 7)

@@ -114,6 +114,9 @@ class OrtLM:
         # the graph's inputs say whether it takes per-head validity (an H2O export); a ratio of 1 on such a
         # graph runs it without eviction
         self.h2o = any(i.name.endswith(".valid") for i in session.get_inputs())
+        # a shared-buffer graph (export kv_cache="shared") takes cache_position; its cache is a SharedCache
+        self.shared = any(i.name == "cache_position" for i in session.get_inputs())
+        self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
         self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
 
@@ -130,6 +133,8 @@ class OrtLM:
         out = []
         for _ in range(self.layers):
             out += [np.zeros((batch, self.kv_heads, self.r, 0), self.dtype), np.zeros((batch, self.kv_heads, 0, self.r), self.dtype)]
+        if self.shared:
+            return SharedCache(batch, self.layers, self.kv_heads, self.r, self.dtype)
         return H2OCache(out, self.kv_heads, self.h2o_ratio, log, force) if self.h2o else out
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
@@ -137,6 +142,8 @@ class OrtLM:
         padding 0); past as from empty_past. Returns (logits [B, T, V], present)."""
         if self.h2o:
             return self._step_h2o(input_ids, attention_mask, position_ids, past)
+        if self.shared:
+            return self._step_shared(input_ids, attention_mask, position_ids, past)
         self.last_extra = []
         out = self._run(input_ids, attention_mask, position_ids, past, [])
         return out[0], out[1:1 + 2 * self.layers]
@@ -152,6 +159,31 @@ class OrtLM:
         out = self.session.run(None, feed)
         self.last_extra.append(out[self.n_outputs:])
         return out
+
+    def _step_shared(self, input_ids, attention_mask, position_ids, cache: "SharedCache"):
+        """past and present bound to the same buffers (IOBinding): the graph writes the new entries in place."""
+        b, t = input_ids.shape
+        cache.reserve(cache.length + t)
+        mask = np.zeros((b, cache.capacity), np.int64)
+        mask[:, : cache.length + t] = attention_mask[:, -(cache.length + t):]
+        io = self.session.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        io.bind_cpu_input("attention_mask", mask)
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        io.bind_cpu_input("cache_position", np.arange(cache.length, cache.length + t, dtype=np.int64))
+        io.bind_output("logits")
+        extra = self.output_names[self.n_outputs:]
+        for name in extra:  # debug outputs beyond the contract (parity's TopK indices)
+            io.bind_output(name)
+        for i in range(self.layers):
+            for kind, buf in (("key", cache.keys[i]), ("value", cache.values[i])):
+                io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
+                io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
+        self.session.run_with_iobinding(io)
+        outs = io.get_outputs()
+        cache.length += t
+        self.last_extra = [[o.numpy() for o in outs[1:1 + len(extra)]]]
+        return outs[0].numpy(), cache
 
     def _step_h2o(self, input_ids, attention_mask, position_ids, cache: "H2OCache"):
         b, t = input_ids.shape
@@ -194,6 +226,51 @@ class OrtLM:
             last_pos = last_pos + 1
             logits, past = self.step(nxt[:, None], mask, last_pos, past)
         return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)
+
+
+class SharedCache:
+    """KV buffers shared by a graph's past and present (export kv_cache="shared"), as OrtValues.
+
+    keys   per layer [B, Hkv, r, C] dim-major; values per layer [B, Hkv, C, r]; C the capacity, of which
+    the first ``length`` slots hold tokens. The capacity grows in steps of GROW slots (one copy each
+    time); the graph attends over all C slots with the unused ones masked, so C stays close to length.
+    """
+
+    GROW = 256
+
+    def __init__(self, batch: int, layers: int, kv_heads: int, r: int, dtype):
+        self.batch, self.layers, self.kv_heads, self.r, self.dtype = batch, layers, kv_heads, r, dtype
+        self.capacity = self.length = 0
+        self.keys: list = []  # OrtValues over the arrays below (no copy: ORT writes into these arrays)
+        self.values: list = []
+        self.key_arrays: list[np.ndarray] = []
+        self.value_arrays: list[np.ndarray] = []
+
+    def reserve(self, needed: int) -> None:
+        import onnxruntime as ort
+
+        if needed <= self.capacity:
+            return
+        cap = -(-needed // self.GROW) * self.GROW
+        ka, va = [], []
+        for i in range(self.layers):
+            k = np.zeros((self.batch, self.kv_heads, self.r, cap), self.dtype)
+            v = np.zeros((self.batch, self.kv_heads, cap, self.r), self.dtype)
+            if self.length:
+                k[..., : self.length] = self.key_arrays[i][..., : self.length]
+                v[:, :, : self.length] = self.value_arrays[i][:, :, : self.length]
+            ka.append(k)
+            va.append(v)
+        self.key_arrays, self.value_arrays, self.capacity = ka, va, cap
+        self.keys = [ort.OrtValue.ortvalue_from_numpy(a) for a in ka]
+        self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in va]
+
+    def tensors(self) -> list[np.ndarray]:
+        """[key_0, value_0, ...] trimmed to the filled length (copies; for inspection and tests)."""
+        out = []
+        for k, v in zip(self.key_arrays, self.value_arrays):
+            out += [k[..., : self.length].copy(), v[:, :, : self.length].copy()]
+        return out
 
 
 class H2OCache:

@@ -389,3 +389,30 @@ def engine_lm(folder: str | Path):
 
     return OrtLM(TrtSession(folder), read_config(folder))
 
+
+
+def _polygraphy_main(argv: list[str]) -> int:
+    """`python -m aqua_export.tensorrt_backend polygraphy ARGS...`: Polygraphy with the plugin registered
+    in its process (TensorRT Python plugins live in the process that builds the engine)."""
+    import sys
+
+    register_plugin()
+    try:
+        from polygraphy.tools._main import main as polygraphy
+    except ImportError:
+        raise ConfigError("Polygraphy is not installed: pip install polygraphy") from None
+    sys.argv = ["polygraphy", *argv]
+    return int(polygraphy() or 0)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2 or sys.argv[1] != "polygraphy":
+        print("usage: python -m aqua_export.tensorrt_backend polygraphy run MODEL --onnxrt --trt ...", file=sys.stderr)
+        sys.exit(2)
+    try:
+        sys.exit(_polygraphy_main(sys.argv[2:]))
+    except ConfigError as e:
+        print(f"aqua-export: error: {e}", file=sys.stderr)
+        sys.exit(2)

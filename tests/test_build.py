@@ -103,3 +103,28 @@ def test_float16_build(tmp_path, proj):
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
     key = next(i for i in m.graph.input if i.name == "past_key_values.0.key")
     assert key.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+
+
+@pytest.mark.slow
+def test_memory_h2o_build(tmp_path, proj):
+    """AQUA-Memory and AQUA-H2O together on the embedded model: narrow cache, eviction in the runtime, parity
+    under ORT's selection and ORT's evictions replayed, native kernel against the function body."""
+    out = tmp_path / "mh"
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--slice-ratio", "0.25", "--h2o-ratio", "0.5",
+                 "--projection", str(proj), "--out", str(out), "--parity-steps", "16"]) == 0
+    cfg = json.loads((out / "aqua_config.json").read_text())
+    assert cfg["cache"]["width"] == 48 and cfg["cache"]["h2o"]["ratio"] == 0.5
+    assert "past_key_values.0.valid" in cfg["io"]["inputs"] and "attention_weights.29" in cfg["io"]["outputs"]
+    par = json.loads((out / "parity.json").read_text())
+    assert par["pass"]
+    fr = par["ort_vs_reference"]
+    assert fr["max_abs_logit_diff_prefill"] <= 1e-3 and fr["max_abs_logit_diff_decode"] <= 1e-3 and fr["greedy_identical"]
+    ev = par["eviction"]
+    assert ev["decisions"] == (256 + 16) * 30 * 3 and ev["max_gap_of_differing"] <= 1e-4
+    from aqua_export.runtime import native_library
+
+    if native_library() is not None:
+        assert par["kernel"] == "native" and par["native_vs_function_body"]["greedy_identical"]
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    key = next(i for i in m.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
+    assert key[2].dim_value == 48

@@ -12,9 +12,11 @@ from aqua_export.runtime import OrtLM, make_session
 
 from helpers import left_padded, tiny_projection
 
-CONFIGS = [AquaConfig(), AquaConfig(k_ratio=0.5), AquaConfig(k_ratio=0.75, slice_ratio=0.25),
-           AquaConfig(k_ratio=0.75, h2o_ratio=0.5)]
-IDS = ["dense", "k0.5", "memory", "h2o"]
+# (AQUA settings, kv_cache mode of the export)
+CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
+           (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "concat"), (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), "concat"),
+           (AquaConfig(), "shared"), (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "shared")]
+IDS = ["dense", "k0.5", "memory", "h2o", "dense-shared", "memory-shared"]
 
 
 def _cfg(model, config):
@@ -30,17 +32,17 @@ def exported(tmp_path_factory):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp)
     out = {}
-    for cfg in CONFIGS:
-        path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}.onnx"
-        proto = export_onnx(m, proj, cfg, path)
-        out[cfg] = (path, proto)
+    for cfg, kv in CONFIGS:
+        path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}-{cfg.h2o_ratio}-{kv}.onnx"
+        proto = export_onnx(m, proj, cfg, path, kv_cache=kv)
+        out[cfg, kv] = (path, proto)
     return m, proj, out
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
-def test_graph_contract(exported, cfg):
+@pytest.mark.parametrize("cfg,kv", CONFIGS, ids=IDS)
+def test_graph_contract(exported, cfg, kv):
     m, _, out = exported
-    path, proto = out[cfg]
+    path, proto = out[cfg, kv]
     nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
     assert len(nodes) == 2  # exactly one per layer
     assert [n.name for n in nodes] == ["/model/layers.0/attn/TopKGatherDot", "/model/layers.1/attn/TopKGatherDot"]
@@ -50,7 +52,7 @@ def test_graph_contract(exported, cfg):
         assert attrs == {"k": k, "plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
     assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, OP_TYPE)]
     assert proto.ir_version <= 10
-    ins, outs = io_names(2, h2o=cfg.h2o_ratio < 1)
+    ins, outs = io_names(2, h2o=cfg.h2o_ratio < 1, shared=kv == "shared")
     assert [i.name for i in proto.graph.input] == ins and [o.name for o in proto.graph.output] == outs
     # the cache really has width r (dim-major keys), dynamic batch / past
     key = next(i for i in proto.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
@@ -65,8 +67,8 @@ def test_graph_contract(exported, cfg):
 
 
 @pytest.mark.parametrize("kernel", ["function", "native"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
-def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kernel):
+@pytest.mark.parametrize("cfg,kv", CONFIGS, ids=IDS)
+def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv, kernel):
     """ORT (function body, or the native kernel) vs the PyTorch reference, batch 2 left-padded, 6 decode steps.
 
     H2O: budget ceil(0.5 n) per sequence, so eviction starts at the first token and the ORT cache is
@@ -77,7 +79,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, ker
     if kernel == "native" and native_library() is None:
         pytest.skip("native kernel not built (run `make plugin`)")
     m, proj, out = exported
-    path, _ = out[cfg]
+    path, _ = out[cfg, kv]
     lm = OrtLM(make_session(path, kernel=kernel), _cfg(m, cfg))
     ids, mask = left_padded(128, [11, 6])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
@@ -87,6 +89,11 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, ker
         # 11 and 6 real tokens -> 6 and 3 kept per head; the shared length is the largest kept count
         assert past.length == 6 and [v.sum(-1).tolist() for v in past.valid[:1]] == [[[6, 6], [3, 3]]]
         assert past.kv[0].shape == (2, 2, r, 6) and past.n_real.tolist() == [11, 6]
+    elif kv == "shared":
+        # one buffer per layer, written in place: capacity in steps of 256, 11 slots filled
+        assert lm.shared and past.capacity == 256 and past.length == 11
+        assert past.key_arrays[0].shape == (2, 2, r, 256) and past.value_arrays[0].shape == (2, 2, 256, r)
+        buffers = [a.ctypes.data for a in past.key_arrays]
     else:
         assert past[0].shape == (2, 2, r, 11) and past[1].shape == (2, 2, 11, r)
     with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
@@ -105,6 +112,13 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, ker
                     position_ids=torch.from_numpy(tpos), past_key_values=cache).logits
             assert np.abs(logits - ref.numpy()).max() <= 1e-4
     assert tuple(cache.layers[0].keys.shape[-1:]) == (r,)
+    if kv == "shared":
+        # the same buffers, updated in place, hold what the reference cache holds
+        assert [a.ctypes.data for a in past.key_arrays] == buffers and past.length == 17
+        if cfg.k_ratio < 1:  # (the dense export uses the identity for P, the reference the calibrated P)
+            ref_k = cache.layers[1].keys.transpose(-1, -2).numpy()
+            real_slots = tmask.astype(bool)[:, None, None, :]  # padding slots hold whatever a masked row computes
+            assert np.abs(past.tensors()[2] - ref_k)[np.broadcast_to(real_slots, ref_k.shape)].max() <= 1e-5
     if cfg.h2o_ratio < 1:
         # both sides evicted the same tokens: per (batch, head) the same number of live slots
         for i, layer in enumerate(cache.layers):
@@ -113,7 +127,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, ker
 
 def test_dense_export_uses_identity_projection_and_matches_hf(exported):
     m, _, out = exported
-    path, _ = out[AquaConfig()]
+    path, _ = out[AquaConfig(), "concat"]
     lm = OrtLM(make_session(path), _cfg(m, AquaConfig()))
     ids, mask = left_padded(128, [9, 9])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
@@ -154,6 +168,10 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
     proj = tiny_projection(m, tmp_path)
     with pytest.raises(ConfigError, match="selection='magnitude'"):
         AquaExportModel(m, proj, AquaConfig(k_ratio=0.5, selection="static"))
+    with pytest.raises(ConfigError, match="use --kv-cache concat"):
+        AquaExportModel(m, proj, AquaConfig(h2o_ratio=0.5), kv_cache="shared")
+    with pytest.raises(ConfigError, match="--kv-cache must be one of"):
+        AquaExportModel(m, proj, AquaConfig(), kv_cache="paged")
     with pytest.raises(ConfigError, match="another model"):
         AquaExportModel(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
 
@@ -163,7 +181,7 @@ def test_ort_generate_equals_reference_generate(exported):
 
     m, proj, out = exported
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25)
-    path, _ = out[cfg]
+    path, _ = out[cfg, "shared"]
     lm = OrtLM(make_session(path), _cfg(m, cfg))
     ids, mask = left_padded(128, [10, 4])
     streamed = []

@@ -67,3 +67,16 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     _, _, _, cache = _ort_trace(lm, ids, 4, force=wrong)
     s = _flip_summary(cache.flips, {"near_tie": 1e-4})
     assert s["decisions_differing"] > 0 and not s["pass"]
+
+
+def test_parity_of_a_shared_buffer_export(tmp_path):
+    """The shared-buffer graph (past and present one buffer) through the same harness, forced selection included."""
+    m = models.tiny_model("llama")
+    proj = tiny_projection(m, tmp_path)
+    cfg = AquaConfig(k_ratio=0.5)
+    proto = export_onnx(m, proj, cfg, tmp_path / "s.onnx", kv_cache="shared")
+    lm = OrtLM(make_session(tmp_path / "s.onnx", kernel=KERNEL), _folder_cfg(m, cfg))
+    assert lm.shared
+    res = run_parity(lm, m, CharTokenizer(), proj, cfg, proto, prompt_tokens=40, steps=6, kernel=KERNEL)
+    assert res["pass"], res
+    assert res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-4 and res["selection"]["rows"] > 0

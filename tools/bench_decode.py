@@ -4,6 +4,7 @@
 
 Variants (all exported from the same SmolLM2-135M checkpoint and projection, float32, CPU):
     dense                 this project's export at k_ratio 1 (identity P, TopKGatherDot at k = d)
+    *-shared              the same with --kv-cache shared: past and present one buffer, updated in place
     aqua-k0.75 / -k0.5    standalone AQUA
     memory-s0.25-k0.75    AQUA-Memory: K and V cached 48 wide instead of 64
     h2o-0.5-k0.75         AQUA-H2O keeping half the tokens (the cache holds ceil(0.5 n) slots)
@@ -13,8 +14,9 @@ Variants (all exported from the same SmolLM2-135M checkpoint and projection, flo
 Protocol: a context of C tokens is put in the cache directly (random values of the cache's shape:
 decode cost depends on shapes, not values, and this skips a C x batch prefill that would take
 minutes on 2 cores), then decode steps are timed one by one; tokens/s = batch / median step time.
-Each (variant, context, batch) runs in a fresh process, so its peak resident memory (ru_maxrss:
-weights + cache + ORT's buffers) is its own. Every figure in the tables is a ratio to the dense
+Each (variant, context, batch) runs in a fresh process: "decode memory" is the largest resident
+set seen right after a decode step (weights, cache, ORT's buffers), "peak" the process's high-water
+mark (ru_maxrss, which also counts session creation). Every figure in the tables is a ratio to the dense
 export measured in the same run.
 
 Rerun: `make bench` (or `.venv/bin/python tools/bench_decode.py`); needs `pip install -e .[bench]`
@@ -41,12 +43,17 @@ sys.path.insert(0, str(ROOT))
 from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
 
 WORK = ROOT / "build" / "bench"
+# name -> (AquaConfig fields, kv_cache mode of the export)
 VARIANTS = {
-    "dense": dict(k_ratio=1.0),
-    "aqua-k0.75": dict(k_ratio=0.75),
-    "aqua-k0.5": dict(k_ratio=0.5),
-    "memory-s0.25-k0.75": dict(k_ratio=0.75, slice_ratio=0.25),
-    "h2o-0.5-k0.75": dict(k_ratio=0.75, h2o_ratio=0.5),
+    "dense": (dict(k_ratio=1.0), "concat"),
+    "aqua-k0.75": (dict(k_ratio=0.75), "concat"),
+    "aqua-k0.5": (dict(k_ratio=0.5), "concat"),
+    "memory-s0.25-k0.75": (dict(k_ratio=0.75, slice_ratio=0.25), "concat"),
+    "h2o-0.5-k0.75": (dict(k_ratio=0.75, h2o_ratio=0.5), "concat"),
+    "dense-shared": (dict(k_ratio=1.0), "shared"),
+    "aqua-k0.75-shared": (dict(k_ratio=0.75), "shared"),
+    "aqua-k0.5-shared": (dict(k_ratio=0.5), "shared"),
+    "memory-s0.25-k0.75-shared": (dict(k_ratio=0.75, slice_ratio=0.25), "shared"),
 }
 
 
@@ -81,9 +88,10 @@ def export_all(names) -> None:
             model, _ = models.load("llama")
             proj = _projection()
         out.parent.mkdir(parents=True, exist_ok=True)
-        cfg = AquaConfig(**VARIANTS[name])
+        fields, kv_cache = VARIANTS[name]
+        cfg = AquaConfig(**fields)
         t0 = time.perf_counter()
-        export_onnx(model, proj, cfg, out.with_suffix(".tmp.onnx"))
+        export_onnx(model, proj, cfg, out.with_suffix(".tmp.onnx"), kv_cache=kv_cache)
         out.with_suffix(".tmp.onnx").replace(out)
         geo = models.attention_geometry(model)
         d = geo["head_dim"]
@@ -101,8 +109,9 @@ def _export_genai() -> None:
 
     src, _ = models.resolve("llama")  # the dequantised float32 HF folder of the embedded checkpoint
     tmp = WORK / "ort-genai.tmp"
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(tmp),
-                    "-p", "fp32", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True)
+    with open(WORK / "ort-genai-builder.log", "w") as log:
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(tmp),
+                        "-p", "fp32", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True, stdout=log, stderr=log)
     tmp.replace(out)
 
 
@@ -117,14 +126,24 @@ def measure_one(name: str, ctx: int, batch: int, steps: int, threads: int) -> di
     else:
         step = _aqua_stepper(name, ctx, batch, threads, rng)
     step()  # warm-up: allocations, thread pool
-    times = []
+    times, rss = [], []
     for _ in range(steps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+        rss.append(_rss_mb())
     med = statistics.median(times)
     return {"variant": name, "context": ctx, "batch": batch, "step_s_median": med, "tokens_per_s": batch / med,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "steps": steps}
+            "decode_rss_mb": max(rss), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "steps": steps}
+
+
+def _rss_mb() -> float:
+    """Resident memory now (weights, cache, runtime buffers), from /proc/self/statm."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _aqua_stepper(name, ctx, batch, threads, rng):
@@ -136,6 +155,15 @@ def _aqua_stepper(name, ctx, batch, threads, rng):
     hkv, r, layers = lm.kv_heads, lm.r, lm.layers
     h2o = lm.h2o
     n = math.ceil(lm.h2o_ratio * ctx) if h2o else ctx  # H2O: the cache already evicted down to its budget
+    if lm.shared:  # fill the shared buffers in place (no second copy of the cache in this process)
+        past = lm.empty_past(batch)
+        past.reserve(ctx + 1)
+        for i in range(layers):
+            past.key_arrays[i][..., :ctx] = rng.standard_normal((batch, hkv, r, ctx), dtype=np.float32)
+            past.value_arrays[i][:, :, :ctx] = rng.standard_normal((batch, hkv, ctx, r), dtype=np.float32)
+        past.length = ctx
+        state = {"past": past, "pos": ctx}
+        return _stepper(lm, state, batch, rng)
     kv = []
     for _ in range(layers):
         kv += [rng.standard_normal((batch, hkv, r, n), dtype=np.float32),
@@ -149,8 +177,10 @@ def _aqua_stepper(name, ctx, batch, threads, rng):
         past.seen = ctx
     else:
         past = kv
-    state = {"past": past, "pos": ctx}
+    return _stepper(lm, {"past": past, "pos": ctx}, batch, rng)
 
+
+def _stepper(lm, state, batch, rng):
     def step():
         p = state["pos"]
         ids = rng.integers(3, 1000, (batch, 1))
@@ -172,9 +202,8 @@ def _genai_stepper(ctx, batch, steps, threads, rng):
     so.log_severity_level = 3
     sess = ort.InferenceSession(str(folder / "model.onnx"), so, providers=["CPUExecutionProvider"])
     ins = {i.name: i for i in sess.get_inputs()}
-    layers = sum(1 for k in ins if k.startswith("past_key_values.") and k.endswith(".key"))
-    shape = ins["past_key_values.0.key"].shape  # [batch, kv_heads, past, head_dim]
-    hkv, d = shape[1], shape[3]
+    dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    layers, hkv, d = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
     max_len = ctx + steps + 2
     bufs = []
     for i in range(layers):
@@ -205,7 +234,8 @@ def _genai_stepper(ctx, batch, steps, threads, rng):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(list(VARIANTS) + ["ort-genai"]))
-    ap.add_argument("--contexts", default="1024,4096,8192")
+    # 8k is 8160: the model has 8192 positions and the decode steps must stay inside them
+    ap.add_argument("--contexts", default="1024,4096,8160")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
