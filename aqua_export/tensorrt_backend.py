@@ -187,6 +187,8 @@ def optimization_profiles(cfg: dict, max_batch: int, max_context: int, max_promp
         raise ConfigError(f"TensorRT profiles need batch >= 1, prompt >= 1 and context > prompt "
                           f"(got batch {max_batch}, prompt {max_prompt}, context {max_context})")
     geo, cache = cfg["geometry"], cfg["cache"]
+    if cache.get("kv_cache", "concat") != "concat":
+        raise ConfigError("the TensorRT engine takes the concat KV-cache contract: rebuild with --kv-cache concat")
     hkv, r, layers = geo["kv_heads"], cache["width"], geo["layers"]
     h2o = cfg.get("aqua", {}).get("h2o_ratio", 1.0) < 1
     opt_b = max(1, min(max_batch, 8)) if max_batch >= 8 else max_batch

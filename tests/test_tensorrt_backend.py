@@ -156,6 +156,10 @@ def test_optimization_profiles(tiny_exports):
         pick_profile(profs, shapes)
     with pytest.raises(ConfigError, match="context > prompt"):
         optimization_profiles(_folder_cfg(m, cfg), 8, 128, 128)
+    shared = _folder_cfg(m, cfg)
+    shared["cache"]["kv_cache"] = "shared"
+    with pytest.raises(ConfigError, match="--kv-cache concat"):
+        optimization_profiles(shared, 8, 512, 128)
 
 
 def test_h2o_profiles_are_decode_only_with_validity(tiny_exports):

@@ -238,9 +238,11 @@ def main() -> int:
     ap.add_argument("--contexts", default="1024,4096,8160")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per measurement (median reported)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--one", nargs=3, metavar=("VARIANT", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    ap.add_argument("--out-name", default="decode.json")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(measure_one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.threads)))
@@ -256,19 +258,29 @@ def main() -> int:
     rows = []
     for ctx in [int(x) for x in a.contexts.split(",")]:
         for batch in [int(x) for x in a.batches.split(",")]:
-            for name in names:
-                cmd = [sys.executable, __file__, "--one", name, str(ctx), str(batch), "--steps", str(a.steps),
-                       "--threads", str(a.threads)]
-                res = subprocess.run(cmd, capture_output=True, text=True)
-                if res.returncode != 0:
-                    print(res.stderr[-2000:], file=sys.stderr)
-                    raise SystemExit(f"{name} at context {ctx}, batch {batch} failed")
-                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-                print(json.dumps(rows[-1]), flush=True)
+            runs = {name: [] for name in names}
+            for _ in range(a.repeats):  # round robin: drift hits every variant alike
+                for name in names:
+                    cmd = [sys.executable, __file__, "--one", name, str(ctx), str(batch), "--steps", str(a.steps),
+                           "--threads", str(a.threads)]
+                    res = subprocess.run(cmd, capture_output=True, text=True)
+                    if res.returncode != 0:
+                        print(res.stderr[-2000:], file=sys.stderr)
+                        raise SystemExit(f"{name} at context {ctx}, batch {batch} failed")
+                    runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+            for name, rs in runs.items():
+                tps = sorted(r["tokens_per_s"] for r in rs)
+                row = dict(rs[0])
+                row.update(tokens_per_s=statistics.median(tps), tokens_per_s_runs=tps, repeats=len(rs),
+                           decode_rss_mb=statistics.median(r["decode_rss_mb"] for r in rs),
+                           peak_rss_mb=statistics.median(r["peak_rss_mb"] for r in rs))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": a.threads, "steps": a.steps, "model": "SmolLM2-135M-Instruct (embedded), float32"}
-    atomic_write_bytes(out / "decode.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
+    meta = {"threads": a.threads, "steps": a.steps, "repeats": a.repeats,
+            "model": "SmolLM2-135M-Instruct (embedded), float32"}
+    atomic_write_bytes(out / a.out_name, json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     return 0
 
 
