@@ -151,9 +151,9 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         from .parity import run_parity
         from .runtime import OrtLM, make_session
 
-        from .runtime import native_library
+        from .runtime import default_kernel
 
-        kernel = "native" if native_library() is not None else "function"
+        kernel = default_kernel(dtype)
         lm = OrtLM(make_session(tmp / "model.onnx", kernel=kernel), cfg)
         res = run_parity(lm, model, tok, projection, config, proto, steps=parity_steps, dtype=dtype, kernel=kernel)
         res["seconds"] = round(time.perf_counter() - t0, 1)

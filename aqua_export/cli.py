@@ -137,9 +137,9 @@ def cmd_parity(a) -> int:
     cfg = read_config(a.folder)
     import onnx
 
-    from .runtime import native_library
+    from .runtime import default_kernel
 
-    kernel = a.kernel if a.kernel != "auto" else ("native" if native_library() is not None else "function")
+    kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg["dtype"])
     lm = OrtLM.from_folder(a.folder, kernel=kernel)
     model, tok = models.load(cfg["model"])
     proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")

@@ -28,24 +28,27 @@ from .config import AquaConfig
 PARITY_TEXT = "builtin:gpl-3"
 # Every comparison is against a float32 (or float64) reference, so a float16 export's tolerance
 # covers float16 arithmetic over the whole model.
-TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4},
-             "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None}}
+TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "top1": 1.0},
+             "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95}}
+# top1: least share of forwards whose argmax agrees when two sides compute independently (own selection,
+# own kernel) on the same tokens. float32: all of them. float16: its rounding, compounded over the
+# layers, can reorder two logits that are within it of each other, so 95%.
 # float16: q^ itself carries float16 rounding compounded over the layers, so a share of rows ranks
 # coordinates differently from the float32 reference (8.6% at k 0.75 on the embedded model); that is
 # the precision of the dtype, not a defect, so it is reported, and the gate is values under a shared
 # selection plus identical greedy tokens with each side selecting on its own.
 
 
-def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=None, force=None):
-    """Logits per forward ([T, V] at prefill, [1, V] per step), tokens chosen, TopK indices per forward,
-    and for H2O the cache (log / force: runtime.H2OCache's eviction record and replay)."""
+def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=None, force=None, tokens=None):
+    """Logits per forward ([T, V] at prefill, [1, V] per step), tokens chosen (or fed: ``tokens``), TopK
+    indices per forward, and for H2O the cache (log / force: runtime.H2OCache's eviction record and replay)."""
     mask = np.ones_like(ids)
     pos = np.arange(ids.shape[1])[None]
     past = lm.empty_past(1, log, force) if lm.h2o else lm.empty_past(1)
     logits, past, idx = _run(lm, ids, mask, pos, past, with_indices)
     trace, toks, sel = [logits[0]], [], [idx]
     for s in range(steps):
-        t = int(logits[0, -1].argmax())
+        t = int(logits[0, -1].argmax()) if tokens is None else int(tokens[s])
         toks.append(t)
         mask = np.concatenate([mask, [[1]]], axis=1)
         logits, past, idx = _run(lm, np.array([[t]]), mask, np.array([[ids.shape[1] + s]]), past, with_indices)
@@ -167,7 +170,7 @@ def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model
                                     "pass": tol["near_tie"] is None or worst_gap <= tol["near_tie"]}
                 if tol["near_tie"] is None:
                     res["selection"]["gated"] = False
-                    res["selection"]["pass"] = res["ort_vs_reference_unforced"]["greedy_identical"]
+                    res["selection"]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement"] >= tol["top1"]
             else:
                 res["selection"] = {"skipped": "k = r: nothing is selected"}
             if h2o:
@@ -176,27 +179,23 @@ def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model
             res["ort_vs_reference"] = res["ort_vs_reference_unforced"]
             res["selection"] = {"skipped": "k = r: nothing is selected"}
     if kernel == "native" and model_proto is not None:
-        # the native kernel against the graph's own portable function body (same ORT, same tokens,
-        # and for H2O the function body's evictions replayed)
+        # the native kernel against the graph's own portable function body: same ORT, same tokens (the
+        # function body's), and for H2O the function body's evictions replayed
         if d_trace is None:
             fn = OrtLM(make_session(model_proto.SerializeToString(), kernel="function"), lm.cfg)
-            d_trace, _, _, _ = _ort_trace(fn, ids, steps)
+            d_trace, d_toks, _, _ = _ort_trace(fn, ids, steps, tokens=toks)
             del fn
-            native_trace, cache = ort_trace, None
-        elif h2o:
-            native_trace, _, _, cache = _ort_trace(lm, ids, steps, force=evict_log)
-        else:
-            native_trace, cache = ort_trace, None
+        native_trace, _, _, cache = _ort_trace(lm, ids, steps, force=evict_log if h2o else None, tokens=d_toks)
         nf = _compare(native_trace, d_trace, tol["aqua"])
         # Each side selects on its own here (the native kernel takes no forced indices): their score sums
         # round differently, later layers' q^ differ in the last bits, and a near-tie row can flip, so
-        # the gate is greedy agreement; exact selection on identical inputs is tested op by op
-        # (tests/test_native.py).
-        nf["pass"] = nf["greedy_identical"]
-        nf["gate"] = "greedy tokens identical (logit differences reported; selection near-ties can flip)"
+        # the gate is top-1 agreement on the same tokens; exact selection on identical inputs is tested
+        # op by op (tests/test_native.py).
+        nf["pass"] = nf["top1_agreement"] >= tol["top1"]
+        nf["gate"] = f"top-1 agreement >= {tol['top1']} on the same tokens (logit differences reported)"
+        if h2o:
+            nf["eviction"] = _flip_summary(cache.flips, tol)
         res["native_vs_function_body"] = nf
-        if cache is not None:
-            res["native_vs_function_body"]["eviction"] = _flip_summary(cache.flips, tol)
     if config.k_ratio == 1 and config.slice_ratio == 0:
         # A dense build: the folder's own model against HF. Two correct float32 implementations of
         # a 30-layer model differ by their two rounding errors added up, so the gate is against HF

@@ -71,6 +71,13 @@ def native_library() -> Path | None:
     return lib if lib.is_file() else None
 
 
+def default_kernel(dtype: str) -> str:
+    """"native" for float32 models when the native kernel is built, else "function". float16: ONNX Runtime's
+    CPU provider runs the body's MatMul in float32 behind inserted casts and keeps the scores in float32 into
+    the softmax, while a float16 kernel must round them to float16 (less accurate), so the body is used."""
+    return "native" if dtype == "float32" and native_library() is not None else "function"
+
+
 def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True):
     """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
 
@@ -126,6 +133,8 @@ class OrtLM:
         path = Path(folder) / "model.onnx"
         if not path.is_file():
             raise ConfigError(f"{folder} has no model.onnx: rebuild the folder")
+        if kernel == "auto":
+            kernel = default_kernel(cfg.get("dtype", "float32"))
         return cls(make_session(path, threads, kernel), cfg)
 
     def empty_past(self, batch: int, log: list | None = None, force: list | None = None):

@@ -81,19 +81,31 @@ def decode_section(data, title: str) -> list[str]:
     out = ["", f"## {title}", "",
            f"{m['model']}; {m['threads']} threads; median of {m['steps']} decode steps after a warm-up, each "
            f"(variant, context, batch) in a fresh process{f', {reps} processes round robin, median' if reps > 1 else ''}. "
-           "Decode memory = resident set right after a step (weights + cache + runtime buffers); peak = the "
-           "process's high-water mark. Ratios to this project's dense concat export in the same run; "
+           "Decode memory = resident set right after a step (weights + cache + runtime buffers; the "
+           "process high-water mark is not used: it inherits the benchmark driver's across fork). Ratios to this project's dense concat export in the same run; "
            "`*-shared` = `--kv-cache shared`, `ort-genai` = onnxruntime-genai's model builder export of "
            "the same checkpoint (GroupQueryAttention, past/present sharing a buffer).", "",
-           "| context | batch | variant | tokens/s vs dense | decode memory vs dense | peak memory vs dense |",
-           "|---|---|---|---|---|---|"]
+           "| context | batch | variant | tokens/s vs dense | decode memory vs dense |", "|---|---|---|---|---|"]
     keyed = {(r["context"], r["batch"], r["variant"]): r for r in rows}
     for (ctx, b, v), r in keyed.items():
         d = keyed.get((ctx, b, "dense"))
         if d is None:
             continue
-        out.append(f"| {ctx} | {b} | {v} | **{r['tokens_per_s'] / d['tokens_per_s']:.2f}** | "
-                   f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f} | {r['peak_rss_mb'] / d['peak_rss_mb']:.2f} |")
+        spread = ""
+        if len(r.get("tokens_per_s_runs", [])) > 1:
+            lo, hi = r["tokens_per_s_runs"][0] / d["tokens_per_s"], r["tokens_per_s_runs"][-1] / d["tokens_per_s"]
+            spread = f" ({lo:.2f}-{hi:.2f})"
+        out.append(f"| {ctx} | {b} | {v} | **{r['tokens_per_s'] / d['tokens_per_s']:.2f}**{spread} | "
+                   f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f} |")
+    out += ["", "Pairs the issue asks about (same run):", ""]
+    pairs = [("memory-s0.25-k0.75-shared", "dense-shared"), ("memory-s0.25-k0.75", "dense"),
+             ("dense-shared", "ort-genai"), ("dense", "ort-genai")]
+    for ctx, b in sorted({(k[0], k[1]) for k in keyed}):
+        for a, z in pairs:
+            ra, rz = keyed.get((ctx, b, a)), keyed.get((ctx, b, z))
+            if ra and rz:
+                out.append(f"- context {ctx}, batch {b}: {a} / {z}: tokens/s {ra['tokens_per_s'] / rz['tokens_per_s']:.2f}x, "
+                           f"decode memory {ra['decode_rss_mb'] / rz['decode_rss_mb']:.2f}x")
     return out
 
 
