@@ -59,11 +59,13 @@ def check_out_dir(out: Path) -> None:
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
           calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
-          dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64,
+          dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64, parity_prompt: int = 256,
           trt_limits: tuple[int, int, int] = (8, 4096, 1024), kv_cache: str = "auto") -> Path:
     """trt_limits: (max batch, max context, max prompt) of the TensorRT engine's optimization profiles.
     kv_cache: "shared" (past/present one buffer, updated in place by ONNX Runtime), "concat" (present =
     past + new), "auto" = shared unless H2O (which compacts its cache) or TensorRT (engine I/O is concat)."""
+    if parity_prompt < 16 or parity_steps < 1:
+        raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
     if kv_cache == "auto":
         kv_cache = "concat" if config.h2o_ratio < 1 or backend == "tensorrt" else "shared"
     if kv_cache not in ("concat", "shared"):
@@ -147,7 +149,8 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         }
         (tmp / "aqua_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
 
-        t0 = _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({parity_steps} decode steps)")
+        t0 = _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({parity_prompt}-token prompt, "
+                       f"{parity_steps} decode steps)")
         from .parity import run_parity
         from .runtime import OrtLM, make_session
 
@@ -155,7 +158,8 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
 
         kernel = default_kernel(dtype)
         lm = OrtLM(make_session(tmp / "model.onnx", kernel=kernel), cfg)
-        res = run_parity(lm, model, tok, projection, config, proto, steps=parity_steps, dtype=dtype, kernel=kernel)
+        res = run_parity(lm, model, tok, projection, config, proto, prompt_tokens=parity_prompt, steps=parity_steps,
+                         dtype=dtype, kernel=kernel)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))
         r = res["ort_vs_reference"]

@@ -175,11 +175,13 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--trt-max-context", type=int, default=4096)
     ap.add_argument("--trt-max-prompt", type=int, default=1024)
     ap.add_argument("--parity-steps", type=int, default=64)
+    ap.add_argument("--parity-prompt-tokens", type=int, default=256, help="real-text prompt length of the parity check")
     a = ap.parse_args(argv)
     from .build import build
 
     out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, dtype=a.dtype, backend=a.backend, parity_steps=a.parity_steps,
+                parity_prompt=a.parity_prompt_tokens,
                 trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), kv_cache=a.kv_cache)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
     return 0

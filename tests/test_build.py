@@ -24,6 +24,8 @@ def proj(tmp_path, smollm_projection):
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt: TensorRT is not installed here"),
+    (["--k-ratio", "0.5", "--h2o-ratio", "0.5", "--kv-cache", "shared"], "use --kv-cache concat"),
+    (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "--parity-prompt-tokens must be >= 16"),
 ])
 def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
     rc = main(["--model", "llama", "--out", str(tmp_path / "o")] + args)
@@ -52,7 +54,8 @@ def test_corrupt_projection(tmp_path, capsys):
 def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     """k 0.75 build reusing a projection: folder contents, parity gate, one node per layer, run and parity commands."""
     out = tmp_path / "eng"
-    assert main(["--model", "llama", "--k-ratio", "0.75", "--projection", str(proj), "--out", str(out)]) == 0
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--projection", str(proj), "--out", str(out),
+                 "--parity-steps", "32"]) == 0
     names = sorted(p.name for p in out.iterdir())
     for must in ("model.onnx", "projection.safetensors", "aqua_config.json", "parity.json", "tokenizer.json"):
         assert must in names
@@ -61,7 +64,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     assert cfg["cache"]["width"] == 64 and cfg["cache"]["selected"] == 48 and cfg["operator"]["nodes"] == 30
     assert "dim-major" in cfg["cache"]["why_dim_major"] and cfg["tools"]["onnxruntime"]
     par = json.loads((out / "parity.json").read_text())
-    assert par["pass"] and par["prompt_tokens"] == 256 and par["decode_steps"] == 64
+    assert par["pass"] and par["prompt_tokens"] == 256 and par["decode_steps"] == 32
     fr = par["ort_vs_reference"]
     assert fr["max_abs_logit_diff_prefill"] <= 1e-3 and fr["max_abs_logit_diff_decode"] <= 1e-3 and fr["greedy_identical"]
     assert par["selection"]["max_gap_of_differing"] <= 1e-4
@@ -81,7 +84,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
 def test_dense_build_matches_hf(tmp_path, proj):
     out = tmp_path / "dense"
     assert main(["--model", "llama", "--k-ratio", "1", "--projection", str(proj), "--out", str(out),
-                 "--parity-steps", "32"]) == 0
+                 "--parity-steps", "16"]) == 0
     par = json.loads((out / "parity.json").read_text())
     h = par["ort_k1_vs_hf"]
     assert h["reference"] == "HF transformers in float64"
@@ -95,7 +98,7 @@ def test_dense_build_matches_hf(tmp_path, proj):
 def test_float16_build(tmp_path, proj):
     out = tmp_path / "fp16"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--dtype", "float16", "--projection", str(proj),
-                 "--out", str(out), "--parity-steps", "16"]) == 0
+                 "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "128"]) == 0
     par = json.loads((out / "parity.json").read_text())
     assert par["dtype"] == "float16" and par["pass"]
     assert par["ort_vs_reference"]["max_abs_logit_diff_prefill"] <= 0.5 and par["ort_vs_reference"]["greedy_identical"]
@@ -114,7 +117,7 @@ def test_memory_h2o_build(tmp_path, proj):
     under ORT's selection and ORT's evictions replayed, native kernel against the function body."""
     out = tmp_path / "mh"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--slice-ratio", "0.25", "--h2o-ratio", "0.5",
-                 "--projection", str(proj), "--out", str(out), "--parity-steps", "16"]) == 0
+                 "--projection", str(proj), "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "96"]) == 0
     cfg = json.loads((out / "aqua_config.json").read_text())
     assert cfg["cache"]["width"] == 48 and cfg["cache"]["h2o"]["ratio"] == 0.5
     assert "past_key_values.0.valid" in cfg["io"]["inputs"] and "attention_weights.29" in cfg["io"]["outputs"]
@@ -123,7 +126,7 @@ def test_memory_h2o_build(tmp_path, proj):
     fr = par["ort_vs_reference"]
     assert fr["max_abs_logit_diff_prefill"] <= 1e-3 and fr["max_abs_logit_diff_decode"] <= 1e-3 and fr["greedy_identical"]
     ev = par["eviction"]
-    assert ev["decisions"] == (256 + 16) * 30 * 3 and ev["max_gap_of_differing"] <= 1e-4
+    assert par["prompt_tokens"] == 96 and ev["decisions"] == (96 + 8) * 30 * 3 and ev["max_gap_of_differing"] <= 1e-4
     from aqua_export.runtime import native_library
 
     if native_library() is not None:
