@@ -30,3 +30,13 @@ def left_padded(vocab: int, lengths, seed: int = 1):
         ids[i, n - length:] = torch.randint(3, vocab, (length,), generator=g)
         mask[i, n - length:] = 1
     return ids, mask
+
+
+def folder_cfg(model, config, dtype: str = "float32") -> dict:
+    """The parts of a built folder's aqua_config.json that the runtime reads, for a model exported in a test."""
+    from aqua_export.models import attention_geometry
+
+    geo = attention_geometry(model)
+    d = geo["head_dim"]
+    return {"geometry": geo, "dtype": dtype, "aqua": config.to_dict(),
+            "cache": {"width": config.retained_width(d), "selected": config.selected_width(d)}}

@@ -10,7 +10,7 @@ from aqua_export.export import (DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSIO
                                 io_names, topk_gather_dot_reference)
 from aqua_export.runtime import OrtLM, make_session
 
-from helpers import left_padded, tiny_projection
+from helpers import folder_cfg, left_padded, tiny_projection
 
 # (AQUA settings, kv_cache mode of the export)
 CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
@@ -19,15 +19,9 @@ CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
 IDS = ["dense", "k0.5", "memory", "h2o", "dense-shared", "memory-shared"]
 
 
-def _cfg(model, config):
-    geo = models.attention_geometry(model)
-    return {"geometry": geo, "dtype": "float32", "aqua": config.to_dict(),
-            "cache": {"width": config.retained_width(geo["head_dim"]), "selected": config.selected_width(geo["head_dim"])}}
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """One tiny llama exported at three settings (export is the slow part)."""
+    """One tiny llama exported at every setting of CONFIGS (export is the slow part)."""
     tmp = tmp_path_factory.mktemp("export")
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp)
@@ -80,7 +74,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
         pytest.skip("native kernel not built (run `make plugin`)")
     m, proj, out = exported
     path, _ = out[cfg, kv]
-    lm = OrtLM(make_session(path, kernel=kernel), _cfg(m, cfg))
+    lm = OrtLM(make_session(path, kernel=kernel), folder_cfg(m, cfg))
     ids, mask = left_padded(128, [11, 6])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits, past = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
@@ -128,7 +122,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
 def test_dense_export_uses_identity_projection_and_matches_hf(exported):
     m, _, out = exported
     path, _ = out[AquaConfig(), "concat"]
-    lm = OrtLM(make_session(path), _cfg(m, AquaConfig()))
+    lm = OrtLM(make_session(path), folder_cfg(m, AquaConfig()))
     ids, mask = left_padded(128, [9, 9])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits, _ = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
@@ -182,7 +176,7 @@ def test_ort_generate_equals_reference_generate(exported):
     m, proj, out = exported
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25)
     path, _ = out[cfg, "shared"]
-    lm = OrtLM(make_session(path), _cfg(m, cfg))
+    lm = OrtLM(make_session(path), folder_cfg(m, cfg))
     ids, mask = left_padded(128, [10, 4])
     streamed = []
     got = lm.generate(ids.numpy(), mask.numpy(), SamplingConfig(max_new_tokens=12),

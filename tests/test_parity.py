@@ -10,15 +10,10 @@ from aqua_export.parity import run_parity
 from aqua_export.runtime import OrtLM, make_session, native_library
 
 from conftest import CharTokenizer
-from helpers import tiny_projection
+from helpers import folder_cfg, tiny_projection
 
 KERNEL = "native" if native_library() is not None else "function"
 
-
-def _folder_cfg(model, config):
-    geo = models.attention_geometry(model)
-    return {"geometry": geo, "dtype": "float32", "aqua": config.to_dict(),
-            "cache": {"width": config.retained_width(geo["head_dim"]), "selected": config.selected_width(geo["head_dim"])}}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +28,7 @@ def h2o_export(tmp_path_factory):
 
 def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
     m, proj, cfg, proto, path = h2o_export
-    lm = OrtLM(make_session(path, kernel=KERNEL), _folder_cfg(m, cfg))
+    lm = OrtLM(make_session(path, kernel=KERNEL), folder_cfg(m, cfg))
     res = run_parity(lm, m, CharTokenizer(), proj, cfg, proto, prompt_tokens=40, steps=6, kernel=KERNEL)
     assert res["pass"], res
     r = res["ort_vs_reference"]
@@ -53,7 +48,7 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     from aqua_export.parity import _flip_summary, _ort_trace
 
     m, proj, cfg, proto, path = h2o_export
-    lm = OrtLM(make_session(path, kernel="function"), _folder_cfg(m, cfg))
+    lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg))
     ids = np.arange(3, 43)[None]
     log = []
     _ort_trace(lm, ids, 4, log=log)
@@ -75,7 +70,7 @@ def test_parity_of_a_shared_buffer_export(tmp_path):
     proj = tiny_projection(m, tmp_path)
     cfg = AquaConfig(k_ratio=0.5)
     proto = export_onnx(m, proj, cfg, tmp_path / "s.onnx", kv_cache="shared")
-    lm = OrtLM(make_session(tmp_path / "s.onnx", kernel=KERNEL), _folder_cfg(m, cfg))
+    lm = OrtLM(make_session(tmp_path / "s.onnx", kernel=KERNEL), folder_cfg(m, cfg))
     assert lm.shared
     res = run_parity(lm, m, CharTokenizer(), proj, cfg, proto, prompt_tokens=40, steps=6, kernel=KERNEL)
     assert res["pass"], res

@@ -11,7 +11,7 @@ from aqua_export.tensorrt_backend import (PLUGIN_FIELDS, PLUGIN_ID, launch_plan,
                                           output_dims, output_type, pick_profile, require_tensorrt,
                                           tensorrt_available)
 
-from helpers import tiny_projection
+from helpers import folder_cfg, tiny_projection
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,6 @@ def tiny_exports(tmp_path_factory):
         out[name] = (cfg, export_onnx(m, proj, cfg, tmp / f"{name}.onnx"))
     return m, out
 
-
-def _folder_cfg(model, config):
-    geo = models.attention_geometry(model)
-    return {"geometry": geo, "aqua": config.to_dict(),
-            "cache": {"width": config.retained_width(geo["head_dim"]), "selected": config.selected_width(geo["head_dim"])}}
 
 
 def test_plugin_id_and_fields_match_the_exported_nodes(tiny_exports):
@@ -134,7 +129,7 @@ def test_kernel_compiles_ahead_of_time_for_hopper():
 def test_optimization_profiles(tiny_exports):
     m, out = tiny_exports
     cfg, proto = out["k0.5"]
-    profs = optimization_profiles(_folder_cfg(m, cfg), max_batch=8, max_context=512, max_prompt=128)
+    profs = optimization_profiles(folder_cfg(m, cfg), max_batch=8, max_context=512, max_prompt=128)
     assert len(profs) == 2
     names = [i.name for i in proto.graph.input]
     assert names == io_names(2)[0]
@@ -155,8 +150,8 @@ def test_optimization_profiles(tiny_exports):
     with pytest.raises(ConfigError, match="outside the engine's optimization profiles"):
         pick_profile(profs, shapes)
     with pytest.raises(ConfigError, match="context > prompt"):
-        optimization_profiles(_folder_cfg(m, cfg), 8, 128, 128)
-    shared = _folder_cfg(m, cfg)
+        optimization_profiles(folder_cfg(m, cfg), 8, 128, 128)
+    shared = folder_cfg(m, cfg)
     shared["cache"]["kv_cache"] = "shared"
     with pytest.raises(ConfigError, match="--kv-cache concat"):
         optimization_profiles(shared, 8, 512, 128)
@@ -165,7 +160,7 @@ def test_optimization_profiles(tiny_exports):
 def test_h2o_profiles_are_decode_only_with_validity(tiny_exports):
     m, out = tiny_exports
     cfg, proto = out["h2o"]
-    (prof,) = optimization_profiles(_folder_cfg(m, cfg), max_batch=2, max_context=256, max_prompt=64)
+    (prof,) = optimization_profiles(folder_cfg(m, cfg), max_batch=2, max_context=256, max_prompt=64)
     assert list(prof) == [i.name for i in proto.graph.input]
     assert prof["past_key_values.0.valid"] == ((1, 2, 0), (2, 2, 128), (2, 2, 255))
     assert prof["input_ids"][2] == (2, 1)
@@ -199,13 +194,13 @@ def test_engine_matches_onnx_runtime(tmp_path):
     proj = tiny_projection(m, tmp_path)
     cfg = AquaConfig(k_ratio=0.5)
     export_onnx(m, proj, cfg, tmp_path / "model.onnx")
-    folder_cfg = {**_folder_cfg(m, cfg), "dtype": "float32"}
-    (tmp_path / "aqua_config.json").write_text(json.dumps(folder_cfg))
+    fcfg = folder_cfg(m, cfg)
+    (tmp_path / "aqua_config.json").write_text(json.dumps(fcfg))
     build_engine(tmp_path, max_batch=2, max_context=64, max_prompt=16)
     ids = np.arange(3, 15)[None].repeat(2, 0)
     mask = np.ones_like(ids)
     pos = np.arange(12)[None].repeat(2, 0)
-    ort = OrtLM(make_session(tmp_path / "model.onnx", kernel="function"), folder_cfg)
+    ort = OrtLM(make_session(tmp_path / "model.onnx", kernel="function"), fcfg)
     trt_lm = engine_lm(tmp_path)
     a, _ = ort.step(ids, mask, pos, ort.empty_past(2))
     b, _ = trt_lm.step(ids, mask, pos, trt_lm.empty_past(2))
