@@ -26,10 +26,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <numeric>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -47,9 +45,9 @@ inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
 
-// Indices of the k largest |q| (ties -> lower index), returned in ascending index order so the k
-// key rows are visited front to back.
-inline void select_topk(const float* q, int64_t r, int64_t k, int64_t* order, int64_t* out) {
+// Puts the indices of the k largest |q| (ties -> lower index) in order[0..k). Their order does not
+// matter: the score phase lays the weights out densely over r and walks the group's union in index order.
+inline void select_topk(const float* q, int64_t r, int64_t k, int64_t* order) {
   std::iota(order, order + r, int64_t{0});
   if (k < r) {
     std::partial_sort(order, order + k, order + r, [q](int64_t a, int64_t b) {
@@ -57,8 +55,6 @@ inline void select_topk(const float* q, int64_t r, int64_t k, int64_t* order, in
       return fa > fb || (fa == fb && a < b);
     });
   }
-  std::copy(order, order + k, out);
-  std::sort(out, out + k);
 }
 
 // Phase 1, per query row: the selected coordinates and their q^ values.
@@ -74,22 +70,21 @@ template <typename T>
 void select_row(void* data, size_t row) {
   const auto& j = *static_cast<const SelectJob<T>*>(data);
   float qs[256];
-  int64_t order_buf[256], idx_buf[256];
+  int64_t order_buf[256];
   std::vector<float> qv;
-  std::vector<int64_t> ov, iv;
+  std::vector<int64_t> ov;
   float* q = qs;
   int64_t* order = order_buf;
-  int64_t* idx = idx_buf;
   if (j.r > 256) {
-    qv.resize(j.r), ov.resize(j.r), iv.resize(j.r);
-    q = qv.data(), order = ov.data(), idx = iv.data();
+    qv.resize(j.r), ov.resize(j.r);
+    q = qv.data(), order = ov.data();
   }
   const int64_t base = static_cast<int64_t>(row);
   for (int64_t c = 0; c < j.r; ++c) q[c] = load(j.q + base * j.r, c);
-  select_topk(q, j.r, j.k, order, idx);
+  select_topk(q, j.r, j.k, order);
   for (int64_t t = 0; t < j.k; ++t) {
-    j.sel[base * j.k + t] = static_cast<int32_t>(idx[t]);
-    j.qsel[base * j.k + t] = q[idx[t]];
+    j.sel[base * j.k + t] = static_cast<int32_t>(order[t]);
+    j.qsel[base * j.k + t] = q[order[t]];
   }
 }
 
