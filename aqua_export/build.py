@@ -7,20 +7,25 @@ place only when every stage succeeded, so a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
 import shutil
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
+from .meter import StageMeter
+from .runtime import CONFIG_FILE
 from .safetensors_io import check_writable_parent
 
 STAGES = 5
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 LAYOUT_WHY = ("K^ is stored dim-major [batch, kv_heads, r, past]: selecting coordinate c of every cached key "
               "reads one contiguous row of `past` values, so a fused TopKGatherDot kernel reads only k/r of the "
@@ -46,9 +51,14 @@ KV_CACHE_WHY = {
 }
 
 
-def _stage(i: int, text: str, total: int = STAGES) -> float:
+def _stage(i: int, text: str, total: int = STAGES) -> None:
     print(f"[{i}/{total}] {text}", flush=True)
-    return time.perf_counter()
+
+
+def _progress_bar(total: int, desc: str, unit: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"      {desc}", unit=unit, leave=False)
 
 
 def check_out_dir(out: Path) -> None:
@@ -57,45 +67,69 @@ def check_out_dir(out: Path) -> None:
         raise ConfigError(f"--out {out} exists and is not a folder: choose another path")
 
 
-def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
-          calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
-          dtype: str = "float32", backend: str = "onnx", parity_steps: int = 64, parity_prompt: int = 256,
-          trt_limits: tuple[int, int, int] = (8, 4096, 1024), kv_cache: str = "auto") -> Path:
-    """trt_limits: (max batch, max context, max prompt) of the TensorRT engine's optimization profiles.
-    kv_cache: "shared" (past/present one buffer, updated in place by ONNX Runtime), "concat" (present =
-    past + new), "auto" = shared unless H2O (which compacts its cache) or TensorRT (engine I/O is concat)."""
-    if parity_prompt < 16 or parity_steps < 1:
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a folder is built (everything but the model and the AQUA settings)."""
+
+    dtype: str = "float32"
+    backend: str = "onnx"
+    kv_cache: str = "auto"
+    external_data: bool | None = None
+    parity_steps: int = 64
+    parity_prompt: int = 256
+    trt_limits: tuple[int, int, int] = (8, 4096, 1024)
+
+
+def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
+    """Validate before any work; resolve kv_cache "auto" (shared unless H2O, which compacts its cache, or
+    TensorRT, whose engine I/O is concat)."""
+    if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
-    if kv_cache == "auto":
-        kv_cache = "concat" if config.h2o_ratio < 1 or backend == "tensorrt" else "shared"
-    if kv_cache not in ("concat", "shared"):
-        raise ConfigError(f"unknown --kv-cache {kv_cache!r}: use auto, shared or concat")
-    if kv_cache == "shared" and config.h2o_ratio < 1:
+    kv = o.kv_cache
+    if kv == "auto":
+        kv = "concat" if config.h2o_ratio < 1 or o.backend == "tensorrt" else "shared"
+    if kv not in ("concat", "shared"):
+        raise ConfigError(f"unknown --kv-cache {kv!r}: use auto, shared or concat")
+    if kv == "shared" and config.h2o_ratio < 1:
         raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat (or auto) with --h2o-ratio")
-    if kv_cache == "shared" and backend == "tensorrt":
+    if kv == "shared" and o.backend == "tensorrt":
         raise ConfigError("the TensorRT engine runner uses --kv-cache concat: drop --kv-cache shared")
-    if backend == "tensorrt":
+    if o.backend == "tensorrt":
         from .tensorrt_backend import require_tensorrt
 
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written
-    elif backend != "onnx":
-        raise ConfigError(f"unknown --backend {backend!r}: use onnx or tensorrt")
-    dtypes = {"float32": torch.float32, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise ConfigError(f"unknown --dtype {dtype!r}: use float32 or float16")
+    elif o.backend != "onnx":
+        raise ConfigError(f"unknown --backend {o.backend!r}: use onnx or tensorrt")
+    if o.dtype not in DTYPES:
+        raise ConfigError(f"unknown --dtype {o.dtype!r}: use {' or '.join(DTYPES)}")
+    return dataclasses.replace(o, kv_cache=kv)
+
+
+def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
+          calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
+          options: BuildOptions = BuildOptions()) -> Path:
+    """Calibrate (or reuse ``projection_path``) -> export -> parity -> ``out``, atomically.
+
+    options.external_data: True writes the weights to model.onnx.data whatever the size; None does so
+    when they exceed what one ONNX protobuf holds. trt_limits: (max batch, max context, max prompt) of the
+    TensorRT engine's optimization profiles."""
+    o = _check(config, options)
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
     projection = calibrate.load_projection(projection_path) if projection_path else None
     out_dir = Path(out) if out else default_out(models.short_name(model_spec), config)
     check_out_dir(out_dir)
+    meter = StageMeter()
+    total = STAGES + (o.backend == "tensorrt")
 
-    t0 = _stage(1, f"loading {model_spec}")
+    _stage(1, f"loading {model_spec}", total)
+    meter.start("load")
     model, tok = models.load(model_spec)
-    t_load = time.perf_counter() - t0
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        t0 = _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
-                                        f"calibrating on {', '.join(calib_texts or ['builtin:python-reference'])}"))
+        _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
+                                   f"calibrating on {', '.join(calib_texts or ['builtin:python-reference'])}"), total)
+        meter.start("calibrate")
         if projection is None:
             tensors, meta = calibrate.calibrate(model, tok, texts=calib_texts or ["builtin:python-reference"],
                                                 tokens=calib_tokens)
@@ -104,107 +138,92 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         else:
             projection.check_model(model)
             shutil.copyfile(projection_path, tmp / "projection.safetensors")
-        t_cal = time.perf_counter() - t0
-
         d = models.attention_geometry(model)["head_dim"]
-        t0 = _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})")
-        from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
-
-        proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=dtypes[dtype], kv_cache=kv_cache)
-        t_export = time.perf_counter() - t0
-        tok.save_pretrained(tmp)
-        geo = models.attention_geometry(model)
-        import onnx
-        import onnxruntime
-        import transformers
-
-        cfg = {
-            "format_version": 1,
-            "model": model_spec,
-            "aqua": config.to_dict(),
-            "fingerprint": models.fingerprint(model),
-            "geometry": geo,
-            "dtype": dtype,
-            "cache": {"width": config.retained_width(d), "selected": config.selected_width(d), "kv_cache": kv_cache,
-                      "kv_cache_why": KV_CACHE_WHY[kv_cache],
-                      "key_layout": "[batch, kv_heads, r, past] dim-major K^ = RoPE(k) @ P[:, :r]",
-                      "value_layout": "[batch, kv_heads, past, r] values in P_v's basis (folded into W_V / W_O)",
-                      "why_dim_major": LAYOUT_WHY,
-                      **({"h2o": {"ratio": config.h2o_ratio,
-                                  "valid_layout": "past_key_values.{i}.valid [batch, kv_heads, past] bool: slot live",
-                                  "weights": "attention_weights.{i} [batch, kv_heads, T, past+T]: softmax summed over "
-                                             "the group's query heads",
-                                  "eviction": "runtime, between tokens (runtime.H2OCache): keep ceil(ratio*n) per "
-                                              "sequence, floor(half) most recent, the rest by accumulated weights; "
-                                              "the graph runs one token per forward"}}
-                         if config.h2o_ratio < 1 else {})},
-            "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
-                         "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
-            "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], config.h2o_ratio < 1, kv_cache == "shared"))),
-            "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
-                       "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
-            "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                      "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
-            "timings_s": {"load": round(t_load, 1), "calibrate": round(t_cal, 1), "export": round(t_export, 1)},
-        }
-        (tmp / "aqua_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
-
-        t0 = _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({parity_prompt}-token prompt, "
-                       f"{parity_steps} decode steps)")
-        from .parity import run_parity
-        from .runtime import OrtLM, make_session
-
-        from .runtime import default_kernel
-
-        kernel = default_kernel(dtype)
-        lm = OrtLM(make_session(tmp / "model.onnx", kernel=kernel), cfg)
-        res = run_parity(lm, model, tok, projection, config, proto, prompt_tokens=parity_prompt, steps=parity_steps,
-                         dtype=dtype, kernel=kernel)
-        res["seconds"] = round(time.perf_counter() - t0, 1)
-        (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))
-        r = res["ort_vs_reference"]
-        print(f"      ORT vs reference: max |dlogit| prefill {r['max_abs_logit_diff_prefill']:.2e}, decode "
-              f"{r['max_abs_logit_diff_decode']:.2e}, top-1 {r['top1_agreement']:.3f}")
-        sel = res["selection"]
-        if "rows" in sel and sel.get("gated") is False:
-            print(f"      selection: {sel['rows_differing']} of {sel['rows']} query rows ranked differently from the "
-                  f"float32 reference (float16 rounding of q^); greedy tokens identical: {sel['pass']}")
-        elif "rows" in sel:
-            print(f"      selection: {sel['rows_differing']} of {sel['rows']} query rows chose differently, all float "
-                  f"near-ties (largest gap {sel['max_gap_of_differing']:.1e} <= {res['near_tie']:.0e})"
-                  if sel["pass"] else f"      selection: differing rows are not near-ties (gap {sel['max_gap_of_differing']:.1e})")
-        if "eviction" in res:
-            e = res["eviction"]
-            print(f"      H2O eviction (replayed from ORT): the reference's own choice differs in {e['decisions_differing']} "
-                  f"of {e['decisions']} decisions, largest accumulator gap {e['max_gap_of_differing']:.1e}")
-        if "native_vs_function_body" in res:
-            n = res["native_vs_function_body"]
-            print(f"      native kernel vs function body: max |dlogit| prefill {n['max_abs_logit_diff_prefill']:.2e}, "
-                  f"decode {n['max_abs_logit_diff_decode']:.2e}, top-1 {n['top1_agreement']:.3f}")
-        if "pass" in res["ort_k1_vs_hf"]:
-            h = res["ort_k1_vs_hf"]
-            ref = h.get("reference", "HF transformers in float32, same graph with k = r")
-            print(f"      ORT at k=r vs {ref}: max |dlogit| prefill {h['max_abs_logit_diff_prefill']:.2e}, decode "
-                  f"{h['max_abs_logit_diff_decode']:.2e}, top-1 {h['top1_agreement']:.3f}")
-            if "hf_float32_vs_hf_float64" in res:
-                a, b = res["ort_k1_vs_hf_float32"], res["hf_float32_vs_hf_float64"]
-                print(f"      (ORT vs HF float32: {a['max_abs_logit_diff_prefill']:.2e}; HF float32 vs float64: "
-                      f"{b['max_abs_logit_diff_prefill']:.2e})")
-        if not res["pass"]:
-            raise ConfigError("parity failed (see numbers above): the export does not match the reference")
-
-        if backend == "tensorrt":
+        _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})", total)
+        meter.start("export")
+        cfg = _export(model, tok, projection, config, o, tmp, model_spec)
+        # one model in memory at a time: the PyTorch model goes while ONNX Runtime runs, and comes back after
+        del model
+        gc.collect()
+        _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({o.parity_prompt}-token prompt, "
+                  f"{o.parity_steps} decode steps)", total)
+        meter.start("parity")
+        _parity(tmp, cfg, tok, projection, config, o, model_spec)
+        if o.backend == "tensorrt":
             from .tensorrt_backend import build_engine
 
-            _stage(5, f"building the TensorRT engine (batch <= {trt_limits[0]}, context <= {trt_limits[1]}, "
-                      f"prompt <= {trt_limits[2]})", STAGES + 1)
-            build_engine(tmp, *trt_limits)
-        _stage(STAGES + (backend == "tensorrt"), f"writing {out_dir}", STAGES + (backend == "tensorrt"))
+            _stage(5, f"building the TensorRT engine (batch <= {o.trt_limits[0]}, context <= {o.trt_limits[1]}, "
+                      f"prompt <= {o.trt_limits[2]})", total)
+            meter.start("tensorrt")
+            build_engine(tmp, *o.trt_limits)
+        meter.stop()
+        cfg["resources"] = meter.report()
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True))
+        _stage(total, f"writing {out_dir}", total)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Path, model_spec: str) -> dict:
+    """Write model.onnx (+ .data), the tokenizer and aqua_config.json into ``tmp``; returns the config."""
+    from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
+
+    geo = models.attention_geometry(model)
+    bar = _progress_bar(geo["layers"], "export", "layer")
+    proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype], kv_cache=o.kv_cache,
+                        external_data=o.external_data, progress=lambda i, n: bar.update(1))
+    bar.close()
+    tok.save_pretrained(tmp)
+    import onnx
+    import onnxruntime
+    import transformers
+
+    d, h2o = geo["head_dim"], config.h2o_ratio < 1
+    cache = {"width": config.retained_width(d), "selected": config.selected_width(d), "kv_cache": o.kv_cache,
+             "kv_cache_why": KV_CACHE_WHY[o.kv_cache],
+             "key_layout": "[batch, kv_heads, r, past] dim-major K^ = RoPE(k) @ P[:, :r]",
+             "value_layout": "[batch, kv_heads, past, r] values in P_v's basis (folded into W_V / W_O)",
+             "why_dim_major": LAYOUT_WHY}
+    if h2o:
+        cache["h2o"] = {"ratio": config.h2o_ratio,
+                        "valid_layout": "past_key_values.{i}.valid [batch, kv_heads, past] bool: slot live",
+                        "weights": "attention_weights.{i} [batch, kv_heads, T, past+T]: softmax summed over the "
+                                   "group's query heads",
+                        "eviction": "runtime, between tokens (runtime.H2OCache): keep ceil(ratio*n) per sequence, "
+                                    "floor(half) most recent, the rest by accumulated weights; the graph runs one "
+                                    "token per forward"}
+    cfg = {
+        "format_version": 1, "model": model_spec, "aqua": config.to_dict(), "fingerprint": models.fingerprint(model),
+        "geometry": geo, "dtype": o.dtype, "cache": cache,
+        "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
+                     "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
+        "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], h2o, o.kv_cache == "shared"))),
+        "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
+                   "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
+        "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
+        "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                  "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+    }
+    # written now for stages that read the folder (TensorRT); rewritten at the end with the resources used
+    (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    return cfg
+
+
+def _parity(tmp: Path, cfg: dict, tok, projection, config: AquaConfig, o: BuildOptions, model_spec: str) -> None:
+    from .parity import run_parity, summary_lines
+    from .runtime import default_kernel
+
+    res = run_parity(tmp / "model.onnx", cfg, tok, projection, config, lambda: models.load(model_spec)[0],
+                     prompt_tokens=o.parity_prompt, steps=o.parity_steps, dtype=o.dtype, kernel=default_kernel(o.dtype),
+                     progress=lambda text: print(f"      ... {text}", flush=True))
+    (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+    for line in summary_lines(res):
+        print(f"      {line}")
+    if not res["pass"]:
+        raise ConfigError("parity failed (see numbers above): the export does not match the reference")
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

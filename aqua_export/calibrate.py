@@ -45,9 +45,12 @@ class Moments:
     n_k: int = 0
 
     @classmethod
-    def zeros(cls, layers: int, kv_heads: int, d: int) -> "Moments":
-        z = lambda: torch.zeros(layers, kv_heads, d, d, dtype=torch.float64)  # noqa: E731
+    def zeros(cls, layers: int, kv_heads: int, d: int, device=None) -> "Moments":
+        z = lambda: torch.zeros(layers, kv_heads, d, d, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(), z(), z())
+
+    def cpu(self) -> "Moments":
+        return Moments(self.qk.cpu(), self.k.cpu(), self.v.cpu(), self.n_qk, self.n_k)
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +75,10 @@ def _calibration_attention(module, query, key, value, attention_mask, scaling, d
     q = query.reshape(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
     k = key.permute(1, 0, 2, 3).reshape(hkv, b * t, d)
     v = value.permute(1, 0, 2, 3).reshape(hkv, b * t, d)
-    gk = _gram(k)
-    mom.qk[li] += _gram(q) + gk
+    gk = _gram(k).to(mom.qk.device)  # layers may sit on other devices (accelerate's device_map)
+    mom.qk[li] += _gram(q).to(mom.qk.device) + gk
     mom.k[li] += gk
-    mom.v[li] += _gram(v)
+    mom.v[li] += _gram(v).to(mom.qk.device)
     if li == 0:
         mom.n_qk += b * (g + 1) * t
         mom.n_k += b * t
@@ -173,36 +176,102 @@ def generated_token_stream(model, tok, n_tokens: int, seed: int, batch: int = 8)
     return torch.cat(out, dim=1).reshape(-1)[:n_tokens]
 
 
+def execution_device(model) -> torch.device:
+    """Where inputs go: the embedding's device (CPU when accelerate has offloaded it to disk: meta)."""
+    dev = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if dev.type == "meta" else dev
+
+
+def _chunks(windows: list[torch.Tensor], batch: int) -> list[torch.Tensor]:
+    """One forward's input each: full windows ``batch`` at a time, then any shorter window alone."""
+    full = [w for w in windows if w.numel() == windows[0].numel()]
+    rest = [w for w in windows if w.numel() != windows[0].numel()]
+    return [torch.stack(full[i:i + batch]) for i in range(0, len(full), batch)] + [w[None] for w in rest]
+
+
+def _world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _accumulate(model, chunks: list[torch.Tensor], geo: dict, group, bar) -> Moments | None:
+    """The moments of every chunk, summed in chunk order.
+
+    Byte-identical whatever the number of processes: float64 addition is not associative, so the sum is
+    always the same left fold over per-chunk contributions, total = ((c_0 + c_1) + c_2) + ... With one
+    process each forward adds its c_j to the running total directly; with N ranks, rank r computes the
+    c_j with j = r mod N and rank 0 folds them in order (None on the other ranks). Only the decoder runs:
+    the moments are read inside attention, so the vocabulary-wide logits are never computed."""
+    rank, world = _world(group)
+    dev = execution_device(model)
+    zeros = lambda: Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"], dev)  # noqa: E731
+    if world == 1:
+        mom = zeros()
+        with recording(model, mom):
+            for c in chunks:
+                model.model(input_ids=c.to(dev), use_cache=False)
+                bar.update(c.shape[0])
+        return mom.cpu()
+    import torch.distributed as dist
+
+    parts = {}
+    for j in range(rank, len(chunks), world):
+        part = zeros()
+        with recording(model, part):
+            model.model(input_ids=chunks[j].to(dev), use_cache=False)
+        parts[j] = part.cpu()
+        bar.update(chunks[j].shape[0])
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(parts, gathered, dst=0, group=group)
+    if rank != 0:
+        return None
+    mom = zeros()
+    for j in range(len(chunks)):
+        part = next(g[j] for g in gathered if j in g)
+        mom.qk += part.qk
+        mom.k += part.k
+        mom.v += part.v
+        mom.n_qk += part.n_qk
+        mom.n_k += part.n_k
+    return mom
+
+
 def calibrate(model, tok, *, texts: list[str] | None = None, tokens: int = 16384, seq_len: int = 512,
-              seed: int = 0, batch: int = 4, progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Run calibration; returns (tensors, metadata) of the artifact."""
+              seed: int = 0, batch: int = 4, progress: bool = True, group=None):
+    """Run calibration; returns (tensors, metadata) of the artifact.
+
+    group: a torch.distributed process group to split the corpus over (data-parallel calibration under
+    torchrun); the artifact is byte-identical to one process's, and only rank 0 gets it (None elsewhere)."""
     if tokens < 1 or seq_len < 2:
         raise ConfigError("calibration needs --tokens >= 1 and --seq-len >= 2")
     geo = attention_geometry(model)
+    rank, world = _world(group)
     if texts:
         text = corpus.read_texts(texts)
         ids = corpus.tokenize(tok, text, tokens)
         desc, digest = corpus.describe(texts), corpus.sha256_text(text)
     else:
-        ids = generated_token_stream(model, tok, tokens, seed)
+        ids = generated_token_stream(model, tok, tokens, seed) if rank == 0 else None
+        if world > 1:  # sampling may round differently per process: every rank takes rank 0's text
+            import torch.distributed as dist
+
+            box = [ids]
+            dist.broadcast_object_list(box, src=0, group=group)
+            ids = box[0]
         desc = f"self-generated(seed={seed})"
         digest = corpus.sha256_text(",".join(map(str, ids.tolist())))
     if ids.numel() < 2:
         raise ConfigError("calibration text has fewer than 2 tokens: give a longer --text")
     windows = corpus.windows(ids, seq_len)
-    mom = Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"])
-    bar = _progress(len(windows), "calibrate", progress)
-    with torch.no_grad(), recording(model, mom):
-        full = [w for w in windows if w.numel() == windows[0].numel()]
-        rest = [w for w in windows if w.numel() != windows[0].numel()]
-        for i in range(0, len(full), batch):
-            chunk = torch.stack(full[i:i + batch])
-            model(input_ids=chunk, use_cache=False)
-            bar.update(chunk.shape[0])
-        for w in rest:
-            model(input_ids=w[None], use_cache=False)
-            bar.update(1)
+    bar = _progress(len(windows), "calibrate" if world == 1 else f"calibrate (rank {rank}/{world})", progress)
+    with torch.no_grad():
+        mom = _accumulate(model, _chunks(windows, batch), geo, group, bar)
     bar.close()
+    if mom is None:
+        return None
     tensors = projection_tensors(mom)
     meta = {
         "format_version": FORMAT_VERSION,

@@ -42,15 +42,53 @@ def _check_out_file(path: str) -> Path:
     return out
 
 
+def _process_group():
+    """Under torchrun (WORLD_SIZE > 1): join the job's process group, NCCL when this rank has a GPU, else gloo."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.group.WORLD
+
+
 def cmd_calibrate(a) -> int:
     from . import calibrate, models
 
     out = _check_out_file(a.out)
-    model, tok = models.load(a.model)
-    tensors, meta = calibrate.calibrate(model, tok, texts=a.text or None, tokens=a.tokens, seq_len=a.seq_len,
-                                        seed=a.seed, progress=not a.quiet)
-    calibrate.write(out, tensors, meta)
-    print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']})")
+    max_memory = models.parse_max_memory(a.max_memory)
+    if max_memory and not a.device_map:
+        raise ConfigError("--max-memory needs --device-map (e.g. --device-map auto)")
+    group = _process_group()
+    import tempfile
+
+    try:
+        offload = tempfile.TemporaryDirectory(prefix="aqua-offload-") if a.device_map else None
+        model, tok = models.load(a.model, device_map=a.device_map, max_memory=max_memory,
+                                 offload_folder=offload.name if offload else None)
+        if group is not None:
+            import torch
+
+            if torch.cuda.is_available():
+                model.to(f"cuda:{torch.cuda.current_device()}")
+        res = calibrate.calibrate(model, tok, texts=a.text or None, tokens=a.tokens, seq_len=a.seq_len,
+                                  seed=a.seed, progress=not a.quiet, group=group)
+        if res is not None:  # rank 0 (or the only process) writes
+            tensors, meta = res
+            calibrate.write(out, tensors, meta)
+            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']})")
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if offload is not None:
+        offload.cleanup()
     return 0
 
 
@@ -132,27 +170,26 @@ def cmd_run(a) -> int:
 def cmd_parity(a) -> int:
     from . import calibrate, models
     from .parity import run_parity
-    from .runtime import OrtLM, read_config
+    from .runtime import read_config
+
+    from .runtime import default_kernel, load_tokenizer
 
     cfg = read_config(a.folder)
-    import onnx
-
-    from .runtime import default_kernel
-
     kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg["dtype"])
-    lm = OrtLM.from_folder(a.folder, kernel=kernel)
-    model, tok = models.load(cfg["model"])
+    path = Path(a.folder) / "model.onnx"
+    if not path.is_file():
+        raise ConfigError(f"{a.folder} has no model.onnx: rebuild the folder")
     proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
-    proto = onnx.load(str(Path(a.folder) / "model.onnx"))
-    res = run_parity(lm, model, tok, proj, AquaConfig.from_dict(cfg["aqua"]), proto, steps=a.steps, dtype=cfg["dtype"],
-                     kernel=kernel)
+    # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
+    res = run_parity(path, cfg, load_tokenizer(a.folder), proj, AquaConfig.from_dict(cfg["aqua"]),
+                     lambda: models.load(cfg["model"])[0], steps=a.steps, dtype=cfg["dtype"], kernel=kernel,
+                     progress=None if a.json else lambda text: print(f"... {text}", flush=True))
     if a.json:
         print(json.dumps(res, sort_keys=True))
     else:
-        for key in ("ort_vs_reference", "selection", "eviction", "native_vs_function_body", "ort_k1_vs_hf"):
-            if key in res:
-                print(f"{key}: {json.dumps(res[key], sort_keys=True)}")
-        print("PASS" if res["pass"] else "FAIL")
+        from .parity import summary_lines
+
+        print("\n".join(summary_lines(res)))
     return 0 if res["pass"] else 1
 
 
@@ -174,15 +211,20 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--trt-max-batch", type=int, default=8)
     ap.add_argument("--trt-max-context", type=int, default=4096)
     ap.add_argument("--trt-max-prompt", type=int, default=1024)
+    ap.add_argument("--external-data", action="store_true",
+                    help="write the weights to model.onnx.data beside model.onnx whatever the model's size (they go "
+                         "there anyway past ONNX's 2 GB protobuf limit)")
     ap.add_argument("--parity-steps", type=int, default=64)
     ap.add_argument("--parity-prompt-tokens", type=int, default=256, help="real-text prompt length of the parity check")
     a = ap.parse_args(argv)
-    from .build import build
+    from .build import BuildOptions, build
 
+    opts = BuildOptions(dtype=a.dtype, backend=a.backend, kv_cache=a.kv_cache,
+                        external_data=True if a.external_data else None, parity_steps=a.parity_steps,
+                        parity_prompt=a.parity_prompt_tokens,
+                        trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt))
     out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
-                calib_tokens=a.calib_tokens, out=a.out, dtype=a.dtype, backend=a.backend, parity_steps=a.parity_steps,
-                parity_prompt=a.parity_prompt_tokens,
-                trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), kv_cache=a.kv_cache)
+                calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
     return 0
 
@@ -199,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--device-map", help="accelerate placement for a model larger than one device: auto (GPUs, then "
+                                        "CPU, then disk), cpu, or a device; data-parallel: run under torchrun")
+    p.add_argument("--max-memory", help="per-device limits for --device-map, e.g. cpu=2GiB,0=20GiB")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("eval", help="perplexity with or without AQUA")

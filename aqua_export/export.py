@@ -1,4 +1,5 @@
-"""ONNX export: rewrite passes, the TopKGatherDot custom node with a portable function body, KV-cache I/O.
+"""ONNX export: the TopKGatherDot custom node with its portable function body, the graph's I/O, and the
+export entry point (the graph itself is built from the weights by decoder_graph, no tracing).
 
 Graph contract (DESIGN.md 4), per layer i, with r the retained width:
 
@@ -7,12 +8,7 @@ Graph contract (DESIGN.md 4), per layer i, with r the retained width:
             past_key_values.{i}.value [B, Hkv, P, r]   V in P_v's basis
     outputs logits [B, T, V], present.{i}.key [B, Hkv, r, P+T], present.{i}.value [B, Hkv, P+T, r]
 
-One decoder layer's attention, as exported:
-
-    h --q_proj(scale folded)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] --\\
-    h --k_proj--> RoPE --MatMul P_r--> Transpose --Concat(past.key)------> TopKGatherDot(k) --> +mask --> Softmax
-    h --v_proj(P_v folded, r rows)-----------------Concat(past.value)--------------------------------------> MatMul
-      --> o_proj(P_v^T folded, r columns) --> residual
+One decoder layer as exported: see decoder_graph.
 
 Why dim-major K^: selecting coordinate c of every cached key reads one contiguous row of P values,
 so a fused kernel reads only k/r of the K cache (a [T, d] row-major cache makes it a strided gather).
@@ -20,12 +16,12 @@ so a fused kernel reads only k/r of the K cache (a [T, d] row-major cache makes 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from torch import nn
 
 from .calibrate import Projection
 from .config import AquaConfig, ConfigError
-from .fold import fold_output, fold_scale_into_query, fold_value
 from .models import architecture_of, attention_geometry
 
 DOMAIN = "com.aqua"
@@ -37,7 +33,7 @@ KV_CACHE_MODES = ("concat", "shared")
 
 
 # --------------------------------------------------------------------------------------------
-# The operator as a torch custom op (registered on first use, not on import)
+# The operator
 # --------------------------------------------------------------------------------------------
 
 def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,184 +46,6 @@ def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, 
         idx = torch.sort(query_hat.abs(), dim=-1, descending=True, stable=True).indices[..., :k]
         query_hat = query_hat * torch.zeros_like(query_hat).scatter_(-1, idx, 1.0)
     return query_hat @ key_cache.unsqueeze(2)
-
-
-_OP = None
-
-
-def topk_gather_dot_op():
-    """torch.ops.aqua.topk_gather_dot, defined once per process."""
-    global _OP
-    if _OP is None:
-        if not hasattr(torch.ops.aqua, "topk_gather_dot"):
-            lib = torch.library.custom_op("aqua::topk_gather_dot", mutates_args=())(
-                _typed_reference)
-            lib.register_fake(lambda q, kc, k: q.new_empty(*q.shape[:-1], kc.shape[-1]))
-        _OP = torch.ops.aqua.topk_gather_dot
-    return _OP
-
-
-def _typed_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int) -> torch.Tensor:
-    return topk_gather_dot_reference(query_hat, key_cache, k)
-
-
-# --------------------------------------------------------------------------------------------
-# The export module
-# --------------------------------------------------------------------------------------------
-
-class AquaAttentionExport(nn.Module):
-    """One layer's attention with the passes applied. Weights are copies: the HF model is untouched."""
-
-    def __init__(self, attn, P: torch.Tensor, P_v: torch.Tensor, r: int, k: int, heads: int, kv_heads: int,
-                 d: int, scaling: float, layer_idx: int):
-        super().__init__()
-        self.h, self.hkv, self.g, self.d, self.r, self.k = heads, kv_heads, heads // kv_heads, d, r, k
-        self.layer_idx = layer_idx
-
-        def linear(w, b):
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
-            lin.weight.data.copy_(w)
-            if b is not None:
-                lin.bias.data.copy_(b)
-            return lin
-
-        with torch.no_grad():
-            # pass 1: fold the attention scale into W_Q (RoPE and P are linear)
-            self.q_proj = linear(*fold_scale_into_query(attn.q_proj.weight, attn.q_proj.bias, scaling))
-            self.k_proj = linear(attn.k_proj.weight, attn.k_proj.bias)
-            # pass 2: fold P_v into W_V and P_v^T into W_O, keep the first r coordinates (AQUA-Memory)
-            wv, bv = fold_value(attn.v_proj.weight, attn.v_proj.bias, P_v)
-            keep = torch.arange(kv_heads * d).reshape(kv_heads, d)[:, :r].reshape(-1)
-            self.v_proj = linear(wv[keep], None if bv is None else bv[keep])
-            wo = fold_output(attn.o_proj.weight, P_v, self.g)
-            keep_o = torch.arange(heads * d).reshape(heads, d)[:, :r].reshape(-1)
-            self.o_proj = linear(wo[:, keep_o], attn.o_proj.bias)
-        # pass 3: P cannot fold into W_Q/W_K under RoPE; it is applied after the rotation
-        self.register_buffer("P_r", P[:, :, :r].contiguous().clone(), persistent=False)
-
-    def forward(self, x, cos, sin, mask_add, past_k, past_v, cache_position=None):
-        """x [B, T, D]; cos/sin [B, T, d]; mask_add [B, 1 or Hkv, 1, T, S]; past_k [B, Hkv, r, P]; past_v [B, Hkv, P, r].
-
-        Returns (attention output [B, T, D], present key, present value, weights [B, Hkv, T, S] summed over g)."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.hkv, self.r).transpose(1, 2)
-        c, s = cos[:, None], sin[:, None]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
-        qh = q.reshape(b, self.hkv, self.g, t, self.d) @ self.P_r[None, :, None]
-        kh = (k @ self.P_r[None]).transpose(-1, -2)
-        if cache_position is None:
-            key_cache = torch.cat([past_k, kh], dim=-1)
-            value_cache = torch.cat([past_v, v], dim=2)
-        else:
-            # shared buffer: write the new entries into their slots (ScatterElements); with past and present
-            # bound to one buffer ONNX Runtime updates it in place instead of copying the cache every step
-            key_cache = past_k.scatter(3, cache_position[None, None, None, :].expand(b, self.hkv, self.r, t), kh)
-            value_cache = past_v.scatter(2, cache_position[None, None, :, None].expand(b, self.hkv, t, self.r), v)
-        scores = topk_gather_dot_op()(qh, key_cache, self.k) + mask_add
-        w = torch.softmax(scores, dim=-1)
-        out = w @ value_cache[:, :, None]  # [B, Hkv, g, T, r]
-        out = out.permute(0, 3, 1, 2, 4).reshape(b, t, self.h * self.r)
-        # H2O's heavy-hitter statistic: attention summed over the query heads of the group
-        return self.o_proj(out), key_cache, value_cache, w.sum(2)
-
-
-def _rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class AquaExportModel(nn.Module):
-    """A causal LM with AQUA attention and flat KV-cache I/O, built from an HF model."""
-
-    def __init__(self, model, projection: Projection, config: AquaConfig, kv_cache: str = "concat"):
-        """kv_cache: "concat" (present = past + new, new tensors every step) or "shared" (past and present are
-        one buffer of a capacity the runtime chooses; new entries are written at cache_position)."""
-        super().__init__()
-        if kv_cache not in KV_CACHE_MODES:
-            raise ConfigError(f"--kv-cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
-        if kv_cache == "shared" and config.h2o_ratio < 1:
-            raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat with --h2o-ratio")
-        self.kv_cache = kv_cache
-        architecture_of(model.config)
-        projection.check_model(model)
-        if config.selection != "magnitude":
-            raise ConfigError(f"export supports selection='magnitude' (the TopKGatherDot contract); "
-                              f"{config.selection!r} is reference-only: drop --selection")
-        # AQUA-H2O: eviction is a runtime decision between steps (runtime.H2OState); the graph takes
-        # each layer's per-head slot validity and returns the attention weights it accumulates
-        self.h2o = config.h2o_ratio < 1
-        geo = attention_geometry(model)
-        self.geo = geo
-        d = geo["head_dim"]
-        self.r, self.k = config.retained_width(d), config.selected_width(d)
-        # At k = r and no slicing nothing is selected or dropped: P and P_v cancel exactly in the maths,
-        # so the export uses identity projections (no O(d^2) per-step cost, no extra rounding).
-        self.dense = self.k == self.r and config.slice_ratio == 0
-        eye = torch.eye(d).expand(geo["kv_heads"], d, d).contiguous()
-        self.embed = model.model.embed_tokens
-        self.norm = model.model.norm
-        self.lm_head = model.lm_head
-        rot = model.model.rotary_emb
-        self.register_buffer("inv_freq", rot.inv_freq.detach().clone(), persistent=False)
-        self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
-        self.ln1 = nn.ModuleList(layer.input_layernorm for layer in model.model.layers)
-        self.ln2 = nn.ModuleList(layer.post_attention_layernorm for layer in model.model.layers)
-        self.mlp = nn.ModuleList(layer.mlp for layer in model.model.layers)
-        self.attn = nn.ModuleList(
-            AquaAttentionExport(layer.self_attn, eye if self.dense else projection.P[i],
-                                eye if self.dense else projection.P_v[i], self.r, self.k, geo["heads"],
-                                geo["kv_heads"], d, layer.self_attn.scaling, i)
-            for i, layer in enumerate(model.model.layers))
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        """past = (key_0, value_0, key_1, value_1, ...), or with H2O (key_0, value_0, valid_0, ...), or with the
-        shared cache (cache_position, key_0, value_0, ...).
-
-        Returns (logits, present key_0, value_0, ...[, attention_weights_0, ...] with H2O)."""
-        cache_position = None
-        if self.kv_cache == "shared":
-            cache_position, past = past[0], past[1:]
-        x = self.embed(input_ids)
-        b, t = input_ids.shape
-        s = attention_mask.shape[1]
-        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = (emb.cos() * self.rope_scale).to(x.dtype), (emb.sin() * self.rope_scale).to(x.dtype)
-        neg = torch.finfo(x.dtype).min
-        # causal + padding: key j is visible to query i iff j <= (S - T) + i (concat) or j <= cache_position[i]
-        # (shared buffer), and attention_mask[b, j] == 1
-        j = torch.arange(s, device=x.device)
-        qpos = torch.arange(t, device=x.device) + (s - t) if cache_position is None else cache_position
-        ok = (j[None, :] <= qpos[:, None])[None] & attention_mask[:, None, :].to(torch.bool)
-        mask_add = torch.where(ok, 0.0, neg).to(x.dtype)[:, None, None]  # [B, 1, 1, T, S]
-        n = 3 if self.h2o else 2
-        presents, weights = [], []
-        for i in range(len(self.attn)):
-            m = mask_add
-            if self.h2o:
-                # past slots: this layer's per-head validity (evicted or padding -> masked); new tokens: as above
-                valid = past[n * i + 2]
-                p = valid.shape[-1]
-                past_add = torch.where(valid, 0.0, neg).to(x.dtype)[:, :, None, None, :].expand(-1, -1, 1, t, -1)
-                m = torch.cat([past_add, mask_add[..., p:].expand(-1, valid.shape[1], -1, -1, -1)], dim=-1)
-            a, kc, vc, w = self.attn[i](self.ln1[i](x), cos, sin, m, past[n * i], past[n * i + 1], cache_position)
-            x = x + a
-            x = x + self.mlp[i](self.ln2[i](x))
-            presents += [kc, vc]
-            weights.append(w)
-        return (self.lm_head(self.norm(x)), *presents, *(weights if self.h2o else ()))
-
-    def empty_past(self, batch: int, dtype=torch.float32) -> list[torch.Tensor]:
-        hkv = self.geo["kv_heads"]
-        out = []
-        for _ in range(self.geo["layers"]):
-            out += [torch.zeros(batch, hkv, self.r, 0, dtype=dtype), torch.zeros(batch, hkv, 0, self.r, dtype=dtype)]
-            if self.h2o:
-                out.append(torch.zeros(batch, hkv, 0, dtype=torch.bool))
-        return out
 
 
 def io_names(layers: int, h2o: bool = False, shared: bool = False) -> tuple[list[str], list[str]]:
@@ -320,77 +138,94 @@ def single_op_model(k: int, dtype: str = "float32", opset: int = 20):
                         functions=[function_body(opset)], ir_version=10)
 
 
-def _translate(query_hat, key_cache, k: int):
-    import onnxscript
+OPSET = 20  # standard-op opset of the exported graph and of the function body
 
-    aqua = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
-    return aqua.TopKGatherDot(query_hat, key_cache, k=k, plugin_namespace=PLUGIN_NAMESPACE,
-                              plugin_version=PLUGIN_VERSION)
+
+def check_exportable(model, projection: Projection, config: AquaConfig, kv_cache: str) -> None:
+    """Refuse, in one line each, what the export cannot represent."""
+    if kv_cache not in KV_CACHE_MODES:
+        raise ConfigError(f"--kv-cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
+    if kv_cache == "shared" and config.h2o_ratio < 1:
+        raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat with --h2o-ratio")
+    architecture_of(model.config)
+    projection.check_model(model)
+    if config.selection != "magnitude":
+        raise ConfigError(f"export supports selection='magnitude' (the TopKGatherDot contract); "
+                          f"{config.selection!r} is reference-only: drop --selection")
+    act = getattr(model.config, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not exported (gated SiLU MLPs only): use a model with silu")
+
+
+def decoder_weights(layer) -> dict[str, torch.Tensor | None]:
+    """One HF decoder layer's tensors by role (Llama layout: separate q/k/v/o, optional q/k/v biases)."""
+    a, m = layer.self_attn, layer.mlp
+    w = {"input_layernorm": layer.input_layernorm.weight, "post_attention_layernorm": layer.post_attention_layernorm.weight,
+         "gate_proj": m.gate_proj.weight, "up_proj": m.up_proj.weight, "down_proj": m.down_proj.weight}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        lin = getattr(a, name)
+        w[name] = lin.weight.detach()
+        w[f"{name}_bias"] = None if lin.bias is None else lin.bias.detach()
+    return {k: (None if v is None else v.detach()) for k, v in w.items()}
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
-                kv_cache: str = "concat"):
-    """Export to ``path`` (written by the caller into a temporary folder). Returns the ONNX ModelProto."""
-    import onnx
+                kv_cache: str = "concat", external_data: bool | None = None, progress=None):
+    """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
+    weights, one layer at a time. external_data: True forces it, None decides by size (> ONNX_LIMIT).
+    progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
+    when external)."""
+    from onnx import TensorProto
 
+    from .decoder_graph import DecoderGraph, Plan
+    from .onnx_builder import ONNX_LIMIT, GraphBuilder, TensorStore, save_graph
+
+    check_exportable(model, projection, config, kv_cache)
     _register_schema()
-    if dtype != torch.float32:
-        import copy
-
-        model = copy.deepcopy(model)  # the export module shares norms/MLP/embeddings with the model it wraps
-    em = AquaExportModel(model, projection, config, kv_cache).to(dtype).eval()
-    geo = em.geo
-    shared = kv_cache == "shared"
-    ins, outs = io_names(geo["layers"], em.h2o, shared)
-    # example sizes >= 2 everywhere, or the exporter freezes them (DESIGN.md 4)
-    b, t, p = 2, 3, 4
-    ids = torch.randint(3, model.config.vocab_size, (b, t))
-    mask = torch.ones(b, p + t, dtype=torch.long)
-    pos = torch.arange(p, p + t)[None].expand(b, t).contiguous()
-    past = [torch.arange(1, 1 + t)] if shared else []  # shared: a buffer of p slots, tokens written at 1..t
-    for _ in range(geo["layers"]):
-        past += [torch.randn(b, geo["kv_heads"], em.r, p, dtype=dtype), torch.randn(b, geo["kv_heads"], p, em.r, dtype=dtype)]
-        if em.h2o:
-            past.append(torch.rand(b, geo["kv_heads"], p) < 0.7)
-    # named batch / sequence / past; AUTO lets torch.export derive attention_mask = past + sequence
-    B, T, P = (torch.export.Dim(n, min=1) for n in ("batch", "sequence", "past"))
-    S = torch.export.Dim.AUTO
-    if shared:
-        mask = torch.ones(b, p, dtype=torch.long)
-        S = P  # the mask covers the buffer
-    dyn_past = [{0: T}] if shared else []
-    for _ in range(geo["layers"]):
-        dyn_past += [{0: B, 3: P}, {0: B, 2: P}] + ([{0: B, 2: P}] if em.h2o else [])
-    dynamic_shapes = ({0: B, 1: T}, {0: B, 1: S}, {0: B, 1: T}, tuple(dyn_past))  # *past: a tuple (DESIGN.md 7)
-    op = topk_gather_dot_op()
-    import logging
-    import warnings
-
-    # torch's exporter logs every torchvision op it cannot register; none are used here
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*axis name.*will not be used")
-        prog = torch.onnx.export(
-            em, (ids, mask, pos, *past), dynamo=True, input_names=ins, output_names=outs,
-            dynamic_shapes=dynamic_shapes, custom_translation_table={op.default: _translate},
-            optimize=True, verbose=False,
-        )
-    m = prog.model_proto
-    opset = next(o.version for o in m.opset_import if o.domain == "")
-    m.functions.append(function_body(opset))
-    if not any(o.domain == DOMAIN for o in m.opset_import):
-        m.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
-    _name_nodes(m)
-    onnx.save(m, str(path), save_as_external_data=m.ByteSize() > 1_800_000_000, all_tensors_to_one_file=True,
-              location="model.onnx.data")
+    path = Path(path)
+    geo = attention_geometry(model)
+    d = geo["head_dim"]
+    r, k = config.retained_width(d), config.selected_width(d)
+    cfg = model.config
+    plan = Plan(layers=geo["layers"], heads=geo["heads"], kv_heads=geo["kv_heads"], head_dim=d, hidden=geo["hidden_size"],
+                vocab=cfg.vocab_size, r=r, k=k, dense=k == r and config.slice_ratio == 0, h2o=config.h2o_ratio < 1,
+                shared=kv_cache == "shared", dtype=dtype, eps=float(cfg.rms_norm_eps))
+    params = sum(t.numel() for t in model.parameters())
+    if external_data is None:
+        external_data = params * torch.finfo(dtype).bits // 8 > ONNX_LIMIT
+    data_path = path.parent / (path.name + ".data") if external_data else None
+    store = TensorStore(data_path)
+    try:
+        gb = GraphBuilder(store)
+        g = DecoderGraph(gb, plan, {"k": k, "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION},
+                         DOMAIN, OP_TYPE)
+        io = g.inputs()
+        embed = gb.weight("model.embed_tokens.weight", model.model.embed_tokens.weight.detach().to(dtype))
+        x = gb.op("/model/embed_tokens/Gather", "Gather", [embed, io["input_ids"]])
+        rot = model.model.rotary_emb
+        cos, sin = g.rotary(io["position_ids"], rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
+        mask = g.mask(io)
+        eye = torch.eye(d).expand(geo["kv_heads"], d, d)
+        outs, weights = [], []
+        for i, layer in enumerate(model.model.layers):
+            P, P_v = (eye, eye) if plan.dense else (projection.P[i], projection.P_v[i])
+            x, o = g.layer(i, x, decoder_weights(layer), P, P_v, layer.self_attn.scaling, cos, sin, mask, io)
+            outs += o[:2]
+            weights += o[2:]
+            if progress is not None:
+                progress(i + 1, plan.layers)
+        tied = getattr(cfg, "tie_word_embeddings", False) and model.lm_head.weight is model.model.embed_tokens.weight
+        g.head(x, model.model.norm.weight.detach(), model.lm_head.weight.detach(), embed if tied else None)
+        gb.output("logits", plan.elem, ["batch", "sequence", plan.vocab])
+        total = "past" if plan.shared else "total"
+        for i in range(plan.layers):
+            gb.output(f"present.{i}.key", plan.elem, ["batch", plan.kv_heads, r, total])
+            gb.output(f"present.{i}.value", plan.elem, ["batch", plan.kv_heads, total, r])
+        for i in range(plan.layers if plan.h2o else 0):
+            gb.output(f"attention_weights.{i}", TensorProto.FLOAT, ["batch", plan.kv_heads, "sequence", total])
+        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, [function_body(OPSET)], "aqua-export")
+    finally:
+        store.close()
+    save_graph(m, path)
     return m
 
-
-def _name_nodes(m) -> None:
-    """Stable names for the custom nodes: /model/layers.{i}/attn/TopKGatherDot, in layer order."""
-    i = 0
-    for n in m.graph.node:
-        if n.domain == DOMAIN and n.op_type == OP_TYPE:
-            n.name = f"/model/layers.{i}/attn/TopKGatherDot"
-            i += 1

@@ -145,8 +145,26 @@ def resolve(spec: str) -> tuple[Path | str, str]:
     return spec, short_name(spec)
 
 
-def load(spec: str, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention."""
+def parse_max_memory(text: str | None) -> dict | None:
+    """"cpu=2GiB,0=20GiB" -> {"cpu": "2GiB", 0: "20GiB"} (accelerate's max_memory; GPU indices as ints)."""
+    if not text:
+        return None
+    out: dict = {}
+    for part in text.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip() or not val.strip():
+            raise ConfigError(f"--max-memory {text!r} is not DEVICE=SIZE[,DEVICE=SIZE...]: e.g. cpu=2GiB,0=20GiB")
+        key = key.strip()
+        out[int(key) if key.isdigit() else key] = val.strip()
+    return out
+
+
+def load(spec: str, dtype: torch.dtype = torch.float32, device_map: str | None = None, max_memory: dict | None = None,
+         offload_folder: str | None = None):
+    """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention.
+
+    device_map / max_memory: accelerate's placement for a model that does not fit one device ("auto" spreads
+    layers over the GPUs, then CPU memory, then ``offload_folder`` on disk, within max_memory per device)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -157,7 +175,10 @@ def load(spec: str, dtype: torch.dtype = torch.float32):
     except OSError as e:
         raise ConfigError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from None
     architecture_of(cfg)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager").eval()
+    kw = {}
+    if device_map is not None:
+        kw = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager", **kw).eval()
     tok = AutoTokenizer.from_pretrained(where)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -184,6 +205,17 @@ def attention_geometry(model) -> dict:
     }
 
 
+def _materialised(module):
+    """The module's real weights for the block, also when accelerate offloaded them (meta tensors)."""
+    import contextlib
+
+    if not any(p.device.type == "meta" for p in module.parameters(recurse=False)):
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
+
+    return align_module_device(module, torch.device("cpu"))
+
+
 def fingerprint(model) -> dict:
     """Architecture, shapes and a hash of every attention weight: ties a projection to its model."""
     arch = architecture_of(model.config)
@@ -192,7 +224,8 @@ def fingerprint(model) -> dict:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(attn, name)
-            for t in (lin.weight, lin.bias):
-                if t is not None:
-                    h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+            with _materialised(lin):
+                for t in (lin.weight, lin.bias):
+                    if t is not None:
+                        h.update(t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
     return {"architecture": arch.model_type, **attention_geometry(model), "attention_sha256": h.hexdigest()}

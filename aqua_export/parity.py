@@ -17,6 +17,9 @@ The unforced comparison (each side with its own selection) is reported too.
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -104,53 +107,117 @@ def _flip_summary(flips: list[tuple[int, int, float]], tol: dict) -> dict:
             "max_gap_of_differing": gap, "pass": near is None or gap <= near}
 
 
-def _set_k(model_proto, k: int):
-    import onnx
+@contextlib.contextmanager
+def graph_variant(model_path: Path, tag: str, transform):
+    """A rewritten copy of the folder's graph, saved beside it so that it shares ``model.onnx.data`` (no
+    copy of the weights, opened by path like every session); removed on exit."""
+    from .onnx_builder import load_graph, save_graph
 
+    model_path = Path(model_path)
+    m = load_graph(model_path)
+    m = transform(m) or m
+    out = model_path.parent / f".{model_path.stem}.{tag}.onnx"
+    save_graph(m, out)
+    del m
+    try:
+        yield out
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def _set_k(k: int):
     from .export import DOMAIN, OP_TYPE
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model_proto)
-    for n in m.graph.node:
-        if n.domain == DOMAIN and n.op_type == OP_TYPE:
-            for a in n.attribute:
-                if a.name == "k":
-                    a.i = k
-    return m
+    def transform(m):
+        for n in m.graph.node:
+            if n.domain == DOMAIN and n.op_type == OP_TYPE:
+                for a in n.attribute:
+                    if a.name == "k":
+                        a.i = k
+    return transform
 
 
-def with_selection_outputs(model_proto) -> bytes:
+def _selection_outputs(m):
     """The graph with TopKGatherDot inlined and each layer's TopK indices as extra outputs, in layer order."""
     import onnx
     import onnx.inliner
 
-    m = onnx.inliner.inline_local_functions(model_proto)
+    m = onnx.inliner.inline_local_functions(m)
     for n in (x for x in m.graph.node if x.op_type == "TopK"):
         m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
-    return m.SerializeToString()
+    return m
 
 
-def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model_proto=None, *,
-               prompt_tokens: int = 256, steps: int = 64, dtype: str = "float32", kernel: str = "function") -> dict:
-    """lm: runtime.OrtLM of the built model, whose TopKGatherDot runs on ``kernel`` ("native" or "function");
-    model: the HF model it came from (unmodified)."""
+def _ort_phase(model_path: Path, cfg: dict, config: AquaConfig, ids, steps: int, kernel: str, sparse: bool,
+               progress) -> dict:
+    """Every ONNX Runtime run parity needs, one session at a time (each freed before the next opens)."""
     from .runtime import OrtLM, make_session
 
+    def session(path, k):
+        return OrtLM(make_session(path, kernel=k), cfg)
+
+    h2o = config.h2o_ratio < 1
+    runs: dict = {}
+    progress("ONNX Runtime, the folder's graph")
+    lm = session(model_path, kernel)
+    runs["main"] = _ort_trace(lm, ids, steps)[:2]
+    del lm
+    toks = runs["main"][1]
+    if sparse or h2o:
+        progress("ONNX Runtime, the graph with its selections exposed")
+        log = [] if h2o else None
+        with graph_variant(model_path, "selection", _selection_outputs) as variant:
+            dbg = session(variant, "function")
+            trace, d_toks, sel, _ = _ort_trace(dbg, ids, steps, with_indices=sparse, log=log)
+            del dbg
+        runs["debug"] = (trace, d_toks, sel, log)
+    if kernel == "native":
+        # the native kernel against the graph's own portable function body: same ORT, same tokens (the
+        # function body's), and for H2O the function body's evictions replayed
+        if "debug" not in runs:
+            progress("ONNX Runtime, the function body")
+            fn = session(model_path, "function")
+            runs["debug"] = (*_ort_trace(fn, ids, steps, tokens=toks)[:2], None, None)
+            del fn
+        _, d_toks, _, log = runs["debug"]
+        progress("ONNX Runtime, the native kernel on the function body's tokens")
+        lm = session(model_path, "native")
+        native, _, _, cache = _ort_trace(lm, ids, steps, force=log if h2o else None, tokens=d_toks)
+        del lm
+        runs["native"] = (native, cache)
+    if config.k_ratio < 1 and config.slice_ratio == 0:
+        progress("ONNX Runtime, the graph with k = r")
+        no_evict = {**cfg, "aqua": {**cfg["aqua"], "h2o_ratio": 1.0}}  # HF does not evict
+        with graph_variant(model_path, "k_eq_r", _set_k(cfg["cache"]["width"])) as variant:
+            dense = OrtLM(make_session(variant), no_evict)
+            runs["k_eq_r"] = _ort_trace(dense, ids, steps)[:2]
+            del dense
+    return runs
+
+
+def run_parity(model_path, cfg: dict, tok, projection: Projection, config: AquaConfig, reference, *,
+               prompt_tokens: int = 256, steps: int = 64, dtype: str = "float32", kernel: str = "function",
+               progress=None) -> dict:
+    """model_path: the folder's model.onnx (rewritten variants are saved beside it and opened by path);
+    cfg: its aqua_config.json; reference: the HF model it came from (unmodified), or a function loading it,
+    called only after every ONNX Runtime session is closed, so one model is in memory at a time.
+    kernel: what runs TopKGatherDot in the main session ("native" or "function")."""
+    progress = progress or (lambda text: None)
     ids = corpus.tokenize(tok, corpus.read_text(PARITY_TEXT), prompt_tokens).numpy()[None]
     tol = TOLERANCE[dtype]
     h2o = config.h2o_ratio < 1
+    sparse = cfg["cache"]["selected"] < cfg["cache"]["width"]
     res = {"prompt": PARITY_TEXT, "prompt_tokens": int(ids.shape[1]), "decode_steps": steps, "dtype": dtype,
            "near_tie": tol["near_tie"], "kernel": kernel}
-    ort_trace, toks, _, _ = _ort_trace(lm, ids, steps)
-    d_trace, evict_log = None, ([] if h2o else None)
+    runs = _ort_phase(Path(model_path), cfg, config, ids, steps, kernel, sparse, progress)
+    progress("the PyTorch reference on the same tokens")
+    model = reference() if callable(reference) and not isinstance(reference, torch.nn.Module) else reference
+    ort_trace, toks = runs["main"]
     with apply_aqua(model, projection, config) as aqua:
         own = _torch_trace(model, ids, toks, aqua.new_cache())
         res["ort_vs_reference_unforced"] = _compare(ort_trace, own, tol["aqua"])
-        sparse = lm.cfg["cache"]["selected"] < lm.cfg["cache"]["width"]
-        if (sparse or h2o) and model_proto is not None:
-            dbg = OrtLM(make_session(with_selection_outputs(model_proto), kernel="function"), lm.cfg)
-            d_trace, d_toks, sel, _ = _ort_trace(dbg, ids, steps, with_indices=sparse, log=evict_log)
-            del dbg
+        if sparse or h2o:
+            d_trace, d_toks, sel, evict_log = runs["debug"]
             for i, st in enumerate(aqua.states):
                 st.flips.clear()
                 st.evict_flips.clear()
@@ -162,31 +229,16 @@ def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model
                 for st in aqua.states:
                     st.forced_keep = None
             res["ort_vs_reference"] = _compare(d_trace, forced, tol["aqua"])
-            if sparse:
-                rows = sum(f[0] for st in aqua.states for f in st.flips)
-                differ = sum(f[1] for st in aqua.states for f in st.flips)
-                worst_gap = max((f[2] for st in aqua.states for f in st.flips), default=0.0)
-                res["selection"] = {"rows": rows, "rows_differing": differ, "max_gap_of_differing": worst_gap,
-                                    "pass": tol["near_tie"] is None or worst_gap <= tol["near_tie"]}
-                if tol["near_tie"] is None:
-                    res["selection"]["gated"] = False
-                    res["selection"]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement"] >= tol["top1"]
-            else:
-                res["selection"] = {"skipped": "k = r: nothing is selected"}
+            res["selection"] = _selection_summary(aqua.states, tol, res) if sparse else \
+                {"skipped": "k = r: nothing is selected"}
             if h2o:
                 res["eviction"] = _flip_summary([f for st in aqua.states for f in st.evict_flips], tol)
         else:
             res["ort_vs_reference"] = res["ort_vs_reference_unforced"]
             res["selection"] = {"skipped": "k = r: nothing is selected"}
-    if kernel == "native" and model_proto is not None:
-        # the native kernel against the graph's own portable function body: same ORT, same tokens (the
-        # function body's), and for H2O the function body's evictions replayed
-        if d_trace is None:
-            fn = OrtLM(make_session(model_proto.SerializeToString(), kernel="function"), lm.cfg)
-            d_trace, d_toks, _, _ = _ort_trace(fn, ids, steps, tokens=toks)
-            del fn
-        native_trace, _, _, cache = _ort_trace(lm, ids, steps, force=evict_log if h2o else None, tokens=d_toks)
-        nf = _compare(native_trace, d_trace, tol["aqua"])
+    if "native" in runs:
+        native, cache = runs["native"]
+        nf = _compare(native, runs["debug"][0], tol["aqua"])
         # Each side selects on its own here (the native kernel takes no forced indices): their score sums
         # round differently, later layers' q^ differ in the last bits, and a near-tie row can flip, so
         # the gate is top-1 agreement on the same tokens; exact selection on identical inputs is tested
@@ -196,13 +248,44 @@ def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model
         if h2o:
             nf["eviction"] = _flip_summary(cache.flips, tol)
         res["native_vs_function_body"] = nf
+    _versus_hf(res, runs, model, ids, toks, config, tol, h2o)
+    res["pass"] = (res["ort_vs_reference"]["pass"] and res["selection"].get("pass", True)
+                   and res["ort_k1_vs_hf"].get("pass", True) and res.get("eviction", {}).get("pass", True)
+                   and res.get("native_vs_function_body", {}).get("pass", True)
+                   and res.get("native_vs_function_body", {}).get("eviction", {}).get("pass", True))
+    return res
+
+
+def _selection_summary(states, tol: dict, res: dict) -> dict:
+    rows = sum(f[0] for st in states for f in st.flips)
+    differ = sum(f[1] for st in states for f in st.flips)
+    worst_gap = max((f[2] for st in states for f in st.flips), default=0.0)
+    out = {"rows": rows, "rows_differing": differ, "max_gap_of_differing": worst_gap,
+           "pass": tol["near_tie"] is None or worst_gap <= tol["near_tie"]}
+    if tol["near_tie"] is None:
+        out["gated"] = False
+        out["pass"] = res["ort_vs_reference_unforced"]["top1_agreement"] >= tol["top1"]
+    return out
+
+
+FLOAT64_REFERENCE_MAX_PARAMS = 500_000_000  # a float64 copy of a larger model would dominate the build's memory
+
+
+def _versus_hf(res: dict, runs: dict, model, ids, toks, config: AquaConfig, tol: dict, h2o: bool) -> None:
     if config.k_ratio == 1 and config.slice_ratio == 0:
         # A dense build: the folder's own model against HF. Two correct float32 implementations of
         # a 30-layer model differ by their two rounding errors added up, so the gate is against HF
         # evaluated in float64 (the exact answer); agreement with HF float32 is reported beside it.
+        ort_trace = runs["main"][0]
+        hf32 = _torch_trace(model, ids, toks, None)
+        params = sum(p.numel() for p in model.parameters())
+        if params > FLOAT64_REFERENCE_MAX_PARAMS:
+            res["ort_k1_vs_hf"] = _compare(ort_trace, hf32, tol["aqua"])
+            res["ort_k1_vs_hf"]["reference"] = (f"HF transformers in float32 ({params / 1e9:.2f}B parameters: no "
+                                                f"float64 copy), AQUA tolerance")
+            return
         import copy
 
-        hf32 = _torch_trace(model, ids, toks, None)
         hf64 = _torch_trace(copy.deepcopy(model).double(), ids, toks, None)
         res["ort_k1_vs_hf"] = _compare(ort_trace, hf64, tol["dense_vs_hf"])
         res["ort_k1_vs_hf"]["reference"] = "HF transformers in float64"
@@ -213,21 +296,52 @@ def run_parity(lm, model, tok, projection: Projection, config: AquaConfig, model
         res["ort_k1_vs_hf_float32"] = {k: vs32[k] for k in ("max_abs_logit_diff_prefill", "max_abs_logit_diff_decode",
                                                             "top1_agreement")}
         res["hf_float32_vs_hf_float64"] = {k: own[k] for k in ("max_abs_logit_diff_prefill", "max_abs_logit_diff_decode")}
-    elif config.slice_ratio == 0 and model_proto is not None:
+    elif "k_eq_r" in runs:
         # the same graph with k = r: exact dense attention through the calibrated P, whose extra
         # float32 rounding is of the order of HF's own float32 error, so the AQUA tolerance applies
-        no_evict = {**lm.cfg, "aqua": {**lm.cfg.get("aqua", {}), "h2o_ratio": 1.0}}  # HF does not evict
-        dense = OrtLM(make_session(_set_k(model_proto, lm.r).SerializeToString()), no_evict)
-        d_trace, d_toks, _, _ = _ort_trace(dense, ids, steps)
-        del dense
+        d_trace, d_toks = runs["k_eq_r"]
         hf = _torch_trace(model, ids, d_toks, None)
         res["ort_k1_vs_hf"] = _compare(d_trace, hf, tol["aqua"])
         res["ort_k1_vs_hf"]["graph"] = ("this folder's graph with k set to r (calibrated P kept)"
                                         + (", H2O eviction off" if h2o else ""))
     else:
         res["ort_k1_vs_hf"] = {"skipped": "slice_ratio > 0 changes the model itself; HF comparison needs slice 0"}
-    res["pass"] = (res["ort_vs_reference"]["pass"] and res["selection"].get("pass", True)
-                   and res["ort_k1_vs_hf"].get("pass", True) and res.get("eviction", {}).get("pass", True)
-                   and res.get("native_vs_function_body", {}).get("pass", True)
-                   and res.get("native_vs_function_body", {}).get("eviction", {}).get("pass", True))
-    return res
+
+
+def summary_lines(res: dict) -> list[str]:
+    """parity.json in words: each figure, what it compares, and whether it is a gate."""
+    lines = []
+    r = res["ort_vs_reference"]
+    lines.append(f"[gate] ORT vs the PyTorch reference under ORT's selection: max |dlogit| prefill "
+                 f"{r['max_abs_logit_diff_prefill']:.2e}, decode {r['max_abs_logit_diff_decode']:.2e} "
+                 f"(<= {r['tolerance']:g}), greedy identical: {r['greedy_identical']}")
+    sel = res["selection"]
+    if "rows" in sel and sel.get("gated") is False:
+        lines.append(f"[report] {sel['rows_differing']} of {sel['rows']} query rows ranked coordinates differently from "
+                     f"the float32 reference (float16 rounding of q^); gated on top-1 agreement instead: {sel['pass']}")
+    elif "rows" in sel:
+        lines.append(f"[gate] selection: {sel['rows_differing']} of {sel['rows']} query rows chose other coordinates "
+                     f"on the reference's own; largest relative |q^| gap among them {sel['max_gap_of_differing']:.1e} "
+                     f"(a float near-tie must be <= {res['near_tie']:.0e}): {'pass' if sel['pass'] else 'FAIL'}")
+    if "eviction" in res:
+        e = res["eviction"]
+        lines.append(f"[gate] H2O eviction replayed from ORT: the reference's own choice differs in "
+                     f"{e['decisions_differing']} of {e['decisions']} decisions, largest accumulator gap "
+                     f"{e['max_gap_of_differing']:.1e}: {'pass' if e['pass'] else 'FAIL'}")
+    if "native_vs_function_body" in res:
+        n = res["native_vs_function_body"]
+        lines.append(f"[gate: top-1 only] native kernel vs the graph's function body, each selecting on its own: top-1 "
+                     f"{n['top1_agreement']:.3f}; max |dlogit| prefill {n['max_abs_logit_diff_prefill']:.2e}, decode "
+                     f"{n['max_abs_logit_diff_decode']:.2e} (reported: one near-tie row selected differently moves "
+                     f"the logits after it by a whole q_i k_i term)")
+    h = res["ort_k1_vs_hf"]
+    if "pass" in h:
+        ref = h.get("reference", "HF transformers in float32, this graph with k = r")
+        lines.append(f"[gate] ORT at k = r vs {ref}: max |dlogit| prefill {h['max_abs_logit_diff_prefill']:.2e}, "
+                     f"decode {h['max_abs_logit_diff_decode']:.2e} (<= {h['tolerance']:g}), top-1 {h['top1_agreement']:.3f}")
+        if "hf_float32_vs_hf_float64" in res:
+            a, b = res["ort_k1_vs_hf_float32"], res["hf_float32_vs_hf_float64"]
+            lines.append(f"[report] ORT vs HF float32: {a['max_abs_logit_diff_prefill']:.2e}; HF float32 vs float64: "
+                         f"{b['max_abs_logit_diff_prefill']:.2e} (HF's own float32 error, for scale)")
+    lines.append(f"parity {'PASS' if res['pass'] else 'FAIL'}")
+    return lines

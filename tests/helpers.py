@@ -40,3 +40,19 @@ def folder_cfg(model, config, dtype: str = "float32") -> dict:
     d = geo["head_dim"]
     return {"geometry": geo, "dtype": dtype, "aqua": config.to_dict(),
             "cache": {"width": config.retained_width(d), "selected": config.selected_width(d)}}
+
+
+def saved_checkpoint(folder, model_type: str = "llama", dtype=None, **kw):
+    """A tiny random checkpoint saved like a real one (save_pretrained) with the embedded SmolLM2 tokenizer,
+    so every --model code path (local folder, AutoTokenizer, dtype on disk) runs on it."""
+    from transformers import AutoTokenizer
+
+    from aqua_export import models
+
+    tok = AutoTokenizer.from_pretrained(models.resolve("llama")[0])
+    m = models.tiny_model(model_type, vocab=len(tok), **kw)
+    if dtype is not None:
+        m = m.to(dtype)
+    m.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -52,13 +52,21 @@ def test_corrupt_projection(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
-    """k 0.75 build reusing a projection: folder contents, parity gate, one node per layer, run and parity commands."""
+    """k 0.75 build reusing a projection, weights forced to external data (the path models over 2 GB take):
+    folder contents, parity gate, one node per layer, run and parity commands, all opening the model by path."""
+    import os
+
     out = tmp_path / "eng"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--projection", str(proj), "--out", str(out),
-                 "--parity-steps", "32"]) == 0
+                 "--parity-steps", "32", "--external-data"]) == 0
     names = sorted(p.name for p in out.iterdir())
-    for must in ("model.onnx", "projection.safetensors", "aqua_config.json", "parity.json", "tokenizer.json"):
+    for must in ("model.onnx", "model.onnx.data", "projection.safetensors", "aqua_config.json", "parity.json",
+                 "tokenizer.json"):
         assert must in names
+    # the graph alone stays in model.onnx; the data file has the folder's usual file mode
+    assert (out / "model.onnx").stat().st_size < 2_000_000 < (out / "model.onnx.data").stat().st_size
+    assert os.stat(out / "model.onnx.data").st_mode == os.stat(out / "aqua_config.json").st_mode
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # parity's graph variants are gone
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     cfg = json.loads((out / "aqua_config.json").read_text())
     assert cfg["cache"]["width"] == 64 and cfg["cache"]["selected"] == 48 and cfg["operator"]["nodes"] == 30
@@ -70,6 +78,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     assert par["selection"]["max_gap_of_differing"] <= 1e-4
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
     assert sum(n.op_type == "TopKGatherDot" for n in m.graph.node) == 30
+    assert "external" in cfg["weights"]
     capsys.readouterr()
     assert main(["run", str(out), "--prompt", "What is the GNU GPL?", "--chat", "--max-new-tokens", "12"]) == 0
     assert len(capsys.readouterr().out.strip()) > 0

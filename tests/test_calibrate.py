@@ -116,3 +116,57 @@ def test_embedded_calibration_is_fast_and_streams(smollm, tmp_path):
     assert tensors["layers.29.P"].shape == (3, 64, 64)
     # 16k tokens must take minutes: 1k tokens well under 16 s here leaves that margin on 2 cores
     assert dt < 30, dt
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_byte_for_byte(tmp_path):
+    """Data-parallel calibration (torchrun, gloo on CPU): the corpus is split over 2 ranks, rank 0 folds the
+    per-chunk moments in chunk order, and the artifact equals a single process's byte for byte. 1500 tokens
+    in windows of 128 make 4 forwards (4 + 4 + 3 windows, then the short one): ranks get 2 each."""
+    import subprocess
+    import sys
+
+    from helpers import saved_checkpoint
+
+    ckpt = saved_checkpoint(tmp_path / "ckpt")
+    common = ["calibrate", "--model", str(ckpt), "--text", "builtin:gpl-3", "--tokens", "1500", "--seq-len", "128",
+              "--quiet"]
+    one = subprocess.run([sys.executable, "-m", "aqua_export", *common, "--out", str(tmp_path / "one.safetensors")],
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "aqua_export", *common, "--out", str(tmp_path / "two.safetensors")],
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("wrote ") == 1  # rank 0 alone writes
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
+    assert calibrate.load_projection(tmp_path / "two.safetensors").metadata["tokens"] == "1500"
+
+
+@pytest.mark.slow
+def test_device_map_offload_calibrates_the_same(tmp_path, capsys, caplog):
+    """A model that does not fit the memory it is given: accelerate places what fits (max_memory) and
+    offloads the rest to disk; calibration streams through it and gives the same projection."""
+    from aqua_export.cli import main
+
+    from helpers import saved_checkpoint
+
+    ckpt = saved_checkpoint(tmp_path / "ckpt", layers=4)
+    common = ["calibrate", "--model", str(ckpt), "--text", "builtin:gpl-3", "--tokens", "600", "--seq-len", "128",
+              "--quiet"]
+    assert main([*common, "--out", str(tmp_path / "plain.safetensors")]) == 0
+    # the embeddings alone take ~12 MB (49152 x 64 float32): a 4 MB CPU budget forces layers to disk
+    assert main([*common, "--device-map", "auto", "--max-memory", "cpu=4MB", "--out", str(tmp_path / "off.safetensors")]) == 0
+    assert "offloaded to the disk" in caplog.text  # accelerate really streamed weights from disk
+    a = calibrate.load_projection(tmp_path / "plain.safetensors")
+    b = calibrate.load_projection(tmp_path / "off.safetensors")
+    for x, y in zip(a.P + a.P_v + a.energy, b.P + b.P_v + b.energy):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert main([*common, "--max-memory", "cpu=4MB", "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "--max-memory needs --device-map" in capsys.readouterr().err
+
+
+def test_max_memory_parsing():
+    assert models.parse_max_memory("cpu=2GiB, 0=20GiB") == {"cpu": "2GiB", 0: "20GiB"}
+    with pytest.raises(ConfigError, match="DEVICE=SIZE"):
+        models.parse_max_memory("cpu2GiB")

@@ -6,7 +6,7 @@ import torch
 from aqua_export import models
 from aqua_export.attention import apply_aqua
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export import (DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, AquaExportModel, export_onnx,
+from aqua_export.export import (DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, check_exportable, export_onnx,
                                 io_names, topk_gather_dot_reference)
 from aqua_export.runtime import OrtLM, make_session
 
@@ -161,13 +161,13 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)
     with pytest.raises(ConfigError, match="selection='magnitude'"):
-        AquaExportModel(m, proj, AquaConfig(k_ratio=0.5, selection="static"))
+        check_exportable(m, proj, AquaConfig(k_ratio=0.5, selection="static"), "concat")
     with pytest.raises(ConfigError, match="use --kv-cache concat"):
-        AquaExportModel(m, proj, AquaConfig(h2o_ratio=0.5), kv_cache="shared")
+        check_exportable(m, proj, AquaConfig(h2o_ratio=0.5), "shared")
     with pytest.raises(ConfigError, match="--kv-cache must be one of"):
-        AquaExportModel(m, proj, AquaConfig(), kv_cache="paged")
+        check_exportable(m, proj, AquaConfig(), "paged")
     with pytest.raises(ConfigError, match="another model"):
-        AquaExportModel(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
+        check_exportable(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5), "concat")
 
 
 def test_ort_generate_equals_reference_generate(exported):

@@ -28,8 +28,7 @@ def h2o_export(tmp_path_factory):
 
 def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
     m, proj, cfg, proto, path = h2o_export
-    lm = OrtLM(make_session(path, kernel=KERNEL), folder_cfg(m, cfg))
-    res = run_parity(lm, m, CharTokenizer(), proj, cfg, proto, prompt_tokens=40, steps=6, kernel=KERNEL)
+    res = run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=40, steps=6, kernel=KERNEL)
     assert res["pass"], res
     r = res["ort_vs_reference"]
     assert r["max_abs_logit_diff_prefill"] <= 1e-4 and r["max_abs_logit_diff_decode"] <= 1e-4 and r["greedy_identical"]
@@ -69,9 +68,9 @@ def test_parity_of_a_shared_buffer_export(tmp_path):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)
     cfg = AquaConfig(k_ratio=0.5)
-    proto = export_onnx(m, proj, cfg, tmp_path / "s.onnx", kv_cache="shared")
-    lm = OrtLM(make_session(tmp_path / "s.onnx", kernel=KERNEL), folder_cfg(m, cfg))
-    assert lm.shared
-    res = run_parity(lm, m, CharTokenizer(), proj, cfg, proto, prompt_tokens=40, steps=6, kernel=KERNEL)
+    path = tmp_path / "s.onnx"
+    export_onnx(m, proj, cfg, path, kv_cache="shared")
+    assert OrtLM(make_session(path, kernel=KERNEL), folder_cfg(m, cfg)).shared
+    res = run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=40, steps=6, kernel=KERNEL)
     assert res["pass"], res
     assert res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-4 and res["selection"]["rows"] > 0

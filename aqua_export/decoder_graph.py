@@ -1,0 +1,255 @@
+"""The decoder as an ONNX graph, built layer by layer from the weights (no tracing).
+
+Per layer i, with g = H / Hkv, r the retained width and k the selected width (DESIGN.md 2-4):
+
+    x --RMSNorm--> h
+    h --q_proj (scale folded)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] ------------------------\\
+    h --k_proj--> RoPE --MatMul P_r--> Transpose [B,Hkv,r,T] --Concat|Scatter(past.key)----> TopKGatherDot(k)
+    h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --Concat|Scatter(past.value)--\\            | + mask
+                                                                                  \\       Softmax (float32)
+                                                                 MatMul <------------------/
+      --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
+
+Node names are stable paths (``/model/layers.3/attn/TopKGatherDot``); every weight is folded in
+float32 from the model's own tensors and written to the TensorStore the moment it is made, so only one
+layer's folded weights exist at a time. At k = r without slicing P and P_v cancel exactly, so the dense
+graph has no projection MatMul at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from onnx import TensorProto
+
+from .fold import fold_output, fold_scale_into_query, fold_value
+from .onnx_builder import GraphBuilder, onnx_type
+
+F32 = TensorProto.FLOAT
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the graph computes: shapes, widths, modes. dtype: the exported float type."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    r: int
+    k: int
+    dense: bool
+    h2o: bool
+    shared: bool
+    dtype: torch.dtype
+    eps: float
+
+    @property
+    def g(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def elem(self) -> int:
+        return onnx_type(self.dtype)
+
+
+class DecoderGraph:
+    """Emits one graph: embeddings, rotary tables and masks once, then each layer, then the head."""
+
+    def __init__(self, gb: GraphBuilder, plan: Plan, op_attrs: dict, domain: str, op_type: str):
+        self.gb, self.p = gb, plan
+        self.op_attrs, self.domain, self.op_type = op_attrs, domain, op_type
+
+    # ---------------------------------------------------------------- small helpers
+    def _linear(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None) -> str:
+        """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype."""
+        wt = self.gb.weight(f"{name}.weight", w.t().to(self.p.dtype))
+        y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt])
+        if b is not None:
+            y = self.gb.op(f"{name}/Add", "Add", [y, self.gb.weight(f"{name}.bias", b.to(self.p.dtype))])
+        return y
+
+    def _rmsnorm(self, name: str, x: str, w: torch.Tensor) -> str:
+        """HF's RMSNorm: statistics in float32, weight applied in the model dtype (ORT fuses this pattern)."""
+        gb, c = self.gb, self.gb.const
+        xf = x if self.p.dtype == torch.float32 else gb.op(f"{name}/Cast", "Cast", [x], to=F32)
+        sq = gb.op(f"{name}/Pow", "Pow", [xf, c(2.0, torch.float32)])
+        var = gb.op(f"{name}/ReduceMean", "ReduceMean", [sq, c([-1])], keepdims=1)
+        std = gb.op(f"{name}/Sqrt", "Sqrt", [gb.op(f"{name}/Add", "Add", [var, c(self.p.eps, torch.float32)])])
+        y = gb.op(f"{name}/Div", "Div", [xf, std])
+        if self.p.dtype != torch.float32:
+            y = gb.op(f"{name}/CastBack", "Cast", [y], to=self.p.elem)
+        return gb.op(f"{name}/Mul", "Mul", [y, gb.weight(f"{name}.weight", w.to(self.p.dtype))])
+
+    def _rope(self, name: str, x: str, cos: str, sin: str) -> str:
+        """x [B, heads, T, d]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]."""
+        gb, c, half = self.gb, self.gb.const, self.p.head_dim // 2
+        x1, x2 = gb.op(f"{name}/Split", "Split", [x, c([half, half])], n_out=2, axis=-1)
+        rot = gb.op(f"{name}/Concat", "Concat", [gb.op(f"{name}/Neg", "Neg", [x2]), x1], axis=-1)
+        return gb.op(f"{name}/Add", "Add", [gb.op(f"{name}/MulCos", "Mul", [x, cos]),
+                                            gb.op(f"{name}/MulSin", "Mul", [rot, sin])])
+
+    # ---------------------------------------------------------------- once per graph
+    def inputs(self) -> dict:
+        """Declares the graph inputs; returns their names plus the shared shape values."""
+        gb, p = self.gb, self.p
+        i64 = TensorProto.INT64
+        io = {"input_ids": gb.input("input_ids", i64, ["batch", "sequence"]),
+              "attention_mask": gb.input("attention_mask", i64, ["batch", "past" if p.shared else "total"]),
+              "position_ids": gb.input("position_ids", i64, ["batch", "sequence"])}
+        if p.shared:
+            io["cache_position"] = gb.input("cache_position", i64, ["sequence"])
+        for i in range(p.layers):
+            gb.input(f"past_key_values.{i}.key", p.elem, ["batch", p.kv_heads, p.r, "past"])
+            gb.input(f"past_key_values.{i}.value", p.elem, ["batch", p.kv_heads, "past", p.r])
+            if p.h2o:
+                gb.input(f"past_key_values.{i}.valid", TensorProto.BOOL, ["batch", p.kv_heads, "past"])
+        return io
+
+    def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple[str, str]:
+        """cos, sin [B, 1, T, d] in the model dtype: angles position * inv_freq in float32, as HF computes them."""
+        gb, c, n = self.gb, self.gb.const, "/model/rotary_emb"
+        pos = gb.op(f"{n}/Cast", "Cast", [gb.op(f"{n}/Unsqueeze", "Unsqueeze", [position_ids, c([-1])])], to=F32)
+        freqs = gb.op(f"{n}/Mul", "Mul", [pos, gb.weight(f"{n}.inv_freq", inv_freq.to(torch.float32))])
+        emb = gb.op(f"{n}/Concat", "Concat", [freqs, freqs], axis=-1)
+        out = []
+        for fn in ("Cos", "Sin"):
+            t = gb.op(f"{n}/{fn}", fn, [emb])
+            if scale != 1.0:
+                t = gb.op(f"{n}/{fn}/Scale", "Mul", [t, c(scale, torch.float32)])
+            if self.p.dtype != torch.float32:
+                t = gb.op(f"{n}/{fn}/Cast", "Cast", [t], to=self.p.elem)
+            out.append(gb.op(f"{n}/{fn}/Unsqueeze", "Unsqueeze", [t, c([1])]))
+        return out[0], out[1]
+
+    def mask(self, io: dict) -> str:
+        """Additive float32 mask [B, 1, 1, T, S]: key j is visible to query t iff j <= qpos[t] and
+        attention_mask[b, j] == 1, with qpos[t] = S - T + t (concat) or cache_position[t] (shared)."""
+        gb, c, n = self.gb, self.gb.const, "/model/attn_mask"
+        s = gb.op(f"{n}/ShapeS", "Shape", [io["attention_mask"]], start=1, end=2)
+        j = gb.op(f"{n}/RangeS", "Range", [c(0), gb.op(f"{n}/SqueezeS", "Squeeze", [s]), c(1)])
+        if self.p.shared:
+            qpos = io["cache_position"]
+        else:
+            t = gb.op(f"{n}/ShapeT", "Shape", [io["input_ids"]], start=1, end=2)
+            first = gb.op(f"{n}/SqueezeFirst", "Squeeze", [gb.op(f"{n}/Sub", "Sub", [s, t])])
+            qpos = gb.op(f"{n}/RangeT", "Range", [first, gb.op(f"{n}/SqueezeS2", "Squeeze", [s]), c(1)])
+        causal = gb.op(f"{n}/LessOrEqual", "LessOrEqual", [gb.op(f"{n}/UnsqueezeJ", "Unsqueeze", [j, c([0])]),
+                                                           gb.op(f"{n}/UnsqueezeQ", "Unsqueeze", [qpos, c([1])])])
+        pad = gb.op(f"{n}/CastMask", "Cast", [io["attention_mask"]], to=TensorProto.BOOL)
+        ok = gb.op(f"{n}/And", "And", [causal, gb.op(f"{n}/UnsqueezePad", "Unsqueeze", [pad, c([1])])])  # [B,T,S]
+        add = gb.op(f"{n}/Where", "Where", [ok, c(0.0, torch.float32), c(torch.finfo(torch.float32).min, torch.float32)])
+        return gb.op(f"{n}/Unsqueeze", "Unsqueeze", [add, c([1, 2])])
+
+    # ---------------------------------------------------------------- per layer
+    def layer(self, i: int, x: str, w: dict, P: torch.Tensor, P_v: torch.Tensor, scaling: float, cos: str, sin: str,
+              mask: str, io: dict) -> tuple[str, list[str]]:
+        """w: the layer's weights as HF names them (see decoder_weights); P, P_v [Hkv, d, d].
+        Returns (x after the layer, this layer's graph outputs)."""
+        n = f"/model/layers.{i}"
+        h = self._rmsnorm(f"{n}/input_layernorm", x, w["input_layernorm"])
+        attn, outs = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)
+        x = self.gb.op(f"{n}/attn/residual", "Add", [x, attn])
+        h = self._rmsnorm(f"{n}/post_attention_layernorm", x, w["post_attention_layernorm"])
+        gate = self._linear(f"{n}/mlp/gate_proj", h, w["gate_proj"], None)
+        act = self.gb.op(f"{n}/mlp/act/Mul", "Mul", [gate, self.gb.op(f"{n}/mlp/act/Sigmoid", "Sigmoid", [gate])])
+        up = self._linear(f"{n}/mlp/up_proj", h, w["up_proj"], None)
+        down = self._linear(f"{n}/mlp/down_proj", self.gb.op(f"{n}/mlp/Mul", "Mul", [act, up]), w["down_proj"], None)
+        return self.gb.op(f"{n}/mlp/residual", "Add", [x, down]), outs
+
+    def _attention(self, i, h, w, P, P_v, scaling, cos, sin, mask, io):
+        gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
+        d, g, hkv, r = p.head_dim, p.g, p.kv_heads, p.r
+        f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items() if k.startswith(("q_", "k_", "v_", "o_"))}
+        wq, bq = fold_scale_into_query(f32["q_proj"], f32.get("q_proj_bias"), scaling)
+        wv, bv = fold_value(f32["v_proj"], f32.get("v_proj_bias"), P_v)
+        keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :r].reshape(-1)
+        wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(p.heads * d).reshape(p.heads, d)[:, :r].reshape(-1)]
+
+        q = self._linear(f"{n}/q_proj", h, wq, bq)
+        q = gb.op(f"{n}/q/Transpose", "Transpose", [gb.op(f"{n}/q/Reshape", "Reshape", [q, c([0, 0, p.heads, d])])],
+                  perm=[0, 2, 1, 3])
+        q = gb.op(f"{n}/q/Reshape5", "Reshape", [self._rope(f"{n}/q_rope", q, cos, sin), c([0, hkv, g, -1, d])])
+        k = self._linear(f"{n}/k_proj", h, f32["k_proj"], f32.get("k_proj_bias"))
+        k = gb.op(f"{n}/k/Transpose", "Transpose", [gb.op(f"{n}/k/Reshape", "Reshape", [k, c([0, 0, hkv, d])])],
+                  perm=[0, 2, 1, 3])
+        k = self._rope(f"{n}/k_rope", k, cos, sin)  # [B, Hkv, T, d]
+        if not p.dense:
+            P_r = P[:, :, :r].to(torch.float32)
+            q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, gb.weight(f"{n}.P_q", P_r[:, None].to(p.dtype))])
+            k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, gb.weight(f"{n}.P_k", P_r.to(p.dtype))])
+        kh = gb.op(f"{n}/k/TransposeDimMajor", "Transpose", [k], perm=[0, 1, 3, 2])  # [B, Hkv, r, T]
+        v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
+        v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
+                  perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
+        kc, vc = self._cache(n, i, kh, v, io)
+        scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc], domain=self.domain, **self.op_attrs)
+        if p.dtype != torch.float32:
+            scores = gb.op(f"{n}/scores/Cast", "Cast", [scores], to=F32)  # softmax in float32, as HF does
+        probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, self._layer_mask(n, i, mask, io)])],
+                      axis=-1)
+        outs = [f"present.{i}.key", f"present.{i}.value"]
+        if p.h2o:  # H2O's heavy-hitter statistic: attention summed over the group's query heads, [B, Hkv, T, S]
+            outs.append(gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0,
+                              outputs=[f"attention_weights.{i}"])[0])
+        if p.dtype != torch.float32:
+            probs = gb.op(f"{n}/probs/Cast", "Cast", [probs], to=p.elem)
+        vc5 = gb.op(f"{n}/v/Unsqueeze", "Unsqueeze", [vc, c([2])])
+        a = gb.op(f"{n}/MatMulV", "MatMul", [probs, vc5])  # [B, Hkv, g, T, r]
+        a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
+        a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
+        return self._linear(f"{n}/o_proj", a, wo, f32.get("o_proj_bias")), outs
+
+    def _cache(self, n: str, i: int, kh: str, v: str, io: dict) -> tuple[str, str]:
+        """present = Concat(past, new), or (shared buffer) ScatterElements of the new entries at cache_position,
+        which ONNX Runtime does in place when past and present are bound to one buffer."""
+        gb, c = self.gb, self.gb.const
+        pk, pv = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        outk, outv = [f"present.{i}.key"], [f"present.{i}.value"]
+        if not self.p.shared:
+            kc = gb.op(f"{n}/k/ConcatPast", "Concat", [pk, kh], axis=3, outputs=outk)[0]
+            vc = gb.op(f"{n}/v/ConcatPast", "Concat", [pv, v], axis=2, outputs=outv)[0]
+            return kc, vc
+        cp = io["cache_position"]
+        ik = gb.op(f"{n}/k/SlotIndex", "Expand", [gb.op(f"{n}/k/SlotReshape", "Reshape", [cp, c([1, 1, 1, -1])]),
+                                                   gb.op(f"{n}/k/Shape", "Shape", [kh])])
+        iv = gb.op(f"{n}/v/SlotIndex", "Expand", [gb.op(f"{n}/v/SlotReshape", "Reshape", [cp, c([1, 1, -1, 1])]),
+                                                   gb.op(f"{n}/v/Shape", "Shape", [v])])
+        kc = gb.op(f"{n}/k/ScatterSlots", "ScatterElements", [pk, ik, kh], axis=3, outputs=outk)[0]
+        vc = gb.op(f"{n}/v/ScatterSlots", "ScatterElements", [pv, iv, v], axis=2, outputs=outv)[0]
+        return kc, vc
+
+    def _layer_mask(self, n: str, i: int, mask: str, io: dict) -> str:
+        """The shared mask, or under H2O: past slots visible iff this layer's valid[b, h, slot], new tokens as usual."""
+        if not self.p.h2o:
+            return mask
+        gb, c = self.gb, self.gb.const
+        valid = f"past_key_values.{i}.valid"
+        past = gb.op(f"{n}/valid/Where", "Where", [valid, c(0.0, torch.float32),
+                                                    c(torch.finfo(torch.float32).min, torch.float32)])
+        past = gb.op(f"{n}/valid/Unsqueeze", "Unsqueeze", [past, c([2, 3])])  # [B, Hkv, 1, 1, P]
+        p_len = gb.op(f"{n}/valid/Shape", "Shape", [valid], start=2, end=3)
+        new = gb.op(f"{n}/mask/SliceNew", "Slice", [mask, p_len, c([torch.iinfo(torch.int64).max]), c([4])])
+        new = gb.op(f"{n}/mask/ExpandHeads", "Expand", [new, c([1, self.p.kv_heads, 1, 1, 1])])  # [B, Hkv, 1, T, T]
+        t = gb.op(f"{n}/mask/ShapeT", "Shape", [new], start=3, end=4)
+        past = gb.op(f"{n}/valid/Expand", "Expand",
+                     [past, gb.op(f"{n}/valid/ExpandShape", "Concat", [c([1, 1, 1]), t, c([1])], axis=0)])
+        return gb.op(f"{n}/mask/ConcatValid", "Concat", [past, new], axis=-1)
+
+    # ---------------------------------------------------------------- head
+    def head(self, x: str, norm_w: torch.Tensor, lm_head: torch.Tensor, tied_to: str | None) -> None:
+        """logits = RMSNorm(x) @ W_lm^T. Tied embeddings reuse the embedding table through Gemm(transB)."""
+        gb, c = self.gb, self.gb.const
+        h = self._rmsnorm("/model/norm", x, norm_w)
+        if tied_to is None:
+            wt = gb.weight("lm_head.weight", lm_head.t().to(self.p.dtype))
+            gb.op("/lm_head/MatMul", "MatMul", [h, wt], outputs=["logits"])
+        else:
+            flat = gb.op("/lm_head/Flatten", "Reshape", [h, c([-1, self.p.hidden])])
+            y = gb.op("/lm_head/Gemm", "Gemm", [flat, tied_to], transB=1)
+            shape = gb.op("/lm_head/Shape", "Concat", [gb.op("/lm_head/ShapeBT", "Shape", [h], start=0, end=2),
+                                                      c([self.p.vocab])], axis=0)
+            gb.op("/lm_head/Reshape", "Reshape", [y, shape], outputs=["logits"])

@@ -1,0 +1,132 @@
+"""GPU timings of the Triton TopKGatherDot kernel against dense baselines, as a fraction of memory bandwidth.
+
+Run on a machine with a CUDA GPU (not in CI):  python tools/bench_gpu.py --out benchmarks/gpu_attention.md
+
+Shapes are Llama-3.1-8B's attention at decode (Hkv 8, g 4, d 128, one query token), batch 8, float16,
+T = 16k .. 128k cached tokens. For each T:
+
+  dense QK       torch.matmul of q [B,Hkv,g,1,d] with the dim-major K [B,Hkv,d,T]: reads all of K
+  aqua QK (k)    the Triton kernel: reads k of r rows of K^ per query row (+ q, + the scores it writes)
+  dense SDPA     torch's scaled_dot_product_attention over K and V [B,Hkv,T,d] (GQA): the whole step
+  aqua step (k)  Triton scores + softmax + probs @ V (unfused: the scores go through memory)
+
+Bytes counted are the fewest each variant must move (every input read once, every output written once);
+bandwidth is bytes / median time; the ceiling is a measured device-to-device copy (read + write).
+Correctness is checked first against a float64 reference on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def copy_bandwidth() -> float:
+    import triton.testing as tt
+
+    x = torch.randn(1 << 28, device="cuda", dtype=torch.float16)  # 512 MiB
+    y = torch.empty_like(x)
+    ms = tt.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+
+def check(topk_gather_dot, reference) -> list[str]:
+    """Fresh random inputs at odd sizes, float32 and float16, against a float64 reference."""
+    lines = []
+    for seed, (b, hkv, g, t, r, s), k, dt in [(1, (2, 8, 4, 1, 128, 4099), 64, torch.float32),
+                                              (2, (1, 8, 4, 3, 128, 70001), 96, torch.float16),
+                                              (3, (3, 2, 3, 1, 64, 1000), 1, torch.float32)]:
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, hkv, g, t, r, generator=gen).to(dt)
+        kc = torch.randn(b, hkv, r, s, generator=gen).to(dt)
+        got = topk_gather_dot(q.cuda(), kc.cuda(), k).double().cpu()
+        ref = reference(q.double(), kc.double(), k)
+        rel = ((got - ref).norm() / ref.norm()).item()
+        ok = torch.isfinite(got).all().item() and rel < (1e-5 if dt == torch.float32 else 2e-3)
+        lines.append(f"check {dt} shape {(b, hkv, g, t, r, s)} k {k}: relative error {rel:.1e} {'ok' if ok else 'FAIL'}")
+        if not ok:
+            raise SystemExit("\n".join(lines))
+    return lines
+
+
+def bench(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) -> list[dict]:
+    import triton.testing as tt
+
+    from aqua_export.triton_kernel import topk_gather_dot
+
+    dt, es = torch.float16, 2
+    q = torch.randn(B, hkv, g, 1, d, device="cuda", dtype=dt)
+    kdm = torch.randn(B, hkv, d, T, device="cuda", dtype=dt)  # dim-major K^
+    krm = torch.randn(B, hkv, T, d, device="cuda", dtype=dt)  # row-major K for SDPA
+    v = torch.randn(B, hkv, T, d, device="cuda", dtype=dt)
+    qs = q.reshape(B, hkv * g, 1, d)
+    rows = B * hkv * g
+
+    def med(fn):
+        return tt.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+
+    out = []
+    kv_bytes = B * hkv * T * d * es
+    scores_bytes = rows * T * es
+    t = med(lambda: torch.matmul(q, kdm[:, :, None]))
+    out.append({"T": T, "variant": "dense QK", "bytes": kv_bytes + scores_bytes, "s": t})
+    t = med(lambda: torch.nn.functional.scaled_dot_product_attention(qs, krm, v, enable_gqa=True))
+    out.append({"T": T, "variant": "dense SDPA (K+V)", "bytes": 2 * kv_bytes, "s": t})
+    for k in ks:
+        # union of the group's selections bounds the K^ rows read per KV head: g * k of d at most
+        t = med(lambda: topk_gather_dot(q, kdm, k))
+        out.append({"T": T, "variant": f"aqua QK k={k}", "bytes": kv_bytes * k // d + scores_bytes, "s": t})
+
+        def step():
+            s = topk_gather_dot(q, kdm, k).float().softmax(-1).to(dt)
+            return torch.matmul(s, v[:, :, None])
+        t = med(step)
+        out.append({"T": T, "variant": f"aqua step k={k} (unfused)", "bytes": kv_bytes * k // d + kv_bytes, "s": t})
+    for o in out:
+        o["GB/s"] = o["bytes"] / o["s"] / 1e9
+        o["of copy bandwidth"] = o["bytes"] / o["s"] / bw
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/gpu_attention.md")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--contexts", default="16384,32768,65536,131072")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu: no CUDA GPU here (run it on a GPU machine)")
+    from aqua_export.export import topk_gather_dot_reference
+    from aqua_export.triton_kernel import topk_gather_dot
+
+    name = torch.cuda.get_device_name()
+    lines = check(topk_gather_dot, topk_gather_dot_reference)
+    bw = copy_bandwidth()
+    rows = []
+    for T in map(int, a.contexts.split(",")):
+        rows += bench(T, a.batch, 8, 4, 128, [64, 96], bw)
+        torch.cuda.empty_cache()
+    md = [f"# GPU attention step: Triton TopKGatherDot vs dense ({name})", "",
+          f"Written by `python tools/bench_gpu.py` on {name}; torch {torch.__version__}. Llama-3.1-8B attention "
+          f"shapes at decode (Hkv 8, g 4, d 128, one query token), batch {a.batch}, float16. Median of "
+          "triton.testing.do_bench. Bytes = the fewest each variant must move; the ceiling is a measured "
+          f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write).", "", *[f"- {x}" for x in lines], "",
+          "| T | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense QK |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(x for x in rows if x["T"] == r["T"] and x["variant"] == "dense QK")["s"]
+        md.append(f"| {r['T']} | {r['variant']} | {r['s'] * 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['GB/s']:.0f} | "
+                  f"{r['of copy bandwidth']:.2f} | {base / r['s']:.2f}x |")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text("\n".join(md) + "\n")
+    Path(a.out).with_suffix(".json").write_text(json.dumps({"device": name, "copy_bandwidth": bw, "rows": rows}, indent=1))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

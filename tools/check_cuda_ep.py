@@ -1,0 +1,40 @@
+"""The exported TopKGatherDot node (its portable function body) on ONNX Runtime's CUDA provider, when the
+installed onnxruntime has one: float32 and float16 against the PyTorch reference. Run on a GPU machine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    import onnxruntime as ort
+
+    from aqua_export.export import single_op_model, topk_gather_dot_reference
+
+    provs = ort.get_available_providers()
+    print(f"onnxruntime {ort.__version__}: {provs}")
+    if "CUDAExecutionProvider" not in provs:
+        print("no CUDA execution provider in this onnxruntime build: nothing to check")
+        return
+    gen = torch.Generator().manual_seed(0)
+    for dt, tol in (("float32", 1e-5), ("float16", 2e-3)):
+        sess = ort.InferenceSession(single_op_model(48, dt).SerializeToString(), providers=["CUDAExecutionProvider"])
+        q = torch.randn(2, 8, 4, 3, 64, generator=gen)
+        kc = torch.randn(2, 8, 64, 1000, generator=gen)
+        npdt = np.float32 if dt == "float32" else np.float16
+        got = sess.run(None, {"q": q.numpy().astype(npdt), "kc": kc.numpy().astype(npdt)})[0].astype(np.float64)
+        ref = topk_gather_dot_reference(q.to(torch.float16 if dt == "float16" else torch.float32).double(),
+                                        kc.to(torch.float16 if dt == "float16" else torch.float32).double(), 48).numpy()
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        print(f"CUDA provider, function body, {dt}: relative error {rel:.1e} ({'ok' if rel < tol else 'FAIL'}), "
+              f"ran on {sess.get_providers()[0]}")
+
+
+if __name__ == "__main__":
+    main()

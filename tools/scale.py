@@ -1,0 +1,163 @@
+"""How a build's cost grows with model size: random-weight Llama-shaped checkpoints (bfloat16 on disk),
+built into float16 folders, peak RSS and time per stage and the folder's size. Writes benchmarks/scale.md.
+
+    python tools/scale.py [--sizes 135M,0.5B,1.1B] [--work DIR]      (not run in CI: minutes to an hour)
+
+Checkpoints are written tensor by tensor (a meta-device model gives the names and shapes; no model is ever
+materialised), in shards of at most 2 GB, with the embedded SmolLM2 tokenizer; nothing comes from a hub.
+Each build runs in its own process; aqua_config.json's "resources" hold each stage's time and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name: (hidden, layers, heads, kv_heads, intermediate, vocab, tied, extra config)
+SHAPES = {
+    "135M": (576, 30, 9, 3, 1536, 49152, True, {}),  # SmolLM2-135M
+    "0.5B": (1024, 24, 16, 4, 5632, 49152, True, {}),
+    "1.1B": (2048, 22, 32, 4, 5632, 49152, False, {}),  # TinyLlama-1.1B's layers, SmolLM2's vocabulary
+    "8B": (4096, 32, 32, 8, 14336, 128256, False,  # Llama-3.1-8B exactly
+           {"rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}),
+}
+SHARD_BYTES = 2 * 10**9
+
+
+def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
+    """A random-weight LlamaForCausalLM of SHAPES[name] in bfloat16 safetensors shards; returns its parameter count."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from aqua_export import models
+
+    hidden, layers, heads, kv, inter, vocab, tied, extra = SHAPES[name]
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied, torch_dtype="bfloat16",
+                      bos_token_id=1, eos_token_id=2, **extra)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in LlamaForCausalLM(cfg).state_dict().items()}
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    shard, size, index, files = {}, 0, {}, []
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            fname = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            files.append(fname)
+            index.update({k: fname for k in shard})
+            shard, size = {}, 0
+
+    params = 0
+    for n, shape in shapes.items():
+        t = torch.ones(shape) if n.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+        if n.endswith(("q_proj.weight", "k_proj.weight")):
+            t *= 4.0  # peaked attention, as in real models (random init is near uniform)
+        t = t.to(torch.bfloat16)
+        params += t.numel()
+        if size + t.numel() * 2 > SHARD_BYTES:
+            flush()
+        shard[n] = t
+        size += t.numel() * 2
+    flush()
+    total = sum((tmp / f).stat().st_size for f in files)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": index}))
+    cfg.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(models.resolve("llama")[0]).save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return params
+
+
+def build(ckpt: Path, out: Path, args: list[str]) -> dict:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "aqua_export", "--model", str(ckpt), "--out", str(out), *args]
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    res = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "log": str(log)}
+    if rc == 0:
+        cfg = json.loads((out / "aqua_config.json").read_text())
+        par = json.loads((out / "parity.json").read_text())
+        res.update(resources=cfg["resources"], weights=cfg["weights"], parity_pass=par["pass"],
+                   parity=par["ort_vs_reference"], top1_unforced=par["ort_vs_reference_unforced"]["top1_agreement"],
+                   folder_bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="135M,0.5B,1.1B")
+    ap.add_argument("--work", default=str(ROOT / "build" / "scale"))
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "scale.json"))
+    ap.add_argument("--build-args", default="--k-ratio 0.75 --dtype float16 --calib-text builtin:gpl-3 "
+                                            "--calib-tokens 2048 --parity-prompt-tokens 128 --parity-steps 16")
+    a = ap.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results = json.loads(Path(a.json).read_text()) if Path(a.json).exists() else {}
+    for name in a.sizes.split(","):
+        ckpt = work / f"llama-{name}"
+        t0 = time.perf_counter()
+        params = write_checkpoint(ckpt, name)
+        disk = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        print(f"{name}: {params / 1e9:.2f}B parameters, {disk / 2**30:.2f} GiB on disk "
+              f"({time.perf_counter() - t0:.0f} s to write)", flush=True)
+        res = build(ckpt, work / f"engine-{name}", a.build_args.split())
+        res.update(params=params, disk_bytes=disk, build_args=a.build_args)
+        results[name] = res
+        print(json.dumps(res, indent=1), flush=True)
+        shutil.rmtree(work / f"engine-{name}", ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        Path(a.json).write_text(json.dumps(results, indent=1, sort_keys=True))
+    write_report(results, ROOT / "benchmarks" / "scale.md")
+
+
+def write_report(results: dict, path: Path) -> None:
+    stages = ["load", "calibrate", "export", "parity"]
+    md = ["# Build cost against model size", "",
+          "Written by `python tools/scale.py` (random-weight Llama-shaped checkpoints, bfloat16 on disk, built on "
+          "this project's 2-core, 24 GiB CPU machine into float16 folders). Per stage: seconds / peak RSS in GiB "
+          "(VmHWM reset at each stage start). Target: peak <= 1.5 x disk + 3 GiB.", "",
+          "| model | parameters | disk (GiB) | " + " | ".join(stages) + " | peak (GiB) | target (GiB) | folder (GiB) | "
+          "wall (s) | parity |", "|---" * (len(stages) + 8) + "|"]
+    for name, r in sorted(results.items(), key=lambda kv: kv[1]["params"]):
+        disk = r["disk_bytes"] / 2**30
+        if r["rc"] != 0:
+            md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {disk:.2f} | " + " | ".join("-" for _ in stages)
+                      + f" | - | {1.5 * disk + 3:.1f} | - | {r['seconds']} | build failed (rc {r['rc']}, see its log) |")
+            continue
+        res = r["resources"]
+        peak = max(res[s]["peak_rss_gib"] for s in stages if s in res)
+        cells = [f"{res[s]['seconds']:.0f} s / {res[s]['peak_rss_gib']:.1f}" if s in res else "-" for s in stages]
+        p = r["parity"]
+        md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {disk:.2f} | " + " | ".join(cells) +
+                  f" | {peak:.1f} | {1.5 * disk + 3:.1f} | {r['folder_bytes'] / 2**30:.2f} | {r['seconds']} | "
+                  f"{'pass' if r['parity_pass'] else 'FAIL'}: {p['max_abs_logit_diff_prefill']:.2f} / "
+                  f"{p['max_abs_logit_diff_decode']:.2f}, top-1 {r['top1_unforced']:.2f} |")
+    args = next(iter(results.values()))["build_args"] if results else ""
+    md += ["", f"Build: `aqua-export --model DIR {args}`. Parity: float16 ORT vs the float32 PyTorch reference, max "
+           "|dlogit| prefill / decode (gate 0.5) and top-1 agreement with each side selecting on its own (gate 0.95)."]
+    path.write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
