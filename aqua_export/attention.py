@@ -379,11 +379,12 @@ def apply_aqua(model, projection: Projection, config: AquaConfig):
                     saved.append((a, a.v_proj.weight.detach().clone(),
                                   None if a.v_proj.bias is None else a.v_proj.bias.detach().clone(),
                                   a.o_proj.weight.detach().clone()))
-                    w, bias = fold_value(a.v_proj.weight, a.v_proj.bias, pv)
+                    # folded in float32 whatever the storage dtype, then stored in it
+                    w, bias = fold_value(a.v_proj.weight.float(), None if a.v_proj.bias is None else a.v_proj.bias.float(), pv)
                     a.v_proj.weight.copy_(w)
                     if bias is not None:
                         a.v_proj.bias.copy_(bias)
-                    a.o_proj.weight.copy_(fold_output(a.o_proj.weight, pv, g))
+                    a.o_proj.weight.copy_(fold_output(a.o_proj.weight.float(), pv, g))
         model.set_attn_implementation(IMPL)
         yield AquaSession(model, config, states)
     finally:

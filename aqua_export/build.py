@@ -124,7 +124,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
 
     _stage(1, f"loading {model_spec}", total)
     meter.start("load")
-    model, tok = models.load(model_spec)
+    model, tok = models.load(model_spec, dtype="auto")  # the checkpoint's own dtype: no float32 copy
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
@@ -216,7 +216,7 @@ def _parity(tmp: Path, cfg: dict, tok, projection, config: AquaConfig, o: BuildO
     from .parity import run_parity, summary_lines
     from .runtime import default_kernel
 
-    res = run_parity(tmp / "model.onnx", cfg, tok, projection, config, lambda: models.load(model_spec)[0],
+    res = run_parity(tmp / "model.onnx", cfg, tok, projection, config, lambda: models.load(model_spec, dtype="auto")[0],
                      prompt_tokens=o.parity_prompt, steps=o.parity_steps, dtype=o.dtype, kernel=default_kernel(o.dtype),
                      progress=lambda text: print(f"      ... {text}", flush=True))
     (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))

@@ -28,6 +28,7 @@ import torch
 from . import __version__, corpus
 from .config import ConfigError
 from .models import attention_geometry, fingerprint
+from .precision import float32_compute
 from .safetensors_io import save as save_safetensors
 
 FORMAT_VERSION = "1"
@@ -247,6 +248,11 @@ def calibrate(model, tok, *, texts: list[str] | None = None, tokens: int = 16384
     torchrun); the artifact is byte-identical to one process's, and only rank 0 gets it (None elsewhere)."""
     if tokens < 1 or seq_len < 2:
         raise ConfigError("calibration needs --tokens >= 1 and --seq-len >= 2")
+    with float32_compute(model):
+        return _calibrate(model, tok, texts, tokens, seq_len, seed, batch, progress, group)
+
+
+def _calibrate(model, tok, texts, tokens, seq_len, seed, batch, progress, group):
     geo = attention_geometry(model)
     rank, world = _world(group)
     if texts:

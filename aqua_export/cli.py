@@ -69,8 +69,11 @@ def cmd_calibrate(a) -> int:
 
     try:
         offload = tempfile.TemporaryDirectory(prefix="aqua-offload-") if a.device_map else None
-        model, tok = models.load(a.model, device_map=a.device_map, max_memory=max_memory,
-                                 offload_folder=offload.name if offload else None)
+        # the checkpoint's own dtype (computed in float32 layer by layer), or float32 where accelerate places it
+        import torch
+
+        model, tok = models.load(a.model, dtype=torch.float32 if a.device_map else "auto", device_map=a.device_map,
+                                 max_memory=max_memory, offload_folder=offload.name if offload else None)
         if group is not None:
             import torch
 
@@ -182,7 +185,7 @@ def cmd_parity(a) -> int:
     proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
     # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
     res = run_parity(path, cfg, load_tokenizer(a.folder), proj, AquaConfig.from_dict(cfg["aqua"]),
-                     lambda: models.load(cfg["model"])[0], steps=a.steps, dtype=cfg["dtype"], kernel=kernel,
+                     lambda: models.load(cfg["model"], dtype="auto")[0], steps=a.steps, dtype=cfg["dtype"], kernel=kernel,
                      progress=None if a.json else lambda text: print(f"... {text}", flush=True))
     if a.json:
         print(json.dumps(res, sort_keys=True))

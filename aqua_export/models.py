@@ -159,9 +159,12 @@ def parse_max_memory(text: str | None) -> dict | None:
     return out
 
 
-def load(spec: str, dtype: torch.dtype = torch.float32, device_map: str | None = None, max_memory: dict | None = None,
+def load(spec: str, dtype: torch.dtype | str = torch.float32, device_map: str | None = None, max_memory: dict | None = None,
          offload_folder: str | None = None):
     """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention.
+
+    dtype: torch.float32, or "auto" for the checkpoint's own dtype (no float32 copy of a bfloat16 checkpoint:
+    compute in float32 with precision.float32_compute).
 
     device_map / max_memory: accelerate's placement for a model that does not fit one device ("auto" spreads
     layers over the GPUs, then CPU memory, then ``offload_folder`` on disk, within max_memory per device)."""

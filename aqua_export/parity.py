@@ -27,6 +27,7 @@ from . import corpus
 from .attention import apply_aqua
 from .calibrate import Projection
 from .config import AquaConfig
+from .precision import float32_compute
 
 PARITY_TEXT = "builtin:gpl-3"
 # Every comparison is against a float32 (or float64) reference, so a float16 export's tolerance
@@ -48,7 +49,9 @@ def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=
     mask = np.ones_like(ids)
     pos = np.arange(ids.shape[1])[None]
     past = lm.empty_past(1, log, force) if lm.h2o else lm.empty_past(1)
+    bar = _bar(steps + 1, "ORT forwards")
     logits, past, idx = _run(lm, ids, mask, pos, past, with_indices)
+    bar.update(1)
     trace, toks, sel = [logits[0]], [], [idx]
     for s in range(steps):
         t = int(logits[0, -1].argmax()) if tokens is None else int(tokens[s])
@@ -57,7 +60,16 @@ def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=
         logits, past, idx = _run(lm, np.array([[t]]), mask, np.array([[ids.shape[1] + s]]), past, with_indices)
         trace.append(logits[0])
         sel.append(idx)
+        bar.update(1)
+    bar.close()
     return trace, toks, sel, past
+
+
+def _bar(total: int, desc: str):
+    """Progress of a parity run, forward by forward (minutes each on large models; gone when done)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"      {desc}", unit="fwd", leave=False, mininterval=2.0)
 
 
 def _run(lm, ids, mask, pos, past, with_indices):
@@ -73,6 +85,7 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, states=None, fo
     t_ids = torch.from_numpy(ids)
     n = t_ids.shape[1]
     trace = []
+    bar = _bar(len(toks) + 1, "PyTorch forwards")
     with torch.no_grad():
         for s in range(len(toks) + 1):
             if forced is not None and forced[s] is not None:
@@ -84,7 +97,9 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, states=None, fo
                 out = model(input_ids=torch.tensor([[toks[s - 1]]]), attention_mask=torch.ones(1, n + s, dtype=torch.long),
                             position_ids=torch.tensor([[n + s - 1]]), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            trace.append(out.logits[0].numpy())
+            trace.append(out.logits[0].float().numpy())
+            bar.update(1)
+    bar.close()
     return trace
 
 
@@ -108,14 +123,18 @@ def _flip_summary(flips: list[tuple[int, int, float]], tol: dict) -> dict:
 
 
 @contextlib.contextmanager
-def graph_variant(model_path: Path, tag: str, transform):
+def graph_variant(model_path: Path, tag: str, *transforms):
     """A rewritten copy of the folder's graph, saved beside it so that it shares ``model.onnx.data`` (no
-    copy of the weights, opened by path like every session); removed on exit."""
+    copy of the weights, opened by path like every session); removed on exit. No transform: the file itself."""
     from .onnx_builder import load_graph, save_graph
 
     model_path = Path(model_path)
+    if not transforms:
+        yield model_path
+        return
     m = load_graph(model_path)
-    m = transform(m) or m
+    for t in transforms:
+        m = t(m) or m
     out = model_path.parent / f".{model_path.stem}.{tag}.onnx"
     save_graph(m, out)
     del m
@@ -123,6 +142,45 @@ def graph_variant(model_path: Path, tag: str, transform):
         yield out
     finally:
         out.unlink(missing_ok=True)
+
+
+def _float32_weight_casts(m):
+    """Every MatMul / Gemm reading a large float16 weight gets explicit Casts to float32 around it.
+
+    ONNX Runtime's CPU provider has no float16 MatMul: it inserts exactly these casts itself but stores
+    the weights' float32 casts as new initializers, doubling the model in memory. Written into the graph
+    and left unfolded (fold_constants=False), each weight is cast while its node runs: same arithmetic,
+    the memory of the float16 weights."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    def numel(t):
+        n = 1
+        for d in t.dims:
+            n *= d
+        return n
+
+    big = {t.name for t in m.graph.initializer if t.data_type == TensorProto.FLOAT16 and numel(t) >= 1 << 16}
+    nodes = []
+    for node in m.graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or not big.intersection(node.input):
+            nodes.append(node)
+            continue
+        ins = []
+        for j, x in enumerate(node.input):
+            c = f"{node.name}/to_float32_{j}"
+            nodes.append(H.make_node("Cast", [x], [c], name=c, to=TensorProto.FLOAT))
+            ins.append(c)
+        out = node.output[0]
+        del node.input[:]
+        node.input.extend(ins)
+        node.output[0] = f"{out}/float32"
+        nodes.append(node)
+        nodes.append(H.make_node("Cast", [f"{out}/float32"], [out], name=f"{node.name}/to_float16",
+                                 to=TensorProto.FLOAT16))
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
 
 
 def _set_k(k: int):
@@ -150,48 +208,53 @@ def _selection_outputs(m):
 
 def _ort_phase(model_path: Path, cfg: dict, config: AquaConfig, ids, steps: int, kernel: str, sparse: bool,
                progress) -> dict:
-    """Every ONNX Runtime run parity needs, one session at a time (each freed before the next opens)."""
+    """Every ONNX Runtime run parity needs, one session at a time (each freed before the next opens).
+
+    A float16 folder with external weights runs with explicit weight casts (_float32_weight_casts), so the
+    session holds the float16 weights only: a model that fits in memory once is checked in that memory."""
     from .runtime import OrtLM, make_session
 
-    def session(path, k):
-        return OrtLM(make_session(path, kernel=k), cfg)
-
     h2o = config.h2o_ratio < 1
-    runs: dict = {}
+    lean = cfg["dtype"] == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
+    base = (_float32_weight_casts,) if lean else ()
+
+    @contextlib.contextmanager
+    def session(tag, k, *transforms, lm_cfg=None):
+        with graph_variant(model_path, tag, *base, *transforms) as path:
+            lm = OrtLM(make_session(path, kernel=k, fold_constants=not lean), lm_cfg or cfg)
+            try:
+                yield lm
+            finally:
+                lm.session = None  # the session (and its weights) goes now, whoever still holds lm
+
+    runs: dict = {"float16_weights": "cast per node at run time" if lean else None}
     progress("ONNX Runtime, the folder's graph")
-    lm = session(model_path, kernel)
-    runs["main"] = _ort_trace(lm, ids, steps)[:2]
-    del lm
+    with session("main", kernel) as lm:
+        runs["main"] = _ort_trace(lm, ids, steps)[:2]
     toks = runs["main"][1]
     if sparse or h2o:
         progress("ONNX Runtime, the graph with its selections exposed")
         log = [] if h2o else None
-        with graph_variant(model_path, "selection", _selection_outputs) as variant:
-            dbg = session(variant, "function")
+        with session("selection", "function", _selection_outputs) as dbg:
             trace, d_toks, sel, _ = _ort_trace(dbg, ids, steps, with_indices=sparse, log=log)
-            del dbg
         runs["debug"] = (trace, d_toks, sel, log)
     if kernel == "native":
         # the native kernel against the graph's own portable function body: same ORT, same tokens (the
         # function body's), and for H2O the function body's evictions replayed
         if "debug" not in runs:
             progress("ONNX Runtime, the function body")
-            fn = session(model_path, "function")
-            runs["debug"] = (*_ort_trace(fn, ids, steps, tokens=toks)[:2], None, None)
-            del fn
+            with session("function", "function") as fn:
+                runs["debug"] = (*_ort_trace(fn, ids, steps, tokens=toks)[:2], None, None)
         _, d_toks, _, log = runs["debug"]
         progress("ONNX Runtime, the native kernel on the function body's tokens")
-        lm = session(model_path, "native")
-        native, _, _, cache = _ort_trace(lm, ids, steps, force=log if h2o else None, tokens=d_toks)
-        del lm
+        with session("native", "native") as lm:
+            native, _, _, cache = _ort_trace(lm, ids, steps, force=log if h2o else None, tokens=d_toks)
         runs["native"] = (native, cache)
     if config.k_ratio < 1 and config.slice_ratio == 0:
         progress("ONNX Runtime, the graph with k = r")
         no_evict = {**cfg, "aqua": {**cfg["aqua"], "h2o_ratio": 1.0}}  # HF does not evict
-        with graph_variant(model_path, "k_eq_r", _set_k(cfg["cache"]["width"])) as variant:
-            dense = OrtLM(make_session(variant), no_evict)
+        with session("k_eq_r", "auto", _set_k(cfg["cache"]["width"]), lm_cfg=no_evict) as dense:
             runs["k_eq_r"] = _ort_trace(dense, ids, steps)[:2]
-            del dense
     return runs
 
 
@@ -210,8 +273,22 @@ def run_parity(model_path, cfg: dict, tok, projection: Projection, config: AquaC
     res = {"prompt": PARITY_TEXT, "prompt_tokens": int(ids.shape[1]), "decode_steps": steps, "dtype": dtype,
            "near_tie": tol["near_tie"], "kernel": kernel}
     runs = _ort_phase(Path(model_path), cfg, config, ids, steps, kernel, sparse, progress)
+    if runs["float16_weights"]:
+        res["float16_weights"] = ("cast to float32 per node at run time (the folder's graph with explicit weight "
+                                  "casts, ONNX Runtime's own CPU arithmetic without its float32 weight copies)")
     progress("the PyTorch reference on the same tokens")
     model = reference() if callable(reference) and not isinstance(reference, torch.nn.Module) else reference
+    with float32_compute(model):
+        _reference_phase(res, runs, model, ids, projection, config, tol, sparse, h2o)
+    res["pass"] = (res["ort_vs_reference"]["pass"] and res["selection"].get("pass", True)
+                   and res["ort_k1_vs_hf"].get("pass", True) and res.get("eviction", {}).get("pass", True)
+                   and res.get("native_vs_function_body", {}).get("pass", True)
+                   and res.get("native_vs_function_body", {}).get("eviction", {}).get("pass", True))
+    return res
+
+
+def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, h2o) -> None:
+    """The PyTorch side of every comparison, on the tokens the ONNX Runtime runs chose."""
     ort_trace, toks = runs["main"]
     with apply_aqua(model, projection, config) as aqua:
         own = _torch_trace(model, ids, toks, aqua.new_cache())
@@ -249,11 +326,6 @@ def run_parity(model_path, cfg: dict, tok, projection: Projection, config: AquaC
             nf["eviction"] = _flip_summary(cache.flips, tol)
         res["native_vs_function_body"] = nf
     _versus_hf(res, runs, model, ids, toks, config, tol, h2o)
-    res["pass"] = (res["ort_vs_reference"]["pass"] and res["selection"].get("pass", True)
-                   and res["ort_k1_vs_hf"].get("pass", True) and res.get("eviction", {}).get("pass", True)
-                   and res.get("native_vs_function_body", {}).get("pass", True)
-                   and res.get("native_vs_function_body", {}).get("eviction", {}).get("pass", True))
-    return res
 
 
 def _selection_summary(states, tol: dict, res: dict) -> dict:
@@ -286,7 +358,7 @@ def _versus_hf(res: dict, runs: dict, model, ids, toks, config: AquaConfig, tol:
             return
         import copy
 
-        hf64 = _torch_trace(copy.deepcopy(model).double(), ids, toks, None)
+        hf64 = _torch_trace(copy.deepcopy(model).double(), ids, toks, None)  # (hooks are not deep-copied)
         res["ort_k1_vs_hf"] = _compare(ort_trace, hf64, tol["dense_vs_hf"])
         res["ort_k1_vs_hf"]["reference"] = "HF transformers in float64"
         vs32 = _compare(ort_trace, hf32, tol["dense_vs_hf"])

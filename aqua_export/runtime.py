@@ -78,12 +78,15 @@ def default_kernel(dtype: str) -> str:
     return "native" if dtype == "float32" and native_library() is not None else "function"
 
 
-def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True):
+def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True,
+                 fold_constants: bool = True):
     """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
 
     kernel: "native" registers the C++ TopKGatherDot kernel (error when not built), "function" runs the
     model's portable function body, "auto" is native when built. spin=False stops the intra-op threads
     from busy-waiting between runs (benchmarks holding several sessions, so they do not steal cores).
+    fold_constants=False keeps Cast nodes on weights as run-time work (parity's low-memory float16
+    variant) instead of ONNX Runtime storing their float32 results beside the float16 weights.
     """
     import onnxruntime as ort
 
@@ -101,7 +104,8 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
     if lib is not None:
         so.register_custom_ops_library(str(lib))
     src = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(src, sess_options=so, providers=providers())
+    return ort.InferenceSession(src, sess_options=so, providers=providers(),
+                                disabled_optimizers=None if fold_constants else ["ConstantFolding"])
 
 
 class OrtLM:

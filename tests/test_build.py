@@ -107,9 +107,11 @@ def test_dense_build_matches_hf(tmp_path, proj):
 def test_float16_build(tmp_path, proj):
     out = tmp_path / "fp16"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--dtype", "float16", "--projection", str(proj),
-                 "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "128"]) == 0
+                 "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "128", "--external-data"]) == 0
     par = json.loads((out / "parity.json").read_text())
     assert par["dtype"] == "float16" and par["pass"]
+    # external float16 weights: parity's sessions cast them per node instead of holding float32 copies
+    assert "per node" in par["float16_weights"]
     assert par["ort_vs_reference"]["max_abs_logit_diff_prefill"] <= 0.5 and par["ort_vs_reference"]["greedy_identical"]
     # own selection and own kernel on the same tokens: float16 rounding may reorder close logits
     assert par["ort_vs_reference_unforced"]["top1_agreement"] >= 0.95

@@ -170,3 +170,26 @@ def test_max_memory_parsing():
     assert models.parse_max_memory("cpu=2GiB, 0=20GiB") == {"cpu": "2GiB", 0: "20GiB"}
     with pytest.raises(ConfigError, match="DEVICE=SIZE"):
         models.parse_max_memory("cpu2GiB")
+
+
+def test_bfloat16_checkpoint_calibrates_like_its_float32_load(tmp_path):
+    """A bfloat16 checkpoint kept in bfloat16 (no float32 copy) and computed in float32 layer by layer gives
+    the artifact of the same checkpoint loaded as float32, byte for byte (bfloat16 -> float32 is exact)."""
+    from aqua_export.precision import float32_compute, storage_dtype
+
+    from helpers import saved_checkpoint
+
+    ckpt = saved_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16)
+    m16, tok = models.load(str(ckpt), dtype="auto")
+    m32, _ = models.load(str(ckpt))
+    assert storage_dtype(m16) == torch.bfloat16 and storage_dtype(m32) == torch.float32
+    a = _calib(m16, tok, tmp_path, "a.safetensors", texts=["builtin:gpl-3"], tokens=700, seq_len=128)
+    b = _calib(m32, tok, tmp_path, "b.safetensors", texts=["builtin:gpl-3"], tokens=700, seq_len=128)
+    assert a.read_bytes() == b.read_bytes()
+    # the hooks are gone afterwards: the bfloat16 model computes in bfloat16 again, and the weights stayed bfloat16
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert m16(input_ids=ids).logits.dtype == torch.bfloat16
+        with float32_compute(m16):
+            assert m16(input_ids=ids).logits.dtype == torch.float32
+    assert storage_dtype(m16) == torch.bfloat16

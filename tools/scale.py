@@ -71,6 +71,8 @@ def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
         t = torch.ones(shape) if n.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
         if n.endswith(("q_proj.weight", "k_proj.weight")):
             t *= 4.0  # peaked attention, as in real models (random init is near uniform)
+        if n == "lm_head.weight" or (tied and n == "model.embed_tokens.weight"):
+            t *= 25.0  # logits spread like a trained model's (std ~10-20): top-1 is not decided by float16 rounding
         t = t.to(torch.bfloat16)
         params += t.numel()
         if size + t.numel() * 2 > SHARD_BYTES:
