@@ -31,7 +31,7 @@ plugin: $(NATIVE)
 setup: $(BIN)/aqua-export $(NATIVE)
 
 demo: setup
-	$(BIN)/aqua-export --model llama --k-ratio 0.75
+	$(BIN)/aqua-export --model llama --k-ratio 0.75 --force
 	$(BIN)/aqua-export run engines/llama-k0.75 --chat --max-new-tokens 48 --prompt "What is a license for software?"
 
 test: setup

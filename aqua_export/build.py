@@ -33,12 +33,22 @@ LAYOUT_WHY = ("K^ is stored dim-major [batch, kv_heads, r, past]: selecting coor
               "as slow). V stays [batch, kv_heads, past, r]: the value product reads whole rows.")
 
 
-def default_out(model_name: str, config: AquaConfig) -> Path:
+def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
+    """engines/<model>-k<R>[-s<S>][-h<H>][-<selection>][-<dtype>][-<kv cache>][-tensorrt]: every setting that
+    changes the built model is in the name once it differs from its default, so two builds never share it."""
     name = f"{model_name}-k{config.k_ratio:g}"
     if config.slice_ratio:
         name += f"-s{config.slice_ratio:g}"
     if config.h2o_ratio < 1:
         name += f"-h{config.h2o_ratio:g}"
+    if config.selection != "magnitude":
+        name += f"-{config.selection}"
+    if o.dtype != "float32":
+        name += f"-{o.dtype}"
+    if o.kv_cache not in ("auto", _auto_kv_cache(config, o.backend)):
+        name += f"-{o.kv_cache}"
+    if o.backend != "onnx":
+        name += f"-{o.backend}"
     return Path("engines") / name
 
 
@@ -61,10 +71,19 @@ def _progress_bar(total: int, desc: str, unit: str):
     return tqdm(total=total, desc=f"      {desc}", unit=unit, leave=False)
 
 
-def check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, force: bool) -> None:
+    """Never replace what this tool did not build: an existing non-empty --out must be a built folder (it
+    has aqua_config.json) and --force must be given."""
     check_writable_parent(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder: choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / CONFIG_FILE).is_file():
+            raise ConfigError(f"--out {out} is a folder with other files in it (not one this tool built): "
+                              "choose a new or empty folder")
+        if not force:
+            raise ConfigError(f"--out {out} holds a built folder already: pass --force to replace it, or choose "
+                              "another --out")
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,11 @@ class BuildOptions:
     parity_steps: int = 64
     parity_prompt: int = 256
     trt_limits: tuple[int, int, int] = (8, 4096, 1024)
+    force: bool = False  # replace an existing --out that this tool built
+
+
+def _auto_kv_cache(config: AquaConfig, backend: str) -> str:
+    return "concat" if config.h2o_ratio < 1 or backend == "tensorrt" else "shared"
 
 
 def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
@@ -87,7 +111,7 @@ def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
     kv = o.kv_cache
     if kv == "auto":
-        kv = "concat" if config.h2o_ratio < 1 or o.backend == "tensorrt" else "shared"
+        kv = _auto_kv_cache(config, o.backend)
     if kv not in ("concat", "shared"):
         raise ConfigError(f"unknown --kv-cache {kv!r}: use auto, shared or concat")
     if kv == "shared" and config.h2o_ratio < 1:
@@ -117,8 +141,8 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
     projection = calibrate.load_projection(projection_path) if projection_path else None
-    out_dir = Path(out) if out else default_out(models.short_name(model_spec), config)
-    check_out_dir(out_dir)
+    out_dir = Path(out) if out else default_out(models.short_name(model_spec), config, o)
+    check_out_dir(out_dir, o.force)
     meter = StageMeter()
     total = STAGES + (o.backend == "tensorrt")
 
@@ -198,12 +222,14 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     cfg = {
         "format_version": 1, "model": model_spec, "aqua": config.to_dict(), "fingerprint": models.fingerprint(model),
         "geometry": geo, "dtype": o.dtype, "cache": cache,
+        "context_length": getattr(model.config, "max_position_embeddings", None),
         "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
                      "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
         "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], h2o, o.kv_cache == "shared"))),
         "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
                    "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
+        **{p.key: p.value for p in proto.metadata_props if p.key == "float16_cast"},
         "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                   "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }

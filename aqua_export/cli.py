@@ -16,15 +16,38 @@ from pathlib import Path
 from .config import AquaConfig, ConfigError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``aqua-export: error: ...`` line (exit 2) like every other error."""
+
+    def error(self, message):
+        self.exit(2, f"aqua-export: error: {message} (see {self.prog} --help)\n")
+
+
 def _model_arg(p):
-    p.add_argument("--model", default="llama", help="HF model id, local HF folder, .gguf file, or 'llama' (embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default="llama", help="HF model id (org/name), local HF folder, .gguf file, or 'llama' "
+                                                    "(the embedded SmolLM2-135M-Instruct; default)")
 
 
-def _config_args(p):
-    p.add_argument("--k-ratio", type=float, default=1.0)
-    p.add_argument("--slice-ratio", type=float, default=0.0)
-    p.add_argument("--h2o-ratio", type=float, default=1.0)
-    p.add_argument("--selection", default="magnitude")
+def _config_args(p, k_default: float = 1.0):
+    from .config import SELECTIONS
+
+    p.add_argument("--k-ratio", type=float, default=k_default,
+                   help="share of the retained width r whose coordinates score each query, in (0, 1]; 1 = dense "
+                        "(default %(default)s)")
+    p.add_argument("--slice-ratio", type=float, default=0.0,
+                   help="AQUA-Memory: share of P's trailing columns dropped before K and V are cached, in [0, 1) "
+                        "(default %(default)s)")
+    p.add_argument("--h2o-ratio", type=float, default=1.0,
+                   help="AQUA-H2O: share of tokens kept in the cache, in (0, 1]; 1 = no eviction (default %(default)s)")
+    p.add_argument("--selection", default="magnitude", choices=SELECTIONS,
+                   help="how coordinates are chosen: magnitude (top-k |q^|, the paper), static (first k), weighted "
+                        "(top-k |q^_i| * rms(k^_i)); the export supports magnitude (default %(default)s)")
+
+
+def _window_args(p, tokens: int, what: str):
+    p.add_argument("--tokens", type=int, default=tokens, help=f"tokens of text to {what}, >= 1 (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=512, help="window length in tokens, >= 2; each window starts fresh "
+                                                            "(default %(default)s)")
 
 
 def _config(a) -> AquaConfig:
@@ -125,6 +148,9 @@ def cmd_retention(a) -> int:
     projection.check_model(model)
     rep = evaluate.retention_report(model, tok, text, projection, tokens=a.tokens, seq_len=a.seq_len, k_ratio=a.k_ratio)
     out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: retention writes a folder (retention.json, retention.png); "
+                          "give a folder path")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "retention.json", json.dumps(rep, indent=1, sort_keys=True).encode())
     tmp_png = out / ".retention.png.tmp.png"
@@ -148,7 +174,8 @@ def cmd_run(a) -> int:
     else:
         lm = OrtLM.from_folder(a.folder, kernel=a.kernel)
     tok = load_tokenizer(a.folder)
-    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat)
+    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.get("context_length"),
+                               max_new_tokens=a.max_new_tokens)
     eos = tok.eos_token_id
     if len(a.prompt) == 1:
         shown = [""]
@@ -196,36 +223,50 @@ def cmd_parity(a) -> int:
     return 0 if res["pass"] else 1
 
 
-def build_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="aqua-export", description="Build a ready-to-serve AQUA model folder "
-                                 "(subcommands: calibrate, eval, retention, run, parity)")
+def build_arg_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="aqua-export", description="Build a ready-to-serve AQUA model folder: calibrate "
+                                 "(or reuse a projection), export ONNX, check parity, write the folder atomically. "
+                                 "Subcommands: calibrate, eval, retention, run, parity (aqua-export --help lists them).")
     _model_arg(ap)
     _config_args(ap)
-    ap.add_argument("--projection", help="reuse a calibrated projection instead of calibrating")
-    ap.add_argument("--calib-text", action="append", help="calibration text file or builtin:NAME (repeatable)")
-    ap.add_argument("--calib-tokens", type=int, default=16384)
-    ap.add_argument("--out", help="output folder (default engines/<model>-k<R>[-s<S>])")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    ap.add_argument("--projection", help="reuse this calibrated projection (.safetensors) instead of calibrating")
+    ap.add_argument("--calib-text", action="append", help="calibration text: a plain-text or JSONL file, or "
+                    "builtin:python-reference | builtin:gpl-3 (repeatable; default builtin:python-reference)")
+    ap.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens, >= 1 (default %(default)s)")
+    ap.add_argument("--out", help="output folder (default engines/<model>-k<R>, plus a suffix per non-default setting: "
+                                  "-s<S> -h<H> -<selection> -<dtype> -<kv cache> -tensorrt); an existing non-empty "
+                                  "folder is refused")
+    ap.add_argument("--force", action="store_true", help="replace --out when it is a folder this tool built")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                    help="weights, activations and KV cache of the export (default %(default)s)")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                     help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
     ap.add_argument("--kv-cache", default="auto", choices=["auto", "shared", "concat"],
                     help="shared: past/present one buffer updated in place (fast decode); concat: present = past + "
                          "new; auto: shared unless --h2o-ratio or --backend tensorrt")
-    ap.add_argument("--trt-max-batch", type=int, default=8)
-    ap.add_argument("--trt-max-context", type=int, default=4096)
-    ap.add_argument("--trt-max-prompt", type=int, default=1024)
+    ap.add_argument("--trt-max-batch", type=int, default=8, help="TensorRT profiles: largest batch (default %(default)s)")
+    ap.add_argument("--trt-max-context", type=int, default=4096,
+                    help="TensorRT profiles: largest context in tokens (default %(default)s)")
+    ap.add_argument("--trt-max-prompt", type=int, default=1024,
+                    help="TensorRT profiles: longest prompt in tokens (default %(default)s)")
     ap.add_argument("--external-data", action="store_true",
                     help="write the weights to model.onnx.data beside model.onnx whatever the model's size (they go "
                          "there anyway past ONNX's 2 GB protobuf limit)")
-    ap.add_argument("--parity-steps", type=int, default=64)
-    ap.add_argument("--parity-prompt-tokens", type=int, default=256, help="real-text prompt length of the parity check")
-    a = ap.parse_args(argv)
+    ap.add_argument("--parity-steps", type=int, default=64, help="greedy decode steps of the parity check, >= 1 "
+                                                                "(default %(default)s)")
+    ap.add_argument("--parity-prompt-tokens", type=int, default=256,
+                    help="real-text prompt length of the parity check, >= 16 (default %(default)s)")
+    return ap
+
+
+def build_main(argv: list[str]) -> int:
+    a = build_arg_parser().parse_args(argv)
     from .build import BuildOptions, build
 
     opts = BuildOptions(dtype=a.dtype, backend=a.backend, kv_cache=a.kv_cache,
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
-                        trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt))
+                        trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force)
     out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
@@ -233,17 +274,20 @@ def build_main(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="aqua-export", description="AQUA attention for Hugging Face decoder LLMs")
+    ap = _Parser(prog="aqua-export", description="AQUA attention for Hugging Face decoder LLMs. The "
+                                 "main job, a ready-to-serve folder: aqua-export --model M --k-ratio R [...] (its "
+                                 "options follow the subcommands below).")
+    ap.add_argument("--version", action="store_true", help="print the version and exit")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("calibrate", help="compute the projection artifact")
     _model_arg(p)
-    p.add_argument("--text", action="append", help="plain-text/JSONL file or builtin:NAME (repeatable); default: self-generated text")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--text", action="append", help="plain-text/JSONL file or builtin:NAME (repeatable); default: "
+                                                    "text the model generates itself from --seed")
+    _window_args(p, 16384, "calibrate on")
+    p.add_argument("--seed", type=int, default=0, help="seed of the self-generated text (default %(default)s)")
+    p.add_argument("--out", required=True, help="the projection file to write (.safetensors)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device-map", help="accelerate placement for a model larger than one device: auto (GPUs, then "
                                         "CPU, then disk), cpu, or a device; data-parallel: run under torchrun")
     p.add_argument("--max-memory", help="per-device limits for --device-map, e.g. cpu=2GiB,0=20GiB")
@@ -251,44 +295,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="perplexity with or without AQUA")
     _model_arg(p)
-    p.add_argument("--projection")
+    p.add_argument("--projection", help="projection file (needed unless dense: --k-ratio 1, no slicing or eviction)")
     _config_args(p)
-    p.add_argument("--text", required=True)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--text", required=True, help="text to evaluate: file or builtin:NAME")
+    _window_args(p, 8192, "evaluate")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("retention", help="information retention loss per layer/head, JSON + PNG")
     _model_arg(p)
-    p.add_argument("--projection", required=True)
-    p.add_argument("--text", required=True)
-    p.add_argument("--k-ratio", type=float, default=0.5)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--projection", required=True, help="projection file")
+    p.add_argument("--text", required=True, help="text to measure on: file or builtin:NAME")
+    p.add_argument("--k-ratio", type=float, default=0.5, help="k_ratio whose retention is measured, in (0, 1] "
+                                                              "(default %(default)s)")
+    _window_args(p, 4096, "measure on")
+    p.add_argument("--out", required=True, help="output folder (retention.json, retention.png)")
     p.set_defaults(fn=cmd_retention)
 
     p = sub.add_parser("run", help="generate with ONNX Runtime from a built folder")
-    p.add_argument("folder")
-    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("folder", help="a folder built by aqua-export")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, >= 0 (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"])
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
+                   help="onnx: ONNX Runtime; tensorrt: the folder's model.engine (default %(default)s)")
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
                    help="TopKGatherDot: the native C++ kernel (auto: when built) or the model's function body")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
-    p.add_argument("folder")
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("folder", help="a folder built by aqua-export")
+    p.add_argument("--steps", type=int, default=64, help="greedy decode steps, >= 1 (default %(default)s)")
+    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
+                   help="what runs TopKGatherDot: the native kernel, the function body, or auto (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print parity.json's content as one JSON object")
     p.set_defaults(fn=cmd_parity)
     return ap
 
@@ -296,13 +341,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] == "--version":
+            from . import __version__
+
+            print(f"aqua-export {__version__}")
+            return 0
         if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
             return build_main(argv)
+        if argv and argv[0] in ("-h", "--help"):
+            build_parser().print_help()
+            print("\n--- the main job: aqua-export --model M --k-ratio R [...] ---\n")
+            build_arg_parser().print_help()
+            return 0
         a = build_parser().parse_args(argv)
         return a.fn(a)
     except ConfigError as e:
         print(f"aqua-export: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # every stage writes to a temporary path and renames at the end: an interrupt leaves nothing behind
+        print("aqua-export: interrupted (nothing was written)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

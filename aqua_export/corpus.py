@@ -77,6 +77,12 @@ def tokenize(tok, text: str, max_tokens: int | None = None):
 
     ids = tok(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     if max_tokens is not None:
+        if len(ids) < max_tokens:
+            import sys
+
+            # not an error (a short file is a choice), but results on it mean less than the user asked for
+            print(f"aqua-export: warning: the text has {len(ids)} tokens, fewer than the {max_tokens} asked: "
+                  "results cover those only", file=sys.stderr)
         ids = ids[:max_tokens]
     return torch.tensor(ids, dtype=torch.long)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
+from .config import ConfigError
 from .fold import fold_output, fold_scale_into_query, fold_value
 from .onnx_builder import GraphBuilder, onnx_type
 
@@ -62,14 +63,30 @@ class DecoderGraph:
     def __init__(self, gb: GraphBuilder, plan: Plan, op_attrs: dict, domain: str, op_type: str):
         self.gb, self.p = gb, plan
         self.op_attrs, self.domain, self.op_type = op_attrs, domain, op_type
+        # what casting the weights to a float16 export cost (reported in aqua_config.json)
+        self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
 
     # ---------------------------------------------------------------- small helpers
+    def weight(self, name: str, t: torch.Tensor) -> str:
+        """A weight in the export dtype. float16 refuses values past its range (65504) and counts the nonzero
+        ones below its normal range (6.1e-5), which keep fewer mantissa bits; all others cast exactly from
+        bfloat16, and to float16's rounding from float32."""
+        if self.p.dtype == torch.float16 and t.dtype != torch.float16:
+            a = t.detach().abs()
+            if bool((a > 65504).any()):
+                raise ConfigError(f"{name} has values beyond float16's range (|w| up to {float(a.max()):.3g} > 65504): "
+                                  "export with --dtype float32")
+            self.cast["tensors"] += 1
+            self.cast["elements"] += t.numel()
+            self.cast["below_float16_normal_range"] += int(((a > 0) & (a < 6.103515625e-05)).sum())
+        return self.gb.weight(name, t.to(self.p.dtype))
+
     def _linear(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None) -> str:
         """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype."""
-        wt = self.gb.weight(f"{name}.weight", w.t().to(self.p.dtype))
+        wt = self.weight(f"{name}.weight", w.t())
         y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt])
         if b is not None:
-            y = self.gb.op(f"{name}/Add", "Add", [y, self.gb.weight(f"{name}.bias", b.to(self.p.dtype))])
+            y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)])
         return y
 
     def _rmsnorm(self, name: str, x: str, w: torch.Tensor) -> str:
@@ -82,7 +99,7 @@ class DecoderGraph:
         y = gb.op(f"{name}/Div", "Div", [xf, std])
         if self.p.dtype != torch.float32:
             y = gb.op(f"{name}/CastBack", "Cast", [y], to=self.p.elem)
-        return gb.op(f"{name}/Mul", "Mul", [y, gb.weight(f"{name}.weight", w.to(self.p.dtype))])
+        return gb.op(f"{name}/Mul", "Mul", [y, self.weight(f"{name}.weight", w)])
 
     def _rope(self, name: str, x: str, cos: str, sin: str) -> str:
         """x [B, heads, T, d]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]."""
@@ -179,8 +196,8 @@ class DecoderGraph:
         k = self._rope(f"{n}/k_rope", k, cos, sin)  # [B, Hkv, T, d]
         if not p.dense:
             P_r = P[:, :, :r].to(torch.float32)
-            q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, gb.weight(f"{n}.P_q", P_r[:, None].to(p.dtype))])
-            k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, gb.weight(f"{n}.P_k", P_r.to(p.dtype))])
+            q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_r[:, None])])
+            k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_r)])
         kh = gb.op(f"{n}/k/TransposeDimMajor", "Transpose", [k], perm=[0, 1, 3, 2])  # [B, Hkv, r, T]
         v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
@@ -245,7 +262,7 @@ class DecoderGraph:
         gb, c = self.gb, self.gb.const
         h = self._rmsnorm("/model/norm", x, norm_w)
         if tied_to is None:
-            wt = gb.weight("lm_head.weight", lm_head.t().to(self.p.dtype))
+            wt = self.weight("lm_head.weight", lm_head.t())
             gb.op("/lm_head/MatMul", "MatMul", [h, wt], outputs=["logits"])
         else:
             flat = gb.op("/lm_head/Flatten", "Reshape", [h, c([-1, self.p.hidden])])

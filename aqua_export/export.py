@@ -172,13 +172,13 @@ def decoder_weights(layer) -> dict[str, torch.Tensor | None]:
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
                 kv_cache: str = "concat", external_data: bool | None = None, progress=None):
     """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
-    weights, one layer at a time. external_data: True forces it, None decides by size (> ONNX_LIMIT).
+    weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
     from onnx import TensorProto
 
     from .decoder_graph import DecoderGraph, Plan
-    from .onnx_builder import ONNX_LIMIT, GraphBuilder, TensorStore, save_graph
+    from .onnx_builder import EXTERNAL_ABOVE, GraphBuilder, TensorStore, save_graph
 
     check_exportable(model, projection, config, kv_cache)
     _register_schema()
@@ -192,7 +192,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                 shared=kv_cache == "shared", dtype=dtype, eps=float(cfg.rms_norm_eps))
     params = sum(t.numel() for t in model.parameters())
     if external_data is None:
-        external_data = params * torch.finfo(dtype).bits // 8 > ONNX_LIMIT
+        external_data = params * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
     data_path = path.parent / (path.name + ".data") if external_data else None
     store = TensorStore(data_path)
     try:
@@ -200,7 +200,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         g = DecoderGraph(gb, plan, {"k": k, "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION},
                          DOMAIN, OP_TYPE)
         io = g.inputs()
-        embed = gb.weight("model.embed_tokens.weight", model.model.embed_tokens.weight.detach().to(dtype))
+        embed = g.weight("model.embed_tokens.weight", model.model.embed_tokens.weight.detach())
         x = gb.op("/model/embed_tokens/Gather", "Gather", [embed, io["input_ids"]])
         rot = model.model.rotary_emb
         cos, sin = g.rotary(io["position_ids"], rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
@@ -226,6 +226,11 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, [function_body(OPSET)], "aqua-export")
     finally:
         store.close()
+    if dtype == torch.float16:
+        c = g.cast
+        m.metadata_props.add(key="float16_cast", value=f"{c['below_float16_normal_range']} of {c['elements']} weights "
+                             f"below float16's normal range (6.1e-5) keep fewer mantissa bits; the others are exact "
+                             f"from bfloat16 or rounded to float16 from float32")
     save_graph(m, path)
     return m
 

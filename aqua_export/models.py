@@ -142,7 +142,15 @@ def resolve(spec: str) -> tuple[Path | str, str]:
         if not (p / "config.json").exists():
             raise ConfigError(f"{spec} is not a Hugging Face model folder (no config.json)")
         return p, short_name(spec)
+    if _looks_like_path(spec):
+        raise ConfigError(f"model folder {spec} does not exist: give an existing folder, a .gguf file, an HF id "
+                          "(org/name) or 'llama'")
     return spec, short_name(spec)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """HF ids are 'name' or 'org/name'; anything else with a separator is a path the user meant."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec
 
 
 def parse_max_memory(text: str | None) -> dict | None:

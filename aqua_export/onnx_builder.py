@@ -9,13 +9,15 @@ the graph alone (kilobytes), whatever the model's size (DESIGN.md 10).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ONNX_LIMIT = 1_800_000_000  # stay clear of protobuf's 2 GiB limit: larger models keep weights outside
+ONNX_LIMIT = 1_800_000_000  # stay clear of protobuf's 2 GiB limit
+# Weights above this go to external data by default: past protobuf's limit they must, and from here on an
+# inline model costs its size again at every load (parsed protobuf beside the tensors made from it)
+EXTERNAL_ABOVE = 512 * 2**20
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime map external weights instead of copying them
 INLINE_BELOW = 1024  # bytes: small constants (shapes, axes, biases of tiny models) stay in the graph
 
@@ -35,16 +37,19 @@ class TensorStore:
     """
 
     def __init__(self, data_path: Path | None):
+        import onnx
+
         self.data_path = data_path
         self._f = open(data_path, "wb") if data_path is not None else None
-        self.initializers: list = []
+        # initializers are made in place inside the final ModelProto: inline weights are never copied
+        self.model = onnx.ModelProto()
         self.bytes_written = 0
 
     def add(self, name: str, t: torch.Tensor):
         from onnx import TensorProto
 
         t = t.detach().contiguous().cpu()
-        proto = TensorProto()
+        proto = self.model.graph.initializer.add()
         proto.name = name
         proto.dims.extend(t.shape)
         proto.data_type = onnx_type(t.dtype)
@@ -60,7 +65,6 @@ class TensorStore:
             self.bytes_written = offset + raw.nbytes
         else:
             proto.raw_data = raw.tobytes()
-        self.initializers.append(proto)
         return proto
 
     def close(self) -> None:
@@ -124,12 +128,19 @@ class GraphBuilder:
         self.outputs.append(H.make_tensor_value_info(name, elem, shape))
 
     def model(self, graph_name: str, opsets: dict[str, int], functions: list, producer: str):
+        """The ModelProto the store's initializers already live in, completed with the graph around them."""
         from onnx import helper as H
 
-        graph = H.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.store.initializers)
+        m = self.store.model
+        m.graph.name = graph_name
+        m.graph.node.extend(self.nodes)
+        m.graph.input.extend(self.inputs)
+        m.graph.output.extend(self.outputs)
         # IR 10: ONNX Runtime 1.31 refuses IR versions above 13, TensorRT 10 above 10 (DESIGN.md 4)
-        m = H.make_model(graph, opset_imports=[H.make_opsetid(d, v) for d, v in opsets.items()],
-                         functions=functions, ir_version=10, producer_name=producer)
+        m.ir_version = 10
+        m.producer_name = producer
+        m.opset_import.extend(H.make_opsetid(d, v) for d, v in opsets.items())
+        m.functions.extend(functions)
         return m
 
 
@@ -151,6 +162,3 @@ def load_graph(path: Path):
     return onnx.load(str(path), load_external_data=False)
 
 
-def match_mode(path: Path, like: Path) -> None:
-    """Give ``path`` the same permission bits as ``like`` (a data file must not be more private than the model)."""
-    os.chmod(path, os.stat(like).st_mode & 0o777)

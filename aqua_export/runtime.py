@@ -37,14 +37,49 @@ class SamplingConfig:
 
 
 def read_config(folder: str | Path) -> dict:
+    """The folder's aqua_config.json, checked for what the runtime reads (types, ranges, consistency)."""
     folder = Path(folder)
     f = folder / CONFIG_FILE
     if not f.is_file():
         raise ConfigError(f"{folder} is not an aqua-export folder (no {CONFIG_FILE}): build one with `aqua-export --model ...`")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise ConfigError(f"{f} is corrupt (not JSON): rebuild the folder") from None
+    check_config(cfg, f)
+    return cfg
+
+
+def check_config(cfg, where) -> None:
+    """One ConfigError line naming the first problem: wrong type, out of range, or inconsistent widths."""
+    from .config import AquaConfig
+
+    def bad(what):
+        return ConfigError(f"{where} is invalid ({what}): rebuild the folder")
+
+    if not isinstance(cfg, dict):
+        raise bad("not a JSON object")
+    for key, kind in (("geometry", dict), ("cache", dict), ("aqua", dict), ("dtype", str)):
+        if not isinstance(cfg.get(key), kind):
+            raise bad(f"{key!r} missing or not a {kind.__name__}")
+    geo, cache = cfg["geometry"], cfg["cache"]
+    for key in ("layers", "heads", "kv_heads", "head_dim"):
+        v = geo.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad(f"geometry.{key} must be a positive integer, got {v!r}")
+    try:
+        aqua = AquaConfig.from_dict(cfg["aqua"])
+    except (ConfigError, TypeError) as e:
+        raise bad(f"aqua: {e}") from None
+    if cfg["dtype"] not in ("float32", "float16"):
+        raise bad(f"dtype must be float32 or float16, got {cfg['dtype']!r}")
+    if cache.get("width") != aqua.retained_width(geo["head_dim"]) or cache.get("selected") != aqua.selected_width(geo["head_dim"]):
+        raise bad(f"cache widths {cache.get('width')!r}/{cache.get('selected')!r} disagree with the AQUA settings")
+    if cache.get("kv_cache", "concat") not in ("shared", "concat"):
+        raise bad(f"cache.kv_cache must be shared or concat, got {cache.get('kv_cache')!r}")
+    ctx = cfg.get("context_length")
+    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
+        raise bad(f"context_length must be a positive integer, got {ctx!r}")
 
 
 def providers() -> list[str]:
@@ -104,8 +139,15 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
     if lib is not None:
         so.register_custom_ops_library(str(lib))
     src = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(src, sess_options=so, providers=providers(),
-                                disabled_optimizers=None if fold_constants else ["ConstantFolding"])
+    try:
+        return ort.InferenceSession(src, sess_options=so, providers=providers(),
+                                    disabled_optimizers=None if fold_constants else ["ConstantFolding"])
+    except Exception as e:  # ORT raises its own exception types (InvalidProtobuf, Fail, NoSuchFile, ...)
+        if isinstance(model, bytes):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{model} cannot be loaded by ONNX Runtime ({type(e).__name__}: {first[:200]}): the file is "
+                          "corrupt, truncated or not this folder's model; rebuild the folder") from None
 
 
 class OrtLM:
@@ -130,6 +172,18 @@ class OrtLM:
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
         self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
+        self._check_graph()
+
+    def _check_graph(self) -> None:
+        """The config must describe this graph: one key/value input pair per layer, of its heads and width."""
+        if not hasattr(self.session, "get_inputs"):
+            return
+        keys = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.") and i.name.endswith(".key")]
+        shape = list(keys[0].shape) if keys else []
+        if len(keys) != self.layers or (len(shape) == 4 and shape[1:3] != [self.kv_heads, self.r]):
+            raise ConfigError(f"the folder's aqua_config.json does not match its model.onnx ({self.layers} layers, "
+                              f"{self.kv_heads} KV heads of width {self.r} in the config; {len(keys)} layers, "
+                              f"{shape[1:3]} in the graph): rebuild the folder")
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto") -> "OrtLM":
@@ -428,17 +482,36 @@ def pick(logits: np.ndarray, s: SamplingConfig, rng) -> np.ndarray:
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # tokenizers / transformers raise many types for a damaged file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"the tokenizer in {folder} cannot be loaded ({type(e).__name__}: {first}): rebuild the "
+                          "folder") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if tok.pad_token is None:
+        raise ConfigError(f"the tokenizer in {folder} has neither a pad nor an end-of-sequence token (its "
+                          "tokenizer_config.json was edited?): rebuild the folder")
     return tok
 
 
-def encode_prompts(tok, prompts: list[str], chat: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompts(tok, prompts: list[str], chat: bool = False, context: int | None = None,
+                   max_new_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids and mask; an empty prompt (without --chat) or one that cannot fit the model's context
+    with the tokens to generate is refused before anything is allocated for it."""
+    if not chat and any(not p for p in prompts):
+        raise ConfigError("--prompt is empty: give some text (or --chat, which wraps it in the chat template)")
     if chat:
         if not getattr(tok, "chat_template", None):
             raise ConfigError("--chat needs a tokenizer with a chat template; this model has none")
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                    for p in prompts]
     enc = tok(prompts, return_tensors="np", padding=True, padding_side="left")
-    return enc["input_ids"].astype(np.int64), enc["attention_mask"].astype(np.int64)
+    ids = enc["input_ids"].astype(np.int64)
+    if ids.shape[1] == 0:
+        raise ConfigError("--prompt encodes to no tokens: give some text")
+    if context is not None and ids.shape[1] + max_new_tokens > context:
+        raise ConfigError(f"the prompt is {ids.shape[1]} tokens and {max_new_tokens} more are asked, past the model's "
+                          f"context of {context}: shorten the prompt or lower --max-new-tokens")
+    return ids, enc["attention_mask"].astype(np.int64)

@@ -6,6 +6,7 @@ import onnx
 import pytest
 
 from aqua_export.cli import main
+from aqua_export.config import AquaConfig
 
 
 @pytest.fixture
@@ -145,3 +146,34 @@ def test_memory_h2o_build(tmp_path, proj):
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
     key = next(i for i in m.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
     assert key[2].dim_value == 48
+
+
+def test_out_with_other_files_is_never_replaced(tmp_path, capsys):
+    """A user's folder is refused whatever the flags; a built folder only with --force (checked before any work)."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("precious")
+    for extra in ([], ["--force"]):
+        assert main(["--model", "llama", "--k-ratio", "0.5", "--out", str(user), *extra]) == 2
+        assert "not one this tool built" in capsys.readouterr().err
+    assert (user / "notes.txt").read_text() == "precious" and len(list(user.iterdir())) == 1
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / "aqua_config.json").write_text("{}")
+    assert main(["--model", "llama", "--k-ratio", "0.5", "--out", str(built)]) == 2
+    assert "pass --force to replace it" in capsys.readouterr().err
+
+
+def test_default_names_differ_for_every_setting_that_changes_the_model():
+    from aqua_export.build import BuildOptions, default_out
+
+    variants = [(AquaConfig(k_ratio=0.75), BuildOptions()), (AquaConfig(k_ratio=0.75), BuildOptions(dtype="float16")),
+                (AquaConfig(k_ratio=0.75), BuildOptions(kv_cache="concat")),
+                (AquaConfig(k_ratio=0.75, selection="weighted"), BuildOptions()),
+                (AquaConfig(k_ratio=0.75, slice_ratio=0.25), BuildOptions()),
+                (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), BuildOptions(kv_cache="concat")),
+                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt", kv_cache="concat")),
+                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt", kv_cache="shared"))]
+    names = [default_out("llama", c, o).name for c, o in variants]
+    assert names[0] == "llama-k0.75" and len(set(names)) == len(names), names
+    assert names[1] == "llama-k0.75-float16" and names[5] == "llama-k0.75-h0.5"

@@ -186,3 +186,44 @@ def test_ort_generate_equals_reference_generate(exported):
                             eos_token_id=None)
     assert np.array_equal(got, ref[:, ids.shape[1]:].numpy())
     assert np.array_equal(np.stack(streamed, 1), got)
+
+
+def test_float16_export_refuses_weights_beyond_its_range_and_counts_subnormals(tmp_path):
+    m = models.tiny_model("llama")
+    proj = tiny_projection(m, tmp_path)
+
+    def below_normal(path):
+        meta = export_onnx(m, proj, AquaConfig(k_ratio=0.5), path, dtype=torch.float16).metadata_props
+        return int(next(p.value for p in meta if p.key == "float16_cast").split()[0])
+
+    before = below_normal(tmp_path / "a.onnx")
+    with torch.no_grad():
+        m.model.layers[0].mlp.up_proj.weight[0, :3] = torch.tensor([1e-6, 2e-6, 0.0])  # (up_proj is not folded)
+    # two nonzero values below 6.1e-5 (the zero is exact), replacing values of ~0.03
+    assert below_normal(tmp_path / "a.onnx") - before == 2
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight[0, 0] = 1e5
+    with pytest.raises(ConfigError, match="beyond float16's range.*--dtype float32"):
+        export_onnx(m, proj, AquaConfig(k_ratio=0.5), tmp_path / "b.onnx", dtype=torch.float16)
+
+
+def test_external_data_is_page_aligned_and_loads_by_path(exported, tmp_path):
+    """Forced external data: the graph file holds no weights, each weight's offset is page-aligned (so ONNX
+    Runtime can map it), and the model runs from its path with the same logits as the inline export."""
+    from aqua_export.onnx_builder import ALIGN, load_graph
+
+    m, proj, out = exported
+    cfg = AquaConfig(k_ratio=0.5)
+    path = tmp_path / "model.onnx"
+    export_onnx(m, proj, cfg, path, external_data=True)
+    g = load_graph(path)
+    ext = [t for t in g.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert ext and all(int(dict((e.key, e.value) for e in t.external_data)["offset"]) % ALIGN == 0 for t in ext)
+    assert all(dict((e.key, e.value) for e in t.external_data)["location"] == "model.onnx.data" for t in ext)
+    ids, mask = left_padded(128, [7, 5])
+    pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
+    logits = []
+    for p in (path, out[cfg, "concat"][0]):  # external, inline
+        lm = OrtLM(make_session(p), folder_cfg(m, cfg))
+        logits.append(lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))[0])
+    assert np.array_equal(*logits)

@@ -37,7 +37,10 @@ SHARD_BYTES = 2 * 10**9
 
 
 def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
-    """A random-weight LlamaForCausalLM of SHAPES[name] in bfloat16 safetensors shards; returns its parameter count."""
+    """A random-weight LlamaForCausalLM of SHAPES[name] in bfloat16 safetensors shards; returns its parameter count.
+
+    Weights N(0, 0.02) as HF initialises them (norms 1), except the output layer, scaled so that logits
+    spread like a trained model's: random-init logits are within float16 rounding of each other."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -69,10 +72,9 @@ def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
     params = 0
     for n, shape in shapes.items():
         t = torch.ones(shape) if n.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
-        if n.endswith(("q_proj.weight", "k_proj.weight")):
-            t *= 4.0  # peaked attention, as in real models (random init is near uniform)
         if n == "lm_head.weight" or (tied and n == "model.embed_tokens.weight"):
-            t *= 25.0  # logits spread like a trained model's (std ~10-20): top-1 is not decided by float16 rounding
+            # logits spread like a trained model's (std ~5, not ~0.5): top-1 is not decided by float16 rounding
+            t *= 5.0 / (0.02 * hidden ** 0.5)
         t = t.to(torch.bfloat16)
         params += t.numel()
         if size + t.numel() * 2 > SHARD_BYTES:
@@ -92,7 +94,7 @@ def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
 def build(ckpt: Path, out: Path, args: list[str]) -> dict:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "aqua_export", "--model", str(ckpt), "--out", str(out), *args]
-    log = out.with_suffix(".log")
+    log = out.parent / (out.name + ".log")
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     res = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "log": str(log)}

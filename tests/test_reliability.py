@@ -1,0 +1,173 @@
+"""Bad input a user can cause: one ``aqua-export: error:`` line, a non-zero exit, nothing half-written, no
+traceback. A tiny random checkpoint (real tokenizer) is built once into a folder; tests damage copies of it."""
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aqua_export.cli import main
+
+from helpers import saved_checkpoint
+
+
+def _one_line_error(capsys, needle: str = "") -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("aqua-export: warning")]
+    assert len(lines) == 1 and lines[0].startswith("aqua-export: error: ") and "Traceback" not in err, err
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rel")
+    ckpt = saved_checkpoint(tmp / "ckpt", max_position_embeddings=64)
+    out = tmp / "built"
+    assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--calib-text", "builtin:gpl-3", "--calib-tokens", "256",
+                 "--parity-prompt-tokens", "32", "--parity-steps", "2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def copy(folder, tmp_path):
+    dst = tmp_path / "f"
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def test_run_works_on_the_intact_folder(folder, capsys):
+    assert main(["run", str(folder), "--prompt", "The license", "--max-new-tokens", "3"]) == 0
+    assert json.loads((folder / "aqua_config.json").read_text())["context_length"] == 64
+
+
+def test_prompt_longer_than_the_context_is_refused_up_front(folder, capsys):
+    assert main(["run", str(folder), "--prompt", "word " * 80, "--max-new-tokens", "4"]) == 2
+    _one_line_error(capsys, "past the model's context of 64")
+
+
+def test_empty_prompt(folder, capsys):
+    assert main(["run", str(folder), "--prompt", ""]) == 2
+    _one_line_error(capsys, "--prompt is empty")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "random"])
+def test_corrupt_model_file(copy, capsys, damage):
+    m = copy / "model.onnx"
+    data = m.read_bytes()
+    m.write_bytes(data[: len(data) // 3] if damage == "truncate" else random.Random(0).randbytes(5000))
+    assert main(["run", str(copy), "--prompt", "Hi"]) == 2
+    _one_line_error(capsys, "cannot be loaded by ONNX Runtime")
+    assert main(["parity", str(copy), "--steps", "1"]) == 2
+    _one_line_error(capsys, "cannot be loaded by ONNX Runtime")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: {"k_ratio": "banana", "layers": -3}, "geometry"),
+    (lambda c: [1, 2, 3], "not a JSON object"),
+    (lambda c: {**c, "geometry": {**c["geometry"], "layers": -3}}, "geometry.layers"),
+    (lambda c: {**c, "geometry": {**c["geometry"], "layers": "two"}}, "geometry.layers"),
+    (lambda c: {**c, "aqua": {**c["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
+    (lambda c: {**c, "cache": {**c["cache"], "kv_cache": "bogus"}}, "cache.kv_cache"),
+    (lambda c: {**c, "cache": {**c["cache"], "width": 7}}, "disagree"),
+    (lambda c: {**c, "dtype": "int8"}, "dtype"),
+])
+def test_edited_config_is_refused_with_one_line(copy, capsys, edit, needle):
+    f = copy / "aqua_config.json"
+    f.write_text(json.dumps(edit(json.loads(f.read_text()))))
+    assert main(["run", str(copy), "--prompt", "Hi"]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
+    f = copy / "aqua_config.json"
+    c = json.loads(f.read_text())
+    c["geometry"]["layers"] += 1
+    f.write_text(json.dumps(c))
+    assert main(["run", str(copy), "--prompt", "Hi"]) == 2
+    _one_line_error(capsys, "does not match its model.onnx")
+
+
+def test_fuzz_every_file_of_the_folder(folder, tmp_path, capsys):
+    """Random bytes, truncation and JSON mutations of each file `run` reads: exit 0 (a harmless change) or one
+    error line; never a traceback."""
+    rng = random.Random(1)
+    files = ["model.onnx", "aqua_config.json", "tokenizer.json", "tokenizer_config.json"]
+    for i in range(16):
+        dst = tmp_path / f"z{i}"
+        shutil.copytree(folder, dst)
+        f = dst / files[i % len(files)]
+        data = f.read_bytes()
+        kind = i // len(files)
+        if kind == 0:
+            f.write_bytes(rng.randbytes(len(data) // 2 + 1))
+        elif kind == 1:
+            f.write_bytes(data[: rng.randrange(1, max(2, len(data)))])
+        elif kind == 2 and f.suffix == ".json":
+            obj = json.loads(data)
+            if isinstance(obj, dict) and obj:
+                key = rng.choice(sorted(obj))
+                obj[key] = rng.choice([None, -1, "x", [], {}, 1e309])
+            f.write_text(json.dumps(obj))
+        else:
+            f.unlink()
+        rc = main(["run", str(dst), "--prompt", "Hi", "--max-new-tokens", "2"])
+        if rc != 0:
+            assert rc == 2, (f, kind)
+            _one_line_error(capsys)
+        else:
+            capsys.readouterr()
+
+
+def test_retention_out_is_a_file(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["retention", "--model", "llama", "--projection", str(tmp_path / "p"), "--text", "builtin:gpl-3",
+                 "--out", str(f)]) == 2
+    _one_line_error(capsys)
+
+
+def test_missing_model_path_is_named_as_a_path(tmp_path, capsys):
+    assert main(["calibrate", "--model", str(tmp_path / "no" / "such"), "--out", str(tmp_path / "p.safetensors")]) == 2
+    _one_line_error(capsys, "does not exist")
+
+
+def test_short_text_warns(tmp_path, capsys, char_tok):
+    from aqua_export import corpus
+
+    ids = corpus.tokenize(char_tok, "abcdef", 2048)
+    assert ids.numel() == 6 and "6 tokens, fewer than the 2048 asked" in capsys.readouterr().err
+
+
+def test_help_version_and_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "--max-new-tokens" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for opt in ("--k-ratio", "--calib-tokens", "--external-data", "--force", "{magnitude,static,weighted}"):
+        assert opt in out
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("aqua-export ")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "llama", "--selection", "bogus"])
+    assert e.value.code == 2
+    _one_line_error(capsys, "invalid choice")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_build_with_one_line_and_leaves_nothing(tmp_path):
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, "-m", "aqua_export", "--model", "llama", "--k-ratio", "0.5", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # inside loading or calibration
+    p.send_signal(signal.SIGINT)
+    t0 = time.time()
+    _, err = p.communicate(timeout=60)
+    assert time.time() - t0 < 10
+    assert p.returncode == 130 and err.strip().splitlines()[-1] == "aqua-export: interrupted (nothing was written)", err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
