@@ -4,7 +4,7 @@ Nothing happens on import. ``apply_aqua(model, projection, config)`` is a contex
 registers the ``aqua`` attention function, attaches per-layer state, folds P_v into W_V / W_O for
 AQUA-Memory, and undoes all of it on exit.
 
-Per layer, per query head of KV group h (DESIGN.md 3), with r the retained width, k selected:
+Per layer, per query head of KV group h (docs/design.md, The operator), with r the retained width, k selected:
 
     q^ = (q P_h)[:r]            k^ = (k P_h)[:r]  (cached: the cache holds k^, r wide)
     I  = top-k(|q^|)            (ties -> lower index; 'static': I = {0..k-1})
@@ -243,8 +243,12 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
     if layer is not None:
         past = s - tq
         layer.valid[:, :, past:] &= is_real[:, None, :]
+        # a cached slot is visible if it is live (not padding, not evicted) and the mask allows its token
+        # (a sliding window, say); slots hold tokens pos[...] of the logical sequence the mask is laid over
+        slot_tok = layer.pos[:, :, None, :past].expand(b, hkv, tq, past)
+        ok_past = torch.gather(ok[:, None, :, : ok.shape[-1] - tq].expand(b, hkv, tq, -1), 3, slot_tok)
         allowed = torch.cat([
-            layer.valid[:, :, None, :past].expand(b, hkv, tq, past),
+            layer.valid[:, :, None, :past].expand(b, hkv, tq, past) & ok_past,
             new_ok[:, None].expand(b, hkv, tq, tq),
         ], dim=-1)
     else:
@@ -363,8 +367,11 @@ class AquaSession:
 @contextlib.contextmanager
 def apply_aqua(model, projection: Projection, config: AquaConfig):
     """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit."""
-    architecture_of(model.config)
+    arch = architecture_of(model.config)
     projection.check_model(model)
+    if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
+        raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not supported (a window and "
+                          "an eviction budget over the same slots disagree on what is kept): drop --h2o-ratio")
     _register()
     states = layer_states(model, projection, config)
     previous = model.config._attn_implementation
@@ -373,28 +380,29 @@ def apply_aqua(model, projection: Projection, config: AquaConfig):
     g = model.config.num_attention_heads // attention_geometry(model)["kv_heads"]
     try:
         with torch.no_grad():
-            for a, st, pv in zip(attns, states, projection.P_v):
+            for layer, a, st, pv in zip(model.model.layers, attns, states, projection.P_v):
                 a._aqua = st
                 if config.slice_ratio > 0:
-                    saved.append((a, a.v_proj.weight.detach().clone(),
-                                  None if a.v_proj.bias is None else a.v_proj.bias.detach().clone(),
-                                  a.o_proj.weight.detach().clone()))
+                    v_proj, o_proj = arch.value_output(layer)
+                    saved.append((v_proj, o_proj, v_proj.weight.detach().clone(),
+                                  None if v_proj.bias is None else v_proj.bias.detach().clone(),
+                                  o_proj.weight.detach().clone()))
                     # folded in float32 whatever the storage dtype, then stored in it
-                    w, bias = fold_value(a.v_proj.weight.float(), None if a.v_proj.bias is None else a.v_proj.bias.float(), pv)
-                    a.v_proj.weight.copy_(w)
+                    w, bias = fold_value(v_proj.weight.float(), None if v_proj.bias is None else v_proj.bias.float(), pv)
+                    v_proj.weight.copy_(w)
                     if bias is not None:
-                        a.v_proj.bias.copy_(bias)
-                    a.o_proj.weight.copy_(fold_output(a.o_proj.weight.float(), pv, g))
+                        v_proj.bias.copy_(bias)
+                    o_proj.weight.copy_(fold_output(o_proj.weight.float(), pv, g))
         model.set_attn_implementation(IMPL)
         yield AquaSession(model, config, states)
     finally:
         model.set_attn_implementation(previous)
         with torch.no_grad():
-            for a, w, bias, o in saved:
-                a.v_proj.weight.copy_(w)
+            for v_proj, o_proj, w, bias, o in saved:
+                v_proj.weight.copy_(w)
                 if bias is not None:
-                    a.v_proj.bias.copy_(bias)
-                a.o_proj.weight.copy_(o)
+                    v_proj.bias.copy_(bias)
+                o_proj.weight.copy_(o)
         for a in attns:
             if hasattr(a, "_aqua"):
                 del a._aqua

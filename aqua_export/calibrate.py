@@ -1,6 +1,6 @@
 """Calibration: stream text through the model, accumulate second moments, write the projection artifact.
 
-Per layer l and KV head h (DESIGN.md 1), with the g query heads of the group:
+Per layer l and KV head h (docs/design.md, Calibration), with the g query heads of the group:
     C_qk[l, h] = sum over tokens of q_1 q_1^T + ... + q_g q_g^T + k k^T   (post-RoPE, float64)
     C_k[l, h]  = sum of k k^T          (for the 'weighted' selection rule)
     C_v[l, h]  = sum of v v^T

@@ -176,6 +176,10 @@ def cmd_run(a) -> int:
     tok = load_tokenizer(a.folder)
     ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.get("context_length"),
                                max_new_tokens=a.max_new_tokens)
+    if a.backend == "tensorrt":
+        from .tensorrt_backend import check_request
+
+        check_request(lm.session.profiles, ids.shape[0], ids.shape[1], a.max_new_tokens)
     eos = tok.eos_token_id
     if len(a.prompt) == 1:
         shown = [""]

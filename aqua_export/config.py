@@ -57,7 +57,7 @@ class AquaConfig:
         if self.version != CONFIG_VERSION:
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
 
-    # Widths follow DESIGN.md: r = d - round(slice_ratio * d), k = round(k_ratio * r), at least 1.
+    # Widths (docs/design.md): r = d - round(slice_ratio * d), k = round(k_ratio * r), at least 1.
     def retained_width(self, head_dim: int) -> int:
         r = head_dim - round(self.slice_ratio * head_dim)
         if r < 1:

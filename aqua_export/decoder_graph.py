@@ -1,6 +1,6 @@
 """The decoder as an ONNX graph, built layer by layer from the weights (no tracing).
 
-Per layer i, with g = H / Hkv, r the retained width and k the selected width (DESIGN.md 2-4):
+Per layer i, with g = H / Hkv, r the retained width and k the selected width (docs/design.md):
 
     x --RMSNorm--> h
     h --q_proj (scale folded)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] ------------------------\\
@@ -65,6 +65,7 @@ class DecoderGraph:
         self.op_attrs, self.domain, self.op_type = op_attrs, domain, op_type
         # what casting the weights to a float16 export cost (reported in aqua_config.json)
         self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
+        self._masks: dict = {}  # one mask per distinct sliding window (None: full causal)
 
     # ---------------------------------------------------------------- small helpers
     def weight(self, name: str, t: torch.Tensor) -> str:
@@ -90,7 +91,8 @@ class DecoderGraph:
         return y
 
     def _rmsnorm(self, name: str, x: str, w: torch.Tensor) -> str:
-        """HF's RMSNorm: statistics in float32, weight applied in the model dtype (ORT fuses this pattern)."""
+        """HF's RMSNorm over the last axis: statistics in float32, weight applied in the model dtype (ONNX
+        Runtime fuses this pattern)."""
         gb, c = self.gb, self.gb.const
         xf = x if self.p.dtype == torch.float32 else gb.op(f"{name}/Cast", "Cast", [x], to=F32)
         sq = gb.op(f"{name}/Pow", "Pow", [xf, c(2.0, torch.float32)])
@@ -142,10 +144,14 @@ class DecoderGraph:
             out.append(gb.op(f"{n}/{fn}/Unsqueeze", "Unsqueeze", [t, c([1])]))
         return out[0], out[1]
 
-    def mask(self, io: dict) -> str:
+    def mask(self, io: dict, window: int | None = None) -> str:
         """Additive float32 mask [B, 1, 1, T, S]: key j is visible to query t iff j <= qpos[t] and
-        attention_mask[b, j] == 1, with qpos[t] = S - T + t (concat) or cache_position[t] (shared)."""
-        gb, c, n = self.gb, self.gb.const, "/model/attn_mask"
+        attention_mask[b, j] == 1, with qpos[t] = S - T + t (concat) or cache_position[t] (shared); with a
+        sliding window also j > qpos[t] - window (slots are token indices, padding included, as in HF)."""
+        if window in self._masks:
+            return self._masks[window]
+        gb, c = self.gb, self.gb.const
+        n = "/model/attn_mask" + ("" if window is None else f"_window{window}")
         s = gb.op(f"{n}/ShapeS", "Shape", [io["attention_mask"]], start=1, end=2)
         j = gb.op(f"{n}/RangeS", "Range", [c(0), gb.op(f"{n}/SqueezeS", "Squeeze", [s]), c(1)])
         if self.p.shared:
@@ -154,12 +160,17 @@ class DecoderGraph:
             t = gb.op(f"{n}/ShapeT", "Shape", [io["input_ids"]], start=1, end=2)
             first = gb.op(f"{n}/SqueezeFirst", "Squeeze", [gb.op(f"{n}/Sub", "Sub", [s, t])])
             qpos = gb.op(f"{n}/RangeT", "Range", [first, gb.op(f"{n}/SqueezeS2", "Squeeze", [s]), c(1)])
-        causal = gb.op(f"{n}/LessOrEqual", "LessOrEqual", [gb.op(f"{n}/UnsqueezeJ", "Unsqueeze", [j, c([0])]),
-                                                           gb.op(f"{n}/UnsqueezeQ", "Unsqueeze", [qpos, c([1])])])
+        j2 = gb.op(f"{n}/UnsqueezeJ", "Unsqueeze", [j, c([0])])
+        q2 = gb.op(f"{n}/UnsqueezeQ", "Unsqueeze", [qpos, c([1])])
+        causal = gb.op(f"{n}/LessOrEqual", "LessOrEqual", [j2, q2])  # [T, S]
+        if window is not None:
+            recent = gb.op(f"{n}/Greater", "Greater", [j2, gb.op(f"{n}/SubWindow", "Sub", [q2, c(window)])])
+            causal = gb.op(f"{n}/AndWindow", "And", [causal, recent])
         pad = gb.op(f"{n}/CastMask", "Cast", [io["attention_mask"]], to=TensorProto.BOOL)
         ok = gb.op(f"{n}/And", "And", [causal, gb.op(f"{n}/UnsqueezePad", "Unsqueeze", [pad, c([1])])])  # [B,T,S]
         add = gb.op(f"{n}/Where", "Where", [ok, c(0.0, torch.float32), c(torch.finfo(torch.float32).min, torch.float32)])
-        return gb.op(f"{n}/Unsqueeze", "Unsqueeze", [add, c([1, 2])])
+        self._masks[window] = gb.op(f"{n}/Unsqueeze", "Unsqueeze", [add, c([1, 2])])
+        return self._masks[window]
 
     # ---------------------------------------------------------------- per layer
     def layer(self, i: int, x: str, w: dict, P: torch.Tensor, P_v: torch.Tensor, scaling: float, cos: str, sin: str,
@@ -171,28 +182,72 @@ class DecoderGraph:
         attn, outs = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)
         x = self.gb.op(f"{n}/attn/residual", "Add", [x, attn])
         h = self._rmsnorm(f"{n}/post_attention_layernorm", x, w["post_attention_layernorm"])
-        gate = self._linear(f"{n}/mlp/gate_proj", h, w["gate_proj"], None)
-        act = self.gb.op(f"{n}/mlp/act/Mul", "Mul", [gate, self.gb.op(f"{n}/mlp/act/Sigmoid", "Sigmoid", [gate])])
-        up = self._linear(f"{n}/mlp/up_proj", h, w["up_proj"], None)
-        down = self._linear(f"{n}/mlp/down_proj", self.gb.op(f"{n}/mlp/Mul", "Mul", [act, up]), w["down_proj"], None)
+        down = self._moe(f"{n}/mlp", h, w) if "router" in w else self._gated_mlp(f"{n}/mlp", h, w)
         return self.gb.op(f"{n}/mlp/residual", "Add", [x, down]), outs
+
+    def _silu(self, name: str, x: str) -> str:
+        return self.gb.op(f"{name}/Mul", "Mul", [x, self.gb.op(f"{name}/Sigmoid", "Sigmoid", [x])])
+
+    def _gated_mlp(self, n: str, h: str, w: dict) -> str:
+        """down(silu(gate(h)) * up(h))."""
+        act = self._silu(f"{n}/act", self._linear(f"{n}/gate_proj", h, w["gate_proj"], None))
+        up = self._linear(f"{n}/up_proj", h, w["up_proj"], None)
+        return self._linear(f"{n}/down_proj", self.gb.op(f"{n}/Mul", "Mul", [act, up]), w["down_proj"], None)
+
+    def _moe(self, n: str, h: str, w: dict) -> str:
+        """Top-k routed experts with standard ops: the router's softmax (float32), TopK, the chosen probabilities
+        scattered into a dense [B, T, E] weight; every expert runs on every token (batched MatMul over E) and
+        the outputs are summed with those weights. Exact, at E / top_k times the routed MLP's arithmetic.
+
+            h --router--> Softmax --TopK(k)--> ScatterElements --> w [B,E,T,1]
+            h [B,1,T,H] --MatMul gate_up [E,H,2I]--> Split --> silu(gate) * up --MatMul down [E,I,H]--> * w --> Sum_E
+        """
+        gb, c, p = self.gb, self.gb.const, self.p
+        logits = self._linear(f"{n}/router", h, w["router"], None)
+        if p.dtype != torch.float32:
+            logits = gb.op(f"{n}/router/Cast", "Cast", [logits], to=F32)
+        probs = gb.op(f"{n}/router/Softmax", "Softmax", [logits], axis=-1)
+        top_v, top_i = gb.op(f"{n}/router/TopK", "TopK", [probs, c([int(w["top_k"])])], n_out=2, axis=-1, largest=1,
+                             sorted=1)
+        if w["norm_topk_prob"]:
+            top_v = gb.op(f"{n}/router/Renorm", "Div", [top_v, gb.op(f"{n}/router/SumTop", "ReduceSum", [top_v, c([-1])],
+                                                                      keepdims=1)])
+        dense = gb.op(f"{n}/router/Zeros", "Mul", [probs, c(0.0, torch.float32)])
+        dense = gb.op(f"{n}/router/Scatter", "ScatterElements", [dense, top_i, top_v], axis=-1)  # [B, T, E]
+        if p.dtype != torch.float32:
+            dense = gb.op(f"{n}/router/CastBack", "Cast", [dense], to=p.elem)
+        route = gb.op(f"{n}/router/Unsqueeze", "Unsqueeze", [gb.op(f"{n}/router/Transpose", "Transpose", [dense],
+                                                                    perm=[0, 2, 1]), c([-1])])  # [B, E, T, 1]
+        gu = self.weight(f"{n}/experts.gate_up", w["experts_gate_up"].transpose(1, 2))  # [E, H, 2I]
+        down = self.weight(f"{n}/experts.down", w["experts_down"].transpose(1, 2))  # [E, I, H]
+        inter = w["experts_down"].shape[-1]
+        y = gb.op(f"{n}/experts/MatMulGateUp", "MatMul", [gb.op(f"{n}/experts/Unsqueeze", "Unsqueeze", [h, c([1])]), gu])
+        gate, up = gb.op(f"{n}/experts/Split", "Split", [y, c([inter, inter])], n_out=2, axis=-1)
+        a = gb.op(f"{n}/experts/Mul", "Mul", [self._silu(f"{n}/experts/act", gate), up])
+        y = gb.op(f"{n}/experts/Weighted", "Mul", [gb.op(f"{n}/experts/MatMulDown", "MatMul", [a, down]), route])
+        return gb.op(f"{n}/experts/Sum", "ReduceSum", [y, c([1])], keepdims=0)
 
     def _attention(self, i, h, w, P, P_v, scaling, cos, sin, mask, io):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         d, g, hkv, r = p.head_dim, p.g, p.kv_heads, p.r
-        f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items() if k.startswith(("q_", "k_", "v_", "o_"))}
-        wq, bq = fold_scale_into_query(f32["q_proj"], f32.get("q_proj_bias"), scaling)
+        f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items()
+               if k.startswith(("q_proj", "k_proj", "v_proj", "o_proj"))}
+        # the attention scale goes into W_Q, or into q_norm's weight when a norm follows W_Q (it would undo it)
+        wq, bq = (f32["q_proj"], f32.get("q_proj_bias")) if "q_norm" in w else \
+            fold_scale_into_query(f32["q_proj"], f32.get("q_proj_bias"), scaling)
         wv, bv = fold_value(f32["v_proj"], f32.get("v_proj_bias"), P_v)
         keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :r].reshape(-1)
         wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(p.heads * d).reshape(p.heads, d)[:, :r].reshape(-1)]
 
-        q = self._linear(f"{n}/q_proj", h, wq, bq)
-        q = gb.op(f"{n}/q/Transpose", "Transpose", [gb.op(f"{n}/q/Reshape", "Reshape", [q, c([0, 0, p.heads, d])])],
-                  perm=[0, 2, 1, 3])
+        # q/k RMSNorm before RoPE, per head (Qwen3: weight [d]) or over the whole projection (OLMoE): a norm
+        # would undo a scale folded into W_Q, so the scale goes into q_norm's weight instead
+        q = self._qk_norm(f"{n}/q_norm", self._linear(f"{n}/q_proj", h, wq, bq), p.heads,
+                          None if "q_norm" not in w else w["q_norm"].float() * scaling)
+        q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
         q = gb.op(f"{n}/q/Reshape5", "Reshape", [self._rope(f"{n}/q_rope", q, cos, sin), c([0, hkv, g, -1, d])])
-        k = self._linear(f"{n}/k_proj", h, f32["k_proj"], f32.get("k_proj_bias"))
-        k = gb.op(f"{n}/k/Transpose", "Transpose", [gb.op(f"{n}/k/Reshape", "Reshape", [k, c([0, 0, hkv, d])])],
-                  perm=[0, 2, 1, 3])
+        k = self._qk_norm(f"{n}/k_norm", self._linear(f"{n}/k_proj", h, f32["k_proj"], f32.get("k_proj_bias")), hkv,
+                          w.get("k_norm"))
+        k = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])
         k = self._rope(f"{n}/k_rope", k, cos, sin)  # [B, Hkv, T, d]
         if not p.dense:
             P_r = P[:, :, :r].to(torch.float32)
@@ -219,6 +274,14 @@ class DecoderGraph:
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
         return self._linear(f"{n}/o_proj", a, wo, f32.get("o_proj_bias")), outs
+
+    def _qk_norm(self, n: str, x: str, heads: int, w: torch.Tensor | None) -> str:
+        """x [B, T, heads * d] -> [B, T, heads, d], RMS-normalised per head ([d] weight) or whole ([heads * d])."""
+        c, d = self.gb.const, self.p.head_dim
+        if w is not None and w.numel() != d:
+            x = self._rmsnorm(n, x, w)
+        x = self.gb.op(f"{n}/Reshape", "Reshape", [x, c([0, 0, heads, d])])
+        return self._rmsnorm(n, x, w) if w is not None and w.numel() == d else x
 
     def _cache(self, n: str, i: int, kh: str, v: str, io: dict) -> tuple[str, str]:
         """present = Concat(past, new), or (shared buffer) ScatterElements of the new entries at cache_position,

@@ -1,7 +1,7 @@
 """ONNX export: the TopKGatherDot custom node with its portable function body, the graph's I/O, and the
 export entry point (the graph itself is built from the weights by decoder_graph, no tracing).
 
-Graph contract (DESIGN.md 4), per layer i, with r the retained width:
+Graph contract (docs/design.md, The ONNX graph), per layer i, with r the retained width:
 
     inputs  input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64,
             past_key_values.{i}.key   [B, Hkv, r, P]   K^ dim-major (one contiguous row of P per coordinate)
@@ -147,26 +147,14 @@ def check_exportable(model, projection: Projection, config: AquaConfig, kv_cache
         raise ConfigError(f"--kv-cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
     if kv_cache == "shared" and config.h2o_ratio < 1:
         raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat with --h2o-ratio")
-    architecture_of(model.config)
+    arch = architecture_of(model.config)
     projection.check_model(model)
     if config.selection != "magnitude":
         raise ConfigError(f"export supports selection='magnitude' (the TopKGatherDot contract); "
                           f"{config.selection!r} is reference-only: drop --selection")
-    act = getattr(model.config, "hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act={act!r} is not exported (gated SiLU MLPs only): use a model with silu")
-
-
-def decoder_weights(layer) -> dict[str, torch.Tensor | None]:
-    """One HF decoder layer's tensors by role (Llama layout: separate q/k/v/o, optional q/k/v biases)."""
-    a, m = layer.self_attn, layer.mlp
-    w = {"input_layernorm": layer.input_layernorm.weight, "post_attention_layernorm": layer.post_attention_layernorm.weight,
-         "gate_proj": m.gate_proj.weight, "up_proj": m.up_proj.weight, "down_proj": m.down_proj.weight}
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        lin = getattr(a, name)
-        w[name] = lin.weight.detach()
-        w[f"{name}_bias"] = None if lin.bias is None else lin.bias.detach()
-    return {k: (None if v is None else v.detach()) for k, v in w.items()}
+    if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
+        raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not exported (eviction "
+                          "compacts the slots the window is measured in): drop --h2o-ratio")
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
@@ -204,12 +192,13 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         x = gb.op("/model/embed_tokens/Gather", "Gather", [embed, io["input_ids"]])
         rot = model.model.rotary_emb
         cos, sin = g.rotary(io["position_ids"], rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
-        mask = g.mask(io)
+        arch = architecture_of(cfg)
         eye = torch.eye(d).expand(geo["kv_heads"], d, d)
         outs, weights = [], []
         for i, layer in enumerate(model.model.layers):
             P, P_v = (eye, eye) if plan.dense else (projection.P[i], projection.P_v[i])
-            x, o = g.layer(i, x, decoder_weights(layer), P, P_v, layer.self_attn.scaling, cos, sin, mask, io)
+            mask = g.mask(io, arch.window(cfg, i))
+            x, o = g.layer(i, x, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, cos, sin, mask, io)
             outs += o[:2]
             weights += o[2:]
             if progress is not None:

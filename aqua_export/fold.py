@@ -1,4 +1,4 @@
-"""Exact weight folds (DESIGN.md 2). Each takes and returns plain tensors and asserts shapes.
+"""Exact weight folds (docs/design.md, What folds). Each takes and returns plain tensors and asserts shapes.
 
 Notation: Hkv KV heads, H = g * Hkv query heads, d head_dim, D hidden size.
 """

@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,64 +21,37 @@ DEFAULT_MODEL = "llama"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """A supported decoder family. ``rotary`` decides whether P folds into W_Q/W_K (DESIGN.md 2)."""
+def architecture_of(config):
+    """The family's adapter (aqua_export.archs); anything unsupported is one ConfigError line naming the list."""
+    from .archs import adapter_for
 
-    model_type: str
-    class_name: str
-    rotary: bool
-    qkv_bias: bool
+    return adapter_for(config)
 
 
-# Every entry is exercised in tests with a tiny random config (tiny_config below).
-REGISTRY: dict[str, Architecture] = {
-    "llama": Architecture("llama", "LlamaForCausalLM", rotary=True, qkv_bias=False),
-    "mistral": Architecture("mistral", "MistralForCausalLM", rotary=True, qkv_bias=False),
-    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", rotary=True, qkv_bias=True),
-}
+def tiny_config(model_type: str, **kw):
+    """A small random config of a supported family, built in code (no hub): see Adapter.tiny_config."""
+    from .archs import ADAPTERS
 
-
-def architecture_of(config) -> Architecture:
-    mt = getattr(config, "model_type", None)
-    if mt not in REGISTRY:
-        raise ConfigError(
-            f"architecture {mt!r} is not supported: aqua-export handles {', '.join(sorted(REGISTRY))}"
-        )
-    return REGISTRY[mt]
-
-
-def tiny_config(model_type: str, *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                vocab: int = 128, **extra):
-    """A small random config of a registered architecture, built in code (no hub)."""
-    import transformers
-
-    arch = REGISTRY[model_type]
-    cfg_cls = getattr(transformers, arch.class_name.replace("ForCausalLM", "Config"))
-    kw = dict(
-        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    if model_type == "mistral":
-        kw["sliding_window"] = None
-    kw.update(extra)
-    return cfg_cls(**kw)
+    return ADAPTERS[model_type].tiny_config(**kw)
 
 
 def tiny_model(model_type: str, seed: int = 0, **kw):
     import transformers
 
+    from .archs import ADAPTERS
+
     torch.manual_seed(seed)
     cfg = tiny_config(model_type, **kw)
-    model = getattr(transformers, REGISTRY[model_type].class_name)(cfg)
-    # Random init gives near-uniform attention; scale Q/K up so attention is peaked and
-    # approximation errors are visible in tests.
+    model = getattr(transformers, ADAPTERS[model_type].class_name)(cfg)
+    # Random init gives near-uniform attention; scale Q/K up so attention is peaked and approximation
+    # errors are visible in tests (after a q/k norm, scaling the projection does nothing: scale the norm)
+    arch = ADAPTERS[model_type]
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+            a = arch.attention(layer)
+            for proj, norm in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
+                target = getattr(a, norm, None) or getattr(a, proj)
+                target.weight.mul_(2.0 if hasattr(a, norm) else 4.0)
     return model.eval()
 
 
@@ -103,7 +75,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # save_pretrained refuses a config that still carries the GGUF quantization entry (DESIGN.md 7).
+    # save_pretrained refuses a config that still carries the GGUF quantization entry (docs/design.md, Build facts).
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
@@ -232,9 +204,7 @@ def fingerprint(model) -> dict:
     arch = architecture_of(model.config)
     h = hashlib.sha256()
     for layer in model.model.layers:
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            lin = getattr(attn, name)
+        for _, lin in arch.attention_linears(layer):
             with _materialised(lin):
                 for t in (lin.weight, lin.bias):
                     if t is not None:

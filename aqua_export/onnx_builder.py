@@ -4,7 +4,7 @@ Why not trace: torch.onnx.export holds the PyTorch model, the traced program and
 (weights included) at once, then serialises it in one piece, which protobuf refuses past 2 GiB. Here
 each weight is written to ``model.onnx.data`` the moment it is produced and only a reference stays in
 the graph, so memory holds the source weights plus one tensor, and the ModelProto that is serialised is
-the graph alone (kilobytes), whatever the model's size (DESIGN.md 10).
+the graph alone (kilobytes), whatever the model's size (docs/design.md, The ONNX graph).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class GraphBuilder:
         m.graph.node.extend(self.nodes)
         m.graph.input.extend(self.inputs)
         m.graph.output.extend(self.outputs)
-        # IR 10: ONNX Runtime 1.31 refuses IR versions above 13, TensorRT 10 above 10 (DESIGN.md 4)
+        # IR 10: ONNX Runtime 1.31 refuses IR versions above 13, TensorRT 10 above 10 (docs/design.md, The ONNX graph)
         m.ir_version = 10
         m.producer_name = producer
         m.opset_import.extend(H.make_opsetid(d, v) for d, v in opsets.items())

@@ -200,8 +200,9 @@ def _selection_outputs(m):
     import onnx
     import onnx.inliner
 
+    own = {n.name for n in m.graph.node if n.op_type == "TopK"}  # the graph's own TopKs (an MoE router's)
     m = onnx.inliner.inline_local_functions(m)
-    for n in (x for x in m.graph.node if x.op_type == "TopK"):
+    for n in (x for x in m.graph.node if x.op_type == "TopK" and x.name not in own):
         m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
     return m
 

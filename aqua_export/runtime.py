@@ -341,7 +341,7 @@ class SharedCache:
 
 
 class H2OCache:
-    """The KV cache of an AQUA-H2O model, evicted between tokens (DESIGN.md 5).
+    """The KV cache of an AQUA-H2O model, evicted between tokens (docs/design.md, AQUA-H2O).
 
     kv     [key_0, value_0, ...]: key [B, Hkv, r, P] dim-major, value [B, Hkv, P, r]
     valid  per layer [B, Hkv, P] bool: the slot holds a real token that was not evicted

@@ -213,6 +213,20 @@ def optimization_profiles(cfg: dict, max_batch: int, max_context: int, max_promp
     return [prefill, decode]
 
 
+def check_request(profiles: list[dict], batch: int, prompt: int, new_tokens: int) -> None:
+    """Refuse, before any forward, a batch or length the engine's profiles cannot take (one line)."""
+    max_batch = max(p["input_ids"][2][0] for p in profiles)
+    max_prompt = max(p["input_ids"][2][1] for p in profiles)
+    max_total = max(p["attention_mask"][2][1] for p in profiles)
+    if batch > max_batch:
+        raise ConfigError(f"batch {batch} is larger than the engine's profiles allow ({max_batch}): send fewer prompts "
+                          "or rebuild with a larger --trt-max-batch")
+    if prompt > max_prompt or prompt + new_tokens > max_total:
+        raise ConfigError(f"a {prompt}-token prompt plus {new_tokens} new tokens does not fit the engine's profiles "
+                          f"(prompt <= {max_prompt}, context <= {max_total}): shorten it or rebuild with larger "
+                          "--trt-max-prompt / --trt-max-context")
+
+
 def pick_profile(profiles: list[dict], feed_shapes: dict) -> int:
     """Index of the first profile whose ranges contain every input shape."""
     for idx, prof in enumerate(profiles):

@@ -227,3 +227,60 @@ def test_external_data_is_page_aligned_and_loads_by_path(exported, tmp_path):
         lm = OrtLM(make_session(p), folder_cfg(m, cfg))
         logits.append(lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))[0])
     assert np.array_equal(*logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# The architecture catalogue: every adapter, end to end through export and parity
+# ---------------------------------------------------------------------------------------------
+
+from aqua_export.archs import ADAPTERS  # noqa: E402
+
+
+def _arch_parity(arch, cfg, kv, tmp_path, **tiny):
+    from aqua_export.parity import run_parity
+
+    from conftest import CharTokenizer
+
+    m = models.tiny_model(arch, **tiny)
+    proj = tiny_projection(m, tmp_path)
+    path = tmp_path / f"{arch}.onnx"
+    export_onnx(m, proj, cfg, path, kv_cache=kv)
+    # 40 prompt tokens + 6 steps: past the tiny Mistral's window of 8, so the window is exercised
+    return run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=40, steps=6)
+
+
+@pytest.mark.parametrize("arch", sorted(ADAPTERS))
+def test_every_architecture_exports_with_parity(arch, tmp_path):
+    """ORT vs the reference at k 0.75 under a shared selection (<= 1e-3), the graph at k = r vs HF."""
+    res = _arch_parity(arch, AquaConfig(k_ratio=0.75), "shared", tmp_path)
+    assert res["pass"], res
+    r = res["ort_vs_reference"]
+    assert r["max_abs_logit_diff_prefill"] <= 1e-3 and r["max_abs_logit_diff_decode"] <= 1e-3 and r["greedy_identical"]
+    assert res["ort_k1_vs_hf"]["pass"] and res["selection"]["rows"] > 0
+
+
+def test_multi_head_olmoe_with_renormalised_routing(tmp_path):
+    """OLMoE as released: multi-head attention (g = 1), and the routing variant that renormalises the top-k."""
+    res = _arch_parity("olmoe", AquaConfig(k_ratio=0.75), "shared", tmp_path, kv_heads=4, norm_topk_prob=True)
+    assert res["pass"] and res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmoe"])
+@pytest.mark.parametrize("cfg,kv", [(AquaConfig(k_ratio=0.75, slice_ratio=0.25), "shared"),
+                                    (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), "concat")], ids=["memory", "h2o"])
+def test_memory_and_h2o_per_architecture(arch, cfg, kv, tmp_path):
+    res = _arch_parity(arch, cfg, kv, tmp_path)
+    assert res["pass"], res
+    assert res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-3
+    if cfg.h2o_ratio < 1:
+        assert res["eviction"]["decisions"] > 0 and res["eviction"]["pass"]
+
+
+def test_sliding_window_changes_the_graph_and_h2o_is_refused_with_it(tmp_path):
+    m = models.tiny_model("mistral")
+    assert m.config.sliding_window == 8
+    proj = tiny_projection(m, tmp_path)
+    g = export_onnx(m, proj, AquaConfig(k_ratio=0.75), tmp_path / "w.onnx")
+    assert any(n.name.startswith("/model/attn_mask_window8/") for n in g.graph.node)
+    with pytest.raises(ConfigError, match="sliding-window layers is not exported"):
+        export_onnx(m, proj, AquaConfig(k_ratio=0.75, h2o_ratio=0.5), tmp_path / "h.onnx")

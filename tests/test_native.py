@@ -94,7 +94,7 @@ def test_native_rejects_bad_shapes():
 
 
 def test_library_built_against_an_older_c_api_loads_in_this_runtime():
-    """DESIGN.md 7: the headers (Debian, API 21) are older than the wheel; the versioned C API loads them."""
+    """docs/design.md, Build facts: the headers (Debian, API 21) are older than the wheel; the versioned C API loads them."""
     import ctypes
 
     import onnxruntime as ort

@@ -171,3 +171,36 @@ def test_ctrl_c_stops_a_build_with_one_line_and_leaves_nothing(tmp_path):
     assert time.time() - t0 < 10
     assert p.returncode == 130 and err.strip().splitlines()[-1] == "aqua-export: interrupted (nothing was written)", err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_design_notes_live_in_the_project():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert "../shared" not in readme and "docs/design.md" in readme
+    assert "## What folds into the weights" in (root / "docs" / "design.md").read_text()
+
+
+def test_readme_documents_every_cli_option():
+    """Every option of every command (and of the main build) appears in the README."""
+    from pathlib import Path
+
+    from aqua_export.cli import build_arg_parser, build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    parsers = [build_arg_parser(), build_parser()]
+    sub = next(a for a in parsers[1]._actions if a.__class__.__name__ == "_SubParsersAction")
+    parsers += list(sub.choices.values())
+    missing = sorted({o for p in parsers for a in p._actions for o in a.option_strings
+                      if o.startswith("--") and o != "--help" and o not in readme})
+    assert not missing, missing
+
+
+def test_parity_summary_says_what_is_a_gate(folder):
+    from aqua_export.parity import summary_lines
+
+    lines = summary_lines(json.loads((folder / "parity.json").read_text()))
+    assert lines[0].startswith("[gate] ORT vs the PyTorch reference") and lines[-1] == "parity PASS"
+    assert any(x.startswith("[gate] selection:") for x in lines)
+    assert all(x.startswith(("[gate", "[report]", "parity ")) for x in lines)

@@ -155,6 +155,16 @@ def test_optimization_profiles(tiny_exports):
     shared["cache"]["kv_cache"] = "shared"
     with pytest.raises(ConfigError, match="--kv-cache concat"):
         optimization_profiles(shared, 8, 512, 128)
+    # a request the profiles cannot take is refused before any forward
+    from aqua_export.tensorrt_backend import check_request
+
+    check_request(profs, 8, 128, 384)
+    with pytest.raises(ConfigError, match="batch 9 is larger.*--trt-max-batch"):
+        check_request(profs, 9, 10, 10)
+    with pytest.raises(ConfigError, match="--trt-max-prompt"):
+        check_request(profs, 1, 129, 1)
+    with pytest.raises(ConfigError, match="context <= 512"):
+        check_request(profs, 1, 100, 413)
 
 
 def test_h2o_profiles_are_decode_only_with_validity(tiny_exports):

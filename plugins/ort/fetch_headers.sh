@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch the ONNX Runtime C/C++ API headers from Debian trixie's libonnxruntime-dev into $1
-# (default build/ort-headers) without touching the system's apt configuration (DESIGN.md 7).
+# (default build/ort-headers) without touching the system's apt configuration (docs/design.md, Build facts).
 set -euo pipefail
 dest=${1:-build/ort-headers}
 if [ -f "$dest/onnxruntime_cxx_api.h" ]; then exit 0; fi

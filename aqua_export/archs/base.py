@@ -1,0 +1,85 @@
+"""The adapter protocol, with the Llama layout as its defaults (most families differ in one or two places)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ConfigError
+
+
+class Adapter:
+    """One decoder family.
+
+    model_type / class_name: HF's names. rotary: positions enter through a rotary embedding (P is applied
+    after it); without one P folds into W_Q / W_K. tiny: config overrides that make the tiny random test
+    model exercise what is particular to the family (a sliding window, q/k norms, ...).
+    """
+
+    model_type: str = ""
+    class_name: str = ""
+    rotary: bool = True
+    tiny: dict = {}
+
+    # ------------------------------------------------------------------ what the model is
+    def check(self, config) -> None:
+        """Refuse, in one line, a configuration of this family that the export does not represent."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{self.model_type} with hidden_act={act!r} is not supported (gated SiLU MLPs only)")
+
+    def window(self, config, layer_idx: int) -> int | None:
+        """The layer's sliding attention window in tokens (keys j > i - window are visible to query i), or None."""
+        types = getattr(config, "layer_types", None)
+        w = getattr(config, "sliding_window", None)
+        if types:
+            return w if types[layer_idx] == "sliding_attention" else None
+        return w
+
+    # ------------------------------------------------------------------ weights by role
+    def attention(self, layer):
+        return layer.self_attn
+
+    def layer_weights(self, layer) -> dict[str, torch.Tensor | None]:
+        """A decoder layer's tensors by role: input_layernorm, post_attention_layernorm, q/k/v/o_proj (+ _bias),
+        q_norm / k_norm (RMSNorm weights: [d] per head, or [heads * d] over the whole projection), and the MLP
+        (mlp_weights)."""
+        a = self.attention(layer)
+        w = {"input_layernorm": layer.input_layernorm.weight, "post_attention_layernorm": layer.post_attention_layernorm.weight,
+             **self.mlp_weights(layer.mlp)}
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(a, name)
+            w[name] = lin.weight
+            w[f"{name}_bias"] = lin.bias
+        for name in ("q_norm", "k_norm"):
+            if getattr(a, name, None) is not None:
+                w[name] = getattr(a, name).weight
+        return {k: (v.detach() if hasattr(v, "detach") else v) for k, v in w.items()}
+
+    def mlp_weights(self, mlp) -> dict:
+        """Gated MLP: gate_proj, up_proj, down_proj [out, in]."""
+        return {"gate_proj": mlp.gate_proj.weight, "up_proj": mlp.up_proj.weight, "down_proj": mlp.down_proj.weight}
+
+    def attention_linears(self, layer) -> list:
+        """(name, nn.Linear) of the attention projections, in a fixed order (the model fingerprint hashes them)."""
+        a = self.attention(layer)
+        return [(n, getattr(a, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+
+    def value_output(self, layer):
+        """(v_proj, o_proj) Linear modules, which the reference folds P_v into for AQUA-Memory."""
+        a = self.attention(layer)
+        return a.v_proj, a.o_proj
+
+    # ------------------------------------------------------------------ tests
+    def tiny_config(self, *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 128,
+                    **extra):
+        """A small random config of this family, built in code (no hub)."""
+        import transformers
+
+        cfg_cls = getattr(transformers, self.class_name.replace("ForCausalLM", "Config"))
+        kw = dict(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+        kw.update(self.tiny)
+        kw.update(extra)
+        return cfg_cls(**kw)
