@@ -233,6 +233,9 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
     if forced is not None:
         _record_flips(st, qh, forced)
     scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=forced) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap:  # Gemma 2: tanh soft-capping of the scores, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
 
     if attention_mask is not None:
         ok = (attention_mask == 0)[:, 0]  # [B, Tq, S_logical]
@@ -375,12 +378,12 @@ def apply_aqua(model, projection: Projection, config: AquaConfig):
     _register()
     states = layer_states(model, projection, config)
     previous = model.config._attn_implementation
-    attns = [layer.self_attn for layer in model.model.layers]
+    attns = [arch.attention(layer) for layer in arch.layers(model)]
     saved = []
     g = model.config.num_attention_heads // attention_geometry(model)["kv_heads"]
     try:
         with torch.no_grad():
-            for layer, a, st, pv in zip(model.model.layers, attns, states, projection.P_v):
+            for layer, a, st, pv in zip(arch.layers(model), attns, states, projection.P_v):
                 a._aqua = st
                 if config.slice_ratio > 0:
                     v_proj, o_proj = arch.value_output(layer)

@@ -86,6 +86,9 @@ def _calibration_attention(module, query, key, value, attention_mask, scaling, d
     kr = key.repeat_interleave(g, dim=1)
     vr = value.repeat_interleave(g, dim=1)
     w = (query @ kr.transpose(-1, -2)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap:  # Gemma 2
+        w = torch.tanh(w / softcap) * softcap
     if attention_mask is not None:
         w = w + attention_mask
     w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -104,7 +107,10 @@ def recording(model, moments: Moments, query_sink: dict | None = None):
     AttentionInterface.register(_CALIB_IMPL, _calibration_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(_CALIB_IMPL, eager_mask)
     previous = model.config._attn_implementation
-    attns = [layer.self_attn for layer in model.model.layers]
+    from .models import architecture_of
+
+    arch = architecture_of(model.config)
+    attns = [arch.attention(layer) for layer in arch.layers(model)]
     for a in attns:
         a._aqua_moments = moments
         a._aqua_query_sink = query_sink
@@ -206,14 +212,17 @@ def _accumulate(model, chunks: list[torch.Tensor], geo: dict, group, bar) -> Mom
     process each forward adds its c_j to the running total directly; with N ranks, rank r computes the
     c_j with j = r mod N and rank 0 folds them in order (None on the other ranks). Only the decoder runs:
     the moments are read inside attention, so the vocabulary-wide logits are never computed."""
+    from .models import architecture_of
+
     rank, world = _world(group)
     dev = execution_device(model)
+    decoder = architecture_of(model.config).decoder(model)
     zeros = lambda: Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"], dev)  # noqa: E731
     if world == 1:
         mom = zeros()
         with recording(model, mom):
             for c in chunks:
-                model.model(input_ids=c.to(dev), use_cache=False)
+                decoder(input_ids=c.to(dev), use_cache=False)
                 bar.update(c.shape[0])
         return mom.cpu()
     import torch.distributed as dist
@@ -222,7 +231,7 @@ def _accumulate(model, chunks: list[torch.Tensor], geo: dict, group, bar) -> Mom
     for j in range(rank, len(chunks), world):
         part = zeros()
         with recording(model, part):
-            model.model(input_ids=chunks[j].to(dev), use_cache=False)
+            decoder(input_ids=chunks[j].to(dev), use_cache=False)
         parts[j] = part.cpu()
         bar.update(chunks[j].shape[0])
     gathered = [None] * world if rank == 0 else None

@@ -47,6 +47,10 @@ class Plan:
     shared: bool
     dtype: torch.dtype
     eps: float
+    rotary_dim: int  # coordinates of each head that RoPE rotates (head_dim unless partial rotary)
+    act: str = "silu"  # gated MLP activation: silu or gelu_tanh
+    attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the mask
+    final_softcap: float | None = None  # logits -> tanh(logits / c) * c
 
     @property
     def g(self) -> int:
@@ -66,6 +70,7 @@ class DecoderGraph:
         # what casting the weights to a float16 export cost (reported in aqua_config.json)
         self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
         self._masks: dict = {}  # one mask per distinct sliding window (None: full causal)
+        self._rotary: dict = {}  # one cos/sin pair per distinct rotary embedding
 
     # ---------------------------------------------------------------- small helpers
     def weight(self, name: str, t: torch.Tensor) -> str:
@@ -90,6 +95,14 @@ class DecoderGraph:
             y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)])
         return y
 
+    def _norm(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None = None) -> str:
+        """RMSNorm, or LayerNorm when the family's norms have a bias (GPT-2), statistics in float32."""
+        if b is None:
+            return self._rmsnorm(name, x, w)
+        return self.gb.op(f"{name}/LayerNormalization", "LayerNormalization",
+                          [x, self.weight(f"{name}.weight", w), self.weight(f"{name}.bias", b)], axis=-1,
+                          epsilon=self.p.eps, stash_type=1)
+
     def _rmsnorm(self, name: str, x: str, w: torch.Tensor) -> str:
         """HF's RMSNorm over the last axis: statistics in float32, weight applied in the model dtype (ONNX
         Runtime fuses this pattern)."""
@@ -104,12 +117,16 @@ class DecoderGraph:
         return gb.op(f"{name}/Mul", "Mul", [y, self.weight(f"{name}.weight", w)])
 
     def _rope(self, name: str, x: str, cos: str, sin: str) -> str:
-        """x [B, heads, T, d]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]."""
-        gb, c, half = self.gb, self.gb.const, self.p.head_dim // 2
-        x1, x2 = gb.op(f"{name}/Split", "Split", [x, c([half, half])], n_out=2, axis=-1)
+        """x [B, heads, T, d]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], on the first
+        rotary_dim coordinates (all of them unless the family rotates part of each head: partial rotary)."""
+        gb, c, d, rd = self.gb, self.gb.const, self.p.head_dim, self.p.rotary_dim
+        rest = None
+        if rd < d:
+            x, rest = gb.op(f"{name}/SplitRotary", "Split", [x, c([rd, d - rd])], n_out=2, axis=-1)
+        x1, x2 = gb.op(f"{name}/Split", "Split", [x, c([rd // 2, rd // 2])], n_out=2, axis=-1)
         rot = gb.op(f"{name}/Concat", "Concat", [gb.op(f"{name}/Neg", "Neg", [x2]), x1], axis=-1)
-        return gb.op(f"{name}/Add", "Add", [gb.op(f"{name}/MulCos", "Mul", [x, cos]),
-                                            gb.op(f"{name}/MulSin", "Mul", [rot, sin])])
+        y = gb.op(f"{name}/Add", "Add", [gb.op(f"{name}/MulCos", "Mul", [x, cos]), gb.op(f"{name}/MulSin", "Mul", [rot, sin])])
+        return y if rest is None else gb.op(f"{name}/ConcatPass", "Concat", [y, rest], axis=-1)
 
     # ---------------------------------------------------------------- once per graph
     def inputs(self) -> dict:
@@ -129,8 +146,16 @@ class DecoderGraph:
         return io
 
     def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple[str, str]:
-        """cos, sin [B, 1, T, d] in the model dtype: angles position * inv_freq in float32, as HF computes them."""
-        gb, c, n = self.gb, self.gb.const, "/model/rotary_emb"
+        """cos, sin [B, 1, T, rotary_dim] in the model dtype: angles position * inv_freq in float32, as HF computes
+        them; one pair per distinct rotary embedding (Gemma 3's local and global ones)."""
+        key = (tuple(inv_freq.tolist()), scale)
+        if key not in self._rotary:
+            self._rotary[key] = self._make_rotary(position_ids, inv_freq, scale,
+                                                  "/model/rotary_emb" + (f"_{len(self._rotary)}" if self._rotary else ""))
+        return self._rotary[key]
+
+    def _make_rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float, n: str) -> tuple[str, str]:
+        gb, c = self.gb, self.gb.const
         pos = gb.op(f"{n}/Cast", "Cast", [gb.op(f"{n}/Unsqueeze", "Unsqueeze", [position_ids, c([-1])])], to=F32)
         freqs = gb.op(f"{n}/Mul", "Mul", [pos, gb.weight(f"{n}.inv_freq", inv_freq.to(torch.float32))])
         emb = gb.op(f"{n}/Concat", "Concat", [freqs, freqs], axis=-1)
@@ -178,21 +203,33 @@ class DecoderGraph:
         """w: the layer's weights as HF names them (see decoder_weights); P, P_v [Hkv, d, d].
         Returns (x after the layer, this layer's graph outputs)."""
         n = f"/model/layers.{i}"
-        h = self._rmsnorm(f"{n}/input_layernorm", x, w["input_layernorm"])
+        h = self._norm(f"{n}/input_layernorm", x, w["input_layernorm"], w.get("input_layernorm_bias"))
         attn, outs = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)
+        if "attn_out_norm" in w:  # Gemma: the block's output is normalised before the residual add
+            attn = self._rmsnorm(f"{n}/attn_out_norm", attn, w["attn_out_norm"])
         x = self.gb.op(f"{n}/attn/residual", "Add", [x, attn])
-        h = self._rmsnorm(f"{n}/post_attention_layernorm", x, w["post_attention_layernorm"])
-        down = self._moe(f"{n}/mlp", h, w) if "router" in w else self._gated_mlp(f"{n}/mlp", h, w)
+        h = self._norm(f"{n}/post_attention_layernorm", x, w["post_attention_layernorm"], w.get("post_attention_layernorm_bias"))
+        down = self._moe(f"{n}/mlp", h, w) if "router" in w else \
+            self._plain_mlp(f"{n}/mlp", h, w) if "fc" in w else self._gated_mlp(f"{n}/mlp", h, w)
+        if "mlp_out_norm" in w:
+            down = self._rmsnorm(f"{n}/mlp_out_norm", down, w["mlp_out_norm"])
         return self.gb.op(f"{n}/mlp/residual", "Add", [x, down]), outs
 
     def _silu(self, name: str, x: str) -> str:
         return self.gb.op(f"{name}/Mul", "Mul", [x, self.gb.op(f"{name}/Sigmoid", "Sigmoid", [x])])
 
     def _gated_mlp(self, n: str, h: str, w: dict) -> str:
-        """down(silu(gate(h)) * up(h))."""
-        act = self._silu(f"{n}/act", self._linear(f"{n}/gate_proj", h, w["gate_proj"], None))
+        """down(act(gate(h)) * up(h)), act = SiLU or GELU (tanh approximation)."""
+        gate = self._linear(f"{n}/gate_proj", h, w["gate_proj"], None)
+        act = self._silu(f"{n}/act", gate) if self.p.act == "silu" else \
+            self.gb.op(f"{n}/act/Gelu", "Gelu", [gate], approximate="tanh")
         up = self._linear(f"{n}/up_proj", h, w["up_proj"], None)
         return self._linear(f"{n}/down_proj", self.gb.op(f"{n}/Mul", "Mul", [act, up]), w["down_proj"], None)
+
+    def _plain_mlp(self, n: str, h: str, w: dict) -> str:
+        """proj(gelu_tanh(fc(h))) (GPT-2's MLP)."""
+        a = self.gb.op(f"{n}/act/Gelu", "Gelu", [self._linear(f"{n}/fc", h, w["fc"], w.get("fc_bias"))], approximate="tanh")
+        return self._linear(f"{n}/proj", a, w["proj"], w.get("proj_bias"))
 
     def _moe(self, n: str, h: str, w: dict) -> str:
         """Top-k routed experts with standard ops: the router's softmax (float32), TopK, the chosen probabilities
@@ -239,6 +276,8 @@ class DecoderGraph:
         keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :r].reshape(-1)
         wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(p.heads * d).reshape(p.heads, d)[:, :r].reshape(-1)]
 
+        if not p.rotary_dim:
+            return self._attention_folded(i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo)
         # q/k RMSNorm before RoPE, per head (Qwen3: weight [d]) or over the whole projection (OLMoE): a norm
         # would undo a scale folded into W_Q, so the scale goes into q_norm's weight instead
         q = self._qk_norm(f"{n}/q_norm", self._linear(f"{n}/q_proj", h, wq, bq), p.heads,
@@ -257,10 +296,39 @@ class DecoderGraph:
         v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
+        return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
+
+    def _attention_folded(self, i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo):
+        """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds): q^ and k^
+        come out of the projections, r wide, and the graph has no projection MatMul at all."""
+        gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
+        hkv, g, d, r = p.kv_heads, p.g, p.head_dim, p.r
+        P_r = P[:, :, :r].to(torch.float32)  # [Hkv, d, r]
+        wq_h = torch.einsum("kdr,kgdD->kgrD", P_r, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
+        bq_h = None if bq is None else torch.einsum("kdr,kgd->kgr", P_r, bq.reshape(hkv, g, d)).reshape(-1)
+        wk_h = torch.einsum("kdr,kdD->krD", P_r, f32["k_proj"].reshape(hkv, d, -1)).reshape(hkv * r, -1)
+        bk = f32.get("k_proj_bias")
+        bk_h = None if bk is None else torch.einsum("kdr,kd->kr", P_r, bk.reshape(hkv, d)).reshape(-1)
+        q = gb.op(f"{n}/q/Reshape", "Reshape", [self._linear(f"{n}/q_proj", h, wq_h, bq_h), c([0, 0, p.heads, r])])
+        q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
+        q = gb.op(f"{n}/q/Reshape5", "Reshape", [q, c([0, hkv, g, -1, r])])
+        k = gb.op(f"{n}/k/Reshape", "Reshape", [self._linear(f"{n}/k_proj", h, wk_h, bk_h), c([0, 0, hkv, r])])
+        kh = gb.op(f"{n}/k/TransposeDimMajor", "Transpose", [k], perm=[0, 2, 3, 1])  # [B, Hkv, r, T]
+        v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
+        v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
+                  perm=[0, 2, 1, 3])
+        return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
+
+    def _attend(self, i, q, kh, v, wo, bo, mask, io):
+        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,r,T], v [B,Hkv,T,r] -> (attention output [B,T,D], graph outputs)."""
+        gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
+        r = p.r
         kc, vc = self._cache(n, i, kh, v, io)
         scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc], domain=self.domain, **self.op_attrs)
         if p.dtype != torch.float32:
             scores = gb.op(f"{n}/scores/Cast", "Cast", [scores], to=F32)  # softmax in float32, as HF does
+        if p.attn_softcap:  # the attention scale is already in q^ (folded into W_Q or q_norm)
+            scores = self._softcap(f"{n}/softcap", scores, p.attn_softcap)
         probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, self._layer_mask(n, i, mask, io)])],
                       axis=-1)
         outs = [f"present.{i}.key", f"present.{i}.value"]
@@ -273,7 +341,12 @@ class DecoderGraph:
         a = gb.op(f"{n}/MatMulV", "MatMul", [probs, vc5])  # [B, Hkv, g, T, r]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
-        return self._linear(f"{n}/o_proj", a, wo, f32.get("o_proj_bias")), outs
+        return self._linear(f"{n}/o_proj", a, wo, bo), outs
+
+    def _softcap(self, n: str, x: str, cap: float) -> str:
+        c = self.gb.const
+        t = self.gb.op(f"{n}/Tanh", "Tanh", [self.gb.op(f"{n}/Div", "Div", [x, c(cap, torch.float32)])])
+        return self.gb.op(f"{n}/Mul", "Mul", [t, c(cap, torch.float32)])
 
     def _qk_norm(self, n: str, x: str, heads: int, w: torch.Tensor | None) -> str:
         """x [B, T, heads * d] -> [B, T, heads, d], RMS-normalised per head ([d] weight) or whole ([heads * d])."""
@@ -320,16 +393,25 @@ class DecoderGraph:
         return gb.op(f"{n}/mask/ConcatValid", "Concat", [past, new], axis=-1)
 
     # ---------------------------------------------------------------- head
-    def head(self, x: str, norm_w: torch.Tensor, lm_head: torch.Tensor, tied_to: str | None) -> None:
-        """logits = RMSNorm(x) @ W_lm^T. Tied embeddings reuse the embedding table through Gemm(transB)."""
+    def head(self, x: str, norm_w: torch.Tensor, norm_b: torch.Tensor | None, lm_head: torch.Tensor,
+             tied_to: str | None) -> None:
+        """logits = norm(x) @ W_lm^T. Tied embeddings reuse the embedding table through Gemm(transB)."""
         gb, c = self.gb, self.gb.const
-        h = self._rmsnorm("/model/norm", x, norm_w)
+        h = self._norm("/model/norm", x, norm_w, norm_b)
+        cap = self.p.final_softcap
+        out = None if cap else ["logits"]
         if tied_to is None:
             wt = self.weight("lm_head.weight", lm_head.t())
-            gb.op("/lm_head/MatMul", "MatMul", [h, wt], outputs=["logits"])
+            y = gb.op("/lm_head/MatMul", "MatMul", [h, wt], outputs=out)
         else:
             flat = gb.op("/lm_head/Flatten", "Reshape", [h, c([-1, self.p.hidden])])
             y = gb.op("/lm_head/Gemm", "Gemm", [flat, tied_to], transB=1)
             shape = gb.op("/lm_head/Shape", "Concat", [gb.op("/lm_head/ShapeBT", "Shape", [h], start=0, end=2),
                                                       c([self.p.vocab])], axis=0)
-            gb.op("/lm_head/Reshape", "Reshape", [y, shape], outputs=["logits"])
+            y = gb.op("/lm_head/Reshape", "Reshape", [y, shape], outputs=out)
+        y = y[0] if isinstance(y, list) else y
+        if cap:
+            capped = self._softcap("/lm_head/softcap", y if self.p.dtype == torch.float32 else
+                                   gb.op("/lm_head/Cast", "Cast", [y], to=F32), cap)
+            gb.op("/lm_head/softcap/Out", "Cast" if self.p.dtype != torch.float32 else "Identity", [capped],
+                  outputs=["logits"], **({"to": self.p.elem} if self.p.dtype != torch.float32 else {}))

@@ -175,9 +175,13 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     d = geo["head_dim"]
     r, k = config.retained_width(d), config.selected_width(d)
     cfg = model.config
+    arch = architecture_of(cfg)
     plan = Plan(layers=geo["layers"], heads=geo["heads"], kv_heads=geo["kv_heads"], head_dim=d, hidden=geo["hidden_size"],
                 vocab=cfg.vocab_size, r=r, k=k, dense=k == r and config.slice_ratio == 0, h2o=config.h2o_ratio < 1,
-                shared=kv_cache == "shared", dtype=dtype, eps=float(cfg.rms_norm_eps))
+                shared=kv_cache == "shared", dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
+                rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
+                attn_softcap=arch.attn_softcap(cfg),
+                final_softcap=arch.final_softcap(cfg))
     params = sum(t.numel() for t in model.parameters())
     if external_data is None:
         external_data = params * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
@@ -188,23 +192,32 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         g = DecoderGraph(gb, plan, {"k": k, "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION},
                          DOMAIN, OP_TYPE)
         io = g.inputs()
-        embed = g.weight("model.embed_tokens.weight", model.model.embed_tokens.weight.detach())
+        et = arch.embeddings(model)
+        embed = g.weight("model.embed_tokens.weight", et.weight.detach())
         x = gb.op("/model/embed_tokens/Gather", "Gather", [embed, io["input_ids"]])
-        rot = model.model.rotary_emb
-        cos, sin = g.rotary(io["position_ids"], rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
-        arch = architecture_of(cfg)
+        if getattr(et, "embed_scale", None) is not None:  # Gemma's scaled embeddings (in the model dtype, as HF)
+            x = gb.op("/model/embed_tokens/Scale", "Mul", [x, gb.const(float(et.embed_scale), dtype)])
+        wpe = arch.position_embeddings(model)
+        if wpe is not None:  # learned absolute positions (GPT-2)
+            pos = g.weight("model.embed_positions.weight", wpe.weight.detach())
+            x = gb.op("/model/embed_positions/Add", "Add",
+                      [x, gb.op("/model/embed_positions/Gather", "Gather", [pos, io["position_ids"]])])
         eye = torch.eye(d).expand(geo["kv_heads"], d, d)
         outs, weights = [], []
-        for i, layer in enumerate(model.model.layers):
+        cos = sin = None
+        for i, layer in enumerate(arch.layers(model)):
             P, P_v = (eye, eye) if plan.dense else (projection.P[i], projection.P_v[i])
+            if arch.has_rotary:
+                cos, sin = g.rotary(io["position_ids"], *arch.rotary(model, i))
             mask = g.mask(io, arch.window(cfg, i))
             x, o = g.layer(i, x, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, cos, sin, mask, io)
             outs += o[:2]
             weights += o[2:]
             if progress is not None:
                 progress(i + 1, plan.layers)
-        tied = getattr(cfg, "tie_word_embeddings", False) and model.lm_head.weight is model.model.embed_tokens.weight
-        g.head(x, model.model.norm.weight.detach(), model.lm_head.weight.detach(), embed if tied else None)
+        head = model.get_output_embeddings()
+        tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
+        g.head(x, *arch.final_norm(model), head.weight.detach(), embed if tied else None)
         gb.output("logits", plan.elem, ["batch", "sequence", plan.vocab])
         total = "past" if plan.shared else "total"
         for i in range(plan.layers):

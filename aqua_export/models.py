@@ -47,11 +47,10 @@ def tiny_model(model_type: str, seed: int = 0, **kw):
     # errors are visible in tests (after a q/k norm, scaling the projection does nothing: scale the norm)
     arch = ADAPTERS[model_type]
     with torch.no_grad():
-        for layer in model.model.layers:
-            a = arch.attention(layer)
+        for layer in arch.layers(model):
+            w = arch.layer_weights(layer)  # views of the parameters (fused ones too): scaling them in place
             for proj, norm in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
-                target = getattr(a, norm, None) or getattr(a, proj)
-                target.weight.mul_(2.0 if hasattr(a, norm) else 4.0)
+                (w[norm].mul_(2.0) if w.get(norm) is not None else w[proj].mul_(4.0))
     return model.eval()
 
 
@@ -203,7 +202,7 @@ def fingerprint(model) -> dict:
     """Architecture, shapes and a hash of every attention weight: ties a projection to its model."""
     arch = architecture_of(model.config)
     h = hashlib.sha256()
-    for layer in model.model.layers:
+    for layer in arch.layers(model):
         for _, lin in arch.attention_linears(layer):
             with _materialised(lin):
                 for t in (lin.weight, lin.bias):

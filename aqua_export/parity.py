@@ -180,6 +180,12 @@ def _float32_weight_casts(m):
                                  to=TensorProto.FLOAT16))
     del m.graph.node[:]
     m.graph.node.extend(nodes)
+    # ONNX Runtime replaces a Cast of a constant initializer by a float32 copy of it, folding or not; an
+    # initializer that is also a graph input may be overridden at run time, so it is not constant: the
+    # Casts stay run-time work (the inputs are never fed: their initializers are the defaults)
+    for t in m.graph.initializer:
+        if t.name in big:
+            m.graph.input.append(H.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return m
 
 

@@ -37,9 +37,13 @@ def float32_compute(model):
             p.data = data
         del mod._aqua_stash
 
-    inner = model.model
-    handles.append(inner.embed_tokens.register_forward_hook(lambda mod, args, out: out.to(torch.float32)))
-    for mod in [*inner.layers, inner.norm, model.lm_head]:
+    from .models import architecture_of
+
+    arch = architecture_of(model.config)
+    for emb in (arch.embeddings(model), arch.position_embeddings(model)):
+        if emb is not None:
+            handles.append(emb.register_forward_hook(lambda mod, args, out: out.to(torch.float32)))
+    for mod in [*arch.layers(model), arch.final_norm_module(model), model.get_output_embeddings()]:
         handles.append(mod.register_forward_pre_hook(upcast))
         handles.append(mod.register_forward_hook(restore))
     try:

@@ -284,3 +284,34 @@ def test_sliding_window_changes_the_graph_and_h2o_is_refused_with_it(tmp_path):
     assert any(n.name.startswith("/model/attn_mask_window8/") for n in g.graph.node)
     with pytest.raises(ConfigError, match="sliding-window layers is not exported"):
         export_onnx(m, proj, AquaConfig(k_ratio=0.75, h2o_ratio=0.5), tmp_path / "h.onnx")
+
+
+def test_non_rotary_family_folds_p_into_the_projections(tmp_path):
+    """GPT-2 (learned positions): q^ and k^ come straight out of W_Q' / W_K' (r wide), no P MatMul, no RoPE."""
+    m = models.tiny_model("gpt2")
+    proj = tiny_projection(m, tmp_path)
+    cfg = AquaConfig(k_ratio=0.5, slice_ratio=0.25)
+    g = export_onnx(m, proj, cfg, tmp_path / "g.onnx")
+    names = [n.name for n in g.graph.node]
+    assert not [x for x in names if "MatMulP" in x or "rope" in x]
+    q_w = next(t for t in g.graph.initializer if t.name == "/model/layers.0/attn/q_proj.weight")
+    assert list(q_w.dims) == [64, 4 * cfg.retained_width(16)]  # [D, H * r]: the projection is in the weights
+    res = _arch_parity("gpt2", cfg, "shared", tmp_path)
+    assert res["pass"] and res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-3
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+                                       ("qwen2", {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 64})], ids=["llama3", "yarn"])
+def test_scaled_rotary_embeddings(arch, rope, tmp_path):
+    """Llama-3.1's and YaRN's rotary scaling come with HF's inv_freq and attention scaling: exported as computed."""
+    rp = {"rope_theta": 10000.0, **rope}
+    res = _arch_parity(arch, AquaConfig(k_ratio=0.75), "shared", tmp_path, rope_parameters=rp)
+    assert res["pass"] and res["ort_k1_vs_hf"]["pass"]
+
+
+def test_run_time_rope_scaling_is_refused():
+    cfg = models.tiny_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"):
+        models.architecture_of(cfg)

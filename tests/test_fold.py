@@ -19,13 +19,13 @@ def test_folded_value_output_equals_unfolded(arch, tmp_path):
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = m(input_ids=ids).logits
-        for layer, pv in zip(m.model.layers, proj.P_v):
-            a = layer.self_attn
-            w, b = fold.fold_value(a.v_proj.weight, a.v_proj.bias, pv)
-            a.v_proj.weight.copy_(w)
+        for layer, pv in zip(ADAPTERS[arch].layers(m), proj.P_v):
+            v_proj, o_proj = ADAPTERS[arch].value_output(layer)
+            w, b = fold.fold_value(v_proj.weight, v_proj.bias, pv)
+            v_proj.weight.copy_(w)
             if b is not None:
-                a.v_proj.bias.copy_(b)
-            a.o_proj.weight.copy_(fold.fold_output(a.o_proj.weight, pv, 2))
+                v_proj.bias.copy_(b)
+            o_proj.weight.copy_(fold.fold_output(o_proj.weight, pv, models.attention_geometry(m)["heads"] // pv.shape[0]))
         out = m(input_ids=ids).logits
     assert (out - ref).abs().max() <= 1e-5
 

@@ -10,9 +10,9 @@ from aqua_export.config import ConfigError
 def test_every_registered_architecture_builds_and_fingerprints(arch):
     m = models.tiny_model(arch)
     fp = models.fingerprint(m)
-    assert fp["architecture"] == arch and fp["kv_heads"] == 2 and fp["head_dim"] == 16
+    assert fp["architecture"] == arch and fp["kv_heads"] == (4 if arch == "gpt2" else 2) and fp["head_dim"] == 16
     with torch.no_grad():
-        m.model.layers[1].self_attn.k_proj.weight[0, 0] += 1e-3
+        ADAPTERS[arch].attention_linears(ADAPTERS[arch].layers(m)[1])[0][1].weight[0, 0] += 1e-3
     assert models.fingerprint(m)["attention_sha256"] != fp["attention_sha256"]
 
 

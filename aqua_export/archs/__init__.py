@@ -25,4 +25,4 @@ def adapter_for(config) -> Adapter:
     return adapter
 
 
-from . import llama, mistral, olmoe, qwen2, qwen3  # noqa: E402,F401  (each registers itself)
+from . import gemma2, gemma3, gpt2, llama, mistral, olmoe, phi3, qwen2, qwen3  # noqa: E402,F401  (registration)
