@@ -149,7 +149,7 @@ def _float32_weight_casts(m):
 
     ONNX Runtime's CPU provider has no float16 MatMul: it inserts exactly these casts itself but stores
     the weights' float32 casts as new initializers, doubling the model in memory. Written into the graph
-    and left unfolded (fold_constants=False), each weight is cast while its node runs: same arithmetic,
+    and left unfolded (make_session(lean=True)), each weight is cast while its node runs: same arithmetic,
     the memory of the float16 weights."""
     from onnx import TensorProto
     from onnx import helper as H
@@ -228,7 +228,7 @@ def _ort_phase(model_path: Path, cfg: dict, config: AquaConfig, ids, steps: int,
     @contextlib.contextmanager
     def session(tag, k, *transforms, lm_cfg=None):
         with graph_variant(model_path, tag, *base, *transforms) as path:
-            lm = OrtLM(make_session(path, kernel=k, fold_constants=not lean), lm_cfg or cfg)
+            lm = OrtLM(make_session(path, kernel=k, lean=lean), lm_cfg or cfg)
             try:
                 yield lm
             finally:

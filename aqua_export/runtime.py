@@ -114,14 +114,15 @@ def default_kernel(dtype: str) -> str:
 
 
 def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True,
-                 fold_constants: bool = True):
+                 lean: bool = False):
     """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
 
     kernel: "native" registers the C++ TopKGatherDot kernel (error when not built), "function" runs the
     model's portable function body, "auto" is native when built. spin=False stops the intra-op threads
     from busy-waiting between runs (benchmarks holding several sessions, so they do not steal cores).
-    fold_constants=False keeps Cast nodes on weights as run-time work (parity's low-memory float16
-    variant) instead of ONNX Runtime storing their float32 results beside the float16 weights.
+    lean=True (parity's low-memory float16 variant): Cast nodes on weights stay run-time work instead of
+    ONNX Runtime storing their float32 results, and no memory arena, so each cast weight is freed after its
+    node (an arena keeps its peak, which here grows towards the float32 model, for the session's life).
     """
     import onnxruntime as ort
 
@@ -131,6 +132,8 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    if lean:
+        so.enable_cpu_mem_arena = False
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     lib = native_library() if kernel != "function" else None
@@ -141,7 +144,7 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
     src = model if isinstance(model, bytes) else str(model)
     try:
         return ort.InferenceSession(src, sess_options=so, providers=providers(),
-                                    disabled_optimizers=None if fold_constants else ["ConstantFolding"])
+                                    disabled_optimizers=["ConstantFolding"] if lean else None)
     except Exception as e:  # ORT raises its own exception types (InvalidProtobuf, Fail, NoSuchFile, ...)
         if isinstance(model, bytes):
             raise
