@@ -32,8 +32,11 @@ from .precision import float32_compute
 PARITY_TEXT = "builtin:gpl-3"
 # Every comparison is against a float32 (or float64) reference, so a float16 export's tolerance
 # covers float16 arithmetic over the whole model.
-TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "top1": 1.0},
-             "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95}}
+TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "top1": 1.0, "logit_tie": None},
+             "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95, "logit_tie": 0.5}}
+# logit_tie: a forward whose argmax differs counts as a float near-tie, not a failure, when the reference's
+# own top-1 beats the other side's choice by at most this much, the dtype's logit tolerance: float16's
+# rounding moves logits by that much, so it may reorder two that close (float32: no allowance).
 # top1: least share of forwards whose argmax agrees when two sides compute independently (own selection,
 # own kernel) on the same tokens. float32: all of them. float16: its rounding, compounded over the
 # layers, can reorder two logits that are within it of each other, so 95%.
@@ -103,14 +106,26 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, states=None, fo
     return trace
 
 
-def _compare(ort_trace, ref_trace, tol: float) -> dict:
+def _compare(ort_trace, ref_trace, tol: float, tie: float | None = None) -> dict:
+    """Logit differences at prefill and each step (same tokens on both sides), and top-1 agreement per forward.
+    tie: the largest reference margin between its top-1 and the other side's choice that counts as a near-tie."""
     prefill = float(np.abs(ort_trace[0] - ref_trace[0]).max())
     steps = [float(np.abs(a[-1] - b[-1]).max()) for a, b in zip(ort_trace[1:], ref_trace[1:])]
-    agree = [int(a[-1].argmax() == b[-1].argmax()) for a, b in zip(ort_trace, ref_trace)]
+    agree, margins = [], []
+    for a, b in zip(ort_trace, ref_trace):
+        top_a, top_b = int(a[-1].argmax()), int(b[-1].argmax())
+        agree.append(int(top_a == top_b))
+        if top_a != top_b:
+            margins.append(float(b[-1][top_b] - b[-1][top_a]))
+    ties = [m for m in margins if tie is not None and m <= tie]
     worst = max([prefill] + steps)
-    return {"max_abs_logit_diff_prefill": prefill, "max_abs_logit_diff_decode": max(steps) if steps else 0.0,
-            "top1_agreement": sum(agree) / len(agree), "greedy_identical": all(agree), "tolerance": tol,
-            "pass": worst <= tol and all(agree)}
+    out = {"max_abs_logit_diff_prefill": prefill, "max_abs_logit_diff_decode": max(steps) if steps else 0.0,
+           "top1_agreement": sum(agree) / len(agree), "greedy_identical": all(agree), "tolerance": tol,
+           "pass": worst <= tol and len(ties) == len(margins)}
+    if tie is not None:
+        out.update(top1_differing_near_ties=len(ties), top1_margins_of_differing=margins, logit_tie=tie,
+                   top1_agreement_beyond_ties=(sum(agree) + len(ties)) / len(agree))
+    return out
 
 
 def _flip_summary(flips: list[tuple[int, int, float]], tol: dict) -> dict:
@@ -299,7 +314,7 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, h2o
     ort_trace, toks = runs["main"]
     with apply_aqua(model, projection, config) as aqua:
         own = _torch_trace(model, ids, toks, aqua.new_cache())
-        res["ort_vs_reference_unforced"] = _compare(ort_trace, own, tol["aqua"])
+        res["ort_vs_reference_unforced"] = _compare(ort_trace, own, tol["aqua"], tol["logit_tie"])
         if sparse or h2o:
             d_trace, d_toks, sel, evict_log = runs["debug"]
             for i, st in enumerate(aqua.states):
@@ -312,7 +327,7 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, h2o
             finally:
                 for st in aqua.states:
                     st.forced_keep = None
-            res["ort_vs_reference"] = _compare(d_trace, forced, tol["aqua"])
+            res["ort_vs_reference"] = _compare(d_trace, forced, tol["aqua"], tol["logit_tie"])
             res["selection"] = _selection_summary(aqua.states, tol, res) if sparse else \
                 {"skipped": "k = r: nothing is selected"}
             if h2o:
@@ -322,12 +337,12 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, h2o
             res["selection"] = {"skipped": "k = r: nothing is selected"}
     if "native" in runs:
         native, cache = runs["native"]
-        nf = _compare(native, runs["debug"][0], tol["aqua"])
+        nf = _compare(native, runs["debug"][0], tol["aqua"], tol["logit_tie"])
         # Each side selects on its own here (the native kernel takes no forced indices): their score sums
         # round differently, later layers' q^ differ in the last bits, and a near-tie row can flip, so
         # the gate is top-1 agreement on the same tokens; exact selection on identical inputs is tested
         # op by op (tests/test_native.py).
-        nf["pass"] = nf["top1_agreement"] >= tol["top1"]
+        nf["pass"] = nf.get("top1_agreement_beyond_ties", nf["top1_agreement"]) >= tol["top1"]
         nf["gate"] = f"top-1 agreement >= {tol['top1']} on the same tokens (logit differences reported)"
         if h2o:
             nf["eviction"] = _flip_summary(cache.flips, tol)
@@ -343,7 +358,8 @@ def _selection_summary(states, tol: dict, res: dict) -> dict:
            "pass": tol["near_tie"] is None or worst_gap <= tol["near_tie"]}
     if tol["near_tie"] is None:
         out["gated"] = False
-        out["pass"] = res["ort_vs_reference_unforced"]["top1_agreement"] >= tol["top1"]
+        u = res["ort_vs_reference_unforced"]
+        out["pass"] = u.get("top1_agreement_beyond_ties", u["top1_agreement"]) >= tol["top1"]
     return out
 
 
@@ -359,17 +375,17 @@ def _versus_hf(res: dict, runs: dict, model, ids, toks, config: AquaConfig, tol:
         hf32 = _torch_trace(model, ids, toks, None)
         params = sum(p.numel() for p in model.parameters())
         if params > FLOAT64_REFERENCE_MAX_PARAMS:
-            res["ort_k1_vs_hf"] = _compare(ort_trace, hf32, tol["aqua"])
+            res["ort_k1_vs_hf"] = _compare(ort_trace, hf32, tol["aqua"], tol["logit_tie"])
             res["ort_k1_vs_hf"]["reference"] = (f"HF transformers in float32 ({params / 1e9:.2f}B parameters: no "
                                                 f"float64 copy), AQUA tolerance")
             return
         import copy
 
         hf64 = _torch_trace(copy.deepcopy(model).double(), ids, toks, None)  # (hooks are not deep-copied)
-        res["ort_k1_vs_hf"] = _compare(ort_trace, hf64, tol["dense_vs_hf"])
+        res["ort_k1_vs_hf"] = _compare(ort_trace, hf64, tol["dense_vs_hf"], tol["logit_tie"])
         res["ort_k1_vs_hf"]["reference"] = "HF transformers in float64"
-        vs32 = _compare(ort_trace, hf32, tol["dense_vs_hf"])
-        own = _compare(hf32, hf64, tol["dense_vs_hf"])
+        vs32 = _compare(ort_trace, hf32, tol["dense_vs_hf"], tol["logit_tie"])
+        own = _compare(hf32, hf64, tol["dense_vs_hf"], tol["logit_tie"])
         res["ort_k1_vs_hf"]["greedy_identical_to_hf_float32"] = vs32["greedy_identical"]
         res["ort_k1_vs_hf"]["pass"] = res["ort_k1_vs_hf"]["pass"] and vs32["greedy_identical"]
         res["ort_k1_vs_hf_float32"] = {k: vs32[k] for k in ("max_abs_logit_diff_prefill", "max_abs_logit_diff_decode",
@@ -380,7 +396,7 @@ def _versus_hf(res: dict, runs: dict, model, ids, toks, config: AquaConfig, tol:
         # float32 rounding is of the order of HF's own float32 error, so the AQUA tolerance applies
         d_trace, d_toks = runs["k_eq_r"]
         hf = _torch_trace(model, ids, d_toks, None)
-        res["ort_k1_vs_hf"] = _compare(d_trace, hf, tol["aqua"])
+        res["ort_k1_vs_hf"] = _compare(d_trace, hf, tol["aqua"], tol["logit_tie"])
         res["ort_k1_vs_hf"]["graph"] = ("this folder's graph with k set to r (calibrated P kept)"
                                         + (", H2O eviction off" if h2o else ""))
     else:
@@ -393,7 +409,9 @@ def summary_lines(res: dict) -> list[str]:
     r = res["ort_vs_reference"]
     lines.append(f"[gate] ORT vs the PyTorch reference under ORT's selection: max |dlogit| prefill "
                  f"{r['max_abs_logit_diff_prefill']:.2e}, decode {r['max_abs_logit_diff_decode']:.2e} "
-                 f"(<= {r['tolerance']:g}), greedy identical: {r['greedy_identical']}")
+                 f"(<= {r['tolerance']:g}), greedy identical: {r['greedy_identical']}"
+                 + (f" ({r['top1_differing_near_ties']} forwards differ where the reference's top two logits are within "
+                    f"{r['logit_tie']:g}: float16 near-ties)" if r.get("top1_differing_near_ties") else ""))
     sel = res["selection"]
     if "rows" in sel and sel.get("gated") is False:
         lines.append(f"[report] {sel['rows_differing']} of {sel['rows']} query rows ranked coordinates differently from "
