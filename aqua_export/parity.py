@@ -412,6 +412,12 @@ def summary_lines(res: dict) -> list[str]:
                  f"(<= {r['tolerance']:g}), greedy identical: {r['greedy_identical']}"
                  + (f" ({r['top1_differing_near_ties']} forwards differ where the reference's top two logits are within "
                     f"{r['logit_tie']:g}: float16 near-ties)" if r.get("top1_differing_near_ties") else ""))
+    u = res.get("ort_vs_reference_unforced")
+    if u is not None and u is not r:
+        lines.append(f"[report] each side selecting on its own: max |dlogit| prefill {u['max_abs_logit_diff_prefill']:.2e}, "
+                     f"decode {u['max_abs_logit_diff_decode']:.2e}, top-1 {u['top1_agreement']:.3f}"
+                     + (f" ({u['top1_agreement_beyond_ties']:.3f} counting float16 near-ties)"
+                        if "top1_agreement_beyond_ties" in u else ""))
     sel = res["selection"]
     if "rows" in sel and sel.get("gated") is False:
         lines.append(f"[report] {sel['rows_differing']} of {sel['rows']} query rows ranked coordinates differently from "

@@ -34,6 +34,8 @@ SHAPES = {
                              "original_max_position_embeddings": 8192}}),
 }
 SHARD_BYTES = 2 * 10**9
+DEFAULT_ARGS = ("--k-ratio 0.75 --dtype float16 --calib-text builtin:gpl-3 --calib-tokens 2048 "
+                "--parity-prompt-tokens 128 --parity-steps 16")
 
 
 def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
@@ -112,9 +114,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="135M,0.5B,1.1B")
     ap.add_argument("--work", default=str(ROOT / "build" / "scale"))
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "scale.json"))
-    ap.add_argument("--build-args", default="--k-ratio 0.75 --dtype float16 --calib-text builtin:gpl-3 "
-                                            "--calib-tokens 2048 --parity-prompt-tokens 128 --parity-steps 16")
+    ap.add_argument("--build-args", default=DEFAULT_ARGS)
+    ap.add_argument("--report-only", action="store_true", help="rewrite benchmarks/scale.md from the JSON")
     a = ap.parse_args()
+    if a.report_only:
+        write_report(json.loads(Path(a.json).read_text()), ROOT / "benchmarks" / "scale.md")
+        return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     results = json.loads(Path(a.json).read_text()) if Path(a.json).exists() else {}
@@ -127,7 +132,7 @@ def main() -> None:
               f"({time.perf_counter() - t0:.0f} s to write)", flush=True)
         res = build(ckpt, work / f"engine-{name}", a.build_args.split())
         res.update(params=params, disk_bytes=disk, build_args=a.build_args)
-        results[name] = res
+        results[name if a.build_args == DEFAULT_ARGS else f"{name}, {a.build_args}"] = res
         print(json.dumps(res, indent=1), flush=True)
         shutil.rmtree(work / f"engine-{name}", ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -143,7 +148,12 @@ def write_report(results: dict, path: Path) -> None:
           "(VmHWM reset at each stage start). Target: peak <= 1.5 x disk + 3 GiB.", "",
           "| model | parameters | disk (GiB) | " + " | ".join(stages) + " | peak (GiB) | target (GiB) | folder (GiB) | "
           "wall (s) | parity |", "|---" * (len(stages) + 8) + "|"]
+    notes = []
     for name, r in sorted(results.items(), key=lambda kv: kv[1]["params"]):
+        if r["build_args"] != DEFAULT_ARGS:
+            notes.append(f"`{name.split(',')[0]}*{len(notes) + 1}`: `--sizes {name.split(',')[0]} --build-args "
+                         f"\"{r['build_args']}\"`")
+            name = f"{name.split(',')[0]}*{len(notes)}"
         disk = r["disk_bytes"] / 2**30
         if r["rc"] != 0:
             md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {disk:.2f} | " + " | ".join("-" for _ in stages)
@@ -157,9 +167,11 @@ def write_report(results: dict, path: Path) -> None:
                   f" | {peak:.1f} | {1.5 * disk + 3:.1f} | {r['folder_bytes'] / 2**30:.2f} | {r['seconds']} | "
                   f"{'pass' if r['parity_pass'] else 'FAIL'}: {p['max_abs_logit_diff_prefill']:.2f} / "
                   f"{p['max_abs_logit_diff_decode']:.2f}, top-1 {r['top1_unforced']:.2f} |")
-    args = next(iter(results.values()))["build_args"] if results else ""
-    md += ["", f"Build: `aqua-export --model DIR {args}`. Parity: float16 ORT vs the float32 PyTorch reference, max "
-           "|dlogit| prefill / decode (gate 0.5) and top-1 agreement with each side selecting on its own (gate 0.95)."]
+    md += ["", f"Build: `aqua-export --model DIR {DEFAULT_ARGS}`, except rows marked * (same tool, other arguments):",
+           *[f"- {x}" for x in notes],
+           "", "Parity: float16 ORT vs the float32 PyTorch reference, max |dlogit| prefill / decode under ORT's selection "
+           "(gate 0.5), and top-1 agreement with each side selecting on its own (gate 0.95 counting float16 "
+           "near-ties). A failed build's figures are in its log (build/scale/engine-NAME.log)."]
     path.write_text("\n".join(md) + "\n")
 
 
