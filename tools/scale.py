@@ -145,7 +145,8 @@ def write_report(results: dict, path: Path) -> None:
     md = ["# Build cost against model size", "",
           "Written by `python tools/scale.py` (random-weight Llama-shaped checkpoints, bfloat16 on disk, built on "
           "this project's 2-core, 24 GiB CPU machine into float16 folders). Per stage: seconds / peak RSS in GiB "
-          "(VmHWM reset at each stage start). Target: peak <= 1.5 x disk + 3 GiB.", "",
+          "(VmHWM reset at each stage start; it counts the mapped pages of the checkpoint and of model.onnx.data, which "
+          "the kernel can drop and re-read under pressure). Target: peak <= 1.5 x disk + 3 GiB.", "",
           "| model | parameters | disk (GiB) | " + " | ".join(stages) + " | peak (GiB) | target (GiB) | folder (GiB) | "
           "wall (s) | parity |", "|---" * (len(stages) + 8) + "|"]
     notes = []
