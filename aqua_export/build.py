@@ -20,7 +20,7 @@ import torch
 
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
-from .meter import StageMeter
+from .meter import StageMeter, stage_bar
 from .runtime import CONFIG_FILE
 from .safetensors_io import check_writable_parent
 
@@ -63,12 +63,6 @@ KV_CACHE_WHY = {
 
 def _stage(i: int, text: str, total: int = STAGES) -> None:
     print(f"[{i}/{total}] {text}", flush=True)
-
-
-def _progress_bar(total: int, desc: str, unit: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=f"      {desc}", unit=unit, leave=False)
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -196,7 +190,7 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
 
     geo = models.attention_geometry(model)
-    bar = _progress_bar(geo["layers"], "export", "layer")
+    bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype], kv_cache=o.kv_cache,
                         external_data=o.external_data, progress=lambda i, n: bar.update(1))
     bar.close()

@@ -90,8 +90,8 @@ def cmd_calibrate(a) -> int:
     group = _process_group()
     import tempfile
 
+    offload = tempfile.TemporaryDirectory(prefix="aqua-offload-") if a.device_map else None
     try:
-        offload = tempfile.TemporaryDirectory(prefix="aqua-offload-") if a.device_map else None
         # the checkpoint's own dtype (computed in float32 layer by layer), or float32 where accelerate places it
         import torch
 
@@ -113,8 +113,8 @@ def cmd_calibrate(a) -> int:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    if offload is not None:
-        offload.cleanup()
+        if offload is not None:
+            offload.cleanup()
     return 0
 
 

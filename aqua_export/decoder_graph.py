@@ -94,6 +94,17 @@ class DecoderGraph(Blocks):
                 gb.input(f"past_key_values.{i}.valid", TensorProto.BOOL, ["batch", p.kv_heads, "past"])
         return io
 
+    def outputs(self) -> None:
+        """Declares the graph outputs (the nodes made them under these names)."""
+        gb, p = self.gb, self.p
+        total = "past" if p.shared else "total"
+        gb.output("logits", p.elem, ["batch", "sequence", p.vocab])
+        for i in range(p.layers):
+            gb.output(f"present.{i}.key", p.elem, ["batch", p.kv_heads, p.r, total])
+            gb.output(f"present.{i}.value", p.elem, ["batch", p.kv_heads, total, p.r])
+        for i in range(p.layers if p.h2o else 0):
+            gb.output(f"attention_weights.{i}", F32, ["batch", p.kv_heads, "sequence", total])
+
     def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple[str, str]:
         """cos, sin [B, 1, T, rotary_dim] in the model dtype: angles position * inv_freq in float32, as HF computes
         them; one pair per distinct rotary embedding (Gemma 3's local and global ones)."""
@@ -148,12 +159,12 @@ class DecoderGraph(Blocks):
 
     # ---------------------------------------------------------------- per layer
     def layer(self, i: int, x: str, w: dict, P: torch.Tensor, P_v: torch.Tensor, scaling: float, cos: str, sin: str,
-              mask: str, io: dict) -> tuple[str, list[str]]:
+              mask: str, io: dict) -> str:
         """w: the layer's weights as HF names them (see decoder_weights); P, P_v [Hkv, d, d].
-        Returns (x after the layer, this layer's graph outputs)."""
+        Returns x after the layer (its present.{i}.* / attention_weights.{i} outputs are named nodes)."""
         n = f"/model/layers.{i}"
         h = self._norm(f"{n}/input_layernorm", x, w["input_layernorm"], w.get("input_layernorm_bias"))
-        attn, outs = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)
+        attn = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)
         if "attn_out_norm" in w:  # Gemma: the block's output is normalised before the residual add
             attn = self._rmsnorm(f"{n}/attn_out_norm", attn, w["attn_out_norm"])
         x = self.gb.op(f"{n}/attn/residual", "Add", [x, attn])
@@ -162,7 +173,7 @@ class DecoderGraph(Blocks):
             self._plain_mlp(f"{n}/mlp", h, w) if "fc" in w else self._gated_mlp(f"{n}/mlp", h, w)
         if "mlp_out_norm" in w:
             down = self._rmsnorm(f"{n}/mlp_out_norm", down, w["mlp_out_norm"])
-        return self.gb.op(f"{n}/mlp/residual", "Add", [x, down]), outs
+        return self.gb.op(f"{n}/mlp/residual", "Add", [x, down])
 
     def _attention(self, i, h, w, P, P_v, scaling, cos, sin, mask, io):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
@@ -220,7 +231,7 @@ class DecoderGraph(Blocks):
         return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
 
     def _attend(self, i, q, kh, v, wo, bo, mask, io):
-        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,r,T], v [B,Hkv,T,r] -> (attention output [B,T,D], graph outputs)."""
+        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,r,T], v [B,Hkv,T,r] -> attention output [B,T,D]."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         r = p.r
         kc, vc = self._cache(n, i, kh, v, io)
@@ -231,17 +242,15 @@ class DecoderGraph(Blocks):
             scores = self._softcap(f"{n}/softcap", scores, p.attn_softcap)
         probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, self._layer_mask(n, i, mask, io)])],
                       axis=-1)
-        outs = [f"present.{i}.key", f"present.{i}.value"]
         if p.h2o:  # H2O's heavy-hitter statistic: attention summed over the group's query heads, [B, Hkv, T, S]
-            outs.append(gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0,
-                              outputs=[f"attention_weights.{i}"])[0])
+            gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0, outputs=[f"attention_weights.{i}"])
         if p.dtype != torch.float32:
             probs = gb.op(f"{n}/probs/Cast", "Cast", [probs], to=p.elem)
         vc5 = gb.op(f"{n}/v/Unsqueeze", "Unsqueeze", [vc, c([2])])
         a = gb.op(f"{n}/MatMulV", "MatMul", [probs, vc5])  # [B, Hkv, g, T, r]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
-        return self._linear(f"{n}/o_proj", a, wo, bo), outs
+        return self._linear(f"{n}/o_proj", a, wo, bo)
 
     def _qk_norm(self, n: str, x: str, heads: int, w: torch.Tensor | None) -> str:
         """x [B, T, heads * d] -> [B, T, heads, d], RMS-normalised per head ([d] weight) or whole ([heads * d])."""

@@ -163,8 +163,6 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
-    from onnx import TensorProto
-
     from .decoder_graph import DecoderGraph, Plan
     from .onnx_builder import EXTERNAL_ABOVE, GraphBuilder, TensorStore, save_graph
 
@@ -203,28 +201,19 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
             x = gb.op("/model/embed_positions/Add", "Add",
                       [x, gb.op("/model/embed_positions/Gather", "Gather", [pos, io["position_ids"]])])
         eye = torch.eye(d).expand(geo["kv_heads"], d, d)
-        outs, weights = [], []
         cos = sin = None
         for i, layer in enumerate(arch.layers(model)):
             P, P_v = (eye, eye) if plan.dense else (projection.P[i], projection.P_v[i])
             if arch.has_rotary:
                 cos, sin = g.rotary(io["position_ids"], *arch.rotary(model, i))
             mask = g.mask(io, arch.window(cfg, i))
-            x, o = g.layer(i, x, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, cos, sin, mask, io)
-            outs += o[:2]
-            weights += o[2:]
+            x = g.layer(i, x, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, cos, sin, mask, io)
             if progress is not None:
                 progress(i + 1, plan.layers)
         head = model.get_output_embeddings()
         tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
         g.head(x, *arch.final_norm(model), head.weight.detach(), embed if tied else None)
-        gb.output("logits", plan.elem, ["batch", "sequence", plan.vocab])
-        total = "past" if plan.shared else "total"
-        for i in range(plan.layers):
-            gb.output(f"present.{i}.key", plan.elem, ["batch", plan.kv_heads, r, total])
-            gb.output(f"present.{i}.value", plan.elem, ["batch", plan.kv_heads, total, r])
-        for i in range(plan.layers if plan.h2o else 0):
-            gb.output(f"attention_weights.{i}", TensorProto.FLOAT, ["batch", plan.kv_heads, "sequence", total])
+        g.outputs()
         m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, [function_body(OPSET)], "aqua-export")
     finally:
         store.close()

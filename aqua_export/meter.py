@@ -62,3 +62,11 @@ class StageMeter:
         self.stop()
         return {**self.stages, "peak_rss_is": "per stage (VmHWM reset at each stage)" if self.per_stage
                 else "since process start (getrusage)"}
+
+
+def stage_bar(total: int, desc: str, unit: str):
+    """A progress bar inside a stage: indented under its stage line, erased when done, redrawn at most every
+    2 s (steps take minutes on large models)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"      {desc}", unit=unit, leave=False, mininterval=2.0)

@@ -43,7 +43,6 @@ class TensorStore:
         self._f = open(data_path, "wb") if data_path is not None else None
         # initializers are made in place inside the final ModelProto: inline weights are never copied
         self.model = onnx.ModelProto()
-        self.bytes_written = 0
 
     def add(self, name: str, t: torch.Tensor):
         from onnx import TensorProto
@@ -62,7 +61,6 @@ class TensorStore:
             for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(raw.nbytes))):
                 entry = proto.external_data.add()
                 entry.key, entry.value = k, v
-            self.bytes_written = offset + raw.nbytes
         else:
             proto.raw_data = raw.tobytes()
         return proto

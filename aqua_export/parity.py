@@ -27,6 +27,7 @@ from . import corpus
 from .attention import apply_aqua
 from .calibrate import Projection
 from .config import AquaConfig
+from .meter import stage_bar
 from .precision import float32_compute
 
 PARITY_TEXT = "builtin:gpl-3"
@@ -52,7 +53,7 @@ def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=
     mask = np.ones_like(ids)
     pos = np.arange(ids.shape[1])[None]
     past = lm.empty_past(1, log, force) if lm.h2o else lm.empty_past(1)
-    bar = _bar(steps + 1, "ORT forwards")
+    bar = stage_bar(steps + 1, "ORT forwards", "fwd")
     logits, past, idx = _run(lm, ids, mask, pos, past, with_indices)
     bar.update(1)
     trace, toks, sel = [logits[0]], [], [idx]
@@ -68,12 +69,6 @@ def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=
     return trace, toks, sel, past
 
 
-def _bar(total: int, desc: str):
-    """Progress of a parity run, forward by forward (minutes each on large models; gone when done)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=f"      {desc}", unit="fwd", leave=False, mininterval=2.0)
-
 
 def _run(lm, ids, mask, pos, past, with_indices):
     logits, past = lm.step(ids, mask, pos, past)
@@ -88,7 +83,7 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, states=None, fo
     t_ids = torch.from_numpy(ids)
     n = t_ids.shape[1]
     trace = []
-    bar = _bar(len(toks) + 1, "PyTorch forwards")
+    bar = stage_bar(len(toks) + 1, "PyTorch forwards", "fwd")
     with torch.no_grad():
         for s in range(len(toks) + 1):
             if forced is not None and forced[s] is not None:
