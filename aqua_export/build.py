@@ -1,7 +1,8 @@
 """The one-command build: calibrate (or reuse) -> export -> parity -> a ready-to-serve folder, atomically.
 
-Folder contents: model.onnx (+ model.onnx.data when large), projection.safetensors, aqua_config.json,
-the tokenizer files, parity.json. It is assembled in a temporary sibling folder and renamed into
+Folder contents: model.onnx (+ model.onnx.data when large), projection.safetensors, aqua_config.json
+(folder.FolderConfig), the tokenizer files, parity.json, and what onnxruntime-genai loads: genai_config.json,
+config.json, generation_config.json, libaqua_ort.so (backends/genai.py). It is assembled in a temporary sibling folder and renamed into
 place only when every stage succeeded, so a failure leaves nothing behind.
 """
 
@@ -20,17 +21,18 @@ import torch
 
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
+from .folder import CONFIG_FILE, FolderConfig, Geometry
 from .meter import StageMeter, stage_bar
-from .runtime import CONFIG_FILE
 from .safetensors_io import check_writable_parent
 
 STAGES = 5
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
-LAYOUT_WHY = ("K^ is stored dim-major [batch, kv_heads, r, past]: selecting coordinate c of every cached key "
-              "reads one contiguous row of `past` values, so a fused TopKGatherDot kernel reads only k/r of the "
-              "K cache; a row-major [past, r] cache turns selection into a strided gather (SparQ measured this "
-              "as slow). V stays [batch, kv_heads, past, r]: the value product reads whole rows.")
+LAYOUT = {"key": "declared [batch, kv_heads, slots, r]; memory K^ = RoPE(k) @ P[:, :r] dim-major [batch, kv_heads, "
+                  "r, slots]: selecting coordinate c reads one contiguous row, so TopKGatherDot reads k/r of the K cache",
+          "value": "[batch, kv_heads, slots, r] in P_v's basis (folded into W_V / W_O)",
+          "update": "new tokens at slots total-sequence..total-1; a buffer shared by past and present (onnxruntime-"
+                    "genai's past_present_share_buffer, `aqua-export run`) is written in place"}
 
 
 def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
@@ -45,20 +47,9 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-{config.selection}"
     if o.dtype != "float32":
         name += f"-{o.dtype}"
-    if o.kv_cache not in ("auto", _auto_kv_cache(config, o.backend)):
-        name += f"-{o.kv_cache}"
     if o.backend != "onnx":
         name += f"-{o.backend}"
     return Path("engines") / name
-
-
-KV_CACHE_WHY = {
-    "shared": ("past_key_values.{i}.* and present.{i}.* are one buffer of capacity C (bound to both with IOBinding); "
-               "the graph writes the new entries at cache_position (ScatterElements, done in place) and attends "
-               "over the C slots with attention_mask [B, C] masking the unused ones: no copy of the cache per "
-               "step (runtime.SharedCache grows C in steps of 256)"),
-    "concat": "present = Concat(past, new): new tensors every step (simple I/O; H2O and TensorRT use it)",
-}
 
 
 def _stage(i: int, text: str, total: int = STAGES) -> None:
@@ -86,7 +77,6 @@ class BuildOptions:
 
     dtype: str = "float32"
     backend: str = "onnx"
-    kv_cache: str = "auto"
     external_data: bool | None = None
     parity_steps: int = 64
     parity_prompt: int = 256
@@ -94,24 +84,10 @@ class BuildOptions:
     force: bool = False  # replace an existing --out that this tool built
 
 
-def _auto_kv_cache(config: AquaConfig, backend: str) -> str:
-    return "concat" if config.h2o_ratio < 1 or backend == "tensorrt" else "shared"
-
-
 def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
-    """Validate before any work; resolve kv_cache "auto" (shared unless H2O, which compacts its cache, or
-    TensorRT, whose engine I/O is concat)."""
+    """Validate before any work."""
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
-    kv = o.kv_cache
-    if kv == "auto":
-        kv = _auto_kv_cache(config, o.backend)
-    if kv not in ("concat", "shared"):
-        raise ConfigError(f"unknown --kv-cache {kv!r}: use auto, shared or concat")
-    if kv == "shared" and config.h2o_ratio < 1:
-        raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat (or auto) with --h2o-ratio")
-    if kv == "shared" and o.backend == "tensorrt":
-        raise ConfigError("the TensorRT engine runner uses --kv-cache concat: drop --kv-cache shared")
     if o.backend == "tensorrt":
         from .tensorrt_backend import require_tensorrt
 
@@ -120,7 +96,7 @@ def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
         raise ConfigError(f"unknown --backend {o.backend!r}: use onnx or tensorrt")
     if o.dtype not in DTYPES:
         raise ConfigError(f"unknown --dtype {o.dtype!r}: use {' or '.join(DTYPES)}")
-    return dataclasses.replace(o, kv_cache=kv)
+    return o
 
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
@@ -175,8 +151,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
             meter.start("tensorrt")
             build_engine(tmp, *o.trt_limits)
         meter.stop()
-        cfg["resources"] = meter.report()
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True))
+        dataclasses.replace(cfg, info={**cfg.info, "resources": meter.report()}).write(tmp)
         _stage(total, f"writing {out_dir}", total)
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -185,13 +160,15 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     return out_dir
 
 
-def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Path, model_spec: str) -> dict:
-    """Write model.onnx (+ .data), the tokenizer and aqua_config.json into ``tmp``; returns the config."""
-    from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, export_onnx, io_names
+def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Path, model_spec: str) -> FolderConfig:
+    """Write model.onnx (+ .data), the tokenizer, aqua_config.json and the onnxruntime-genai files into ``tmp``."""
+    from .backends import genai
+    from .contract import OPS
+    from .export import PLUGIN_NAMESPACE, PLUGIN_VERSION, contract_for, export_onnx
 
     geo = models.attention_geometry(model)
     bar = stage_bar(geo["layers"], "export", "layer")
-    proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype], kv_cache=o.kv_cache,
+    proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
                         external_data=o.external_data, progress=lambda i, n: bar.update(1))
     bar.close()
     tok.save_pretrained(tmp)
@@ -199,27 +176,10 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     import onnxruntime
     import transformers
 
-    d, h2o = geo["head_dim"], config.h2o_ratio < 1
-    cache = {"width": config.retained_width(d), "selected": config.selected_width(d), "kv_cache": o.kv_cache,
-             "kv_cache_why": KV_CACHE_WHY[o.kv_cache],
-             "key_layout": "[batch, kv_heads, r, past] dim-major K^ = RoPE(k) @ P[:, :r]",
-             "value_layout": "[batch, kv_heads, past, r] values in P_v's basis (folded into W_V / W_O)",
-             "why_dim_major": LAYOUT_WHY}
-    if h2o:
-        cache["h2o"] = {"ratio": config.h2o_ratio,
-                        "valid_layout": "past_key_values.{i}.valid [batch, kv_heads, past] bool: slot live",
-                        "weights": "attention_weights.{i} [batch, kv_heads, T, past+T]: softmax summed over the "
-                                   "group's query heads",
-                        "eviction": "runtime, between tokens (runtime.H2OCache): keep ceil(ratio*n) per sequence, "
-                                    "floor(half) most recent, the rest by accumulated weights; the graph runs one "
-                                    "token per forward"}
-    cfg = {
-        "format_version": 1, "model": model_spec, "aqua": config.to_dict(), "fingerprint": models.fingerprint(model),
-        "geometry": geo, "dtype": o.dtype, "cache": cache,
-        "context_length": getattr(model.config, "max_position_embeddings", None),
-        "operator": {"domain": DOMAIN, "op_type": OP_TYPE, "plugin_namespace": PLUGIN_NAMESPACE,
-                     "plugin_version": PLUGIN_VERSION, "nodes": sum(1 for n in proto.graph.node if n.op_type == OP_TYPE)},
-        "io": dict(zip(("inputs", "outputs"), io_names(geo["layers"], h2o, o.kv_cache == "shared"))),
+    info = {
+        "layout": LAYOUT,
+        "operators": {op: sum(1 for n in proto.graph.node if n.op_type == op) for op in OPS},
+        "plugin": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION},
         "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
                    "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
@@ -227,12 +187,19 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
         "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                   "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }
+    if config.h2o_ratio < 1:
+        info["h2o"] = ("eviction in the runtime between tokens (runtime.H2OCache): keep ceil(ratio*n) per sequence, "
+                       "floor(half) most recent, the rest by accumulated attention_weights; one token per forward")
+    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract_for(model, config, DTYPES[o.dtype]),
+                       context_length=getattr(model.config, "max_position_embeddings", None),
+                       fingerprint=models.fingerprint(model), info=info)
     # written now for stages that read the folder (TensorRT); rewritten at the end with the resources used
-    (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    cfg.write(tmp)
+    genai.write_files(tmp, cfg, model.config, getattr(model, "generation_config", None), tok)
     return cfg
 
 
-def _parity(tmp: Path, cfg: dict, tok, projection, config: AquaConfig, o: BuildOptions, model_spec: str) -> None:
+def _parity(tmp: Path, cfg: FolderConfig, tok, projection, config: AquaConfig, o: BuildOptions, model_spec: str) -> None:
     from .parity import run_parity, summary_lines
     from .runtime import default_kernel
 

@@ -163,18 +163,21 @@ def cmd_retention(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from .runtime import OrtLM, SamplingConfig, encode_prompts, load_tokenizer
+    from .backends import open_lm
+    from .runtime import SamplingConfig, encode_prompts, load_tokenizer
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     if a.backend == "tensorrt":
         from .tensorrt_backend import engine_lm
 
+        if a.runtime != "aqua":
+            raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
         lm = engine_lm(a.folder)
     else:
-        lm = OrtLM.from_folder(a.folder, kernel=a.kernel)
+        lm = open_lm(a.folder, a.runtime, kernel=a.kernel, share_buffer=a.kv_buffer == "shared")
     tok = load_tokenizer(a.folder)
-    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.get("context_length"),
+    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.context_length,
                                max_new_tokens=a.max_new_tokens)
     if a.backend == "tensorrt":
         from .tensorrt_backend import check_request
@@ -201,22 +204,30 @@ def cmd_run(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from .bench import bench, table
+
+    res = bench(a.folders, context=a.context, batch=a.batch, runtime=a.runtime, steps=a.steps, rounds=a.rounds,
+                threads=a.threads)
+    print(json.dumps(res, sort_keys=True) if a.json else table(res))
+    return 0
+
+
 def cmd_parity(a) -> int:
     from . import calibrate, models
+    from .folder import FolderConfig
     from .parity import run_parity
-    from .runtime import read_config
-
     from .runtime import default_kernel, load_tokenizer
 
-    cfg = read_config(a.folder)
-    kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg["dtype"])
+    cfg = FolderConfig.from_folder(a.folder)
+    kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg.dtype)
     path = Path(a.folder) / "model.onnx"
     if not path.is_file():
         raise ConfigError(f"{a.folder} has no model.onnx: rebuild the folder")
     proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
     # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
-    res = run_parity(path, cfg, load_tokenizer(a.folder), proj, AquaConfig.from_dict(cfg["aqua"]),
-                     lambda: models.load(cfg["model"], dtype="auto")[0], steps=a.steps, dtype=cfg["dtype"], kernel=kernel,
+    res = run_parity(path, cfg, load_tokenizer(a.folder), proj, cfg.aqua,
+                     lambda: models.load(cfg.model, dtype="auto")[0], steps=a.steps, dtype=cfg.dtype, kernel=kernel,
                      progress=None if a.json else lambda text: print(f"... {text}", flush=True))
     if a.json:
         print(json.dumps(res, sort_keys=True))
@@ -238,16 +249,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "builtin:python-reference | builtin:gpl-3 (repeatable; default builtin:python-reference)")
     ap.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens, >= 1 (default %(default)s)")
     ap.add_argument("--out", help="output folder (default engines/<model>-k<R>, plus a suffix per non-default setting: "
-                                  "-s<S> -h<H> -<selection> -<dtype> -<kv cache> -tensorrt); an existing non-empty "
+                                  "-s<S> -h<H> -<selection> -<dtype> -tensorrt); an existing non-empty "
                                   "folder is refused")
     ap.add_argument("--force", action="store_true", help="replace --out when it is a folder this tool built")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                     help="weights, activations and KV cache of the export (default %(default)s)")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                     help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
-    ap.add_argument("--kv-cache", default="auto", choices=["auto", "shared", "concat"],
-                    help="shared: past/present one buffer updated in place (fast decode); concat: present = past + "
-                         "new; auto: shared unless --h2o-ratio or --backend tensorrt")
     ap.add_argument("--trt-max-batch", type=int, default=8, help="TensorRT profiles: largest batch (default %(default)s)")
     ap.add_argument("--trt-max-context", type=int, default=4096,
                     help="TensorRT profiles: largest context in tokens (default %(default)s)")
@@ -267,7 +275,7 @@ def build_main(argv: list[str]) -> int:
     a = build_arg_parser().parse_args(argv)
     from .build import BuildOptions, build
 
-    opts = BuildOptions(dtype=a.dtype, backend=a.backend, kv_cache=a.kv_cache,
+    opts = BuildOptions(dtype=a.dtype, backend=a.backend,
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
                         trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force)
@@ -330,7 +338,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnx: ONNX Runtime; tensorrt: the folder's model.engine (default %(default)s)")
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
                    help="TopKGatherDot: the native C++ kernel (auto: when built) or the model's function body")
+    p.add_argument("--runtime", default="aqua", choices=["aqua", "genai"],
+                   help="aqua: this project's ONNX Runtime loop (every variant); genai: onnxruntime-genai (not "
+                        "AQUA-H2O folders) (default %(default)s)")
+    p.add_argument("--kv-buffer", default="shared", choices=["shared", "concat"],
+                   help="shared: past and present one buffer written in place (genai's past_present_share_buffer); "
+                        "concat: a new present each step (default %(default)s)")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("bench", help="decode tokens/s and decode memory of built folders, measured interleaved")
+    p.add_argument("folders", nargs="+", help="folders built by aqua-export (or by onnxruntime-genai's builder, "
+                                              "with --runtime genai)")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in the cache (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--runtime", default="aqua", choices=["aqua", "genai", "genai-io"],
+                   help="aqua: this project's loop, the context written into the cache; genai: onnxruntime-genai, "
+                        "the context prefilled through it; genai-io: the graph driven with onnxruntime-genai's I/O, "
+                        "the context written into its buffers (default %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per round (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the folders (default %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
     p.add_argument("folder", help="a folder built by aqua-export")

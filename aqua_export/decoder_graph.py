@@ -4,9 +4,10 @@ Per layer i, with g = H / Hkv, r the retained width and k the selected width (do
 
     x --RMSNorm--> h
     h --q_proj (scale folded)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] ------------------------\\
-    h --k_proj--> RoPE --MatMul P_r--> Transpose [B,Hkv,r,T] --Concat|Scatter(past.key)----> TopKGatherDot(k)
-    h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --Concat|Scatter(past.value)--\\            | + mask
-                                                                                  \\       Softmax (float32)
+    h --k_proj--> RoPE --MatMul P_r--> [B,Hkv,T,r] --KeyCacheUpdate(past.key, L)--> present.key
+                                           present.key viewed [B,Hkv,r,C] (dim-major) --> TopKGatherDot(k, L)
+    h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --ValueCacheUpdate(past.value, L)--\\    | + mask
+                                                       present.value[:, :, :L] ------\\  Softmax (float32)
                                                                  MatMul <------------------/
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
@@ -14,6 +15,9 @@ What the families change (archs/): q/k RMSNorms before RoPE (the scale then fold
 rotary, per-layer sliding-window masks, soft-capping between TopKGatherDot and the mask, norms on the block
 outputs, GELU or routed-expert MLPs, LayerNorm; without a rotary embedding P folds into q_proj / k_proj and
 both RoPE and the P MatMuls disappear.
+
+L = attention_mask.shape[1] is the sequence so far; the cache contract (buffers shared with onnxruntime-genai,
+in-place writes, positions from the mask) is contract.Contract's.
 
 Node names are stable paths (``/model/layers.3/attn/TopKGatherDot``); every weight is folded in
 float32 from the model's own tensors and written to the TensorStore the moment it is made, so only one
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
+from .contract import DOMAIN, Contract
+from .export import KEY_UPDATE, OP_TYPE, VALUE_UPDATE
 from .fold import fold_output, fold_scale_into_query, fold_value
 from .graph_blocks import Blocks
 from .onnx_builder import GraphBuilder, onnx_type
@@ -49,7 +55,6 @@ class Plan:
     k: int
     dense: bool
     h2o: bool
-    shared: bool
     dtype: torch.dtype
     eps: float
     rotary_dim: int  # coordinates of each head that RoPE rotates (head_dim unless partial rotary)
@@ -69,9 +74,9 @@ class Plan:
 class DecoderGraph(Blocks):
     """Emits one graph: embeddings, rotary tables and masks once, then each layer, then the head."""
 
-    def __init__(self, gb: GraphBuilder, plan: Plan, op_attrs: dict, domain: str, op_type: str):
-        self.gb, self.p = gb, plan
-        self.op_attrs, self.domain, self.op_type = op_attrs, domain, op_type
+    def __init__(self, gb: GraphBuilder, plan: Plan, contract: Contract, op_attrs: dict):
+        self.gb, self.p, self.contract = gb, plan, contract
+        self.op_attrs, self.domain, self.op_type = op_attrs, DOMAIN, OP_TYPE
         # what casting the weights to a float16 export cost (reported in aqua_config.json)
         self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
         self._masks: dict = {}  # one mask per distinct sliding window (None: full causal)
@@ -79,31 +84,30 @@ class DecoderGraph(Blocks):
 
     # ---------------------------------------------------------------- once per graph
     def inputs(self) -> dict:
-        """Declares the graph inputs; returns their names plus the shared shape values."""
-        gb, p = self.gb, self.p
-        i64 = TensorProto.INT64
-        io = {"input_ids": gb.input("input_ids", i64, ["batch", "sequence"]),
-              "attention_mask": gb.input("attention_mask", i64, ["batch", "past" if p.shared else "total"]),
-              "position_ids": gb.input("position_ids", i64, ["batch", "sequence"])}
-        if p.shared:
-            io["cache_position"] = gb.input("cache_position", i64, ["sequence"])
-        for i in range(p.layers):
-            gb.input(f"past_key_values.{i}.key", p.elem, ["batch", p.kv_heads, p.r, "past"])
-            gb.input(f"past_key_values.{i}.value", p.elem, ["batch", p.kv_heads, "past", p.r])
-            if p.h2o:
-                gb.input(f"past_key_values.{i}.valid", TensorProto.BOOL, ["batch", p.kv_heads, "past"])
+        """Declares the contract's inputs; returns their names plus values every layer shares: total (the
+        sequence length so far, [1]) and position_ids (fed under H2O, else cumsum(attention_mask) - 1)."""
+        gb, c, types = self.gb, self.gb.const, {"int64": TensorProto.INT64, "bool": TensorProto.BOOL}
+        for t in self.contract.inputs():
+            gb.input(t.name, types.get(t.dtype, self.p.elem), list(t.shape))
+        ct = self.contract
+        io = {"input_ids": ct.INPUT_IDS, "attention_mask": ct.ATTENTION_MASK}
+        io["total"] = gb.op("/model/total_length", "Shape", [ct.ATTENTION_MASK], start=1, end=2)
+        if self.p.h2o:
+            io["position_ids"] = ct.POSITION_IDS
+            return io
+        # HF's positions under left padding: the count of real tokens before each one
+        n = "/model/position_ids"
+        seen = gb.op(f"{n}/CumSum", "CumSum", [ct.ATTENTION_MASK, c(1)])
+        pos = gb.op(f"{n}/Max", "Max", [gb.op(f"{n}/Sub", "Sub", [seen, c(1)]), c(0)])
+        new = gb.op(f"{n}/ShapeNew", "Shape", [ct.INPUT_IDS], start=1, end=2)
+        io["position_ids"] = gb.op(f"{n}/SliceNew", "Slice", [pos, gb.op(f"{n}/First", "Sub", [io["total"], new]),
+                                                               io["total"], c([1])])
         return io
 
     def outputs(self) -> None:
-        """Declares the graph outputs (the nodes made them under these names)."""
-        gb, p = self.gb, self.p
-        total = "past" if p.shared else "total"
-        gb.output("logits", p.elem, ["batch", "sequence", p.vocab])
-        for i in range(p.layers):
-            gb.output(f"present.{i}.key", p.elem, ["batch", p.kv_heads, p.r, total])
-            gb.output(f"present.{i}.value", p.elem, ["batch", p.kv_heads, total, p.r])
-        for i in range(p.layers if p.h2o else 0):
-            gb.output(f"attention_weights.{i}", F32, ["batch", p.kv_heads, "sequence", total])
+        """Declares the contract's outputs (the nodes made them under these names)."""
+        for t in self.contract.outputs():
+            self.gb.output(t.name, F32 if t.dtype == "float32" else self.p.elem, list(t.shape))
 
     def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple[str, str]:
         """cos, sin [B, 1, T, rotary_dim] in the model dtype: angles position * inv_freq in float32, as HF computes
@@ -130,21 +134,18 @@ class DecoderGraph(Blocks):
         return out[0], out[1]
 
     def mask(self, io: dict, window: int | None = None) -> str:
-        """Additive float32 mask [B, 1, 1, T, S]: key j is visible to query t iff j <= qpos[t] and
-        attention_mask[b, j] == 1, with qpos[t] = S - T + t (concat) or cache_position[t] (shared); with a
-        sliding window also j > qpos[t] - window (slots are token indices, padding included, as in HF)."""
+        """Additive float32 mask [B, 1, 1, T, L]: key j is visible to query t iff j <= qpos[t] = L - T + t and
+        attention_mask[b, j] == 1; with a sliding window also j > qpos[t] - window (slots are token indices,
+        padding included, as in HF)."""
         if window in self._masks:
             return self._masks[window]
         gb, c = self.gb, self.gb.const
         n = "/model/attn_mask" + ("" if window is None else f"_window{window}")
         s = gb.op(f"{n}/ShapeS", "Shape", [io["attention_mask"]], start=1, end=2)
         j = gb.op(f"{n}/RangeS", "Range", [c(0), gb.op(f"{n}/SqueezeS", "Squeeze", [s]), c(1)])
-        if self.p.shared:
-            qpos = io["cache_position"]
-        else:
-            t = gb.op(f"{n}/ShapeT", "Shape", [io["input_ids"]], start=1, end=2)
-            first = gb.op(f"{n}/SqueezeFirst", "Squeeze", [gb.op(f"{n}/Sub", "Sub", [s, t])])
-            qpos = gb.op(f"{n}/RangeT", "Range", [first, gb.op(f"{n}/SqueezeS2", "Squeeze", [s]), c(1)])
+        t = gb.op(f"{n}/ShapeT", "Shape", [io["input_ids"]], start=1, end=2)
+        first = gb.op(f"{n}/SqueezeFirst", "Squeeze", [gb.op(f"{n}/Sub", "Sub", [s, t])])
+        qpos = gb.op(f"{n}/RangeT", "Range", [first, gb.op(f"{n}/SqueezeS2", "Squeeze", [s]), c(1)])
         j2 = gb.op(f"{n}/UnsqueezeJ", "Unsqueeze", [j, c([0])])
         q2 = gb.op(f"{n}/UnsqueezeQ", "Unsqueeze", [qpos, c([1])])
         causal = gb.op(f"{n}/LessOrEqual", "LessOrEqual", [j2, q2])  # [T, S]
@@ -203,11 +204,10 @@ class DecoderGraph(Blocks):
             P_r = P[:, :, :r].to(torch.float32)
             q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_r[:, None])])
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_r)])
-        kh = gb.op(f"{n}/k/TransposeDimMajor", "Transpose", [k], perm=[0, 1, 3, 2])  # [B, Hkv, r, T]
         v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
-        return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
+        return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io)
 
     def _attention_folded(self, i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo):
         """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds): q^ and k^
@@ -224,18 +224,18 @@ class DecoderGraph(Blocks):
         q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
         q = gb.op(f"{n}/q/Reshape5", "Reshape", [q, c([0, hkv, g, -1, r])])
         k = gb.op(f"{n}/k/Reshape", "Reshape", [self._linear(f"{n}/k_proj", h, wk_h, bk_h), c([0, 0, hkv, r])])
-        kh = gb.op(f"{n}/k/TransposeDimMajor", "Transpose", [k], perm=[0, 2, 3, 1])  # [B, Hkv, r, T]
+        kh = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
         v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
                   perm=[0, 2, 1, 3])
         return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
 
     def _attend(self, i, q, kh, v, wo, bo, mask, io):
-        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,r,T], v [B,Hkv,T,r] -> attention output [B,T,D]."""
+        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,T,r], v [B,Hkv,T,r] -> attention output [B,T,D]."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         r = p.r
         kc, vc = self._cache(n, i, kh, v, io)
-        scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc], domain=self.domain, **self.op_attrs)
+        scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc, io["total"]], domain=self.domain, **self.op_attrs)
         if p.dtype != torch.float32:
             scores = gb.op(f"{n}/scores/Cast", "Cast", [scores], to=F32)  # softmax in float32, as HF does
         if p.attn_softcap:  # the attention scale is already in q^ (folded into W_Q or q_norm)
@@ -261,23 +261,19 @@ class DecoderGraph(Blocks):
         return self._rmsnorm(n, x, w) if w is not None and w.numel() == d else x
 
     def _cache(self, n: str, i: int, kh: str, v: str, io: dict) -> tuple[str, str]:
-        """present = Concat(past, new), or (shared buffer) ScatterElements of the new entries at cache_position,
-        which ONNX Runtime does in place when past and present are bound to one buffer."""
-        gb, c = self.gb, self.gb.const
-        pk, pv = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
-        outk, outv = [f"present.{i}.key"], [f"present.{i}.value"]
-        if not self.p.shared:
-            kc = gb.op(f"{n}/k/ConcatPast", "Concat", [pk, kh], axis=3, outputs=outk)[0]
-            vc = gb.op(f"{n}/v/ConcatPast", "Concat", [pv, v], axis=2, outputs=outv)[0]
-            return kc, vc
-        cp = io["cache_position"]
-        ik = gb.op(f"{n}/k/SlotIndex", "Expand", [gb.op(f"{n}/k/SlotReshape", "Reshape", [cp, c([1, 1, 1, -1])]),
-                                                   gb.op(f"{n}/k/Shape", "Shape", [kh])])
-        iv = gb.op(f"{n}/v/SlotIndex", "Expand", [gb.op(f"{n}/v/SlotReshape", "Reshape", [cp, c([1, 1, -1, 1])]),
-                                                   gb.op(f"{n}/v/Shape", "Shape", [v])])
-        kc = gb.op(f"{n}/k/ScatterSlots", "ScatterElements", [pk, ik, kh], axis=3, outputs=outk)[0]
-        vc = gb.op(f"{n}/v/ScatterSlots", "ScatterElements", [pv, iv, v], axis=2, outputs=outv)[0]
-        return kc, vc
+        """k^, v [B,Hkv,T,r] -> (K^ as [B,Hkv,r,C] over present.{i}.key's memory, V [B,Hkv,L,r]). The native
+        update writes a shared buffer in place; the key view is a Reshape (no copy); only the L filled slots
+        of V are read."""
+        gb, c, ct = self.gb, self.gb.const, self.contract
+        kc = gb.op(f"{n}/k/CacheUpdate", KEY_UPDATE, [ct.past(i, "key"), kh, io["total"]], domain=self.domain,
+                   outputs=[ct.present(i, "key")])[0]
+        vc = gb.op(f"{n}/v/CacheUpdate", VALUE_UPDATE, [ct.past(i, "value"), v, io["total"]], domain=self.domain,
+                   outputs=[ct.present(i, "value")])[0]
+        rows = gb.op(f"{n}/k/RowsShape", "Concat", [gb.op(f"{n}/k/ShapeBH", "Shape", [kc], start=0, end=2), c([self.p.r]),
+                                                    gb.op(f"{n}/k/ShapeC", "Shape", [kc], start=2, end=3)], axis=0)
+        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, rows])
+        vl = gb.op(f"{n}/v/SliceFilled", "Slice", [vc, c([0]), io["total"], c([2])])
+        return kr, vl
 
     def _layer_mask(self, n: str, i: int, mask: str, io: dict) -> str:
         """The shared mask, or under H2O: past slots visible iff this layer's valid[b, h, slot], new tokens as usual."""

@@ -1,16 +1,9 @@
-"""ONNX export: the TopKGatherDot custom node with its portable function body, the graph's I/O, and the
-export entry point (the graph itself is built from the weights by decoder_graph, no tracing).
+"""ONNX export: the custom nodes (TopKGatherDot and the two cache updates) with their portable function
+bodies, and the export entry point (the graph itself is built from the weights by decoder_graph, no tracing).
 
-Graph contract (docs/design.md, The ONNX graph), per layer i, with r the retained width:
+The graph's I/O and cache layout belong to contract.Contract; one decoder layer as exported: see decoder_graph.
 
-    inputs  input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64,
-            past_key_values.{i}.key   [B, Hkv, r, P]   K^ dim-major (one contiguous row of P per coordinate)
-            past_key_values.{i}.value [B, Hkv, P, r]   V in P_v's basis
-    outputs logits [B, T, V], present.{i}.key [B, Hkv, r, P+T], present.{i}.value [B, Hkv, P+T, r]
-
-One decoder layer as exported: see decoder_graph.
-
-Why dim-major K^: selecting coordinate c of every cached key reads one contiguous row of P values,
+Why dim-major K^: selecting coordinate c of every cached key reads one contiguous row of the cache,
 so a fused kernel reads only k/r of the K cache (a [T, d] row-major cache makes it a strided gather).
 """
 
@@ -22,14 +15,14 @@ import torch
 
 from .calibrate import Projection
 from .config import AquaConfig, ConfigError
+from .contract import DOMAIN, Contract
 from .models import architecture_of, attention_geometry
 
-DOMAIN = "com.aqua"
 OP_TYPE = "TopKGatherDot"
+KEY_UPDATE, VALUE_UPDATE = "KeyCacheUpdate", "ValueCacheUpdate"
 PLUGIN_NAMESPACE = "aqua"
 PLUGIN_VERSION = "1"
 OPSET_VERSION = 1
-KV_CACHE_MODES = ("concat", "shared")
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,19 +41,6 @@ def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, 
     return query_hat @ key_cache.unsqueeze(2)
 
 
-def io_names(layers: int, h2o: bool = False, shared: bool = False) -> tuple[list[str], list[str]]:
-    """Graph input and output names. H2O adds past_key_values.{i}.valid [B, Hkv, P] (bool) and
-    attention_weights.{i} [B, Hkv, T, P+T] (softmax summed over the group's query heads); the shared
-    cache adds cache_position [T] (the buffer slots the new tokens are written to)."""
-    ins = ["input_ids", "attention_mask", "position_ids"] + (["cache_position"] if shared else [])
-    outs = ["logits"]
-    for i in range(layers):
-        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"] + ([f"past_key_values.{i}.valid"] if h2o else [])
-        outs += [f"present.{i}.key", f"present.{i}.value"]
-    outs += [f"attention_weights.{i}" for i in range(layers)] if h2o else []
-    return ins, outs
-
-
 # --------------------------------------------------------------------------------------------
 # ONNX
 # --------------------------------------------------------------------------------------------
@@ -71,23 +51,31 @@ def _register_schema() -> None:
 
     if onnx.defs.has(OP_TYPE, DOMAIN):
         return
+    floats = [("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")]
+    length = OpSchema.FormalParameter("total_length", "tensor(int64)")
     onnx.defs.register_schema(OpSchema(
         OP_TYPE, DOMAIN, OPSET_VERSION,
-        doc="scores = q^[I] . K^[I, :] with I = top-k |q^| per query row (ties: lower index); K^ dim-major",
-        inputs=[OpSchema.FormalParameter("query_hat", "T"), OpSchema.FormalParameter("key_cache", "T")],
+        doc="scores = q^[I] . K^[I, :L] with I = top-k |q^| per query row (ties: lower index); K^ dim-major",
+        inputs=[OpSchema.FormalParameter("query_hat", "T"), OpSchema.FormalParameter("key_cache", "T"), length],
         outputs=[OpSchema.FormalParameter("scores", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")],
+        type_constraints=floats,
         attributes=[OpSchema.Attribute("k", OpSchema.AttrType.INT, "coordinates kept per query"),
                     OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
                     OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version")],
     ))
+    for op, layout in ((KEY_UPDATE, "dim-major [r, C] per head"), (VALUE_UPDATE, "token-major [C, r] per head")):
+        onnx.defs.register_schema(OpSchema(
+            op, DOMAIN, OPSET_VERSION,
+            doc=f"present = past with new written at slots L-S..L-1, max(C, L) slots; memory {layout}",
+            inputs=[OpSchema.FormalParameter("past", "T"), OpSchema.FormalParameter("new", "T"), length],
+            outputs=[OpSchema.FormalParameter("present", "T")], type_constraints=floats))
 
 
 def function_body(opset: int):
     """The portable body of TopKGatherDot as an ONNX local function of standard ops.
 
         query_hat --Abs--> TopK(k, largest, sorted: ties -> lower index) --idx--> ScatterElements(1s into 0s)
-        query_hat * keep --MatMul--> Unsqueeze(key_cache, 2) --> scores
+        query_hat * keep --MatMul--> Unsqueeze(Slice(key_cache, :total_length), 2) --> scores
     """
     from onnx import TensorProto
     from onnx import helper as H
@@ -115,38 +103,105 @@ def function_body(opset: int):
         H.make_node("ScatterElements", ["zeros", "top_indices", "ones"], ["keep"], axis=-1),
         H.make_node("Mul", ["query_hat", "keep"], ["q_selected"]),
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
-        H.make_node("Unsqueeze", ["key_cache", "axis_2"], ["key_cache_g"]),
+        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
+        H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
+        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
+        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
         H.make_node("MatMul", ["q_selected", "key_cache_g"], ["scores"]),
     ]
-    return H.make_function(DOMAIN, OP_TYPE, ["query_hat", "key_cache"], ["scores"], nodes,
+    return H.make_function(DOMAIN, OP_TYPE, ["query_hat", "key_cache", "total_length"], ["scores"], nodes,
                            [H.make_opsetid("", opset)], attributes=["k", "plugin_namespace", "plugin_version"])
 
 
+def cache_update_body(op: str, opset: int):
+    """The portable body of KeyCacheUpdate / ValueCacheUpdate (copies the past: O(C) per step, where the
+    native kernel writes a shared buffer in place).
+
+        past [B,H,C,r] --(keys: Reshape to the dim-major [B,H,r,C])--> Slice(slots :L-S) --Concat(new)-->
+        Pad(zeros to max(C, L) slots) --(keys: Reshape back)--> present [B,H,max(C,L),r]
+    """
+    from onnx import helper as H
+
+    key = op == KEY_UPDATE
+    ax = 3 if key else 2  # the slot axis of the memory layout
+    n = [
+        H.make_node("Shape", ["past"], ["shape"]),
+        H.make_node("Shape", ["past"], ["bh"], start=0, end=2),
+        H.make_node("Shape", ["past"], ["c"], start=2, end=3),
+        H.make_node("Shape", ["past"], ["r"], start=3, end=4),
+        H.make_node("Shape", ["new"], ["s"], start=2, end=3),
+        H.make_node("Sub", ["total_length", "s"], ["p"]),
+        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
+        H.make_node("Constant", [], ["axis"], value_ints=[ax]),
+        H.make_node("Constant", [], ["tail_len"], value_ints=[3 - ax]),
+        H.make_node("Max", ["c", "total_length"], ["out_len"]),
+        H.make_node("Sub", ["out_len", "total_length"], ["extra"]),
+    ]
+    if key:
+        n += [H.make_node("Concat", ["bh", "r", "c"], ["rows_shape"], axis=0),
+              H.make_node("Reshape", ["past", "rows_shape"], ["memory"], allowzero=1),  # an empty past has C = 0
+              H.make_node("Transpose", ["new"], ["fresh"], perm=[0, 1, 3, 2])]
+    else:
+        n += [H.make_node("Identity", ["past"], ["memory"]), H.make_node("Identity", ["new"], ["fresh"])]
+    n += [
+        H.make_node("Slice", ["memory", "zero_1", "p", "axis"], ["old"]),
+        H.make_node("Concat", ["old", "fresh"], ["joined"], axis=ax),
+        H.make_node("Constant", [], ["pads_head"], value_ints=[0] * (4 + ax)),  # begins, then ends up to the slot axis
+        H.make_node("Constant", [], ["pads_tail"], value_ints=[0] * (3 - ax + 1)),
+        H.make_node("Slice", ["pads_tail", "zero_1", "tail_len"], ["pads_tail_n"]),
+        H.make_node("Concat", ["pads_head", "extra", "pads_tail_n"], ["pads"], axis=0),
+        H.make_node("Pad", ["joined", "pads"], ["padded" if key else "present"]),
+    ]
+    if key:
+        n += [H.make_node("Concat", ["bh", "out_len", "r"], ["out_shape"], axis=0),
+              H.make_node("Reshape", ["padded", "out_shape"], ["present"], allowzero=1)]
+    return H.make_function(DOMAIN, op, ["past", "new", "total_length"], ["present"], n, [H.make_opsetid("", opset)])
+
+
+def function_bodies(opset: int) -> list:
+    """Every custom node's body: a runtime without the native library runs these."""
+    return [function_body(opset), cache_update_body(KEY_UPDATE, opset), cache_update_body(VALUE_UPDATE, opset)]
+
+
 def single_op_model(k: int, dtype: str = "float32", opset: int = 20):
-    """A one-node model: TopKGatherDot(q, kc) -> s with its function body (kernel tests and benchmarks)."""
+    """A one-node model: TopKGatherDot(q, kc, total_length) -> s with its function body (kernel tests and
+    benchmarks; the length input is ``length`` [1] int64)."""
     from onnx import TensorProto
     from onnx import helper as H
 
     _register_schema()
     et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
-    node = H.make_node(OP_TYPE, ["q", "kc"], ["s"], domain=DOMAIN, name="/op/TopKGatherDot", k=k,
+    node = H.make_node(OP_TYPE, ["q", "kc", "length"], ["s"], domain=DOMAIN, name="/op/TopKGatherDot", k=k,
                        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
     graph = H.make_graph([node], "topk_gather_dot", [H.make_tensor_value_info("q", et, [None] * 5),
-                                                     H.make_tensor_value_info("kc", et, [None] * 4)],
+                                                     H.make_tensor_value_info("kc", et, [None] * 4),
+                                                     H.make_tensor_value_info("length", TensorProto.INT64, [1])],
                          [H.make_tensor_value_info("s", et, [None] * 5)])
     return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
                         functions=[function_body(opset)], ir_version=10)
 
 
+def cache_op_model(op: str, dtype: str = "float32", opset: int = 20):
+    """A one-node model: <op>(past, new, length) -> present with its function body (kernel tests)."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    _register_schema()
+    et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    node = H.make_node(op, ["past", "new", "length"], ["present"], domain=DOMAIN, name=f"/op/{op}")
+    graph = H.make_graph([node], op, [H.make_tensor_value_info("past", et, [None] * 4),
+                                      H.make_tensor_value_info("new", et, [None] * 4),
+                                      H.make_tensor_value_info("length", TensorProto.INT64, [1])],
+                         [H.make_tensor_value_info("present", et, [None] * 4)])
+    return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                        functions=[cache_update_body(op, opset)], ir_version=10)
+
+
 OPSET = 20  # standard-op opset of the exported graph and of the function body
 
 
-def check_exportable(model, projection: Projection, config: AquaConfig, kv_cache: str) -> None:
+def check_exportable(model, projection: Projection, config: AquaConfig) -> None:
     """Refuse, in one line each, what the export cannot represent."""
-    if kv_cache not in KV_CACHE_MODES:
-        raise ConfigError(f"--kv-cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
-    if kv_cache == "shared" and config.h2o_ratio < 1:
-        raise ConfigError("AQUA-H2O compacts its cache between tokens: use --kv-cache concat with --h2o-ratio")
     arch = architecture_of(model.config)
     projection.check_model(model)
     if config.selection != "magnitude":
@@ -157,8 +212,17 @@ def check_exportable(model, projection: Projection, config: AquaConfig, kv_cache
                           "compacts the slots the window is measured in): drop --h2o-ratio")
 
 
+def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32) -> Contract:
+    """The graph contract an export of ``model`` with ``config`` has."""
+    geo = attention_geometry(model)
+    d = geo["head_dim"]
+    return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], width=config.retained_width(d),
+                    selected=config.selected_width(d), vocab=model.config.vocab_size,
+                    dtype={torch.float32: "float32", torch.float16: "float16"}[dtype], h2o=config.h2o_ratio < 1)
+
+
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
-                kv_cache: str = "concat", external_data: bool | None = None, progress=None):
+                external_data: bool | None = None, progress=None):
     """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
     weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
@@ -166,7 +230,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     from .decoder_graph import DecoderGraph, Plan
     from .onnx_builder import EXTERNAL_ABOVE, GraphBuilder, TensorStore, save_graph
 
-    check_exportable(model, projection, config, kv_cache)
+    check_exportable(model, projection, config)
     _register_schema()
     path = Path(path)
     geo = attention_geometry(model)
@@ -176,7 +240,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     arch = architecture_of(cfg)
     plan = Plan(layers=geo["layers"], heads=geo["heads"], kv_heads=geo["kv_heads"], head_dim=d, hidden=geo["hidden_size"],
                 vocab=cfg.vocab_size, r=r, k=k, dense=k == r and config.slice_ratio == 0, h2o=config.h2o_ratio < 1,
-                shared=kv_cache == "shared", dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
+                dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
                 final_softcap=arch.final_softcap(cfg))
@@ -187,8 +251,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     store = TensorStore(data_path)
     try:
         gb = GraphBuilder(store)
-        g = DecoderGraph(gb, plan, {"k": k, "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION},
-                         DOMAIN, OP_TYPE)
+        g = DecoderGraph(gb, plan, contract_for(model, config, dtype),
+                         {"k": k, "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION})
         io = g.inputs()
         et = arch.embeddings(model)
         embed = g.weight("model.embed_tokens.weight", et.weight.detach())
@@ -214,7 +278,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
         g.head(x, *arch.final_norm(model), head.weight.detach(), embed if tied else None)
         g.outputs()
-        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, [function_body(OPSET)], "aqua-export")
+        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, function_bodies(OPSET), "aqua-export")
     finally:
         store.close()
     if dtype == torch.float16:

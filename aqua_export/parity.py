@@ -18,6 +18,7 @@ The unforced comparison (each side with its own selection) is reported too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from . import corpus
 from .attention import apply_aqua
 from .calibrate import Projection
 from .config import AquaConfig
+from .folder import FolderConfig
 from .meter import stage_bar
 from .precision import float32_compute
 
@@ -223,7 +225,7 @@ def _selection_outputs(m):
     return m
 
 
-def _ort_phase(model_path: Path, cfg: dict, config: AquaConfig, ids, steps: int, kernel: str, sparse: bool,
+def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, steps: int, kernel: str, sparse: bool,
                progress) -> dict:
     """Every ONNX Runtime run parity needs, one session at a time (each freed before the next opens).
 
@@ -232,7 +234,7 @@ def _ort_phase(model_path: Path, cfg: dict, config: AquaConfig, ids, steps: int,
     from .runtime import OrtLM, make_session
 
     h2o = config.h2o_ratio < 1
-    lean = cfg["dtype"] == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
+    lean = cfg.dtype == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
     base = (_float32_weight_casts,) if lean else ()
 
     @contextlib.contextmanager
@@ -269,24 +271,24 @@ def _ort_phase(model_path: Path, cfg: dict, config: AquaConfig, ids, steps: int,
         runs["native"] = (native, cache)
     if config.k_ratio < 1 and config.slice_ratio == 0:
         progress("ONNX Runtime, the graph with k = r")
-        no_evict = {**cfg, "aqua": {**cfg["aqua"], "h2o_ratio": 1.0}}  # HF does not evict
-        with session("k_eq_r", "auto", _set_k(cfg["cache"]["width"]), lm_cfg=no_evict) as dense:
+        no_evict = dataclasses.replace(cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF does not evict
+        with session("k_eq_r", "auto", _set_k(cfg.contract.width), lm_cfg=no_evict) as dense:
             runs["k_eq_r"] = _ort_trace(dense, ids, steps)[:2]
     return runs
 
 
-def run_parity(model_path, cfg: dict, tok, projection: Projection, config: AquaConfig, reference, *,
+def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, config: AquaConfig, reference, *,
                prompt_tokens: int = 256, steps: int = 64, dtype: str = "float32", kernel: str = "function",
                progress=None) -> dict:
     """model_path: the folder's model.onnx (rewritten variants are saved beside it and opened by path);
-    cfg: its aqua_config.json; reference: the HF model it came from (unmodified), or a function loading it,
+    cfg: its FolderConfig; reference: the HF model it came from (unmodified), or a function loading it,
     called only after every ONNX Runtime session is closed, so one model is in memory at a time.
     kernel: what runs TopKGatherDot in the main session ("native" or "function")."""
     progress = progress or (lambda text: None)
     ids = corpus.tokenize(tok, corpus.read_text(PARITY_TEXT), prompt_tokens).numpy()[None]
     tol = TOLERANCE[dtype]
     h2o = config.h2o_ratio < 1
-    sparse = cfg["cache"]["selected"] < cfg["cache"]["width"]
+    sparse = cfg.contract.selected < cfg.contract.width
     res = {"prompt": PARITY_TEXT, "prompt_tokens": int(ids.shape[1]), "decode_steps": steps, "dtype": dtype,
            "near_tie": tol["near_tie"], "kernel": kernel}
     runs = _ort_phase(Path(model_path), cfg, config, ids, steps, kernel, sparse, progress)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import ConfigError
-
-CONFIG_FILE = "aqua_config.json"
+from .contract import Contract
+from .folder import FolderConfig
 
 
 @dataclass(frozen=True)
@@ -34,52 +34,6 @@ class SamplingConfig:
             raise ConfigError("--temperature must be > 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError("--top-p must be in (0, 1]")
-
-
-def read_config(folder: str | Path) -> dict:
-    """The folder's aqua_config.json, checked for what the runtime reads (types, ranges, consistency)."""
-    folder = Path(folder)
-    f = folder / CONFIG_FILE
-    if not f.is_file():
-        raise ConfigError(f"{folder} is not an aqua-export folder (no {CONFIG_FILE}): build one with `aqua-export --model ...`")
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ConfigError(f"{f} is corrupt (not JSON): rebuild the folder") from None
-    check_config(cfg, f)
-    return cfg
-
-
-def check_config(cfg, where) -> None:
-    """One ConfigError line naming the first problem: wrong type, out of range, or inconsistent widths."""
-    from .config import AquaConfig
-
-    def bad(what):
-        return ConfigError(f"{where} is invalid ({what}): rebuild the folder")
-
-    if not isinstance(cfg, dict):
-        raise bad("not a JSON object")
-    for key, kind in (("geometry", dict), ("cache", dict), ("aqua", dict), ("dtype", str)):
-        if not isinstance(cfg.get(key), kind):
-            raise bad(f"{key!r} missing or not a {kind.__name__}")
-    geo, cache = cfg["geometry"], cfg["cache"]
-    for key in ("layers", "heads", "kv_heads", "head_dim"):
-        v = geo.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise bad(f"geometry.{key} must be a positive integer, got {v!r}")
-    try:
-        aqua = AquaConfig.from_dict(cfg["aqua"])
-    except (ConfigError, TypeError) as e:
-        raise bad(f"aqua: {e}") from None
-    if cfg["dtype"] not in ("float32", "float16"):
-        raise bad(f"dtype must be float32 or float16, got {cfg['dtype']!r}")
-    if cache.get("width") != aqua.retained_width(geo["head_dim"]) or cache.get("selected") != aqua.selected_width(geo["head_dim"]):
-        raise bad(f"cache widths {cache.get('width')!r}/{cache.get('selected')!r} disagree with the AQUA settings")
-    if cache.get("kv_cache", "concat") not in ("shared", "concat"):
-        raise bad(f"cache.kv_cache must be shared or concat, got {cache.get('kv_cache')!r}")
-    ctx = cfg.get("context_length")
-    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
-        raise bad(f"context_length must be a positive integer, got {ctx!r}")
 
 
 def providers() -> list[str]:
@@ -153,25 +107,31 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
                           "corrupt, truncated or not this folder's model; rebuild the folder") from None
 
 
-class OrtLM:
-    """A causal LM served by ONNX Runtime with the folder's KV-cache contract.
+CACHES = ("shared", "concat")
 
+
+class OrtLM:
+    """A causal LM served by ONNX Runtime with the folder's graph contract (contract.Contract).
+
+    cache "shared": past and present bound to one buffer per layer and kind (IOBinding), written in place,
+    as onnxruntime-genai's past_present_share_buffer does; "concat": a new present every step.
     With AQUA-H2O the past is an H2OCache (per-head slot validity, heavy-hitter statistics) and every
     forward runs one token at a time, evicting between tokens, exactly as the PyTorch reference does.
     """
 
-    def __init__(self, session, cfg: dict):
+    def __init__(self, session, cfg: FolderConfig, cache: str = "shared"):
+        if cache not in CACHES:
+            raise ConfigError(f"cache must be one of {CACHES}, got {cache!r}")
         self.session, self.cfg = session, cfg
-        self.layers = cfg["geometry"]["layers"]
-        self.kv_heads = cfg["geometry"]["kv_heads"]
-        self.r = cfg["cache"]["width"]
-        self.dtype = np.float16 if cfg["dtype"] == "float16" else np.float32
-        self.h2o_ratio = float(cfg.get("aqua", {}).get("h2o_ratio", 1.0))
+        self.contract: Contract = cfg.contract
+        self.layers, self.kv_heads, self.r = self.contract.layers, self.contract.kv_heads, self.contract.width
+        self.dtype = np.float16 if self.contract.dtype == "float16" else np.float32
+        self.h2o_ratio = cfg.aqua.h2o_ratio
         # the graph's inputs say whether it takes per-head validity (an H2O export); a ratio of 1 on such a
         # graph runs it without eviction
-        self.h2o = any(i.name.endswith(".valid") for i in session.get_inputs())
-        # a shared-buffer graph (export kv_cache="shared") takes cache_position; its cache is a SharedCache
-        self.shared = any(i.name == "cache_position" for i in session.get_inputs())
+        self.h2o = any(i.name.endswith(".valid") for i in session.get_inputs()) if hasattr(session, "get_inputs") \
+            else self.contract.h2o
+        self.shared = cache == "shared" and not self.h2o
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
         self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
@@ -183,72 +143,71 @@ class OrtLM:
             return
         keys = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.") and i.name.endswith(".key")]
         shape = list(keys[0].shape) if keys else []
-        if len(keys) != self.layers or (len(shape) == 4 and shape[1:3] != [self.kv_heads, self.r]):
+        if len(keys) != self.layers or (len(shape) == 4 and [shape[1], shape[3]] != [self.kv_heads, self.r]):
             raise ConfigError(f"the folder's aqua_config.json does not match its model.onnx ({self.layers} layers, "
                               f"{self.kv_heads} KV heads of width {self.r} in the config; {len(keys)} layers, "
-                              f"{shape[1:3]} in the graph): rebuild the folder")
+                              f"{shape[1:2] + shape[3:]} in the graph): rebuild the folder")
 
     @classmethod
-    def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto") -> "OrtLM":
-        cfg = read_config(folder)
+    def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared") -> "OrtLM":
+        cfg = FolderConfig.from_folder(folder)
         path = Path(folder) / "model.onnx"
         if not path.is_file():
             raise ConfigError(f"{folder} has no model.onnx: rebuild the folder")
         if kernel == "auto":
-            kernel = default_kernel(cfg.get("dtype", "float32"))
-        return cls(make_session(path, threads, kernel), cfg)
+            kernel = default_kernel(cfg.dtype)
+        return cls(make_session(path, threads, kernel), cfg, cache)
 
     def empty_past(self, batch: int, log: list | None = None, force: list | None = None):
-        """Zero-length past; an H2OCache for H2O graphs (log / force: see H2OCache)."""
-        out = []
-        for _ in range(self.layers):
-            out += [np.zeros((batch, self.kv_heads, self.r, 0), self.dtype), np.zeros((batch, self.kv_heads, 0, self.r), self.dtype)]
+        """Zero-length past: a SharedCache, a list [key_0, value_0, ...] (concat), or for H2O graphs an
+        H2OCache (log / force: see H2OCache)."""
         if self.shared:
-            return SharedCache(batch, self.layers, self.kv_heads, self.r, self.dtype)
+            return SharedCache(batch, self.contract, self.dtype)
+        out = [np.zeros(self.contract.cache_shape(batch, 0), self.dtype) for _ in range(2 * self.layers)]
         return H2OCache(out, self.kv_heads, self.h2o_ratio, log, force) if self.h2o else out
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
-        """One forward. input_ids/position_ids [B, T], attention_mask [B, P+T] (logical: every token seen,
-        padding 0); past as from empty_past. Returns (logits [B, T, V], present)."""
+        """One forward. input_ids [B, T], attention_mask [B, P+T] (every token seen, padding 0); position_ids
+        [B, T] is read by H2O graphs only (the others derive HF's positions from the mask); past as from
+        empty_past. Returns (logits [B, T, V], present)."""
         if self.h2o:
             return self._step_h2o(input_ids, attention_mask, position_ids, past)
         if self.shared:
-            return self._step_shared(input_ids, attention_mask, position_ids, past)
+            return self._step_shared(input_ids, attention_mask, past)
         self.last_extra = []
         out = self._run(input_ids, attention_mask, position_ids, past, [])
         return out[0], out[1:1 + 2 * self.layers]
 
     def _run(self, input_ids, attention_mask, position_ids, past, valid) -> list[np.ndarray]:
-        feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
-                "position_ids": position_ids.astype(np.int64)}
+        ct = self.contract
+        feed = {ct.INPUT_IDS: input_ids.astype(np.int64), ct.ATTENTION_MASK: attention_mask.astype(np.int64)}
+        if self.h2o:
+            feed[ct.POSITION_IDS] = position_ids.astype(np.int64)
         for i in range(self.layers):
-            feed[f"past_key_values.{i}.key"] = past[2 * i]
-            feed[f"past_key_values.{i}.value"] = past[2 * i + 1]
+            feed[ct.past(i, "key")] = past[2 * i]
+            feed[ct.past(i, "value")] = past[2 * i + 1]
             if valid:
-                feed[f"past_key_values.{i}.valid"] = valid[i]
+                feed[ct.VALID % i] = valid[i]
         out = self.session.run(None, feed)
         self.last_extra.append(out[self.n_outputs:])
         return out
 
-    def _step_shared(self, input_ids, attention_mask, position_ids, cache: "SharedCache"):
+    def _step_shared(self, input_ids, attention_mask, cache: "SharedCache"):
         """past and present bound to the same buffers (IOBinding): the graph writes the new entries in place."""
-        b, t = input_ids.shape
+        ct = self.contract
+        t = input_ids.shape[1]
         cache.reserve(cache.length + t)
-        mask = np.zeros((b, cache.capacity), np.int64)
-        mask[:, : cache.length + t] = attention_mask[:, -(cache.length + t):]
         io = self.session.io_binding()
-        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        io.bind_cpu_input("attention_mask", mask)
-        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        io.bind_cpu_input("cache_position", np.arange(cache.length, cache.length + t, dtype=np.int64))
-        io.bind_output("logits")
+        io.bind_cpu_input(ct.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
+        io.bind_cpu_input(ct.ATTENTION_MASK, np.ascontiguousarray(attention_mask[:, -(cache.length + t):], dtype=np.int64))
+        io.bind_output(ct.LOGITS)
         extra = self.output_names[self.n_outputs:]
         for name in extra:  # debug outputs beyond the contract (parity's TopK indices)
             io.bind_output(name)
         for i in range(self.layers):
             for kind, buf in (("key", cache.keys[i]), ("value", cache.values[i])):
-                io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
-                io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
+                io.bind_ortvalue_input(ct.past(i, kind), buf)
+                io.bind_ortvalue_output(ct.present(i, kind), buf)
         self.session.run_with_iobinding(io)
         outs = io.get_outputs()
         cache.length += t
@@ -299,17 +258,18 @@ class OrtLM:
 
 
 class SharedCache:
-    """KV buffers shared by a graph's past and present (export kv_cache="shared"), as OrtValues.
+    """KV buffers shared by a graph's past and present, as OrtValues (contract.Contract, The KV contract).
 
-    keys   per layer [B, Hkv, r, C] dim-major; values per layer [B, Hkv, C, r]; C the capacity, of which
-    the first ``length`` slots hold tokens. The capacity grows in steps of GROW slots (one copy each
-    time); the graph attends over all C slots with the unused ones masked, so C stays close to length.
+    keys / values per layer: [B, Hkv, C, r] as declared; a key buffer's memory is K^ dim-major
+    [B, Hkv, r, C] (Contract.key_rows). C is the capacity, of which the first ``length`` slots hold
+    tokens; it grows in steps of GROW slots (one copy each time), and the graph reads only the filled
+    slots, so a larger C costs memory, not time.
     """
 
     GROW = 256
 
-    def __init__(self, batch: int, layers: int, kv_heads: int, r: int, dtype):
-        self.batch, self.layers, self.kv_heads, self.r, self.dtype = batch, layers, kv_heads, r, dtype
+    def __init__(self, batch: int, contract: Contract, dtype):
+        self.batch, self.contract, self.dtype = batch, contract, dtype
         self.capacity = self.length = 0
         self.keys: list = []  # OrtValues over the arrays below (no copy: ORT writes into these arrays)
         self.values: list = []
@@ -322,13 +282,14 @@ class SharedCache:
         if needed <= self.capacity:
             return
         cap = -(-needed // self.GROW) * self.GROW
+        ct, n = self.contract, self.length
         ka, va = [], []
-        for i in range(self.layers):
-            k = np.zeros((self.batch, self.kv_heads, self.r, cap), self.dtype)
-            v = np.zeros((self.batch, self.kv_heads, cap, self.r), self.dtype)
-            if self.length:
-                k[..., : self.length] = self.key_arrays[i][..., : self.length]
-                v[:, :, : self.length] = self.value_arrays[i][:, :, : self.length]
+        for i in range(ct.layers):
+            k = np.zeros(ct.cache_shape(self.batch, cap), self.dtype)
+            v = np.zeros(ct.cache_shape(self.batch, cap), self.dtype)
+            if n:
+                ct.key_rows(k)[..., :n] = ct.key_rows(self.key_arrays[i])[..., :n]
+                v[:, :, :n] = self.value_arrays[i][:, :, :n]
             ka.append(k)
             va.append(v)
         self.key_arrays, self.value_arrays, self.capacity = ka, va, cap
@@ -336,17 +297,17 @@ class SharedCache:
         self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in va]
 
     def tensors(self) -> list[np.ndarray]:
-        """[key_0, value_0, ...] trimmed to the filled length (copies; for inspection and tests)."""
-        out = []
+        """[key_0, value_0, ...] as a concat present of ``length`` slots (copies; for inspection and tests)."""
+        ct, out = self.contract, []
         for k, v in zip(self.key_arrays, self.value_arrays):
-            out += [k[..., : self.length].copy(), v[:, :, : self.length].copy()]
+            out += [ct.key_buffer(ct.key_rows(k)[..., : self.length]), v[:, :, : self.length].copy()]
         return out
 
 
 class H2OCache:
     """The KV cache of an AQUA-H2O model, evicted between tokens (docs/design.md, AQUA-H2O).
 
-    kv     [key_0, value_0, ...]: key [B, Hkv, r, P] dim-major, value [B, Hkv, P, r]
+    kv     [key_0, value_0, ...]: buffers [B, Hkv, P, r] (a key's memory is K^ dim-major, Contract.key_rows)
     valid  per layer [B, Hkv, P] bool: the slot holds a real token that was not evicted
     acc    per layer [B, Hkv, P] float32: attention received, summed over the group's query heads
     pos    per layer [B, Hkv, P] int64: which token (0-based, padding counted) a slot holds
@@ -373,7 +334,7 @@ class H2OCache:
 
     @property
     def length(self) -> int:
-        return self.kv[0].shape[-1]
+        return self.kv[0].shape[2]
 
     def append_and_evict(self, present: list[np.ndarray], weights: list[np.ndarray], real: np.ndarray) -> None:
         """present: the graph's present.{i}.key/.value (one token appended); weights [B, Hkv, 1, P+1]; real [B]."""
@@ -412,7 +373,8 @@ class H2OCache:
         for i, v in enumerate(self.valid):
             order = np.argsort(~v, axis=-1, kind="stable")[..., :keep]  # live slots first, in order
             k, val = self.kv[2 * i], self.kv[2 * i + 1]
-            self.kv[2 * i] = np.take_along_axis(k, order[:, :, None, :], axis=-1)
+            rows = np.take_along_axis(Contract.key_rows(k), order[:, :, None, :], axis=-1)
+            self.kv[2 * i] = Contract.key_buffer(rows)
             self.kv[2 * i + 1] = np.take_along_axis(val, order[..., None], axis=2)
             for name in ("valid", "acc", "pos"):
                 getattr(self, name)[i] = np.take_along_axis(getattr(self, name)[i], order, axis=-1)

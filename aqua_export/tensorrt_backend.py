@@ -7,7 +7,8 @@ emits: op type TopKGatherDot, plugin_namespace "aqua", plugin_version "1", one f
 
     ONNX (com.aqua::TopKGatherDot, k, plugin_namespace, plugin_version)
       --OnnxParser (plugin override on)--> plugin "aqua::TopKGatherDot"(k)
-          describe:  scores [B, Hkv, g, T, S] = query_hat's shape with the last dim of key_cache
+          describe:  scores [B, Hkv, g, T, S] = query_hat's shape with the last dim of key_cache (the engine
+                     runs the concat contract, present = exactly total_length slots, so S = total_length)
           aot_impl:  Triton -> PTX; grid (B*Hkv*g*T, ceil(S / BLOCK_S)); int32 args (S, g*T)
       --builder (strongly typed, two optimization profiles)--> model.engine
 
@@ -61,7 +62,8 @@ def tensorrt_available() -> bool:
 
 def node_contract(model_proto) -> list[dict]:
     """Check every TopKGatherDot node against the plugin: domain, the k field with its type, the
-    reserved lookup attributes, nothing else, two inputs and one output. Returns [{name, k}]."""
+    reserved lookup attributes, nothing else, three inputs (query_hat, key_cache, total_length) and one
+    output. Returns [{name, k}]."""
     import onnx
 
     nodes = [n for n in model_proto.graph.node if n.op_type == OP_TYPE]
@@ -72,8 +74,8 @@ def node_contract(model_proto) -> list[dict]:
         where = n.name or OP_TYPE
         if n.domain != DOMAIN:
             raise ConfigError(f"{where}: domain {n.domain!r}, the plugin expects {DOMAIN!r}")
-        if len(n.input) != 2 or len(n.output) != 1:
-            raise ConfigError(f"{where}: {len(n.input)} inputs / {len(n.output)} outputs, the plugin takes 2 / 1")
+        if len(n.input) != 3 or len(n.output) != 1:
+            raise ConfigError(f"{where}: {len(n.input)} inputs / {len(n.output)} outputs, the plugin takes 3 / 1")
         attrs = {a.name: a for a in n.attribute}
         expected = set(PLUGIN_FIELDS) | set(RESERVED_ATTRIBUTES)
         if set(attrs) != expected:
@@ -177,7 +179,7 @@ def compile_kernel(plan: LaunchPlan, arch: int = 90):
 # Optimization profiles
 # --------------------------------------------------------------------------------------------
 
-def optimization_profiles(cfg: dict, max_batch: int, max_context: int, max_prompt: int) -> list[dict]:
+def optimization_profiles(cfg, max_batch: int, max_context: int, max_prompt: int) -> list[dict]:
     """Min / opt / max shapes of every graph input, one profile for prefill (no past, T up to
     max_prompt) and one for decode (T = 1, past up to max_context - 1). H2O graphs run one token per
     forward, so they get the decode profile only, starting from an empty past.
@@ -186,21 +188,12 @@ def optimization_profiles(cfg: dict, max_batch: int, max_context: int, max_promp
     if max_batch < 1 or max_prompt < 1 or max_context <= max_prompt:
         raise ConfigError(f"TensorRT profiles need batch >= 1, prompt >= 1 and context > prompt "
                           f"(got batch {max_batch}, prompt {max_prompt}, context {max_context})")
-    geo, cache = cfg["geometry"], cfg["cache"]
-    if cache.get("kv_cache", "concat") != "concat":
-        raise ConfigError("the TensorRT engine takes the concat KV-cache contract: rebuild with --kv-cache concat")
-    hkv, r, layers = geo["kv_heads"], cache["width"], geo["layers"]
-    h2o = cfg.get("aqua", {}).get("h2o_ratio", 1.0) < 1
+    ct = cfg.contract
+    h2o = ct.h2o
     opt_b = max(1, min(max_batch, 8)) if max_batch >= 8 else max_batch
 
     def shapes(b, t, p):
-        s = {"input_ids": (b, t), "attention_mask": (b, p + t), "position_ids": (b, t)}
-        for i in range(layers):
-            s[f"past_key_values.{i}.key"] = (b, hkv, r, p)
-            s[f"past_key_values.{i}.value"] = (b, hkv, p, r)
-            if h2o:
-                s[f"past_key_values.{i}.valid"] = (b, hkv, p)
-        return s
+        return ct.feed_shapes(b, t, p)
 
     def profile(lo, opt, hi):
         a, o, z = shapes(*lo), shapes(*opt), shapes(*hi)
@@ -254,18 +247,20 @@ def register_plugin() -> None:
     dtypes = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
 
     @trtp.register(PLUGIN_ID)
-    def describe(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, k: int) -> trtp.TensorDesc:
+    def describe(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, total_length: trtp.TensorDesc,
+                 k: int) -> trtp.TensorDesc:
         out = query_hat.like()
         dims = output_dims(list(query_hat.shape_expr), list(key_cache.shape_expr), k)
         out.shape_expr[4] = dims[4]
         return out
 
     @trtp.autotune(PLUGIN_ID)
-    def autotune(query_hat, key_cache, outputs):
-        return [trtp.AutoTuneCombination("FP32|FP16|BF16, FP32|FP16|BF16, FP32|FP16|BF16", "LINEAR")]
+    def autotune(query_hat, key_cache, total_length, outputs):
+        return [trtp.AutoTuneCombination("FP32|FP16|BF16, FP32|FP16|BF16, INT64, FP32|FP16|BF16", "LINEAR")]
 
     @trtp.aot_impl(PLUGIN_ID)
-    def aot(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, k: int, outputs, tactic):
+    def aot(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, total_length: trtp.TensorDesc, k: int, outputs,
+            tactic):
         qd, kd = list(query_hat.shape_expr), list(key_cache.shape_expr)
         r = qd[4]
         if not r.is_constant:
@@ -401,9 +396,10 @@ def _torch_dtype(trt_dtype):
 
 def engine_lm(folder: str | Path):
     """runtime.OrtLM driving the folder's TensorRT engine."""
-    from .runtime import OrtLM, read_config
+    from .folder import FolderConfig
+    from .runtime import OrtLM
 
-    return OrtLM(TrtSession(folder), read_config(folder))
+    return OrtLM(TrtSession(folder), FolderConfig.from_folder(folder), cache="concat")
 
 
 

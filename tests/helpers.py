@@ -32,14 +32,14 @@ def left_padded(vocab: int, lengths, seed: int = 1):
     return ids, mask
 
 
-def folder_cfg(model, config, dtype: str = "float32") -> dict:
-    """The parts of a built folder's aqua_config.json that the runtime reads, for a model exported in a test."""
+def folder_cfg(model, config, dtype: str = "float32"):
+    """The FolderConfig a build would write for ``model`` exported with ``config`` in a test."""
+    from aqua_export.export import contract_for
+    from aqua_export.folder import FolderConfig, Geometry
     from aqua_export.models import attention_geometry
 
-    geo = attention_geometry(model)
-    d = geo["head_dim"]
-    return {"geometry": geo, "dtype": dtype, "aqua": config.to_dict(),
-            "cache": {"width": config.retained_width(d), "selected": config.selected_width(d)}}
+    return FolderConfig(model="test", aqua=config, geometry=Geometry(**attention_geometry(model)),
+                        contract=contract_for(model, config, {"float32": torch.float32, "float16": torch.float16}[dtype]))
 
 
 def saved_checkpoint(folder, model_type: str = "llama", dtype=None, **kw):

@@ -7,6 +7,7 @@ import pytest
 
 from aqua_export.cli import main
 from aqua_export.config import AquaConfig
+from aqua_export.folder import FolderConfig
 
 
 @pytest.fixture
@@ -25,7 +26,6 @@ def proj(tmp_path, smollm_projection):
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt: TensorRT is not installed here"),
-    (["--k-ratio", "0.5", "--h2o-ratio", "0.5", "--kv-cache", "shared"], "use --kv-cache concat"),
     (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "--parity-prompt-tokens must be >= 16"),
 ])
 def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
@@ -62,16 +62,16 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
                  "--parity-steps", "32", "--external-data"]) == 0
     names = sorted(p.name for p in out.iterdir())
     for must in ("model.onnx", "model.onnx.data", "projection.safetensors", "aqua_config.json", "parity.json",
-                 "tokenizer.json"):
+                 "tokenizer.json", "genai_config.json", "config.json", "generation_config.json", "libaqua_ort.so"):
         assert must in names
     # the graph alone stays in model.onnx; the data file has the folder's usual file mode
     assert (out / "model.onnx").stat().st_size < 2_000_000 < (out / "model.onnx.data").stat().st_size
     assert os.stat(out / "model.onnx.data").st_mode == os.stat(out / "aqua_config.json").st_mode
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # parity's graph variants are gone
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-    cfg = json.loads((out / "aqua_config.json").read_text())
-    assert cfg["cache"]["width"] == 64 and cfg["cache"]["selected"] == 48 and cfg["operator"]["nodes"] == 30
-    assert "dim-major" in cfg["cache"]["why_dim_major"] and cfg["tools"]["onnxruntime"]
+    cfg = FolderConfig.from_folder(out)
+    assert cfg.contract.width == 64 and cfg.contract.selected == 48 and cfg.info["operators"]["TopKGatherDot"] == 30
+    assert "dim-major" in cfg.info["layout"]["key"] and cfg.info["tools"]["onnxruntime"]
     par = json.loads((out / "parity.json").read_text())
     assert par["pass"] and par["prompt_tokens"] == 256 and par["decode_steps"] == 32
     fr = par["ort_vs_reference"]
@@ -79,7 +79,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     assert par["selection"]["max_gap_of_differing"] <= 1e-4
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
     assert sum(n.op_type == "TopKGatherDot" for n in m.graph.node) == 30
-    assert "external" in cfg["weights"]
+    assert "external" in cfg.info["weights"]
     capsys.readouterr()
     assert main(["run", str(out), "--prompt", "What is the GNU GPL?", "--chat", "--max-new-tokens", "12"]) == 0
     assert len(capsys.readouterr().out.strip()) > 0
@@ -130,9 +130,10 @@ def test_memory_h2o_build(tmp_path, proj):
     out = tmp_path / "mh"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--slice-ratio", "0.25", "--h2o-ratio", "0.5",
                  "--projection", str(proj), "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "96"]) == 0
-    cfg = json.loads((out / "aqua_config.json").read_text())
-    assert cfg["cache"]["width"] == 48 and cfg["cache"]["h2o"]["ratio"] == 0.5
-    assert "past_key_values.0.valid" in cfg["io"]["inputs"] and "attention_weights.29" in cfg["io"]["outputs"]
+    cfg = FolderConfig.from_folder(out)
+    assert cfg.contract.width == 48 and cfg.contract.h2o and cfg.aqua.h2o_ratio == 0.5
+    assert "past_key_values.0.valid" in cfg.contract.input_names() and "attention_weights.29" in cfg.contract.output_names()
+    assert not (out / "genai_config.json").exists()  # genai cannot evict: the folder is for --runtime aqua
     par = json.loads((out / "parity.json").read_text())
     assert par["pass"]
     fr = par["ort_vs_reference"]
@@ -145,7 +146,7 @@ def test_memory_h2o_build(tmp_path, proj):
         assert par["kernel"] == "native" and par["native_vs_function_body"]["greedy_identical"]
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
     key = next(i for i in m.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
-    assert key[2].dim_value == 48
+    assert key[3].dim_value == 48
 
 
 def test_out_with_other_files_is_never_replaced(tmp_path, capsys):
@@ -168,12 +169,10 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
     from aqua_export.build import BuildOptions, default_out
 
     variants = [(AquaConfig(k_ratio=0.75), BuildOptions()), (AquaConfig(k_ratio=0.75), BuildOptions(dtype="float16")),
-                (AquaConfig(k_ratio=0.75), BuildOptions(kv_cache="concat")),
                 (AquaConfig(k_ratio=0.75, selection="weighted"), BuildOptions()),
                 (AquaConfig(k_ratio=0.75, slice_ratio=0.25), BuildOptions()),
-                (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), BuildOptions(kv_cache="concat")),
-                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt", kv_cache="concat")),
-                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt", kv_cache="shared"))]
+                (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), BuildOptions()),
+                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt"))]
     names = [default_out("llama", c, o).name for c, o in variants]
     assert names[0] == "llama-k0.75" and len(set(names)) == len(names), names
-    assert names[1] == "llama-k0.75-float16" and names[5] == "llama-k0.75-h0.5"
+    assert names[1] == "llama-k0.75-float16" and names[4] == "llama-k0.75-h0.5"

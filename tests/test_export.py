@@ -6,13 +6,14 @@ import torch
 from aqua_export import models
 from aqua_export.attention import apply_aqua
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export import (DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, check_exportable, export_onnx,
-                                io_names, topk_gather_dot_reference)
+from aqua_export.contract import Contract
+from aqua_export.export import (DOMAIN, KEY_UPDATE, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, VALUE_UPDATE,
+                                check_exportable, contract_for, export_onnx, topk_gather_dot_reference)
 from aqua_export.runtime import OrtLM, make_session
 
 from helpers import folder_cfg, left_padded, tiny_projection
 
-# (AQUA settings, kv_cache mode of the export)
+# (AQUA settings, the runtime's cache: one buffer written in place, or a new present per step)
 CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
            (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "concat"), (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), "concat"),
            (AquaConfig(), "shared"), (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "shared")]
@@ -28,7 +29,7 @@ def exported(tmp_path_factory):
     out = {}
     for cfg, kv in CONFIGS:
         path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}-{cfg.h2o_ratio}-{kv}.onnx"
-        proto = export_onnx(m, proj, cfg, path, kv_cache=kv)
+        proto = export_onnx(m, proj, cfg, path)
         out[cfg, kv] = (path, proto)
     return m, proj, out
 
@@ -44,19 +45,23 @@ def test_graph_contract(exported, cfg, kv):
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"k": k, "plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
-    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, OP_TYPE)]
+    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, OP_TYPE), (DOMAIN, KEY_UPDATE),
+                                                             (DOMAIN, VALUE_UPDATE)]
     assert proto.ir_version <= 10
-    ins, outs = io_names(2, h2o=cfg.h2o_ratio < 1, shared=kv == "shared")
-    assert [i.name for i in proto.graph.input] == ins and [o.name for o in proto.graph.output] == outs
-    # the cache really has width r (dim-major keys), dynamic batch / past
+    ct = contract_for(m, cfg)
+    assert [i.name for i in proto.graph.input] == ct.input_names()
+    assert [o.name for o in proto.graph.output] == ct.output_names()
+    # no cache_position; position_ids only where H2O's compaction makes them unrecoverable from the mask
+    assert ("position_ids" in ct.input_names()) == (cfg.h2o_ratio < 1) and "cache_position" not in ct.input_names()
+    # K and V of the same width r, declared [B, Hkv, past, r] (what onnxruntime-genai allocates)
+    for name in ("past_key_values.0.key", "past_key_values.0.value", "present.1.key", "present.1.value"):
+        dims = next(i for i in list(proto.graph.input) + list(proto.graph.output) if i.name == name).type.tensor_type.shape.dim
+        assert dims[1].dim_value == 2 and dims[3].dim_value == r and dims[0].dim_param and dims[2].dim_param
     key = next(i for i in proto.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
-    val = next(i for i in proto.graph.input if i.name == "past_key_values.0.value").type.tensor_type.shape.dim
-    assert key[2].dim_value == r and val[3].dim_value == r
-    assert key[0].dim_param and key[3].dim_param and val[2].dim_param
     if cfg.h2o_ratio < 1:
         valid = next(i for i in proto.graph.input if i.name == "past_key_values.0.valid").type.tensor_type
         assert valid.elem_type == onnx.TensorProto.BOOL and valid.shape.dim[1].dim_value == 2
-        assert valid.shape.dim[2].dim_param == key[3].dim_param
+        assert valid.shape.dim[2].dim_param == key[2].dim_param
     onnx.checker.check_model(proto)
 
 
@@ -74,7 +79,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
         pytest.skip("native kernel not built (run `make plugin`)")
     m, proj, out = exported
     path, _ = out[cfg, kv]
-    lm = OrtLM(make_session(path, kernel=kernel), folder_cfg(m, cfg))
+    lm = OrtLM(make_session(path, kernel=kernel), folder_cfg(m, cfg), kv)
     ids, mask = left_padded(128, [11, 6])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits, past = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
@@ -82,14 +87,14 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
     if cfg.h2o_ratio < 1:
         # 11 and 6 real tokens -> 6 and 3 kept per head; the shared length is the largest kept count
         assert past.length == 6 and [v.sum(-1).tolist() for v in past.valid[:1]] == [[[6, 6], [3, 3]]]
-        assert past.kv[0].shape == (2, 2, r, 6) and past.n_real.tolist() == [11, 6]
+        assert past.kv[0].shape == (2, 2, 6, r) and past.n_real.tolist() == [11, 6]
     elif kv == "shared":
         # one buffer per layer, written in place: capacity in steps of 256, 11 slots filled
         assert lm.shared and past.capacity == 256 and past.length == 11
-        assert past.key_arrays[0].shape == (2, 2, r, 256) and past.value_arrays[0].shape == (2, 2, 256, r)
+        assert past.key_arrays[0].shape == (2, 2, 256, r) and past.value_arrays[0].shape == (2, 2, 256, r)
         buffers = [a.ctypes.data for a in past.key_arrays]
     else:
-        assert past[0].shape == (2, 2, r, 11) and past[1].shape == (2, 2, 11, r)
+        assert past[0].shape == (2, 2, 11, r) and past[1].shape == (2, 2, 11, r)
     with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
         cache = aqua.new_cache()
         ref = m(input_ids=ids, attention_mask=mask, position_ids=torch.from_numpy(pos), past_key_values=cache).logits
@@ -112,7 +117,8 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
         if cfg.k_ratio < 1:  # (the dense export uses the identity for P, the reference the calibrated P)
             ref_k = cache.layers[1].keys.transpose(-1, -2).numpy()
             real_slots = tmask.astype(bool)[:, None, None, :]  # padding slots hold whatever a masked row computes
-            assert np.abs(past.tensors()[2] - ref_k)[np.broadcast_to(real_slots, ref_k.shape)].max() <= 1e-5
+            got_k = Contract.key_rows(past.tensors()[2])  # the buffer's memory is K^ dim-major
+            assert np.abs(got_k - ref_k)[np.broadcast_to(real_slots, ref_k.shape)].max() <= 1e-5
     if cfg.h2o_ratio < 1:
         # both sides evicted the same tokens: per (batch, head) the same number of live slots
         for i, layer in enumerate(cache.layers):
@@ -142,32 +148,83 @@ def test_function_body_matches_reference_on_random_inputs():
     _register_schema()
     g = torch.Generator().manual_seed(0)
     for k in (1, 3, 8):
-        node = H.make_node(OP_TYPE, ["q", "kc"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua", plugin_version="1")
+        node = H.make_node(OP_TYPE, ["q", "kc", "n"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
+                           plugin_version="1")
         graph = H.make_graph([node], "t", [H.make_tensor_value_info("q", TensorProto.FLOAT, None),
-                                           H.make_tensor_value_info("kc", TensorProto.FLOAT, None)],
+                                           H.make_tensor_value_info("kc", TensorProto.FLOAT, None),
+                                           H.make_tensor_value_info("n", TensorProto.INT64, None)],
                              [H.make_tensor_value_info("s", TensorProto.FLOAT, None)])
         model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, 1)],
                              functions=[function_body(20)], ir_version=10)
         sess = ort.InferenceSession(model.SerializeToString())
         q = torch.randn(3, 2, 2, 5, 8, generator=g)
         q[0, 0, 0, 0, :4] = 1.5  # four-way tie
-        kc = torch.randn(3, 2, 8, 7, generator=g)
-        got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy()})[0]
-        ref = topk_gather_dot_reference(q, kc, k).numpy()
-        assert np.abs(got - ref).max() <= 1e-5
+        kc = torch.randn(3, 2, 8, 11, generator=g)  # 11 slots, of which the first 7 are filled
+        got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy(), "n": np.array([7])})[0]
+        ref = topk_gather_dot_reference(q, kc[..., :7], k).numpy()
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["function", "native"])
+@pytest.mark.parametrize("op", [KEY_UPDATE, VALUE_UPDATE])
+def test_cache_update_ops_in_place_and_growing(op, kernel):
+    """Both genai buffer modes: a past of C >= L slots (written in place when bound to present) and a past of
+    L - S slots (present grows to L). The function body and the native kernel give the same buffers."""
+    import onnxruntime as ort
+
+    from aqua_export.export import cache_op_model
+    from aqua_export.runtime import native_library
+
+    if kernel == "native" and native_library() is None:
+        pytest.skip("native kernel not built (run `make plugin`)")
+    sess = make_session(cache_op_model(op).SerializeToString(), kernel=kernel)
+    rng = np.random.default_rng(0)
+    b, h, r, s, p = 2, 3, 5, 2, 4
+
+    new = rng.standard_normal((b, h, s, r), dtype=np.float32)
+    # growing: past of p slots -> present of p + s
+    past = rng.standard_normal((b, h, p, r), dtype=np.float32)
+    got = sess.run(None, {"past": past, "new": new, "length": np.array([p + s])})[0]
+    assert got.shape == (b, h, p + s, r)
+    if op == KEY_UPDATE:
+        want = np.concatenate([Contract.key_rows(past), new.transpose(0, 1, 3, 2)], axis=3)
+        assert np.array_equal(Contract.key_rows(got), want)
+    else:
+        assert np.array_equal(got, np.concatenate([past, new], axis=2))
+    # shared: one buffer of 16 slots bound as past and present; slots p.. p+s-1 written, the rest untouched
+    cap = 16
+    buf = rng.standard_normal((b, h, cap, r), dtype=np.float32)
+    before = buf.copy()
+    ov = ort.OrtValue.ortvalue_from_numpy(buf)
+    io = sess.io_binding()
+    io.bind_ortvalue_input("past", ov)
+    io.bind_cpu_input("new", new)
+    io.bind_cpu_input("length", np.array([p + s]))
+    io.bind_ortvalue_output("present", ov)
+    sess.run_with_iobinding(io)
+    view, old = (Contract.key_rows(buf), Contract.key_rows(before)) if op == KEY_UPDATE else (buf, before)
+    fresh = new.transpose(0, 1, 3, 2) if op == KEY_UPDATE else new
+    ax = 3 if op == KEY_UPDATE else 2
+    sl = [slice(None)] * 4
+    sl[ax] = slice(p, p + s)
+    assert np.array_equal(view[tuple(sl)], fresh)
+    sl[ax] = slice(0, p)
+    assert np.array_equal(view[tuple(sl)], old[tuple(sl)])
+    if kernel == "native":  # in place: the slots past L are not touched (the body re-pads them with zeros)
+        sl[ax] = slice(p + s, cap)
+        assert np.array_equal(view[tuple(sl)], old[tuple(sl)])
+    if kernel == "native":  # the kernel refuses L - S beyond the past's slots (the body's Slice would clamp)
+        with pytest.raises(Exception, match="total_length - new tokens"):
+            sess.run(None, {"past": past, "new": new, "length": np.array([p + s + 3])})
 
 
 def test_export_refuses_what_it_cannot_do(tmp_path):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)
     with pytest.raises(ConfigError, match="selection='magnitude'"):
-        check_exportable(m, proj, AquaConfig(k_ratio=0.5, selection="static"), "concat")
-    with pytest.raises(ConfigError, match="use --kv-cache concat"):
-        check_exportable(m, proj, AquaConfig(h2o_ratio=0.5), "shared")
-    with pytest.raises(ConfigError, match="--kv-cache must be one of"):
-        check_exportable(m, proj, AquaConfig(), "paged")
+        check_exportable(m, proj, AquaConfig(k_ratio=0.5, selection="static"))
     with pytest.raises(ConfigError, match="another model"):
-        check_exportable(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5), "concat")
+        check_exportable(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
 
 
 def test_ort_generate_equals_reference_generate(exported):
@@ -176,7 +233,7 @@ def test_ort_generate_equals_reference_generate(exported):
     m, proj, out = exported
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25)
     path, _ = out[cfg, "shared"]
-    lm = OrtLM(make_session(path), folder_cfg(m, cfg))
+    lm = OrtLM(make_session(path), folder_cfg(m, cfg), "shared")
     ids, mask = left_padded(128, [10, 4])
     streamed = []
     got = lm.generate(ids.numpy(), mask.numpy(), SamplingConfig(max_new_tokens=12),
@@ -244,7 +301,7 @@ def _arch_parity(arch, cfg, kv, tmp_path, **tiny):
     m = models.tiny_model(arch, **tiny)
     proj = tiny_projection(m, tmp_path)
     path = tmp_path / f"{arch}.onnx"
-    export_onnx(m, proj, cfg, path, kv_cache=kv)
+    export_onnx(m, proj, cfg, path)
     # 40 prompt tokens + 6 steps: past the tiny Mistral's window of 8, so the window is exercised
     return run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=40, steps=6)
 

@@ -17,6 +17,11 @@ if native_library() is None:
 SHAPES = [(1, 1, 1, 1, 16, 5), (2, 3, 3, 1, 64, 1031), (3, 2, 2, 5, 8, 7), (1, 2, 4, 3, 64, 2500)]
 
 
+def _feed(q, kc):
+    """The single-op model's inputs: every slot of the key cache filled (total_length = its last dim)."""
+    return {"q": q, "kc": kc, "length": np.array([kc.shape[-1]], np.int64)}
+
+
 def _inputs(shape, dtype, seed=0):
     b, hkv, g, t, r, s = shape
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +41,7 @@ def test_native_equals_reference_float32(shape, k_of_r):
     k = 1 if k_of_r == 1 else r if k_of_r == "r" else r // 2
     q, kc = _inputs(shape, torch.float32)
     sess = make_session(single_op_model(k).SerializeToString(), kernel="native")
-    got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy()})[0]
+    got = sess.run(None, _feed(q.numpy(), kc.numpy()))[0]
     ref = topk_gather_dot_reference(q.double(), kc.double(), k).numpy()
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
@@ -48,7 +53,7 @@ def test_native_selects_exactly_the_reference_set(k):
     q, _ = _inputs((3, 2, 2, 5, 8, 1), torch.float32)
     kc = torch.eye(8).expand(3, 2, 8, 8).contiguous()
     sess = make_session(single_op_model(k).SerializeToString(), kernel="native")
-    got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy()})[0]
+    got = sess.run(None, _feed(q.numpy(), kc.numpy()))[0]
     ref = topk_gather_dot_reference(q, kc, k).numpy()
     assert np.array_equal(got != 0, ref != 0)
     assert np.array_equal(got, ref)
@@ -58,7 +63,7 @@ def test_native_selects_exactly_the_reference_set(k):
 def test_native_float16_matches_reference():
     q, kc = _inputs((2, 3, 3, 2, 64, 300), torch.float16)
     sess = make_session(single_op_model(32, "float16").SerializeToString(), kernel="native")
-    got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy()})[0].astype(np.float32)
+    got = sess.run(None, _feed(q.numpy(), kc.numpy()))[0].astype(np.float32)
     ref = topk_gather_dot_reference(q.float(), kc.float(), 32).numpy()
     # float32 accumulation, one float16 rounding of the output: |s| <~ 30 -> 2^-11 relative
     assert np.abs(got - ref).max() <= 2e-3 * np.abs(ref).max()
@@ -76,21 +81,34 @@ def test_native_and_function_body_agree_and_native_really_runs(tmp_path):
         so.profile_file_prefix = str(tmp_path / kernel)
         so.register_custom_ops_library(str(native_library())) if kernel == "native" else None
         sess = ort.InferenceSession(single_op_model(32).SerializeToString(), so)
-        outs[kernel] = sess.run(None, {"q": q.numpy(), "kc": kc.numpy()})[0]
+        outs[kernel] = sess.run(None, _feed(q.numpy(), kc.numpy()))[0]
         ops = {e["args"].get("op_name") for e in json.load(open(sess.end_profiling())) if e.get("cat") == "Node"}
         assert ("TopKGatherDot" in ops) == (kernel == "native"), ops
         assert ("TopK" in ops) == (kernel == "function"), ops
     assert np.abs(outs["native"] - outs["function"]).max() <= 1e-5
 
 
+@pytest.mark.parametrize("length", [0, 1, 1100])
+def test_native_scores_only_the_filled_slots(length):
+    """A shared buffer of C = 1500 slots with L filled: scores [.., L], equal to the reference on K^[..., :L]."""
+    q, kc = _inputs((2, 3, 3, 1, 64, 1500), torch.float32, seed=2)
+    sess = make_session(single_op_model(48).SerializeToString(), kernel="native")
+    got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy(), "length": np.array([length])})[0]
+    ref = topk_gather_dot_reference(q.double(), kc[..., :length].double(), 48).numpy()
+    assert got.shape == ref.shape == (2, 3, 3, 1, length)
+    assert np.abs(got - ref).max(initial=0) <= 1e-5 * max(1.0, np.abs(ref).max(initial=0))
+    with pytest.raises(Exception, match="total_length must be in"):
+        sess.run(None, {"q": q.numpy(), "kc": kc.numpy(), "length": np.array([1501])})
+
+
 def test_native_rejects_bad_shapes():
     sess = make_session(single_op_model(4).SerializeToString(), kernel="native")
     q = np.zeros((1, 2, 1, 1, 8), np.float32)
     with pytest.raises(Exception, match="disagree on B, Hkv or r"):
-        sess.run(None, {"q": q, "kc": np.zeros((1, 2, 6, 3), np.float32)})
+        sess.run(None, _feed(q, np.zeros((1, 2, 6, 3), np.float32)))
     sess = make_session(single_op_model(9).SerializeToString(), kernel="native")
     with pytest.raises(Exception, match=r"k must be in \[1, r\]"):
-        sess.run(None, {"q": q, "kc": np.zeros((1, 2, 8, 3), np.float32)})
+        sess.run(None, _feed(q, np.zeros((1, 2, 8, 3), np.float32)))
 
 
 def test_library_built_against_an_older_c_api_loads_in_this_runtime():

@@ -69,7 +69,7 @@ def test_parity_of_a_shared_buffer_export(tmp_path):
     proj = tiny_projection(m, tmp_path)
     cfg = AquaConfig(k_ratio=0.5)
     path = tmp_path / "s.onnx"
-    export_onnx(m, proj, cfg, path, kv_cache="shared")
+    export_onnx(m, proj, cfg, path)
     assert OrtLM(make_session(path, kernel=KERNEL), folder_cfg(m, cfg)).shared
     res = run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=40, steps=6, kernel=KERNEL)
     assert res["pass"], res

@@ -68,14 +68,14 @@ def test_corrupt_model_file(copy, capsys, damage):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda c: {"k_ratio": "banana", "layers": -3}, "geometry"),
+    (lambda c: {"k_ratio": "banana", "layers": -3}, "format_version"),
     (lambda c: [1, 2, 3], "not a JSON object"),
     (lambda c: {**c, "geometry": {**c["geometry"], "layers": -3}}, "geometry.layers"),
     (lambda c: {**c, "geometry": {**c["geometry"], "layers": "two"}}, "geometry.layers"),
     (lambda c: {**c, "aqua": {**c["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
-    (lambda c: {**c, "cache": {**c["cache"], "kv_cache": "bogus"}}, "cache.kv_cache"),
-    (lambda c: {**c, "cache": {**c["cache"], "width": 7}}, "disagree"),
-    (lambda c: {**c, "dtype": "int8"}, "dtype"),
+    (lambda c: {**c, "contract": {**c["contract"], "h2o": "bogus"}}, "contract.h2o"),
+    (lambda c: {**c, "contract": {**c["contract"], "width": 60}}, "disagree"),
+    (lambda c: {**c, "contract": {**c["contract"], "dtype": "int8"}}, "dtype"),
 ])
 def test_edited_config_is_refused_with_one_line(copy, capsys, edit, needle):
     f = copy / "aqua_config.json"
@@ -88,6 +88,7 @@ def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
     f = copy / "aqua_config.json"
     c = json.loads(f.read_text())
     c["geometry"]["layers"] += 1
+    c["contract"]["layers"] += 1
     f.write_text(json.dumps(c))
     assert main(["run", str(copy), "--prompt", "Hi"]) == 2
     _one_line_error(capsys, "does not match its model.onnx")

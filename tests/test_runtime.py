@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from aqua_export.config import ConfigError
-from aqua_export.runtime import SamplingConfig, pick, read_config
+from aqua_export.folder import FolderConfig
+from aqua_export.runtime import SamplingConfig, pick
 
 
 def test_greedy_picks_lowest_id_on_ties():
@@ -31,10 +32,10 @@ def test_bad_sampling_settings(kw, needle):
 
 def test_not_a_built_folder(tmp_path):
     with pytest.raises(ConfigError, match="is not an aqua-export folder"):
-        read_config(tmp_path)
+        FolderConfig.from_folder(tmp_path)
     (tmp_path / "aqua_config.json").write_text("{")
     with pytest.raises(ConfigError, match="corrupt"):
-        read_config(tmp_path)
+        FolderConfig.from_folder(tmp_path)
 
 
 def test_numpy_h2o_keep_equals_the_reference_rule():

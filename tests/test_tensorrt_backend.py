@@ -6,7 +6,7 @@ import pytest
 
 from aqua_export import models
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export import export_onnx, io_names, single_op_model
+from aqua_export.export import contract_for, export_onnx, single_op_model
 from aqua_export.tensorrt_backend import (PLUGIN_FIELDS, PLUGIN_ID, launch_plan, node_contract, optimization_profiles,
                                           output_dims, output_type, pick_profile, require_tensorrt,
                                           tensorrt_available)
@@ -132,7 +132,7 @@ def test_optimization_profiles(tiny_exports):
     profs = optimization_profiles(folder_cfg(m, cfg), max_batch=8, max_context=512, max_prompt=128)
     assert len(profs) == 2
     names = [i.name for i in proto.graph.input]
-    assert names == io_names(2)[0]
+    assert names == contract_for(m, cfg).input_names()
     for prof in profs:
         assert list(prof) == names
         for name, (lo, opt, hi) in prof.items():
@@ -140,7 +140,7 @@ def test_optimization_profiles(tiny_exports):
             assert len(lo) == len(opt) == len(hi) == rank
             assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), name
     prefill, decode = profs
-    assert prefill["past_key_values.0.key"][2][3] == 0 and prefill["input_ids"][2] == (8, 128)
+    assert prefill["past_key_values.0.key"][2][2] == 0 and prefill["input_ids"][2] == (8, 128)
     assert decode["input_ids"][2][1] == 1 and decode["attention_mask"][2] == (8, 512)
     assert decode["past_key_values.1.value"][2] == (8, 2, 511, 16)  # r = d = 16 (no slicing)
     assert pick_profile(profs, {n: s[1] for n, s in prefill.items()}) == 0
@@ -151,10 +151,6 @@ def test_optimization_profiles(tiny_exports):
         pick_profile(profs, shapes)
     with pytest.raises(ConfigError, match="context > prompt"):
         optimization_profiles(folder_cfg(m, cfg), 8, 128, 128)
-    shared = folder_cfg(m, cfg)
-    shared["cache"]["kv_cache"] = "shared"
-    with pytest.raises(ConfigError, match="--kv-cache concat"):
-        optimization_profiles(shared, 8, 512, 128)
     # a request the profiles cannot take is refused before any forward
     from aqua_export.tensorrt_backend import check_request
 

@@ -63,9 +63,10 @@ def _graph(kind: str, k: int):
         return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
     nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
              H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]),
+             H.make_node("Shape", ["kc"], ["n"], start=3, end=4),  # every slot filled
              H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"])]
     if kind == "aqua":
-        nodes.append(H.make_node(OP_TYPE, ["q", "kc"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
+        nodes.append(H.make_node(OP_TYPE, ["q", "kc", "n"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
                                  plugin_version="1"))
     else:
         nodes.append(H.make_node("MatMul", ["q", "kc_g"], ["s"]))

@@ -41,6 +41,7 @@ def _graph(k: int | None, P: np.ndarray):
     f = TensorProto.FLOAT
     nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
              H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]),
+             H.make_node("Shape", ["kc"], ["n"], start=3, end=4),  # every slot filled
              H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"])]
     inits = []
     if k is None:
@@ -48,7 +49,7 @@ def _graph(k: int | None, P: np.ndarray):
     else:
         inits.append(numpy_helper.from_array(P[:, None], "P"))  # [Hkv, 1, d, d]
         nodes += [H.make_node("MatMul", ["q", "P"], ["q_hat"]),
-                  H.make_node(OP_TYPE, ["q_hat", "kc"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
+                  H.make_node(OP_TYPE, ["q_hat", "kc", "n"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
                               plugin_version="1")]
     nodes += [H.make_node("Softmax", ["s"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
     ins = [H.make_tensor_value_info("q", f, [1, HKV, G, 1, D]), H.make_tensor_value_info("kc", f, [1, HKV, D, "T"]),

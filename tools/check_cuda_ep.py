@@ -28,7 +28,7 @@ def main() -> None:
         q = torch.randn(2, 8, 4, 3, 64, generator=gen)
         kc = torch.randn(2, 8, 64, 1000, generator=gen)
         npdt = np.float32 if dt == "float32" else np.float16
-        got = sess.run(None, {"q": q.numpy().astype(npdt), "kc": kc.numpy().astype(npdt)})[0].astype(np.float64)
+        got = sess.run(None, {"q": q.numpy().astype(npdt), "kc": kc.numpy().astype(npdt), "length": np.array([kc.shape[-1]])})[0].astype(np.float64)
         ref = topk_gather_dot_reference(q.to(torch.float16 if dt == "float16" else torch.float32).double(),
                                         kc.to(torch.float16 if dt == "float16" else torch.float32).double(), 48).numpy()
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)

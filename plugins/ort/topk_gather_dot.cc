@@ -1,9 +1,17 @@
-// Native ONNX Runtime CPU kernel for com.aqua::TopKGatherDot.
+// Native ONNX Runtime CPU kernels of the com.aqua domain (contract: aqua_export/contract.py).
 //
-//   query_hat [B, Hkv, g, T, r]   key_cache [B, Hkv, r, S] (dim-major K^)   ->   scores [B, Hkv, g, T, S]
+// TopKGatherDot
+//   query_hat [B, Hkv, g, T, r]   key_cache [B, Hkv, r, C] (dim-major K^)   total_length [1] (L <= C)
+//     ->   scores [B, Hkv, g, T, L]
+// KeyCacheUpdate / ValueCacheUpdate
+//   past [B, Hkv, C, r]   new [B, Hkv, S, r]   total_length [1] (L)   ->   present [B, Hkv, max(C, L), r]
+//   The new entries go to slots L-S .. L-1. A key buffer's memory is dim-major ([r, C] per head: the
+//   declared shape is what onnxruntime-genai allocates, the layout is ours); a value buffer's is [C, r].
+//   When present is bound to past's memory (a shared buffer), only the S new entries are written:
+//   O(S) per step, not O(C). Otherwise the first L-S slots are copied over (the concat contract).
 //
-// Per query row: I = the k coordinates of largest |q^| (ties -> lower index, as everywhere in the
-// project), scores[s] = sum_{c in I} q^[c] * K^[c, s]. Because K^ is dim-major, coordinate c of every
+// TopKGatherDot, per query row: I = the k coordinates of largest |q^| (ties -> lower index, as everywhere in the
+// project), scores[s] = sum_{c in I} q^[c] * K^[c, s] for s < L. Because K^ is dim-major, coordinate c of every
 // cached key is one contiguous row of S values: the kernel streams exactly k of the r rows, so it
 // reads k/r of the key cache and nothing twice (the portable function body materialises a masked
 // copy of q^ and multiplies all r rows).
@@ -100,6 +108,7 @@ struct ScoreJob {
   T* out;
   int64_t rows_per_kv;  // g * T
   int64_t r, s, k, blocks;
+  int64_t stride;  // C: the key buffer's row length (s = L of its slots are scored)
 };
 
 constexpr int kRows = 4;  // query rows accumulated together
@@ -143,7 +152,7 @@ void score_block(void* data, size_t task) {
   const int64_t bh = static_cast<int64_t>(task) / j.blocks;
   const int64_t s0 = (static_cast<int64_t>(task) % j.blocks) * kBlock;
   const int64_t n = std::min(kBlock, j.s - s0);
-  const T* key = j.kc + bh * j.r * j.s + s0;
+  const T* key = j.kc + bh * j.r * j.stride + s0;
   // per group of up to 4 query rows: their weights dense over r (0 where a row did not select the
   // coordinate) and the union of their selections
   std::vector<float> wbuf(static_cast<size_t>(kRows * j.r));
@@ -168,10 +177,10 @@ void score_block(void* data, size_t task) {
       if (mark[static_cast<size_t>(c)]) uni[static_cast<size_t>(nu++)] = static_cast<int32_t>(c);
     }
     switch (nr) {
-      case 1: accumulate<1>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
-      case 2: accumulate<2>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
-      case 3: accumulate<3>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
-      default: accumulate<4>(key, j.s, uni.data(), nu, wbuf.data(), n, acc); break;
+      case 1: accumulate<1>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
+      case 2: accumulate<2>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
+      case 3: accumulate<3>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
+      default: accumulate<4>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
     }
     for (int rr = 0; rr < nr; ++rr) {
       T* out = j.out + (row0 + rr) * j.s + s0;
@@ -182,6 +191,15 @@ void score_block(void* data, size_t task) {
       }
     }
   }
+}
+
+// The int64 total_length input (one element): the sequence length so far, new tokens included.
+inline int64_t total_length(Ort::KernelContext& ctx, size_t index) {
+  auto t = ctx.GetInput(index);
+  if (t.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
+    ORT_CXX_API_THROW("total_length must hold one int64", ORT_INVALID_ARGUMENT);
+  }
+  return t.GetTensorData<int64_t>()[0];
 }
 
 template <typename T>
@@ -208,17 +226,21 @@ struct Kernel {
     if (k_ < 1 || k_ > r) {
       ORT_CXX_API_THROW("TopKGatherDot: attribute k must be in [1, r]", ORT_INVALID_ARGUMENT);
     }
-    std::vector<int64_t> os{qs[0], qs[1], qs[2], qs[3], ks[3]};
+    const int64_t len = total_length(ctx, 2);
+    if (len < 0 || len > ks[3]) {
+      ORT_CXX_API_THROW("TopKGatherDot: total_length must be in [0, key_cache.shape[3]]", ORT_INVALID_ARGUMENT);
+    }
+    std::vector<int64_t> os{qs[0], qs[1], qs[2], qs[3], len};
     auto out = ctx.GetOutput(0, os);
     const int64_t rows = qs[0] * qs[1] * qs[2] * qs[3];
-    if (rows == 0 || ks[3] == 0) return;
+    if (rows == 0 || len == 0) return;
     std::vector<int32_t> sel(static_cast<size_t>(rows * k_));
     std::vector<float> qsel(static_cast<size_t>(rows * k_));
     SelectJob<T> sj{q_in.GetTensorData<T>(), r, k_, sel.data(), qsel.data()};
     ctx.ParallelFor(&select_row<T>, static_cast<size_t>(rows), 0, &sj);
-    const int64_t blocks = (ks[3] + kBlock - 1) / kBlock;
+    const int64_t blocks = (len + kBlock - 1) / kBlock;
     ScoreJob<T> job{k_in.GetTensorData<T>(), sel.data(), qsel.data(), out.GetTensorMutableData<T>(),
-                    qs[2] * qs[3], r, ks[3], k_, blocks};
+                    qs[2] * qs[3], r, len, k_, blocks, ks[3]};
     ctx.ParallelFor(&score_block<T>, static_cast<size_t>(qs[0] * qs[1] * blocks), 0, &job);
   }
 
@@ -236,8 +258,89 @@ struct Op : Ort::CustomOpBase<Op<T>, Kernel<T>> {
   void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new Kernel<T>(info); }
   const char* GetName() const { return kOpName; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return element_type<T>(); }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : element_type<T>();
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// KeyCacheUpdate / ValueCacheUpdate (see the top of the file)
+
+struct CacheJob {
+  const char* past;
+  const char* fresh;
+  char* out;
+  int64_t c, s, r, p, out_len, elem;  // elem: bytes per value
+  bool in_place, dim_major;
+};
+
+void cache_head(void* data, size_t bh) {
+  const auto& j = *static_cast<const CacheJob*>(data);
+  const int64_t e = j.elem;
+  char* o = j.out + static_cast<int64_t>(bh) * j.out_len * j.r * e;
+  const char* pb = j.past + static_cast<int64_t>(bh) * j.c * j.r * e;
+  const char* nb = j.fresh + static_cast<int64_t>(bh) * j.s * j.r * e;
+  const int64_t l = j.p + j.s;
+  if (j.dim_major) {
+    for (int64_t c = 0; c < j.r; ++c) {
+      char* row = o + c * j.out_len * e;
+      if (!j.in_place) {
+        std::memcpy(row, pb + c * j.c * e, static_cast<size_t>(j.p * e));
+        std::memset(row + l * e, 0, static_cast<size_t>((j.out_len - l) * e));
+      }
+      for (int64_t t = 0; t < j.s; ++t) std::memcpy(row + (j.p + t) * e, nb + (t * j.r + c) * e, static_cast<size_t>(e));
+    }
+  } else {
+    if (!j.in_place) {
+      std::memcpy(o, pb, static_cast<size_t>(j.p * j.r * e));
+      std::memset(o + l * j.r * e, 0, static_cast<size_t>((j.out_len - l) * j.r * e));
+    }
+    std::memcpy(o + j.p * j.r * e, nb, static_cast<size_t>(j.s * j.r * e));
+  }
+}
+
+template <typename T, bool DimMajor>
+struct CacheKernel {
+  explicit CacheKernel(const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto past = ctx.GetInput(0);
+    auto fresh = ctx.GetInput(1);
+    const auto ps = past.GetTensorTypeAndShapeInfo().GetShape();
+    const auto ns = fresh.GetTensorTypeAndShapeInfo().GetShape();
+    if (ps.size() != 4 || ns.size() != 4 || ps[0] != ns[0] || ps[1] != ns[1] || ps[3] != ns[3]) {
+      ORT_CXX_API_THROW("CacheUpdate: expected past [B,Hkv,C,r] and new [B,Hkv,S,r]", ORT_INVALID_ARGUMENT);
+    }
+    const int64_t len = total_length(ctx, 2), p = len - ns[2];
+    if (p < 0 || p > ps[2]) {
+      ORT_CXX_API_THROW("CacheUpdate: total_length - new tokens must be in [0, past.shape[2]]", ORT_INVALID_ARGUMENT);
+    }
+    const int64_t out_len = std::max(ps[2], len);
+    auto out = ctx.GetOutput(0, std::vector<int64_t>{ps[0], ps[1], out_len, ps[3]});
+    auto* o = static_cast<char*>(out.GetTensorMutableRawData());
+    const auto* pd = static_cast<const char*>(past.GetTensorRawData());
+    CacheJob job{pd, static_cast<const char*>(fresh.GetTensorRawData()), o, ps[2], ns[2], ps[3], p, out_len,
+                 static_cast<int64_t>(sizeof(T)), o == pd, DimMajor};
+    if (ps[0] * ps[1] == 0) return;
+    ctx.ParallelFor(&cache_head, static_cast<size_t>(ps[0] * ps[1]), 0, &job);
+  }
+};
+
+template <typename T, bool DimMajor>
+struct CacheOp : Ort::CustomOpBase<CacheOp<T, DimMajor>, CacheKernel<T, DimMajor>> {
+  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const {
+    return new CacheKernel<T, DimMajor>(info);
+  }
+  const char* GetName() const { return DimMajor ? "KeyCacheUpdate" : "ValueCacheUpdate"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : element_type<T>();
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
 };
@@ -257,10 +360,18 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   static Op<float> op_f32;
   static Op<Ort::Float16_t> op_f16;
+  static CacheOp<float, true> key_f32;
+  static CacheOp<Ort::Float16_t, true> key_f16;
+  static CacheOp<float, false> value_f32;
+  static CacheOp<Ort::Float16_t, false> value_f16;
   try {
     Ort::CustomOpDomain domain{kDomain};
     domain.Add(&op_f32);
     domain.Add(&op_f16);
+    domain.Add(&key_f32);
+    domain.Add(&key_f16);
+    domain.Add(&value_f32);
+    domain.Add(&value_f16);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(g_mutex);
     g_domains.push_back(std::move(domain));

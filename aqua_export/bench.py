@@ -1,0 +1,195 @@
+"""`aqua-export bench`: decode tokens/s and decode memory of built folders at a given context and batch.
+
+Each (folder, round) is measured in a fresh process (its memory is that folder's alone), and the rounds
+go over the folders in turn, so a slower or busier moment of the machine hits every folder alike; the
+figure per folder is the median step time over all its rounds.
+
+Runtimes:
+    aqua    this project's loop (runtime.OrtLM, shared buffers); the context is written into the cache
+            directly (random values of the cache's shape: decode cost depends on shapes, not values)
+    genai   onnxruntime-genai itself (og.Generator): a random prompt of ``context`` tokens is prefilled
+            through it (batch 1 in chunks of 1,024, a batch in one call), then generate_next_token is timed.
+            Works for any folder genai loads, this project's or genai's own model builder's.
+    genai-io the folder's graph driven in ONNX Runtime exactly as onnxruntime-genai drives it on CPU (one
+            [B, Hkv, max_length, head_size] buffer bound as past and present, attention_mask [B, total]),
+            the context written into the buffer directly: for contexts whose prefill genai cannot fit
+"decode memory" is the largest resident set right after a decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import ConfigError
+
+RUNTIMES = ("aqua", "genai", "genai-io")
+
+
+def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", steps: int = 8, rounds: int = 3,
+          threads: int = 2) -> dict:
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+    if context < 1 or batch < 1 or steps < 1 or rounds < 1:
+        raise ConfigError("--context, --batch, --steps and --rounds must be >= 1")
+    for f in folders:
+        if not (Path(f) / ("genai_config.json" if runtime != "aqua" else "aqua_config.json")).is_file():
+            raise ConfigError(f"{f} is not a folder the {runtime} runtime loads: build it with aqua-export")
+    times: dict = {f: [] for f in folders}
+    rss: dict = {f: [] for f in folders}
+    for _ in range(rounds):
+        for f in folders:
+            out = subprocess.run([sys.executable, "-m", "aqua_export.bench", f, str(context), str(batch), runtime,
+                                  str(steps), str(threads)], capture_output=True, text=True)
+            if out.returncode:
+                last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+                raise ConfigError(f"bench of {f} failed: {last}")
+            one = json.loads(out.stdout.strip().splitlines()[-1])
+            times[f] += one["step_s"]
+            rss[f].append(one["decode_rss_mb"])
+    res = {"context": context, "batch": batch, "runtime": runtime, "steps": steps, "rounds": rounds,
+           "threads": threads, "folders": {}}
+    for f in folders:
+        med = statistics.median(times[f])
+        res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch / med, "decode_rss_mb": max(rss[f])}
+    return res
+
+
+def table(res: dict) -> str:
+    first = next(iter(res["folders"].values()))
+    lines = [f"context {res['context']}, batch {res['batch']}, runtime {res['runtime']}, {res['threads']} threads, "
+             f"{res['rounds']} rounds x {res['steps']} steps",
+             "| folder | tokens/s | vs first | decode memory (MB) | vs first |", "|---|---|---|---|---|"]
+    for f, r in res["folders"].items():
+        lines.append(f"| {f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
+                     f"{r['decode_rss_mb']:.0f} | {r['decode_rss_mb'] / first['decode_rss_mb']:.2f}x |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# one measurement, in its own process
+# --------------------------------------------------------------------------------------------
+
+def _rss_mb() -> float:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _aqua_stepper(folder, context, batch, threads, rng):
+    from .runtime import H2OCache, OrtLM
+
+    lm = OrtLM.from_folder(folder, threads)
+    ct = lm.contract
+    if lm.h2o:  # the cache already evicted down to its budget
+        n = int(np.ceil(lm.h2o_ratio * context))
+        kv = [rng.standard_normal(ct.cache_shape(batch, n), dtype=np.float32).astype(lm.dtype)
+              for _ in range(2 * ct.layers)]
+        past = H2OCache(kv, ct.kv_heads, lm.h2o_ratio)
+        past.valid = [np.ones((batch, ct.kv_heads, n), bool) for _ in range(ct.layers)]
+        past.acc = [rng.random((batch, ct.kv_heads, n), dtype=np.float32) for _ in range(ct.layers)]
+        past.pos = [np.broadcast_to(np.arange(n), (batch, ct.kv_heads, n)).copy() for _ in range(ct.layers)]
+        past.n_real = np.full(batch, context, np.int64)
+        past.seen = context
+    else:
+        past = lm.empty_past(batch)
+        past.reserve(context + 1)
+        for arrays in (past.key_arrays, past.value_arrays):
+            for a in arrays:
+                a[:, :, :context] = rng.standard_normal(a[:, :, :context].shape, dtype=np.float32)
+        past.length = context
+    state = {"past": past, "pos": context}
+
+    def step():
+        p = state["pos"]
+        _, state["past"] = lm.step(rng.integers(3, 1000, (batch, 1)), np.ones((batch, p + 1), np.int64),
+                                   np.full((batch, 1), p), state["past"])
+        state["pos"] = p + 1
+
+    return step
+
+
+def _genai_stepper(folder, context, batch, threads, rng, steps):
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=context + steps + 4, batch_size=batch, past_present_share_buffer=True)
+    gen = og.Generator(model, params)
+    prompt = rng.integers(3, 1000, (batch, context))
+    chunk = 1024 if batch == 1 else context  # genai continues a prompt in chunks only at batch 1
+    for s in range(0, context, chunk):
+        gen.append_tokens(prompt[:, s:s + chunk])
+    return gen.generate_next_token
+
+
+def _genai_io_stepper(folder, context, batch, threads, rng, steps):
+    import onnxruntime as ort
+
+    folder = Path(folder)
+    dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    lib = dec.get("session_options", {}).get("custom_ops_library")
+    if lib:
+        so.register_custom_ops_library(str(folder / lib))
+    sess = ort.InferenceSession(str(folder / dec["filename"]), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    io_in, io_out = dec["inputs"], dec["outputs"]
+    shape = (batch, dec["num_key_value_heads"], context + steps + 4, dec["head_size"])
+    bufs = []
+    for i in range(dec["num_hidden_layers"]):
+        for kind in ("key", "value"):
+            a = rng.standard_normal(shape, dtype=np.float32)
+            bufs.append((io_in[f"past_{kind}_names"] % i, io_out[f"present_{kind}_names"] % i, a,
+                         ort.OrtValue.ortvalue_from_numpy(a)))
+    state = {"pos": context}
+
+    def step():
+        p = state["pos"]
+        io = sess.io_binding()
+        io.bind_cpu_input(io_in["input_ids"], rng.integers(3, 1000, (batch, 1)).astype(np.int64))
+        io.bind_cpu_input(io_in["attention_mask"], np.ones((batch, p + 1), np.int64))
+        if "position_ids" in names:
+            io.bind_cpu_input("position_ids", np.full((batch, 1), p, np.int64))
+        for past, present, _, buf in bufs:
+            io.bind_ortvalue_input(past, buf)
+            io.bind_ortvalue_output(present, buf)
+        io.bind_output(io_out["logits"])
+        sess.run_with_iobinding(io)
+        state["pos"] = p + 1
+
+    return step
+
+
+def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int) -> dict:
+    rng = np.random.default_rng(0)
+    if runtime == "aqua":
+        step = _aqua_stepper(folder, context, batch, threads, rng)
+    elif runtime == "genai":
+        step = _genai_stepper(folder, context, batch, threads, rng, steps)
+    else:
+        step = _genai_io_stepper(folder, context, batch, threads, rng, steps)
+    step()  # warm-up: allocations, thread pool
+    times, rss = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+        rss.append(_rss_mb())
+    return {"step_s": times, "decode_rss_mb": max(rss)}
+
+
+if __name__ == "__main__":
+    f, c, b, rt, s, th = sys.argv[1:7]
+    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th))))

@@ -1,0 +1,179 @@
+"""The graph contract: the one owner of the exported decoder's I/O names, shapes, dtypes, dynamic axes,
+cache layout and modes. Export, the runtimes (ours and onnxruntime-genai's config), the TensorRT profiles,
+the benchmarks and the tests all derive from a ``Contract``; nothing else spells a name or a layout.
+
+Per layer i, with r the retained width (K^ and V cached at the same width), the decoder takes
+
+    input_ids                 [batch, sequence]              int64   the new tokens
+    attention_mask            [batch, total]                 int64   every token so far (0 = padding), new included
+    past_key_values.{i}.key   [batch, kv_heads, past, r]     K^ buffer, memory dim-major (see below)
+    past_key_values.{i}.value [batch, kv_heads, past, r]     V buffer (P_v's basis), memory token-major
+  and H2O graphs also
+    position_ids              [batch, sequence]              int64   (eviction compacts slots: positions are fed)
+    past_key_values.{i}.valid [batch, kv_heads, past]        bool    slot holds a live token
+
+and returns logits [batch, sequence, vocab], present.{i}.key / .value [batch, kv_heads, present, r] and,
+under H2O, attention_weights.{i} [batch, kv_heads, sequence, total] (softmax summed over the group).
+
+The KV contract, as onnxruntime-genai drives it (docs/design.md, The KV contract):
+  * total = attention_mask.shape[1] is the only length the graph needs; the new tokens go to slots
+    total-sequence .. total-1 of the buffer, and positions are cumsum(attention_mask) - 1 (what HF computes
+    for left padding), so no cache_position or position_ids is fed.
+  * present = max(past, total) slots. A buffer already holding ``total`` slots (genai's
+    past_present_share_buffer: past and present bound to one [batch, kv_heads, max_length, r] buffer) is
+    written in place, O(sequence) per step; a shorter past (share_buffer false, or our concat runs) is
+    copied into a present of exactly ``total`` slots.
+  * The declared shape is genai's; the memory layout is ours: a key buffer of C slots holds K^ as
+    [batch, kv_heads, r, C] (one contiguous row per coordinate; ``key_rows`` gives that view), so
+    TopKGatherDot reads the first ``total`` values of only the k selected rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+CONTRACT_VERSION = 2
+DOMAIN = "com.aqua"
+OPS = ("TopKGatherDot", "KeyCacheUpdate", "ValueCacheUpdate")  # the custom nodes, each with a function body
+DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: shape entries are ints or dynamic-axis names."""
+
+    name: str
+    dtype: str  # float32 | float16 | int64 | bool
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a built decoder graph takes and returns (module docstring)."""
+
+    layers: int
+    kv_heads: int
+    width: int  # r: cached coordinates of K^ and of V per head
+    selected: int  # k: coordinates that score each query
+    vocab: int
+    dtype: str = "float32"
+    h2o: bool = False
+    version: int = CONTRACT_VERSION
+
+    def __post_init__(self):
+        for f in ("layers", "kv_heads", "width", "selected", "vocab"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"contract.{f} must be a positive integer, got {v!r}")
+        if self.selected > self.width:
+            raise ConfigError(f"contract.selected {self.selected} exceeds contract.width {self.width}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"contract.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.h2o, bool):
+            raise ConfigError(f"contract.h2o must be true or false, got {self.h2o!r}")
+        if self.version != CONTRACT_VERSION:
+            raise ConfigError(f"graph contract version {self.version} is not this tool's ({CONTRACT_VERSION})")
+
+    # ---------------------------------------------------------------- names
+    INPUT_IDS = "input_ids"
+    ATTENTION_MASK = "attention_mask"
+    POSITION_IDS = "position_ids"
+    LOGITS = "logits"
+    PAST = "past_key_values.%d.%s"
+    PRESENT = "present.%d.%s"
+    VALID = "past_key_values.%d.valid"
+    WEIGHTS = "attention_weights.%d"
+    KINDS = ("key", "value")
+
+    def past(self, i: int, kind: str) -> str:
+        return self.PAST % (i, kind)
+
+    def present(self, i: int, kind: str) -> str:
+        return self.PRESENT % (i, kind)
+
+    # ---------------------------------------------------------------- I/O
+    def inputs(self) -> list[TensorSpec]:
+        hkv, r = self.kv_heads, self.width
+        out = [TensorSpec(self.INPUT_IDS, "int64", ("batch", "sequence")),
+               TensorSpec(self.ATTENTION_MASK, "int64", ("batch", "total"))]
+        if self.h2o:
+            out.append(TensorSpec(self.POSITION_IDS, "int64", ("batch", "sequence")))
+        for i in range(self.layers):
+            out += [TensorSpec(self.past(i, k), self.dtype, ("batch", hkv, "past", r)) for k in self.KINDS]
+            if self.h2o:
+                out.append(TensorSpec(self.VALID % i, "bool", ("batch", hkv, "past")))
+        return out
+
+    def outputs(self) -> list[TensorSpec]:
+        hkv, r = self.kv_heads, self.width
+        out = [TensorSpec(self.LOGITS, self.dtype, ("batch", "sequence", self.vocab))]
+        for i in range(self.layers):
+            out += [TensorSpec(self.present(i, k), self.dtype, ("batch", hkv, "present", r)) for k in self.KINDS]
+        if self.h2o:
+            out += [TensorSpec(self.WEIGHTS % i, "float32", ("batch", hkv, "sequence", "total"))
+                    for i in range(self.layers)]
+        return out
+
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs()]
+
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs()]
+
+    def feed_shapes(self, batch: int, new: int, past: int) -> dict[str, tuple]:
+        """Concrete input shapes of one forward (a concat past of ``past`` slots): TensorRT profiles, tests."""
+        sizes = {"batch": batch, "sequence": new, "past": past, "total": past + new}
+        return {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.inputs()}
+
+    # ---------------------------------------------------------------- the cache
+    def cache_shape(self, batch: int, slots: int) -> tuple:
+        """Declared shape of one key or value buffer of ``slots`` slots."""
+        return (batch, self.kv_heads, slots, self.width)
+
+    @staticmethod
+    def key_rows(buf):
+        """A key buffer [B, Hkv, C, r] (numpy) -> its K^ view [B, Hkv, r, C] (no copy)."""
+        b, h, c, r = buf.shape
+        return buf.reshape(b, h, r, c)
+
+    @staticmethod
+    def key_buffer(rows):
+        """K^ [B, Hkv, r, C] -> the key buffer [B, Hkv, C, r] holding it (a contiguous copy if needed)."""
+        import numpy as np
+
+        b, h, r, c = rows.shape
+        return np.ascontiguousarray(rows).reshape(b, h, c, r)
+
+    # ---------------------------------------------------------------- onnxruntime-genai
+    def genai_io(self) -> tuple[dict, dict]:
+        """The decoder's "inputs" / "outputs" sections of genai_config.json (name templates)."""
+        if self.h2o:
+            raise ConfigError("AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: "
+                              "run them with --runtime aqua")
+        def template(pattern, kind):
+            return pattern.replace("%s", kind)  # genai fills %d with the layer
+
+        return ({"input_ids": self.INPUT_IDS, "attention_mask": self.ATTENTION_MASK,
+                 "past_key_names": template(self.PAST, "key"), "past_value_names": template(self.PAST, "value")},
+                {"logits": self.LOGITS, "present_key_names": template(self.PRESENT, "key"),
+                 "present_value_names": template(self.PRESENT, "value")})
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data) -> "Contract":
+        if not isinstance(data, dict):
+            raise ConfigError("contract must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown contract field(s): {', '.join(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"contract: {e}") from None

@@ -1,0 +1,85 @@
+"""The graph contract and the folder config: one owner each, typed, validated, JSON round trips."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.contract import Contract
+from aqua_export.folder import FolderConfig, Geometry
+
+
+def _contract(**kw):
+    return Contract(**{"layers": 3, "kv_heads": 2, "width": 12, "selected": 9, "vocab": 50, **kw})
+
+
+def test_names_shapes_and_round_trip():
+    ct = _contract()
+    assert ct.input_names() == ["input_ids", "attention_mask"] + [f"past_key_values.{i}.{k}" for i in range(3)
+                                                                    for k in ("key", "value")]
+    assert ct.output_names() == ["logits"] + [f"present.{i}.{k}" for i in range(3) for k in ("key", "value")]
+    assert ct.feed_shapes(4, 1, 10)["past_key_values.2.value"] == (4, 2, 10, 12)
+    assert ct.feed_shapes(4, 1, 10)["attention_mask"] == (4, 11)
+    assert Contract.from_dict(json.loads(json.dumps(ct.to_dict()))) == ct
+    h2o = _contract(h2o=True)
+    assert "position_ids" in h2o.input_names() and "past_key_values.0.valid" in h2o.input_names()
+    assert h2o.output_names()[-1] == "attention_weights.2"
+    inputs, outputs = ct.genai_io()
+    assert inputs["past_key_names"] % 2 == "past_key_values.2.key" and outputs["present_value_names"] % 0 == "present.0.value"
+    with pytest.raises(ConfigError, match="--runtime aqua"):
+        h2o.genai_io()
+
+
+def test_key_buffer_memory_is_dim_major():
+    """The declared [B, Hkv, C, r] buffer holds K^ as [B, Hkv, r, C]: row c is contiguous over the slots."""
+    rows = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5).astype(np.float32)  # [B, Hkv, r=4, C=5]
+    buf = Contract.key_buffer(rows)
+    assert buf.shape == (2, 3, 5, 4) and np.array_equal(Contract.key_rows(buf), rows)
+    assert np.shares_memory(Contract.key_rows(buf), buf)
+
+
+@pytest.mark.parametrize("kw,needle", [({"width": 0}, "contract.width"), ({"selected": 13}, "exceeds"),
+                                       ({"dtype": "int8"}, "contract.dtype"), ({"version": 1}, "version"),
+                                       ({"h2o": "yes"}, "contract.h2o")])
+def test_contract_refuses_bad_values(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _contract(**kw)
+    with pytest.raises(ConfigError, match="unknown contract field"):
+        Contract.from_dict({**_contract().to_dict(), "cache_position": True})
+
+
+def _folder_cfg():
+    aqua = AquaConfig(k_ratio=0.75)
+    return FolderConfig(model="llama", aqua=aqua, geometry=Geometry(3, 4, 2, 12, 48),
+                        contract=_contract(selected=aqua.selected_width(12)), context_length=128, info={"x": 1})
+
+
+def test_folder_config_round_trips_and_writes_atomically(tmp_path):
+    cfg = _folder_cfg()
+    cfg.write(tmp_path)
+    assert FolderConfig.from_folder(tmp_path) == cfg
+    assert [p.name for p in tmp_path.iterdir()] == ["aqua_config.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: {**d, "format_version": 1}, "format_version"),
+    (lambda d: {**d, "cache": {}}, "unknown field"),
+    (lambda d: {**d, "geometry": {**d["geometry"], "layers": -3}}, "geometry.layers"),
+    (lambda d: {**d, "geometry": {**d["geometry"], "layers": 4}}, "disagrees with the geometry"),
+    (lambda d: {**d, "contract": {**d["contract"], "width": 11}}, "disagree with the AQUA settings"),
+    (lambda d: {**d, "aqua": {**d["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
+    (lambda d: {**d, "context_length": 0}, "context_length"),
+])
+def test_folder_config_refuses_edits_with_one_line(tmp_path, edit, needle):
+    d = _folder_cfg().to_dict()
+    (tmp_path / "aqua_config.json").write_text(json.dumps(edit(d)))
+    with pytest.raises(ConfigError, match=needle) as e:
+        FolderConfig.from_folder(tmp_path)
+    assert "\n" not in str(e.value) and "rebuild the folder" in str(e.value)
+
+
+def test_folder_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _folder_cfg().model = "other"

@@ -1,0 +1,78 @@
+"""onnxruntime-genai hosts built folders: greedy tokens and logits equal to `aqua-export run`'s, in both of
+genai's buffer modes, batch 1 and a batch of prompts of different lengths (embedded model, slow)."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install -e .[test])")
+
+from aqua_export.build import BuildOptions, _export  # noqa: E402
+from aqua_export.config import AquaConfig, ConfigError  # noqa: E402
+from aqua_export.runtime import SamplingConfig, encode_prompts  # noqa: E402
+
+SETTINGS = {"dense": AquaConfig(), "k0.75": AquaConfig(k_ratio=0.75), "k0.5": AquaConfig(k_ratio=0.5),
+            "memory-s0.25-k0.75": AquaConfig(k_ratio=0.75, slice_ratio=0.25)}
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "The GNU General Public License is a free, copyleft license for",
+           "Once upon a time",
+           "import numpy as np\n\n# a function that normalises the rows of a matrix\ndef"]
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def folders(smollm, smollm_projection, tmp_path_factory):
+    """The four settings exported into folders by the build's own export stage (parity is test_build's)."""
+    model, tok = smollm
+    out = {}
+    for name, cfg in SETTINGS.items():
+        d = tmp_path_factory.mktemp(name)
+        _export(model, tok, smollm_projection, cfg, BuildOptions(), d, "llama")
+        out[name] = d
+    return out
+
+
+def _generate(lm, tok, prompts):
+    ids, mask = encode_prompts(tok, prompts)
+    logits = []
+    got = lm.generate(ids, mask, SamplingConfig(max_new_tokens=STEPS), eos_token_id=tok.eos_token_id,
+                      on_logits=lambda step, x: logits.append(np.asarray(x).reshape(len(prompts), -1, x.shape[-1])[:, -1]))
+    return got, logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_genai_equals_aqua_run(folders, smollm, name):
+    from aqua_export.backends import open_lm
+    from aqua_export.runtime import load_tokenizer
+
+    folder = folders[name]
+    tok = load_tokenizer(folder)
+    gc = json.loads((folder / "genai_config.json").read_text())
+    assert gc["model"]["decoder"]["head_size"] == (48 if "memory" in name else 64)
+    assert gc["model"]["decoder"]["session_options"]["custom_ops_library"] == "libaqua_ort.so"
+    for prompts in (PROMPTS[:1], PROMPTS):
+        ours, our_logits = _generate(open_lm(folder, "aqua"), tok, prompts)
+        assert ours.shape[1] > 16, "the prompts must make the model talk"
+        for share in (True, False):
+            theirs, their_logits = _generate(open_lm(folder, "genai", share_buffer=share), tok, prompts)
+            assert np.array_equal(theirs, ours), (name, len(prompts), share)
+            # logits of every real row at every step (rows that finished emit eos and are not compared)
+            live = np.concatenate([np.ones((len(prompts), 1), bool),
+                                   np.cumsum(ours == tok.eos_token_id, axis=1)[:, :-1] == 0], axis=1)
+            worst = max(np.abs(a - b)[live[:, s]].max(initial=0) for s, (a, b) in enumerate(zip(our_logits, their_logits)))
+            assert worst <= 1e-3, (name, len(prompts), share, worst)
+
+
+def test_genai_refuses_h2o_folders_with_one_line(tmp_path):
+    from aqua_export.backends.genai import GenaiLM
+    from aqua_export.contract import Contract
+    from aqua_export.folder import FolderConfig, Geometry
+
+    aqua = AquaConfig(k_ratio=0.75, h2o_ratio=0.5)
+    FolderConfig(model="llama", aqua=aqua, geometry=Geometry(2, 4, 2, 16, 64),
+                 contract=Contract(layers=2, kv_heads=2, width=16, selected=12, vocab=100, h2o=True)).write(tmp_path)
+    with pytest.raises(ConfigError, match="--runtime aqua") as e:
+        GenaiLM(tmp_path)
+    assert "\n" not in str(e.value)
