@@ -42,7 +42,6 @@ quality: setup
 
 # performance tables (benchmarks/performance.md); onnxruntime-genai is the peer exporter compared against
 bench: setup
-	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/python tools/bench_attention.py
 	$(BIN)/python tools/bench_breakeven.py
 	$(BIN)/python tools/bench_decode.py

@@ -33,7 +33,8 @@ RUNTIMES = ("aqua", "genai", "genai-io")
 
 
 def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", steps: int = 8, rounds: int = 3,
-          threads: int = 2) -> dict:
+          threads: int = 2, capacity: int = 0) -> dict:
+    """capacity: cache slots allocated (aqua, genai-io; 0 = just enough): a step's cost must not depend on it."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
     if context < 1 or batch < 1 or steps < 1 or rounds < 1:
@@ -46,7 +47,7 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
     for _ in range(rounds):
         for f in folders:
             out = subprocess.run([sys.executable, "-m", "aqua_export.bench", f, str(context), str(batch), runtime,
-                                  str(steps), str(threads)], capture_output=True, text=True)
+                                  str(steps), str(threads), str(capacity)], capture_output=True, text=True)
             if out.returncode:
                 last = (out.stderr.strip().splitlines() or ["no output"])[-1]
                 raise ConfigError(f"bench of {f} failed: {last}")
@@ -54,7 +55,7 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
             times[f] += one["step_s"]
             rss[f].append(one["decode_rss_mb"])
     res = {"context": context, "batch": batch, "runtime": runtime, "steps": steps, "rounds": rounds,
-           "threads": threads, "folders": {}}
+           "threads": threads, "capacity": capacity, "folders": {}}
     for f in folders:
         med = statistics.median(times[f])
         res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch / med, "decode_rss_mb": max(rss[f])}
@@ -83,7 +84,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _aqua_stepper(folder, context, batch, threads, rng):
+def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
     from .runtime import H2OCache, OrtLM
 
     lm = OrtLM.from_folder(folder, threads)
@@ -100,7 +101,7 @@ def _aqua_stepper(folder, context, batch, threads, rng):
         past.seen = context
     else:
         past = lm.empty_past(batch)
-        past.reserve(context + 1)
+        past.reserve(max(capacity, context + steps + 2))
         for arrays in (past.key_arrays, past.value_arrays):
             for a in arrays:
                 a[:, :, :context] = rng.standard_normal(a[:, :, :context].shape, dtype=np.float32)
@@ -109,14 +110,14 @@ def _aqua_stepper(folder, context, batch, threads, rng):
 
     def step():
         p = state["pos"]
-        _, state["past"] = lm.step(rng.integers(3, 1000, (batch, 1)), np.ones((batch, p + 1), np.int64),
+        _, state["past"] = lm.step(rng.integers(3, min(1000, ct.vocab), (batch, 1)), np.ones((batch, p + 1), np.int64),
                                    np.full((batch, 1), p), state["past"])
         state["pos"] = p + 1
 
     return step
 
 
-def _genai_stepper(folder, context, batch, threads, rng, steps):
+def _genai_stepper(folder, context, batch, threads, rng, steps, capacity):
     import onnxruntime_genai as og
 
     config = og.Config(str(folder))
@@ -125,18 +126,20 @@ def _genai_stepper(folder, context, batch, threads, rng, steps):
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=context + steps + 4, batch_size=batch, past_present_share_buffer=True)
     gen = og.Generator(model, params)
-    prompt = rng.integers(3, 1000, (batch, context))
+    vocab = json.loads((Path(folder) / "genai_config.json").read_text())["model"]["vocab_size"]
+    prompt = rng.integers(3, min(1000, vocab), (batch, context))
     chunk = 1024 if batch == 1 else context  # genai continues a prompt in chunks only at batch 1
     for s in range(0, context, chunk):
         gen.append_tokens(prompt[:, s:s + chunk])
     return gen.generate_next_token
 
 
-def _genai_io_stepper(folder, context, batch, threads, rng, steps):
+def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
     import onnxruntime as ort
 
     folder = Path(folder)
-    dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    gc = json.loads((folder / "genai_config.json").read_text())["model"]
+    dec, vocab = gc["decoder"], gc["vocab_size"]
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
@@ -146,7 +149,7 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps):
     sess = ort.InferenceSession(str(folder / dec["filename"]), so, providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
     io_in, io_out = dec["inputs"], dec["outputs"]
-    shape = (batch, dec["num_key_value_heads"], context + steps + 4, dec["head_size"])
+    shape = (batch, dec["num_key_value_heads"], max(capacity, context + steps + 4), dec["head_size"])
     bufs = []
     for i in range(dec["num_hidden_layers"]):
         for kind in ("key", "value"):
@@ -158,7 +161,7 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps):
     def step():
         p = state["pos"]
         io = sess.io_binding()
-        io.bind_cpu_input(io_in["input_ids"], rng.integers(3, 1000, (batch, 1)).astype(np.int64))
+        io.bind_cpu_input(io_in["input_ids"], rng.integers(3, min(1000, vocab), (batch, 1)).astype(np.int64))
         io.bind_cpu_input(io_in["attention_mask"], np.ones((batch, p + 1), np.int64))
         if "position_ids" in names:
             io.bind_cpu_input("position_ids", np.full((batch, 1), p, np.int64))
@@ -172,14 +175,10 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps):
     return step
 
 
-def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int) -> dict:
+def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int, capacity: int = 0) -> dict:
     rng = np.random.default_rng(0)
-    if runtime == "aqua":
-        step = _aqua_stepper(folder, context, batch, threads, rng)
-    elif runtime == "genai":
-        step = _genai_stepper(folder, context, batch, threads, rng, steps)
-    else:
-        step = _genai_io_stepper(folder, context, batch, threads, rng, steps)
+    make = {"aqua": _aqua_stepper, "genai": _genai_stepper, "genai-io": _genai_io_stepper}[runtime]
+    step = make(folder, context, batch, threads, rng, steps, capacity)
     step()  # warm-up: allocations, thread pool
     times, rss = [], []
     for _ in range(steps):
@@ -191,5 +190,5 @@ def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int,
 
 
 if __name__ == "__main__":
-    f, c, b, rt, s, th = sys.argv[1:7]
-    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th))))
+    f, c, b, rt, s, th, cap = sys.argv[1:8]
+    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th), int(cap))))

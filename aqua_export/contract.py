@@ -37,7 +37,8 @@ from .config import ConfigError
 
 CONTRACT_VERSION = 2
 DOMAIN = "com.aqua"
-OPS = ("TopKGatherDot", "KeyCacheUpdate", "ValueCacheUpdate")  # the custom nodes, each with a function body
+# the custom nodes, each with a function body
+OPS = ("TopKGatherDot", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct")
 DTYPES = ("float32", "float16")
 
 

@@ -3,12 +3,12 @@
 Per layer i, with g = H / Hkv, r the retained width and k the selected width (docs/design.md):
 
     x --RMSNorm--> h
-    h --q_proj (scale folded)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] ------------------------\\
+    h --q|k|v_proj as one MatMul, Split (scale folded into q)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] ------------------------\\
     h --k_proj--> RoPE --MatMul P_r--> [B,Hkv,T,r] --KeyCacheUpdate(past.key, L)--> present.key
                                            present.key viewed [B,Hkv,r,C] (dim-major) --> TopKGatherDot(k, L)
     h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --ValueCacheUpdate(past.value, L)--\\    | + mask
-                                                       present.value[:, :, :L] ------\\  Softmax (float32)
-                                                                 MatMul <------------------/
+                                                                    present.value --\\  Softmax (float32)
+                                        ValueProduct (probs @ the first L slots) <------------/
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
 What the families change (archs/): q/k RMSNorms before RoPE (the scale then folds into q_norm), partial
@@ -33,9 +33,9 @@ import torch
 from onnx import TensorProto
 
 from .contract import DOMAIN, Contract
-from .export import KEY_UPDATE, OP_TYPE, VALUE_UPDATE
+from .export import KEY_UPDATE, OP_TYPE, VALUE_PRODUCT, VALUE_UPDATE
 from .fold import fold_output, fold_scale_into_query, fold_value
-from .graph_blocks import Blocks
+from .graph_blocks import Blocks, stack
 from .onnx_builder import GraphBuilder, onnx_type
 
 F32 = TensorProto.FLOAT
@@ -190,24 +190,37 @@ class DecoderGraph(Blocks):
 
         if not p.rotary_dim:
             return self._attention_folded(i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo)
-        # q/k RMSNorm before RoPE, per head (Qwen3: weight [d]) or over the whole projection (OLMoE): a norm
-        # would undo a scale folded into W_Q, so the scale goes into q_norm's weight instead
-        q = self._qk_norm(f"{n}/q_norm", self._linear(f"{n}/q_proj", h, wq, bq), p.heads,
-                          None if "q_norm" not in w else w["q_norm"].float() * scaling)
-        q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
-        q = gb.op(f"{n}/q/Reshape5", "Reshape", [self._rope(f"{n}/q_rope", q, cos, sin), c([0, hkv, g, -1, d])])
-        k = self._qk_norm(f"{n}/k_norm", self._linear(f"{n}/k_proj", h, f32["k_proj"], f32.get("k_proj_bias")), hkv,
-                          w.get("k_norm"))
-        k = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])
-        k = self._rope(f"{n}/k_rope", k, cos, sin)  # [B, Hkv, T, d]
+        q, k, v = self._rotary_qk(n, h, w, (wq, bq), (f32["k_proj"], f32.get("k_proj_bias")),
+                                  (wv[keep_v], None if bv is None else bv[keep_v]), scaling, cos, sin)
         if not p.dense:
             P_r = P[:, :, :r].to(torch.float32)
             q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_r[:, None])])
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_r)])
-        v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
         return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io)
+
+    def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, cos, sin):
+        """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*r]: one MatMul for all three. Without q/k
+        norms q and k are rotated together (one RoPE over H + Hkv heads: fewer nodes, and decode is per-node
+        bound at short context)."""
+        gb, p, c = self.gb, self.p, self.gb.const
+        hkv, g, d = p.kv_heads, p.g, p.head_dim
+        if "q_norm" not in w and "k_norm" not in w:
+            qk, v = self._linears(f"{n}/qkv_proj", h, [stack([qp, kp]), vp])
+            qk = gb.op(f"{n}/qk/Reshape", "Reshape", [qk, c([0, 0, p.heads + hkv, d])])
+            qk = self._rope(f"{n}/qk_rope", gb.op(f"{n}/qk/Transpose", "Transpose", [qk], perm=[0, 2, 1, 3]), cos, sin)
+            q, k = gb.op(f"{n}/qk/SplitHeads", "Split", [qk, c([p.heads, hkv])], n_out=2, axis=1)
+            return gb.op(f"{n}/q/Reshape5", "Reshape", [q, c([0, hkv, g, -1, d])]), k, v
+        # q/k RMSNorm before RoPE, per head (Qwen3: weight [d]) or over the whole projection (OLMoE): a norm
+        # would undo a scale folded into W_Q, so the scale goes into q_norm's weight instead
+        q, k, v = self._linears(f"{n}/qkv_proj", h, [qp, kp, vp])
+        q = self._qk_norm(f"{n}/q_norm", q, p.heads, None if "q_norm" not in w else w["q_norm"].float() * scaling)
+        q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
+        q = gb.op(f"{n}/q/Reshape5", "Reshape", [self._rope(f"{n}/q_rope", q, cos, sin), c([0, hkv, g, -1, d])])
+        k = self._qk_norm(f"{n}/k_norm", k, hkv, w.get("k_norm"))
+        k = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])
+        return q, self._rope(f"{n}/k_rope", k, cos, sin), v
 
     def _attention_folded(self, i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo):
         """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds): q^ and k^
@@ -246,8 +259,7 @@ class DecoderGraph(Blocks):
             gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0, outputs=[f"attention_weights.{i}"])
         if p.dtype != torch.float32:
             probs = gb.op(f"{n}/probs/Cast", "Cast", [probs], to=p.elem)
-        vc5 = gb.op(f"{n}/v/Unsqueeze", "Unsqueeze", [vc, c([2])])
-        a = gb.op(f"{n}/MatMulV", "MatMul", [probs, vc5])  # [B, Hkv, g, T, r]
+        a = gb.op(f"{n}/{VALUE_PRODUCT}", VALUE_PRODUCT, [probs, vc], domain=self.domain)  # [B, Hkv, g, T, r]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
         return self._linear(f"{n}/o_proj", a, wo, bo)
@@ -261,19 +273,16 @@ class DecoderGraph(Blocks):
         return self._rmsnorm(n, x, w) if w is not None and w.numel() == d else x
 
     def _cache(self, n: str, i: int, kh: str, v: str, io: dict) -> tuple[str, str]:
-        """k^, v [B,Hkv,T,r] -> (K^ as [B,Hkv,r,C] over present.{i}.key's memory, V [B,Hkv,L,r]). The native
-        update writes a shared buffer in place; the key view is a Reshape (no copy); only the L filled slots
-        of V are read."""
+        """k^, v [B,Hkv,T,r] -> (K^ as [B,Hkv,r,C] over present.{i}.key's memory, present.{i}.value). The
+        native update writes a shared buffer in place; the key view is a Reshape (no copy); TopKGatherDot and
+        ValueProduct read only the L filled slots."""
         gb, c, ct = self.gb, self.gb.const, self.contract
         kc = gb.op(f"{n}/k/CacheUpdate", KEY_UPDATE, [ct.past(i, "key"), kh, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "key")])[0]
         vc = gb.op(f"{n}/v/CacheUpdate", VALUE_UPDATE, [ct.past(i, "value"), v, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "value")])[0]
-        rows = gb.op(f"{n}/k/RowsShape", "Concat", [gb.op(f"{n}/k/ShapeBH", "Shape", [kc], start=0, end=2), c([self.p.r]),
-                                                    gb.op(f"{n}/k/ShapeC", "Shape", [kc], start=2, end=3)], axis=0)
-        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, rows])
-        vl = gb.op(f"{n}/v/SliceFilled", "Slice", [vc, c([0]), io["total"], c([2])])
-        return kr, vl
+        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, c([0, 0, self.p.r, -1])])  # B, Hkv kept; C inferred
+        return kr, vc
 
     def _layer_mask(self, n: str, i: int, mask: str, io: dict) -> str:
         """The shared mask, or under H2O: past slots visible iff this layer's valid[b, h, slot], new tokens as usual."""

@@ -20,6 +20,7 @@ from .models import architecture_of, attention_geometry
 
 OP_TYPE = "TopKGatherDot"
 KEY_UPDATE, VALUE_UPDATE = "KeyCacheUpdate", "ValueCacheUpdate"
+VALUE_PRODUCT = "ValueProduct"
 PLUGIN_NAMESPACE = "aqua"
 PLUGIN_VERSION = "1"
 OPSET_VERSION = 1
@@ -69,6 +70,11 @@ def _register_schema() -> None:
             doc=f"present = past with new written at slots L-S..L-1, max(C, L) slots; memory {layout}",
             inputs=[OpSchema.FormalParameter("past", "T"), OpSchema.FormalParameter("new", "T"), length],
             outputs=[OpSchema.FormalParameter("present", "T")], type_constraints=floats))
+    onnx.defs.register_schema(OpSchema(
+        VALUE_PRODUCT, DOMAIN, OPSET_VERSION,
+        doc="out = probs @ value_cache[:, :, :L] with L = probs.shape[4]: the filled slots read in place",
+        inputs=[OpSchema.FormalParameter("probs", "T"), OpSchema.FormalParameter("value_cache", "T")],
+        outputs=[OpSchema.FormalParameter("out", "T")], type_constraints=floats))
 
 
 def function_body(opset: int):
@@ -158,9 +164,23 @@ def cache_update_body(op: str, opset: int):
     return H.make_function(DOMAIN, op, ["past", "new", "total_length"], ["present"], n, [H.make_opsetid("", opset)])
 
 
+def value_product_body(opset: int):
+    """The portable body of ValueProduct: Slice the L filled slots (a copy), Unsqueeze, MatMul."""
+    from onnx import helper as H
+
+    n = [H.make_node("Shape", ["probs"], ["len"], start=4, end=5),
+         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
+         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
+         H.make_node("Slice", ["value_cache", "zero_1", "len", "axis_2"], ["filled"]),
+         H.make_node("Unsqueeze", ["filled", "axis_2"], ["filled_g"]),
+         H.make_node("MatMul", ["probs", "filled_g"], ["out"])]
+    return H.make_function(DOMAIN, VALUE_PRODUCT, ["probs", "value_cache"], ["out"], n, [H.make_opsetid("", opset)])
+
+
 def function_bodies(opset: int) -> list:
     """Every custom node's body: a runtime without the native library runs these."""
-    return [function_body(opset), cache_update_body(KEY_UPDATE, opset), cache_update_body(VALUE_UPDATE, opset)]
+    return [function_body(opset), cache_update_body(KEY_UPDATE, opset), cache_update_body(VALUE_UPDATE, opset),
+            value_product_body(opset)]
 
 
 def single_op_model(k: int, dtype: str = "float32", opset: int = 20):

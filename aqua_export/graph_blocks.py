@@ -14,6 +14,14 @@ from .config import ConfigError
 F32 = TensorProto.FLOAT
 
 
+def stack(parts: list) -> tuple:
+    """[(W_i [out_i, in], b_i or None)] -> (W [sum out_i, in], b or None): one linear layer computing them all."""
+    w = torch.cat([wi for wi, _ in parts], 0)
+    if all(bi is None for _, bi in parts):
+        return w, None
+    return w, torch.cat([torch.zeros(wi.shape[0]) if bi is None else bi for wi, bi in parts])
+
+
 class Blocks:
     def weight(self, name: str, t: torch.Tensor) -> str:
         """A weight in the export dtype. float16 refuses values past its range (65504) and counts the nonzero
@@ -36,6 +44,13 @@ class Blocks:
         if b is not None:
             y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)])
         return y
+
+    def _linears(self, name: str, x: str, parts: list) -> list[str]:
+        """[x @ W_i^T (+ b_i) for (W_i, b_i) in parts] as one MatMul over the stacked weights, split back: at
+        decode a step is a chain of small GEMVs, and fewer, wider ones cost less per node."""
+        y = self._linear(name, x, *stack(parts))
+        return self.gb.op(f"{name}/Split", "Split", [y, self.gb.const([wi.shape[0] for wi, _ in parts])],
+                          n_out=len(parts), axis=-1)
 
     def _norm(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None = None) -> str:
         """RMSNorm, or LayerNorm when the family's norms have a bias (GPT-2), statistics in float32."""
@@ -75,10 +90,9 @@ class Blocks:
 
     def _gated_mlp(self, n: str, h: str, w: dict) -> str:
         """down(act(gate(h)) * up(h)), act = SiLU or GELU (tanh approximation)."""
-        gate = self._linear(f"{n}/gate_proj", h, w["gate_proj"], None)
+        gate, up = self._linears(f"{n}/gate_up_proj", h, [(w["gate_proj"], None), (w["up_proj"], None)])
         act = self._silu(f"{n}/act", gate) if self.p.act == "silu" else \
             self.gb.op(f"{n}/act/Gelu", "Gelu", [gate], approximate="tanh")
-        up = self._linear(f"{n}/up_proj", h, w["up_proj"], None)
         return self._linear(f"{n}/down_proj", self.gb.op(f"{n}/Mul", "Mul", [act, up]), w["down_proj"], None)
 
     def _plain_mlp(self, n: str, h: str, w: dict) -> str:

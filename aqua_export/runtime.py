@@ -227,21 +227,25 @@ class OrtLM:
             cache.append_and_evict(out[1:1 + 2 * self.layers], out[1 + 2 * self.layers:self.n_outputs], real[:, j])
             logits.append(out[0])
         return np.concatenate(logits, axis=1), cache
+
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
                  eos_token_id: int | None = None, on_token=None, on_logits=None) -> np.ndarray:
-        """Left-padded prompts [B, T] -> generated ids [B, N]. on_token(step, ids[B]) streams; on_logits(step,
-        logits[B, T, V]) sees every forward's logits (step 0 = prefill)."""
+        """Padded prompts [B, T] (padding left or right: positions come from the mask) -> generated ids
+        [B, N]; every row continues after the last column. on_token(step, ids[B]) streams; on_logits(step,
+        logits[B, V]) sees the logits each token is picked from."""
         rng = np.random.default_rng(sampling.seed)
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
         pos = np.clip(mask.cumsum(-1) - 1, 0, None)
         logits, past = self.step(input_ids, mask, pos, self.empty_past(b))
+        last_real = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)  # the prompt's last token, per row
+        logits = logits[np.arange(b), last_real][:, None]
         done = np.zeros(b, dtype=bool)
         out = []
         last_pos = pos[:, -1:]
         for step in range(sampling.max_new_tokens):
             if on_logits is not None:
-                on_logits(step, logits)
+                on_logits(step, logits[:, -1, :])
             nxt = pick(logits[:, -1, :], sampling, rng)
             if eos_token_id is not None:
                 nxt = np.where(done, eos_token_id, nxt)
@@ -463,7 +467,8 @@ def load_tokenizer(folder: str | Path):
 
 def encode_prompts(tok, prompts: list[str], chat: bool = False, context: int | None = None,
                    max_new_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ids and mask; an empty prompt (without --chat) or one that cannot fit the model's context
+    """Right-padded ids and mask, the batch layout onnxruntime-genai uses (so both runtimes compute the same
+    arithmetic; the graph takes positions from the mask, so either side works); an empty prompt (without --chat) or one that cannot fit the model's context
     with the tokens to generate is refused before anything is allocated for it."""
     if not chat and any(not p for p in prompts):
         raise ConfigError("--prompt is empty: give some text (or --chat, which wraps it in the chat template)")
@@ -472,7 +477,7 @@ def encode_prompts(tok, prompts: list[str], chat: bool = False, context: int | N
             raise ConfigError("--chat needs a tokenizer with a chat template; this model has none")
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                    for p in prompts]
-    enc = tok(prompts, return_tensors="np", padding=True, padding_side="left")
+    enc = tok(prompts, return_tensors="np", padding=True, padding_side="right")
     ids = enc["input_ids"].astype(np.int64)
     if ids.shape[1] == 0:
         raise ConfigError("--prompt encodes to no tokens: give some text")

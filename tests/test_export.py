@@ -6,7 +6,7 @@ import torch
 from aqua_export import models
 from aqua_export.attention import apply_aqua
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.contract import Contract
+from aqua_export.contract import OPS, Contract
 from aqua_export.export import (DOMAIN, KEY_UPDATE, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, VALUE_UPDATE,
                                 check_exportable, contract_for, export_onnx, topk_gather_dot_reference)
 from aqua_export.runtime import OrtLM, make_session
@@ -45,8 +45,8 @@ def test_graph_contract(exported, cfg, kv):
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"k": k, "plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
-    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, OP_TYPE), (DOMAIN, KEY_UPDATE),
-                                                             (DOMAIN, VALUE_UPDATE)]
+    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op) for op in OPS]
+    assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == set(OPS)
     assert proto.ir_version <= 10
     ct = contract_for(m, cfg)
     assert [i.name for i in proto.graph.input] == ct.input_names()

@@ -37,7 +37,7 @@ def _generate(lm, tok, prompts):
     ids, mask = encode_prompts(tok, prompts)
     logits = []
     got = lm.generate(ids, mask, SamplingConfig(max_new_tokens=STEPS), eos_token_id=tok.eos_token_id,
-                      on_logits=lambda step, x: logits.append(np.asarray(x).reshape(len(prompts), -1, x.shape[-1])[:, -1]))
+                      on_logits=lambda step, x: logits.append(np.asarray(x)))
     return got, logits
 
 

@@ -103,7 +103,7 @@ def build(ckpt: Path, out: Path, args: list[str]) -> dict:
     if rc == 0:
         cfg = json.loads((out / "aqua_config.json").read_text())
         par = json.loads((out / "parity.json").read_text())
-        res.update(resources=cfg["resources"], weights=cfg["weights"], parity_pass=par["pass"],
+        res.update(resources=cfg["info"]["resources"], weights=cfg["info"]["weights"], parity_pass=par["pass"],
                    parity=par["ort_vs_reference"], top1_unforced=par["ort_vs_reference_unforced"]["top1_agreement"],
                    folder_bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()))
     return res

@@ -3,7 +3,8 @@
     aqua    this project's ONNX Runtime loop (runtime.OrtLM): every variant, H2O eviction included
     genai   onnxruntime-genai (backends/genai.py): what production apps embed (C, C++, C#, Java, Python)
 
-Both take left-padded prompts and return greedy or sampled ids; ``open_lm`` picks one by name.
+Both take padded prompts (runtime.encode_prompts pads on the right, as genai does) and return greedy or
+sampled ids; ``open_lm`` picks one by name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ RUNTIMES = ("aqua", "genai")
 class LM(Protocol):
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling, eos_token_id: int | None = None,
                  on_token=None, on_logits=None) -> np.ndarray:
-        """Left-padded prompts [B, T] -> generated ids [B, N]; on_token(step, ids[B]) streams; on_logits(step,
+        """Padded prompts [B, T] -> generated ids [B, N]; on_token(step, ids[B]) streams; on_logits(step,
         logits[B, V]) sees the logits each token was picked from."""
 
 

@@ -80,7 +80,7 @@ def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, t
 
 
 def to_right_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad: int) -> np.ndarray:
-    """Left-padded ids -> the same rows right-padded with ``pad`` (genai's batch layout)."""
+    """Padded ids -> the same rows right-padded with ``pad`` (genai's batch layout: it masks trailing pads)."""
     out = np.full_like(input_ids, pad)
     for b in range(input_ids.shape[0]):
         real = input_ids[b][attention_mask[b].astype(bool)]

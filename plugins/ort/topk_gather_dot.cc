@@ -10,6 +10,10 @@
 //   When present is bound to past's memory (a shared buffer), only the S new entries are written:
 //   O(S) per step, not O(C). Otherwise the first L-S slots are copied over (the concat contract).
 //
+// ValueProduct
+//   probs [B, Hkv, g, T, L]   value_cache [B, Hkv, C, r] (L <= C)   ->   out [B, Hkv, g, T, r] = probs @ V[:L]
+//   Reads the L filled slots of the buffer in place (no copy of the live V, which a Slice would make).
+//
 // TopKGatherDot, per query row: I = the k coordinates of largest |q^| (ties -> lower index, as everywhere in the
 // project), scores[s] = sum_{c in I} q^[c] * K^[c, s] for s < L. Because K^ is dim-major, coordinate c of every
 // cached key is one contiguous row of S values: the kernel streams exactly k of the r rows, so it
@@ -330,6 +334,111 @@ struct CacheKernel {
   }
 };
 
+// ---------------------------------------------------------------------------------------------
+// ValueProduct: tasks of (batch, kv head, 32 columns of r); within a task, query rows in tiles of 4
+// accumulate over the L slots, so each 128-byte segment of V (two cache lines, what the adjacent-line
+// prefetcher fetches anyway) is loaded once per row tile.
+
+constexpr int kRowTile = 4, kColTile = 32;
+
+template <typename T>
+struct ValueJob {
+  const T* p;
+  const T* v;
+  T* out;
+  int64_t rows, len, cap, r, chunks;
+};
+
+// acc[NR][32] += probs[rr, l] * V[l, c0 .. c0+32) over l < len; NR and the tile width are compile-time
+// constants so the accumulators stay in vector registers.
+template <int NR, bool Full, typename T>
+void value_rows(const T* __restrict probs, int64_t len, const T* __restrict vals, int64_t r, int64_t nc,
+                float (&acc)[kRowTile][kColTile]) {
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int c = 0; c < kColTile; ++c) acc[rr][c] = 0.0f;
+  }
+  for (int64_t l = 0; l < len; ++l) {
+    const T* vr = vals + l * r;
+    float vv[kColTile];
+    if constexpr (Full) {
+      for (int c = 0; c < kColTile; ++c) vv[c] = load(vr, c);
+    } else {
+      for (int c = 0; c < kColTile; ++c) vv[c] = c < nc ? load(vr, c) : 0.0f;
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      const float w = load(probs + rr * len, l);
+      for (int c = 0; c < kColTile; ++c) acc[rr][c] += w * vv[c];
+    }
+  }
+}
+
+template <bool Full, typename T>
+void value_tile(int nr, const T* probs, int64_t len, const T* vals, int64_t r, int64_t nc, float (&acc)[kRowTile][kColTile]) {
+  switch (nr) {
+    case 1: value_rows<1, Full>(probs, len, vals, r, nc, acc); break;
+    case 2: value_rows<2, Full>(probs, len, vals, r, nc, acc); break;
+    case 3: value_rows<3, Full>(probs, len, vals, r, nc, acc); break;
+    default: value_rows<4, Full>(probs, len, vals, r, nc, acc); break;
+  }
+}
+
+template <typename T>
+void value_task(void* data, size_t task) {
+  const auto& j = *static_cast<const ValueJob<T>*>(data);
+  const int64_t bh = static_cast<int64_t>(task) / j.chunks;
+  const int64_t c0 = (static_cast<int64_t>(task) % j.chunks) * kColTile;
+  const int64_t nc = std::min<int64_t>(kColTile, j.r - c0);
+  const T* probs = j.p + bh * j.rows * j.len;
+  const T* vals = j.v + bh * j.cap * j.r + c0;
+  T* out = j.out + bh * j.rows * j.r + c0;
+  alignas(64) float acc[kRowTile][kColTile];
+  for (int64_t row0 = 0; row0 < j.rows; row0 += kRowTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRowTile, j.rows - row0));
+    if (nc == kColTile) {
+      value_tile<true>(nr, probs + row0 * j.len, j.len, vals, j.r, nc, acc);
+    } else {
+      value_tile<false>(nr, probs + row0 * j.len, j.len, vals, j.r, nc, acc);
+    }
+    for (int rr = 0; rr < nr; ++rr) {
+      for (int64_t c = 0; c < nc; ++c) store(out + (row0 + rr) * j.r, c, acc[rr][c]);
+    }
+  }
+}
+
+template <typename T>
+struct ValueKernel {
+  explicit ValueKernel(const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto p = ctx.GetInput(0);
+    auto v = ctx.GetInput(1);
+    const auto ps = p.GetTensorTypeAndShapeInfo().GetShape();
+    const auto vs = v.GetTensorTypeAndShapeInfo().GetShape();
+    if (ps.size() != 5 || vs.size() != 4 || ps[0] != vs[0] || ps[1] != vs[1] || ps[4] > vs[2]) {
+      ORT_CXX_API_THROW("ValueProduct: expected probs [B,Hkv,g,T,L] and value_cache [B,Hkv,C,r] with L <= C",
+                        ORT_INVALID_ARGUMENT);
+    }
+    auto out = ctx.GetOutput(0, std::vector<int64_t>{ps[0], ps[1], ps[2], ps[3], vs[3]});
+    const int64_t chunks = (vs[3] + kColTile - 1) / kColTile;
+    if (ps[0] * ps[1] * ps[2] * ps[3] == 0 || vs[3] == 0) return;
+    ValueJob<T> job{p.GetTensorData<T>(), v.GetTensorData<T>(), out.GetTensorMutableData<T>(), ps[2] * ps[3], ps[4],
+                    vs[2], vs[3], chunks};
+    ctx.ParallelFor(&value_task<T>, static_cast<size_t>(ps[0] * ps[1] * chunks), 0, &job);
+  }
+};
+
+template <typename T>
+struct ValueOp : Ort::CustomOpBase<ValueOp<T>, ValueKernel<T>> {
+  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new ValueKernel<T>(info); }
+  const char* GetName() const { return "ValueProduct"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return element_type<T>(); }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
+};
+
 template <typename T, bool DimMajor>
 struct CacheOp : Ort::CustomOpBase<CacheOp<T, DimMajor>, CacheKernel<T, DimMajor>> {
   void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const {
@@ -364,6 +473,8 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options
   static CacheOp<Ort::Float16_t, true> key_f16;
   static CacheOp<float, false> value_f32;
   static CacheOp<Ort::Float16_t, false> value_f16;
+  static ValueOp<float> product_f32;
+  static ValueOp<Ort::Float16_t> product_f16;
   try {
     Ort::CustomOpDomain domain{kDomain};
     domain.Add(&op_f32);
@@ -372,6 +483,8 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options
     domain.Add(&key_f16);
     domain.Add(&value_f32);
     domain.Add(&value_f16);
+    domain.Add(&product_f32);
+    domain.Add(&product_f16);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(g_mutex);
     g_domains.push_back(std::move(domain));

@@ -1,0 +1,48 @@
+"""`aqua-export bench`: folders measured in fresh processes, rounds interleaved, one JSON object or a table."""
+
+import json
+
+import pytest
+
+from aqua_export import models
+from aqua_export.cli import main
+from aqua_export.config import AquaConfig
+from aqua_export.export import export_onnx
+
+from helpers import folder_cfg, tiny_projection
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    m = models.tiny_model("llama")
+    proj = tiny_projection(m, tmp)
+    out = []
+    for cfg in (AquaConfig(), AquaConfig(k_ratio=0.5, slice_ratio=0.25), AquaConfig(k_ratio=0.75, h2o_ratio=0.5)):
+        d = tmp / f"k{cfg.k_ratio}-s{cfg.slice_ratio}-h{cfg.h2o_ratio}"
+        d.mkdir()
+        export_onnx(m, proj, cfg, d / "model.onnx")
+        folder_cfg(m, cfg).write(d)
+        out.append(d)
+    return out
+
+
+def test_bench_measures_every_folder(tiny_folders, capsys):
+    args = ["bench", *map(str, tiny_folders), "--context", "40", "--batch", "2", "--steps", "2", "--rounds", "2",
+            "--threads", "1", "--capacity", "300"]
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["context"] == 40 and res["batch"] == 2 and res["capacity"] == 300
+    assert sorted(res["folders"]) == sorted(map(str, tiny_folders))
+    for r in res["folders"].values():
+        assert r["tokens_per_s"] > 0 and r["decode_rss_mb"] > 0
+    assert main(args[:-2]) == 0
+    table = capsys.readouterr().out
+    assert "| folder | tokens/s | vs first |" in table and table.count("1.00x") >= 2
+
+
+def test_bench_refuses_what_it_cannot_measure(tiny_folders, tmp_path, capsys):
+    assert main(["bench", str(tmp_path), "--context", "8"]) == 2
+    assert "is not a folder the aqua runtime loads" in capsys.readouterr().err
+    assert main(["bench", str(tiny_folders[0]), "--context", "0"]) == 2
+    assert "--context, --batch, --steps and --rounds must be >= 1" in capsys.readouterr().err
