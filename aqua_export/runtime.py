@@ -246,13 +246,7 @@ class OrtLM:
         for step in range(sampling.max_new_tokens):
             if on_logits is not None:
                 on_logits(step, logits[:, -1, :])
-            nxt = pick(logits[:, -1, :], sampling, rng)
-            if eos_token_id is not None:
-                nxt = np.where(done, eos_token_id, nxt)
-                done |= nxt == eos_token_id
-            out.append(nxt)
-            if on_token is not None:
-                on_token(step, nxt)
+            nxt = emit(pick(logits[:, -1, :], sampling, rng), done, eos_token_id, step, out, on_token)
             if done.all() or step == sampling.max_new_tokens - 1:
                 break
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
@@ -425,6 +419,18 @@ def h2o_keep(visible: np.ndarray, acc: np.ndarray, budget: np.ndarray) -> np.nda
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
     return recent | (cand & (rank < n_heavy))
+
+
+def emit(nxt: np.ndarray, done: np.ndarray, eos: int | None, step: int, out: list, on_token) -> np.ndarray:
+    """One generated token per row: rows already finished repeat eos, ``done`` (updated in place) marks rows
+    that produced it; the tokens are appended to ``out`` and streamed. Shared by every runtime's loop."""
+    if eos is not None:
+        nxt = np.where(done, eos, nxt)
+        done |= nxt == eos
+    out.append(nxt)
+    if on_token is not None:
+        on_token(step, nxt)
+    return nxt
 
 
 def pick(logits: np.ndarray, s: SamplingConfig, rng) -> np.ndarray:

@@ -129,10 +129,8 @@ def genai_section(data) -> list[str]:
 def main() -> int:
     lines = ["# Performance", "", f"Machine: {_cpu()}, {os.cpu_count()} cores (CPU only). Figures are ratios "
              "measured within one run; absolute times are not reported for CPU runs.", "",
-             "GPU: no GPU was lent to the task that produced these tables. The Triton kernel "
-             "(`aqua_export/triton_kernel.py`) is tested against the reference in Triton's CPU interpreter and "
-             "compiled ahead of time to PTX for sm_90 (`tests/test_triton_kernel.py`, "
-             "`tests/test_tensorrt_backend.py`); no GPU timing exists yet.", ""]
+             "These tables are CPU-only. The Triton kernel's GPU timings (H100) are in "
+             "`benchmarks/gpu_attention.md` (`tools/bench_gpu.py`, run where a GPU is lent).", ""]
     att, be, dec = _load("attention_step.json"), _load("breakeven.json"), _load("decode.json")
     if att:
         lines += attention_section(att)

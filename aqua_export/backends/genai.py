@@ -28,6 +28,7 @@ import numpy as np
 
 from ..config import ConfigError
 from ..folder import FolderConfig
+from ..runtime import emit
 from ..safetensors_io import atomic_write_bytes
 
 GENAI_CONFIG = "genai_config.json"
@@ -132,13 +133,7 @@ class GenaiLM:
             if on_logits is not None:  # the logits the next token is picked from (genai runs the model eagerly:
                 on_logits(step, np.asarray(gen.get_logits()).reshape(b, -1))  # after append / generate)
             gen.generate_next_token()
-            nxt = np.asarray(gen.get_next_tokens()).astype(np.int64)
-            if eos_token_id is not None:
-                nxt = np.where(done, eos_token_id, nxt)
-                done |= nxt == eos_token_id
-            out.append(nxt)
-            if on_token is not None:
-                on_token(step, nxt)
+            emit(np.asarray(gen.get_next_tokens()).astype(np.int64), done, eos_token_id, step, out, on_token)
             if eos_token_id is not None and done.all():
                 break
         return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)
