@@ -372,3 +372,26 @@ def test_run_time_rope_scaling_is_refused():
     cfg = models.tiny_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"):
         models.architecture_of(cfg)
+
+
+@pytest.mark.parametrize("cfg,kv", [(AquaConfig(k_ratio=0.5), "shared"), (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), "concat")],
+                         ids=["k0.5", "h2o"])
+def test_padding_side_does_not_matter(exported, cfg, kv):
+    """Positions come from the mask, so right padding (onnxruntime-genai's, `aqua-export run`'s) generates what
+    left padding (HF's) does, and both what the reference generates, eviction included."""
+    from aqua_export.runtime import SamplingConfig
+
+    m, proj, out = exported
+    path = next(p for (c, _), (p, _) in out.items() if c == cfg)  # one graph serves both cache modes
+    lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg), kv)
+    ids, mask = left_padded(128, [9, 4])
+    right, rmask = np.zeros_like(ids.numpy()), np.zeros_like(mask.numpy())
+    for b in range(2):
+        real = ids.numpy()[b][mask.numpy()[b] == 1]
+        right[b, :len(real)], rmask[b, :len(real)] = real, 1
+    left_out = lm.generate(ids.numpy(), mask.numpy(), SamplingConfig(max_new_tokens=8))
+    right_out = lm.generate(right, rmask, SamplingConfig(max_new_tokens=8))
+    with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
+        ref = aqua.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)
+    assert np.array_equal(left_out, right_out) and np.array_equal(left_out, ref[:, ids.shape[1]:].numpy())
