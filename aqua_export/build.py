@@ -89,7 +89,7 @@ def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
     if o.backend == "tensorrt":
-        from .tensorrt_backend import require_tensorrt
+        from .backends.tensorrt import require_tensorrt
 
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written
     elif o.backend != "onnx":
@@ -144,7 +144,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         meter.start("parity")
         _parity(tmp, cfg, tok, projection, config, o, model_spec)
         if o.backend == "tensorrt":
-            from .tensorrt_backend import build_engine
+            from .backends.tensorrt import build_engine
 
             _stage(5, f"building the TensorRT engine (batch <= {o.trt_limits[0]}, context <= {o.trt_limits[1]}, "
                       f"prompt <= {o.trt_limits[2]})", total)

@@ -168,19 +168,15 @@ def cmd_run(a) -> int:
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    if a.backend == "tensorrt":
-        from .tensorrt_backend import engine_lm
-
-        if a.runtime != "aqua":
-            raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
-        lm = engine_lm(a.folder)
-    else:
-        lm = open_lm(a.folder, a.runtime, kernel=a.kernel, share_buffer=a.kv_buffer == "shared")
+    if a.backend == "tensorrt" and a.runtime != "aqua":
+        raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
+    lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
+                 share_buffer=a.kv_buffer == "shared")
     tok = load_tokenizer(a.folder)
     ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.context_length,
                                max_new_tokens=a.max_new_tokens)
     if a.backend == "tensorrt":
-        from .tensorrt_backend import check_request
+        from .backends.tensorrt import check_request
 
         check_request(lm.session.profiles, ids.shape[0], ids.shape[1], a.max_new_tokens)
     eos = tok.eos_token_id

@@ -1,7 +1,8 @@
 """Runtimes a built folder runs in, behind one protocol (``LM``):
 
-    aqua    this project's ONNX Runtime loop (runtime.OrtLM): every variant, H2O eviction included
-    genai   onnxruntime-genai (backends/genai.py): what production apps embed (C, C++, C#, Java, Python)
+    aqua      this project's ONNX Runtime loop (runtime.OrtLM): every variant, H2O eviction included
+    genai     onnxruntime-genai (backends/genai.py): what production apps embed (C, C++, C#, Java, Python)
+    tensorrt  the folder's TensorRT engine in this project's loop (backends/tensorrt.py; needs TensorRT)
 
 Both take padded prompts (runtime.encode_prompts pads on the right, as genai does) and return greedy or
 sampled ids; ``open_lm`` picks one by name.
@@ -14,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-RUNTIMES = ("aqua", "genai")
+RUNTIMES = ("aqua", "genai", "tensorrt")
 
 
 class LM(Protocol):
@@ -36,4 +37,8 @@ def open_lm(folder: str | Path, runtime: str = "aqua", threads: int = 0, kernel:
         from .genai import GenaiLM
 
         return GenaiLM(folder, share_buffer=share_buffer, threads=threads)
+    if runtime == "tensorrt":
+        from .tensorrt import engine_lm
+
+        return engine_lm(folder)
     raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")

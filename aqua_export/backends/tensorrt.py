@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
-from .export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from ..config import ConfigError
+from ..export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 # The plugin's fields, as tensorrt.plugin.register declares them. The ONNX parser consumes
@@ -153,7 +153,7 @@ class LaunchPlan:
 
 
 def launch_plan(r: int, k: int, dtype: str) -> LaunchPlan:
-    from .triton_kernel import block_sizes
+    from ..triton_kernel import block_sizes
 
     output_type(dtype, dtype)
     if not 1 <= k <= r:
@@ -168,7 +168,7 @@ def compile_kernel(plan: LaunchPlan, arch: int = 90):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from .triton_kernel import jit_kernel
+    from ..triton_kernel import jit_kernel
 
     src = triton.compiler.ASTSource(fn=jit_kernel(), signature=plan.signature, constexprs=plan.constexprs)
     ck = triton.compile(src, target=GPUTarget("cuda", arch, 32))
@@ -396,15 +396,15 @@ def _torch_dtype(trt_dtype):
 
 def engine_lm(folder: str | Path):
     """runtime.OrtLM driving the folder's TensorRT engine."""
-    from .folder import FolderConfig
-    from .runtime import OrtLM
+    from ..folder import FolderConfig
+    from ..runtime import OrtLM
 
     return OrtLM(TrtSession(folder), FolderConfig.from_folder(folder), cache="concat")
 
 
 
 def _polygraphy_main(argv: list[str]) -> int:
-    """`python -m aqua_export.tensorrt_backend polygraphy ARGS...`: Polygraphy with the plugin registered
+    """`python -m aqua_export.backends.tensorrt polygraphy ARGS...`: Polygraphy with the plugin registered
     in its process (TensorRT Python plugins live in the process that builds the engine)."""
     import sys
 
@@ -421,7 +421,7 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) < 2 or sys.argv[1] != "polygraphy":
-        print("usage: python -m aqua_export.tensorrt_backend polygraphy run MODEL --onnxrt --trt ...", file=sys.stderr)
+        print("usage: python -m aqua_export.backends.tensorrt polygraphy run MODEL --onnxrt --trt ...", file=sys.stderr)
         sys.exit(2)
     try:
         sys.exit(_polygraphy_main(sys.argv[2:]))
