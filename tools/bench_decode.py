@@ -103,6 +103,27 @@ def _rows(names, ctx, batch, runtime, a, capacity=0) -> list[dict]:
     return rows
 
 
+def _capacity_rows(a) -> list[dict]:
+    """A step reads the filled slots only: the same 1k context in a buffer of just enough slots and in one of
+    genai's max_length (8,192), rounds interleaved between the two sizes."""
+    import statistics
+
+    folders = [str(WORK / n) for n in ("dense", "aqua-k0.75")]
+    steps = {(f, cap): [] for f in folders for cap in (0, 8192)}
+    for _ in range(a.rounds):
+        for cap in (0, 8192):
+            res = bench(folders, context=1024, batch=1, runtime="genai-io", steps=a.steps, rounds=1,
+                        threads=a.threads, capacity=cap)
+            for f in folders:
+                steps[f, cap].append(res["folders"][f]["step_s_median"])
+    rows = [{"variant": Path(f).name, "capacity": cap, "context": 1024, "batch": 1, "runtime": "genai-io",
+             "step_s_median": statistics.median(v), "tokens_per_s": 1 / statistics.median(v)}
+            for (f, cap), v in steps.items()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -112,7 +133,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process each)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", choices=["aqua", "genai"], help="run one of the two tables")
+    ap.add_argument("--only", choices=["aqua", "genai", "capacity"], help="run one of the tables")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -120,20 +141,20 @@ def main() -> int:
     meta = {"threads": a.threads, "steps": a.steps, "rounds": a.rounds, "model": "SmolLM2-135M-Instruct (embedded), float32"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.only != "genai":
+    if a.only in (None, "aqua"):
         rows = []
         for ctx in [int(x) for x in a.contexts.split(",")]:
             for batch in [int(x) for x in a.batches.split(",")]:
                 rows += _rows(names, ctx, batch, "aqua", a)
         atomic_write_bytes(out / "decode.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
-    if a.only != "aqua":
+    if a.only in (None, "genai"):
         rows = []
         for ctx, batch, runtime, folders in GENAI_RUNS:
             rows += _rows(folders, ctx, batch, runtime, a)
-        # a step reads the filled slots only: the same context in a buffer of genai's max_length (8192)
-        for cap in (0, 8192):
-            rows += _rows(["dense", "aqua-k0.75"], 1024, 1, "genai-io", a, capacity=cap)
         atomic_write_bytes(out / "genai.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
+    if a.only in (None, "capacity"):
+        atomic_write_bytes(out / "capacity.json", json.dumps({"meta": meta, "rows": _capacity_rows(a)},
+                                                             indent=1).encode())
     return 0
 
 
