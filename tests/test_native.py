@@ -122,3 +122,34 @@ def test_library_built_against_an_older_c_api_loads_in_this_runtime():
     built = api()
     runtime_minor = int(ort.__version__.split(".")[1])
     assert 1 <= built <= runtime_minor, (built, ort.__version__)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 3, 1, 1024, 1100, 64), (2, 2, 2, 5, 37, 40, 48), (1, 1, 1, 7, 5, 5, 20)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_native_value_product_reads_the_filled_slots(shape, dtype):
+    """probs [B, Hkv, g, T, L] @ V[:, :, :L] of a buffer of C >= L slots; r not a multiple of the 32-column
+    tile; decode (T = 1) and prefill rows. float32: 1e-5; float16: float32 accumulation, one rounding."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    from aqua_export.export import DOMAIN, VALUE_PRODUCT, _register_schema, value_product_body
+
+    _register_schema()
+    b, h, g, t, length, cap, r = shape
+    et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    node = H.make_node(VALUE_PRODUCT, ["p", "v"], ["o"], domain=DOMAIN)
+    graph = H.make_graph([node], "vp", [H.make_tensor_value_info("p", et, [None] * 5),
+                                        H.make_tensor_value_info("v", et, [None] * 4)],
+                         [H.make_tensor_value_info("o", et, [None] * 5)])
+    model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, 1)],
+                         functions=[value_product_body(20)], ir_version=10).SerializeToString()
+    rng = np.random.default_rng(3)
+    p = rng.random((b, h, g, t, length)).astype(dtype)
+    v = rng.standard_normal((b, h, cap, r)).astype(dtype)
+    ref = p.astype(np.float64) @ v[:, :, None, :length].astype(np.float64)
+    got = make_session(model, kernel="native").run(None, {"p": p, "v": v})[0].astype(np.float64)
+    body = make_session(model, kernel="function").run(None, {"p": p, "v": v})[0].astype(np.float64)
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= tol * max(1.0, np.abs(ref).max())
+    assert np.abs(body - ref).max() <= tol * max(1.0, np.abs(ref).max())
