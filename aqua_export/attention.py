@@ -315,7 +315,7 @@ def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is
 def _forced_eviction(st: LayerAqua, layer: AquaLayerCache, offset: int, vis, acc, budget, own, hidden, real):
     """Replace this token's eviction by the one another implementation made (parity harness) and
     record where ours differs. offset: this token's index minus the layer's token count."""
-    from .runtime import eviction_flips
+    from .caches import eviction_flips
 
     index = layer.seen + offset
     live = torch.from_numpy(st.forced_keep[index])  # [B, Hkv, index + 1]

@@ -85,7 +85,8 @@ def _rss_mb() -> float:
 
 
 def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
-    from .runtime import H2OCache, OrtLM
+    from .caches import H2OCache
+    from .runtime import OrtLM
 
     lm = OrtLM.from_folder(folder, threads)
     ct = lm.contract

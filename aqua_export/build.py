@@ -188,7 +188,7 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
                   "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }
     if config.h2o_ratio < 1:
-        info["h2o"] = ("eviction in the runtime between tokens (runtime.H2OCache): keep ceil(ratio*n) per sequence, "
+        info["h2o"] = ("eviction in the runtime between tokens (caches.H2OCache): keep ceil(ratio*n) per sequence, "
                        "floor(half) most recent, the rest by accumulated attention_weights; one token per forward")
     cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract_for(model, config, DTYPES[o.dtype]),
                        context_length=getattr(model.config, "max_position_embeddings", None),

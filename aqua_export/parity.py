@@ -51,7 +51,7 @@ TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "t
 
 def _ort_trace(lm, ids: np.ndarray, steps: int, with_indices: bool = False, log=None, force=None, tokens=None):
     """Logits per forward ([T, V] at prefill, [1, V] per step), tokens chosen (or fed: ``tokens``), TopK
-    indices per forward, and for H2O the cache (log / force: runtime.H2OCache's eviction record and replay)."""
+    indices per forward, and for H2O the cache (log / force: caches.H2OCache's eviction record and replay)."""
     mask = np.ones_like(ids)
     pos = np.arange(ids.shape[1])[None]
     past = lm.empty_past(1, log, force) if lm.h2o else lm.empty_past(1)
