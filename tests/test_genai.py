@@ -66,6 +66,23 @@ def test_genai_equals_aqua_run(folders, smollm, name):
             assert worst <= 1e-3, (name, len(prompts), share, worst)
 
 
+@pytest.mark.parametrize("text", ["{", '{"model": {}}'])
+def test_damaged_genai_config_is_one_line(tmp_path, text):
+    from aqua_export.backends.genai import GenaiLM
+    from aqua_export.contract import Contract
+    from aqua_export.folder import FolderConfig, Geometry
+
+    FolderConfig(model="llama", aqua=AquaConfig(), geometry=Geometry(2, 4, 2, 16, 64),
+                 contract=Contract(layers=2, kv_heads=2, width=16, selected=16, vocab=100)).write(tmp_path)
+    with pytest.raises(ConfigError, match="has no genai_config.json: rebuild the folder") as e:
+        GenaiLM(tmp_path)
+    assert "\n" not in str(e.value)
+    (tmp_path / "genai_config.json").write_text(text)
+    with pytest.raises(ConfigError, match="cannot be loaded by onnxruntime-genai.*rebuild the folder") as e:
+        GenaiLM(tmp_path)
+    assert "\n" not in str(e.value)
+
+
 def test_genai_refuses_h2o_folders_with_one_line(tmp_path):
     from aqua_export.backends.genai import GenaiLM
     from aqua_export.contract import Contract

@@ -106,13 +106,18 @@ class GenaiLM:
         import onnxruntime_genai as og
 
         self.og = og
-        gc = json.loads((folder / GENAI_CONFIG).read_text())
-        self.pad = gc["model"]["pad_token_id"]
-        self.context = gc["model"]["context_length"]
-        config = og.Config(str(folder))
-        if threads:
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-        self.model = og.Model(config)
+        try:
+            gc = json.loads((folder / GENAI_CONFIG).read_text())
+            self.pad = gc["model"]["pad_token_id"]
+            self.context = gc["model"]["context_length"]
+            config = og.Config(str(folder))
+            if threads:
+                config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+            self.model = og.Model(config)
+        except Exception as e:  # JSON, key and onnxruntime-genai's own errors: one line, not a traceback
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"{folder} cannot be loaded by onnxruntime-genai ({type(e).__name__}: {first}): its "
+                              f"{GENAI_CONFIG} or model is damaged; rebuild the folder") from None
         self.share_buffer = share_buffer
 
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling, eos_token_id: int | None = None,
