@@ -154,9 +154,8 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
     bufs = []
     for i in range(dec["num_hidden_layers"]):
         for kind in ("key", "value"):
-            a = rng.standard_normal(shape, dtype=np.float32)
-            bufs.append((io_in[f"past_{kind}_names"] % i, io_out[f"present_{kind}_names"] % i, a,
-                         ort.OrtValue.ortvalue_from_numpy(a)))
+            bufs.append((io_in[f"past_{kind}_names"] % i, io_out[f"present_{kind}_names"] % i,
+                         ort.OrtValue.ortvalue_from_numpy(rng.standard_normal(shape, dtype=np.float32))))
     state = {"pos": context}
 
     def step():
@@ -166,7 +165,7 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
         io.bind_cpu_input(io_in["attention_mask"], np.ones((batch, p + 1), np.int64))
         if "position_ids" in names:
             io.bind_cpu_input("position_ids", np.full((batch, 1), p, np.int64))
-        for past, present, _, buf in bufs:
+        for past, present, buf in bufs:
             io.bind_ortvalue_input(past, buf)
             io.bind_ortvalue_output(present, buf)
         io.bind_output(io_out["logits"])

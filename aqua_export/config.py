@@ -15,6 +15,13 @@ class ConfigError(ValueError):
     """Bad user input; the message is one line that names the fix."""
 
 
+def reject_unknown(cls, data: dict, what: str = "") -> None:
+    """One ConfigError line naming the keys of ``data`` that are not fields of the dataclass ``cls``."""
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(f"unknown {what}field(s): {', '.join(unknown)}")
+
+
 def _ratio(name: str, value: object, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
@@ -81,10 +88,7 @@ class AquaConfig:
     def from_dict(cls, data: dict) -> "AquaConfig":
         if not isinstance(data, dict):
             raise ConfigError("an AQUA config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown AQUA config field(s): {', '.join(unknown)}")
+        reject_unknown(cls, data, "AQUA config ")
         return cls(**data)
 
     @classmethod

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .config import ConfigError, reject_unknown
 
 CONTRACT_VERSION = 2
 DOMAIN = "com.aqua"
@@ -170,10 +170,7 @@ class Contract:
     def from_dict(cls, data) -> "Contract":
         if not isinstance(data, dict):
             raise ConfigError("contract must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown contract field(s): {', '.join(unknown)}")
+        reject_unknown(cls, data, "contract ")
         try:
             return cls(**data)
         except TypeError as e:

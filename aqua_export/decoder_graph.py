@@ -43,24 +43,27 @@ F32 = TensorProto.FLOAT
 
 @dataclass(frozen=True)
 class Plan:
-    """What the graph computes: shapes, widths, modes. dtype: the exported float type."""
+    """What the graph computes beyond its contract (which fixes layers, KV heads, widths, vocabulary and
+    H2O): the model's shapes and numerics. dtype: the exported float type."""
 
-    layers: int
+    contract: Contract
     heads: int
-    kv_heads: int
     head_dim: int
     hidden: int
-    vocab: int
-    r: int
-    k: int
     dense: bool
-    h2o: bool
     dtype: torch.dtype
     eps: float
     rotary_dim: int  # coordinates of each head that RoPE rotates (head_dim unless partial rotary)
     act: str = "silu"  # gated MLP activation: silu or gelu_tanh
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the mask
     final_softcap: float | None = None  # logits -> tanh(logits / c) * c
+
+    layers = property(lambda self: self.contract.layers)
+    kv_heads = property(lambda self: self.contract.kv_heads)
+    vocab = property(lambda self: self.contract.vocab)
+    r = property(lambda self: self.contract.width)
+    k = property(lambda self: self.contract.selected)
+    h2o = property(lambda self: self.contract.h2o)
 
     @property
     def g(self) -> int:
@@ -74,8 +77,8 @@ class Plan:
 class DecoderGraph(Blocks):
     """Emits one graph: embeddings, rotary tables and masks once, then each layer, then the head."""
 
-    def __init__(self, gb: GraphBuilder, plan: Plan, contract: Contract, op_attrs: dict):
-        self.gb, self.p, self.contract = gb, plan, contract
+    def __init__(self, gb: GraphBuilder, plan: Plan, op_attrs: dict):
+        self.gb, self.p, self.contract = gb, plan, plan.contract
         self.op_attrs, self.domain, self.op_type = op_attrs, DOMAIN, OP_TYPE
         # what casting the weights to a float16 export cost (reported in aqua_config.json)
         self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
@@ -256,7 +259,8 @@ class DecoderGraph(Blocks):
         probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, self._layer_mask(n, i, mask, io)])],
                       axis=-1)
         if p.h2o:  # H2O's heavy-hitter statistic: attention summed over the group's query heads, [B, Hkv, T, S]
-            gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0, outputs=[f"attention_weights.{i}"])
+            gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0,
+                  outputs=[self.contract.WEIGHTS % i])
         if p.dtype != torch.float32:
             probs = gb.op(f"{n}/probs/Cast", "Cast", [probs], to=p.elem)
         a = gb.op(f"{n}/{VALUE_PRODUCT}", VALUE_PRODUCT, [probs, vc], domain=self.domain)  # [B, Hkv, g, T, r]
@@ -289,7 +293,7 @@ class DecoderGraph(Blocks):
         if not self.p.h2o:
             return mask
         gb, c = self.gb, self.gb.const
-        valid = f"past_key_values.{i}.valid"
+        valid = self.contract.VALID % i
         past = gb.op(f"{n}/valid/Where", "Where", [valid, c(0.0, torch.float32),
                                                     c(torch.finfo(torch.float32).min, torch.float32)])
         past = gb.op(f"{n}/valid/Unsqueeze", "Unsqueeze", [past, c([2, 3])])  # [B, Hkv, 1, 1, P]

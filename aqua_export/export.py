@@ -255,11 +255,11 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     path = Path(path)
     geo = attention_geometry(model)
     d = geo["head_dim"]
-    r, k = config.retained_width(d), config.selected_width(d)
+    ct = contract_for(model, config, dtype)
     cfg = model.config
     arch = architecture_of(cfg)
-    plan = Plan(layers=geo["layers"], heads=geo["heads"], kv_heads=geo["kv_heads"], head_dim=d, hidden=geo["hidden_size"],
-                vocab=cfg.vocab_size, r=r, k=k, dense=k == r and config.slice_ratio == 0, h2o=config.h2o_ratio < 1,
+    plan = Plan(contract=ct, heads=geo["heads"], head_dim=d, hidden=geo["hidden_size"],
+                dense=ct.selected == ct.width and config.slice_ratio == 0,
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
@@ -271,8 +271,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     store = TensorStore(data_path)
     try:
         gb = GraphBuilder(store)
-        g = DecoderGraph(gb, plan, contract_for(model, config, dtype),
-                         {"k": k, "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION})
+        g = DecoderGraph(gb, plan, {"k": ct.selected, "plugin_namespace": PLUGIN_NAMESPACE,
+                                    "plugin_version": PLUGIN_VERSION})
         io = g.inputs()
         et = arch.embeddings(model)
         embed = g.weight("model.embed_tokens.weight", et.weight.detach())

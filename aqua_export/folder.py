@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import AquaConfig, ConfigError
+from .config import AquaConfig, ConfigError, reject_unknown
 from .contract import Contract
 
 CONFIG_FILE = "aqua_config.json"
@@ -80,9 +80,7 @@ class FolderConfig:
             raise ConfigError("not a JSON object")
         if d.get("format_version") != FORMAT_VERSION:
             raise ConfigError(f"format_version {d.get('format_version')!r} is not this tool's ({FORMAT_VERSION})")
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(f"unknown field(s) {', '.join(unknown)}")
+        reject_unknown(cls, d)
         for key in ("aqua", "geometry", "contract"):
             if not isinstance(d.get(key), dict):
                 raise ConfigError(f"{key!r} missing or not an object")

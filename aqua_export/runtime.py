@@ -129,8 +129,8 @@ class OrtLM:
         self.h2o_ratio = cfg.aqua.h2o_ratio
         # the graph's inputs say whether it takes per-head validity (an H2O export); a ratio of 1 on such a
         # graph runs it without eviction
-        self.h2o = any(i.name.endswith(".valid") for i in session.get_inputs()) if hasattr(session, "get_inputs") \
-            else self.contract.h2o
+        self.h2o = self.contract.VALID % 0 in {i.name for i in session.get_inputs()} \
+            if hasattr(session, "get_inputs") else self.contract.h2o
         self.shared = cache == "shared" and not self.h2o
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
@@ -141,7 +141,8 @@ class OrtLM:
         """The config must describe this graph: one key/value input pair per layer, of its heads and width."""
         if not hasattr(self.session, "get_inputs"):
             return
-        keys = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.") and i.name.endswith(".key")]
+        by_name = {i.name: i for i in self.session.get_inputs()}
+        keys = [by_name[n] for n in (self.contract.past(i, "key") for i in range(len(by_name))) if n in by_name]
         shape = list(keys[0].shape) if keys else []
         if len(keys) != self.layers or (len(shape) == 4 and [shape[1], shape[3]] != [self.kv_heads, self.r]):
             raise ConfigError(f"the folder's aqua_config.json does not match its model.onnx ({self.layers} layers, "

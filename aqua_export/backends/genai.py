@@ -39,8 +39,7 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
     """genai_config.json of a folder (raises for H2O folders, which genai cannot run)."""
     inputs, outputs = cfg.contract.genai_io()
     # no CPU arena: an arena keeps its peak for the session's life, and our prefill's peak ([T, T] scores per
-    # layer) is far above a decode step's (measured at 1k context: decode memory 1.34x -> 1.14x the model
-    # builder's, tokens/s 1.08x -> 1.01x of it)
+    # layer) is far above a decode step's
     session = {"log_id": "onnxruntime-genai", "provider_options": [], "enable_cpu_mem_arena": False}
     if cfg.dtype == "float32":  # float16 folders run the function bodies (runtime.default_kernel says why)
         session["custom_ops_library"] = NATIVE_NAME

@@ -257,17 +257,23 @@ constexpr ONNXTensorElementDataType element_type() {
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 }
 
-template <typename T>
-struct Op : Ort::CustomOpBase<Op<T>, Kernel<T>> {
-  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new Kernel<T>(info); }
-  const char* GetName() const { return kOpName; }
+// What every op of the library declares alike: a CPU kernel of element type T (float or float16) with
+// NInputs inputs, the last an int64 total_length when Length, and one output of type T.
+template <typename Self, typename K, typename T, size_t NInputs, bool Length>
+struct CpuOp : Ort::CustomOpBase<Self, K> {
+  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new K(info); }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 3; }
+  size_t GetInputTypeCount() const { return NInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : element_type<T>();
+    return Length && i == NInputs - 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : element_type<T>();
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
+};
+
+template <typename T>
+struct Op : CpuOp<Op<T>, Kernel<T>, T, 3, true> {
+  const char* GetName() const { return kOpName; }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -429,29 +435,13 @@ struct ValueKernel {
 };
 
 template <typename T>
-struct ValueOp : Ort::CustomOpBase<ValueOp<T>, ValueKernel<T>> {
-  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new ValueKernel<T>(info); }
+struct ValueOp : CpuOp<ValueOp<T>, ValueKernel<T>, T, 2, false> {
   const char* GetName() const { return "ValueProduct"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return element_type<T>(); }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
 };
 
 template <typename T, bool DimMajor>
-struct CacheOp : Ort::CustomOpBase<CacheOp<T, DimMajor>, CacheKernel<T, DimMajor>> {
-  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const {
-    return new CacheKernel<T, DimMajor>(info);
-  }
+struct CacheOp : CpuOp<CacheOp<T, DimMajor>, CacheKernel<T, DimMajor>, T, 3, true> {
   const char* GetName() const { return DimMajor ? "KeyCacheUpdate" : "ValueCacheUpdate"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : element_type<T>();
-  }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
 };
 
 std::mutex g_mutex;
