@@ -2,8 +2,8 @@
 
 Folder contents: model.onnx (+ model.onnx.data when large), projection.safetensors, aqua_config.json
 (folder.FolderConfig), the tokenizer files, parity.json, and what onnxruntime-genai loads: genai_config.json,
-config.json, generation_config.json, libaqua_ort.so (backends/genai.py). It is assembled in a temporary sibling folder and renamed into
-place only when every stage succeeded, so a failure leaves nothing behind.
+config.json, generation_config.json, libaqua_ort.so (backends/genai.py). It is assembled in a temporary
+sibling folder and renamed into place only when every stage succeeded, so a failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class BuildOptions:
     force: bool = False  # replace an existing --out that this tool built
 
 
-def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
+def _check(o: BuildOptions) -> None:
     """Validate before any work."""
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
@@ -96,7 +96,6 @@ def _check(config: AquaConfig, o: BuildOptions) -> BuildOptions:
         raise ConfigError(f"unknown --backend {o.backend!r}: use onnx or tensorrt")
     if o.dtype not in DTYPES:
         raise ConfigError(f"unknown --dtype {o.dtype!r}: use {' or '.join(DTYPES)}")
-    return o
 
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
@@ -107,7 +106,8 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     options.external_data: True writes the weights to model.onnx.data whatever the size; None does so
     when they exceed what one ONNX protobuf holds. trt_limits: (max batch, max context, max prompt) of the
     TensorRT engine's optimization profiles."""
-    o = _check(config, options)
+    o = options
+    _check(o)
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
     projection = calibrate.load_projection(projection_path) if projection_path else None
