@@ -7,7 +7,7 @@ AQUA-Memory, and undoes all of it on exit.
 Per layer, per query head of KV group h (docs/design.md, The operator), with r the retained width, k selected:
 
     q^ = (q P_h)[:r]            k^ = (k P_h)[:r]  (cached: the cache holds k^, r wide)
-    I  = top-k(|q^|)            (ties -> lower index; 'static': I = {0..k-1})
+    I  = top-k(|q^|)            (ties -> lower index; other rules: selection_score)
     s_j = scale * q^[I] . k^_j[I]      softmax over visible j, times V (P_v basis, r wide)
 
 AQUA-H2O keeps ceil(h2o_ratio * n) of the n tokens a sequence has seen, half of them the most
@@ -37,21 +37,27 @@ IMPL = "aqua"
 # The operator
 # --------------------------------------------------------------------------------------------
 
-def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:
-    """qh [..., Hkv, g, T, r] -> indices [..., k] of the coordinates each query keeps.
-
-    key_rms [Hkv, r] is needed for 'weighted'. Ties go to the lower index (stable sort).
-    """
+def selection_score(qh: torch.Tensor, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [..., Hkv, g, T, r] -> what the top k is taken of: [..., Hkv, g, T, r], or [..., Hkv, 1, T, r] for the
+    'group' rules (one set per KV head and token, from the sum over the group's g query heads). key_rms
+    [Hkv, r] is needed for the weighted rules; 'static' scores r, r-1, ..., 1 (the first k)."""
     r = qh.shape[-1]
     if selection == "static":
-        return torch.arange(k, device=qh.device).expand(*qh.shape[:-1], k)
-    score = qh.abs()
-    if selection == "weighted":
-        score = score * key_rms[:, None, None, :].to(score.dtype)
-    elif selection != "magnitude":
+        return torch.arange(r, 0, -1, device=qh.device, dtype=qh.dtype).expand(qh.shape)
+    if selection not in ("magnitude", "weighted", "group", "group-weighted"):
         raise ConfigError(f"unknown selection {selection!r}")
-    assert 1 <= k <= r
-    return torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
+    score = qh.abs()
+    if selection.endswith("weighted"):
+        score = score * key_rms[:, None, None, :].to(score.dtype)
+    return score.sum(-3, keepdim=True) if selection.startswith("group") else score
+
+
+def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [..., Hkv, g, T, r] -> indices [..., Hkv, g, T, k] of the coordinates each query keeps (top k of
+    selection_score; ties go to the lower index)."""
+    assert 1 <= k <= qh.shape[-1]
+    idx = torch.sort(selection_score(qh, selection, key_rms), dim=-1, descending=True, stable=True).indices[..., :k]
+    return idx.expand(*qh.shape[:-1], k)
 
 
 def approx_scores(qh: torch.Tensor, kh: torch.Tensor, k: int, selection: str,
@@ -270,12 +276,12 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
 
 def _record_flips(st: LayerAqua, qh: torch.Tensor, forced: torch.Tensor) -> None:
     """Rows whose own selection differs from ``forced``, with the relative gap between the k-th and
-    (k+1)-th largest |q^| of each such row (a float near-tie has a gap near rounding error)."""
+    (k+1)-th largest selection score of each such row (a float near-tie has a gap near rounding error)."""
     if st.k >= st.r:
         return
     own = select_indices(qh, st.k, st.selection, st.key_rms)
     differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)
-    mags = qh.abs().sort(-1, descending=True).values
+    mags = selection_score(qh, st.selection, st.key_rms).sort(-1, descending=True).values.expand(qh.shape)
     gap = (mags[..., st.k - 1] - mags[..., st.k]) / mags[..., st.k - 1].clamp_min(1e-30)
     st.flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
 

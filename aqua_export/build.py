@@ -169,7 +169,8 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     geo = models.attention_geometry(model)
     bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
-                        external_data=o.external_data, progress=lambda i, n: bar.update(1))
+                        external_data=o.external_data, progress=lambda i, n: bar.update(1),
+                        fused=o.backend != "tensorrt")
     bar.close()
     tok.save_pretrained(tmp)
     import onnx
@@ -181,7 +182,11 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
         "operators": {op: sum(1 for n in proto.graph.node if n.op_type == op) for op in OPS},
         "plugin": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION},
         "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
-                   "P after RoPE (cannot fold under rotary embeddings)", "TopKGatherDot per layer"],
+                   "P after RoPE (cannot fold under rotary embeddings)",
+                   *(["rms(k^) folded into P (q^ * w, k^ / w): the weighted rule as magnitude"]
+                     if config.weighted_selection and config.k_ratio < 1 else []),
+                   "AquaAttention per layer" if config.h2o_ratio == 1 and o.backend != "tensorrt" else
+                   "TopKGatherDot, Softmax, ValueProduct per layer"],
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
         **{p.key: p.value for p in proto.metadata_props if p.key == "float16_cast"},
         "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,

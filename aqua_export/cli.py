@@ -41,7 +41,9 @@ def _config_args(p, k_default: float = 1.0):
                    help="AQUA-H2O: share of tokens kept in the cache, in (0, 1]; 1 = no eviction (default %(default)s)")
     p.add_argument("--selection", default="magnitude", choices=SELECTIONS,
                    help="how coordinates are chosen: magnitude (top-k |q^|, the paper), static (first k), weighted "
-                        "(top-k |q^_i| * rms(k^_i)); the export supports magnitude (default %(default)s)")
+                        "(top-k |q^_i| * rms(k^_i)), group / group-weighted (one top-k of the GQA group's summed "
+                        "scores for all its query heads: a step reads exactly k of K^'s rows); every rule is exported "
+                        "(default %(default)s)")
 
 
 def _window_args(p, tokens: int, what: str):

@@ -8,7 +8,11 @@ import math
 from dataclasses import dataclass
 
 CONFIG_VERSION = 1
-SELECTIONS = ("magnitude", "static", "weighted")
+SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
+# how each rule scores coordinate i of q^ before taking the top k (attention.select_indices is the definition):
+#   shared: one index set per KV group (the sum of the score over its g query heads), so a kernel reads exactly
+#           k of K^'s r rows per group instead of the union of g selections
+#   weighted: |q^_i| * rms(k^_i); exported by folding rms into P (q^ * w, k^ / w: same scores, see export)
 
 
 class ConfigError(ValueError):
@@ -46,7 +50,9 @@ class AquaConfig:
     h2o_ratio:   AQUA-H2O, fraction of tokens kept in the cache, in (0, 1]; 1 = no eviction.
     selection:   how coordinates are chosen: 'magnitude' (the paper: top-k of |q^|), 'static'
                  (LoKi-style: the first k principal coordinates) or 'weighted' (top-k of
-                 |q^_i| * rms(k^_i), the expected contribution of coordinate i to the score).
+                 |q^_i| * rms(k^_i), the expected contribution of coordinate i to the score);
+                 'group' / 'group-weighted' share one selection across the query heads of a GQA group
+                 (top-k of the group's summed |q^_i|, or summed |q^_i| * rms(k^_i)).
     """
 
     k_ratio: float = 1.0
@@ -73,6 +79,14 @@ class AquaConfig:
 
     def selected_width(self, head_dim: int) -> int:
         return max(1, min(self.retained_width(head_dim), round(self.k_ratio * self.retained_width(head_dim))))
+
+    @property
+    def shared_selection(self) -> bool:
+        return self.selection.startswith("group")
+
+    @property
+    def weighted_selection(self) -> bool:
+        return self.selection.endswith("weighted")
 
     @property
     def is_dense(self) -> bool:

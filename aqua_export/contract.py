@@ -38,7 +38,7 @@ from .config import ConfigError, reject_unknown
 CONTRACT_VERSION = 2
 DOMAIN = "com.aqua"
 # the custom nodes, each with a function body
-OPS = ("TopKGatherDot", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct")
+OPS = ("TopKGatherDot", "AquaAttention", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct")
 DTYPES = ("float32", "float16")
 
 

@@ -3,23 +3,27 @@
 Per layer i, with g = H / Hkv, r the retained width and k the selected width (docs/design.md):
 
     x --RMSNorm--> h
-    h --q|k|v_proj as one MatMul, Split (scale folded into q)--> RoPE --MatMul P_r--> q^ [B,Hkv,g,T,r] ------------------------\\
-    h --k_proj--> RoPE --MatMul P_r--> [B,Hkv,T,r] --KeyCacheUpdate(past.key, L)--> present.key
-                                           present.key viewed [B,Hkv,r,C] (dim-major) --> TopKGatherDot(k, L)
-    h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --ValueCacheUpdate(past.value, L)--\\    | + mask
-                                                                    present.value --\\  Softmax (float32)
-                                        ValueProduct (probs @ the first L slots) <------------/
+    h --q|k|v_proj as one MatMul, Split (scale folded into q)--> RoPE --MatMul P_q--> q^ [B,Hkv,g,T,r] -------------\
+    h --k_proj--> RoPE --MatMul P_k--> [B,Hkv,T,r] --KeyCacheUpdate(past.key, L)--> present.key                    |
+                                           present.key viewed [B,Hkv,r,C] (dim-major) -----------------------> AquaAttention
+    h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --ValueCacheUpdate(past.value, L)--> present.value -------> (k, rule,
+                                                                                              mask ---------> softcap)
+      <-- [B,Hkv,g,T,r]: softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
+P_q = P_k = P[:, :r] except under the weighted rules (export.selection_bases). AQUA-H2O, which outputs the
+attention weights, and TensorRT builds (whose plugin is TopKGatherDot) run TopKGatherDot, Softmax and
+ValueProduct as separate nodes instead.
+
 What the families change (archs/): q/k RMSNorms before RoPE (the scale then folds into q_norm), partial
-rotary, per-layer sliding-window masks, soft-capping between TopKGatherDot and the mask, norms on the block
+rotary, per-layer sliding-window masks, soft-capping of the scores before the mask, norms on the block
 outputs, GELU or routed-expert MLPs, LayerNorm; without a rotary embedding P folds into q_proj / k_proj and
 both RoPE and the P MatMuls disappear.
 
 L = attention_mask.shape[1] is the sequence so far; the cache contract (buffers shared with onnxruntime-genai,
 in-place writes, positions from the mask) is contract.Contract's.
 
-Node names are stable paths (``/model/layers.3/attn/TopKGatherDot``); every weight is folded in
+Node names are stable paths (``/model/layers.3/attn/AquaAttention``); every weight is folded in
 float32 from the model's own tensors and written to the TensorStore the moment it is made, so only one
 layer's folded weights exist at a time. At k = r without slicing P and P_v cancel exactly, so the dense
 graph has no projection MatMul at all.
@@ -33,7 +37,7 @@ import torch
 from onnx import TensorProto
 
 from .contract import DOMAIN, Contract
-from .export import KEY_UPDATE, OP_TYPE, VALUE_PRODUCT, VALUE_UPDATE
+from .export import ATTENTION, KEY_UPDATE, OP_TYPE, VALUE_PRODUCT, VALUE_UPDATE
 from .fold import fold_output, fold_scale_into_query, fold_value
 from .graph_blocks import Blocks, stack
 from .onnx_builder import GraphBuilder, onnx_type
@@ -57,6 +61,7 @@ class Plan:
     act: str = "silu"  # gated MLP activation: silu or gelu_tanh
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the mask
     final_softcap: float | None = None  # logits -> tanh(logits / c) * c
+    fused: bool = True  # AquaAttention; False: TopKGatherDot, Softmax, ValueProduct (H2O always; TensorRT's plugin)
 
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
@@ -162,9 +167,10 @@ class DecoderGraph(Blocks):
         return self._masks[window]
 
     # ---------------------------------------------------------------- per layer
-    def layer(self, i: int, x: str, w: dict, P: torch.Tensor, P_v: torch.Tensor, scaling: float, cos: str, sin: str,
+    def layer(self, i: int, x: str, w: dict, P: tuple, P_v: torch.Tensor, scaling: float, cos: str, sin: str,
               mask: str, io: dict) -> str:
-        """w: the layer's weights as HF names them (see decoder_weights); P, P_v [Hkv, d, d].
+        """w: the layer's weights as HF names them (see decoder_weights); P = (query basis, key basis), each
+        [Hkv, d, r] (export.selection_bases); P_v [Hkv, d, d].
         Returns x after the layer (its present.{i}.* / attention_weights.{i} outputs are named nodes)."""
         n = f"/model/layers.{i}"
         h = self._norm(f"{n}/input_layernorm", x, w["input_layernorm"], w.get("input_layernorm_bias"))
@@ -196,9 +202,9 @@ class DecoderGraph(Blocks):
         q, k, v = self._rotary_qk(n, h, w, (wq, bq), (f32["k_proj"], f32.get("k_proj_bias")),
                                   (wv[keep_v], None if bv is None else bv[keep_v]), scaling, cos, sin)
         if not p.dense:
-            P_r = P[:, :, :r].to(torch.float32)
-            q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_r[:, None])])
-            k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_r)])
+            P_q, P_k = (b.to(torch.float32) for b in P)
+            q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_q[:, None])])
+            k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
         return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io)
@@ -230,12 +236,12 @@ class DecoderGraph(Blocks):
         come out of the projections, r wide, and the graph has no projection MatMul at all."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         hkv, g, d, r = p.kv_heads, p.g, p.head_dim, p.r
-        P_r = P[:, :, :r].to(torch.float32)  # [Hkv, d, r]
-        wq_h = torch.einsum("kdr,kgdD->kgrD", P_r, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
-        bq_h = None if bq is None else torch.einsum("kdr,kgd->kgr", P_r, bq.reshape(hkv, g, d)).reshape(-1)
-        wk_h = torch.einsum("kdr,kdD->krD", P_r, f32["k_proj"].reshape(hkv, d, -1)).reshape(hkv * r, -1)
+        P_q, P_k = (b.to(torch.float32) for b in P)  # [Hkv, d, r]
+        wq_h = torch.einsum("kdr,kgdD->kgrD", P_q, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
+        bq_h = None if bq is None else torch.einsum("kdr,kgd->kgr", P_q, bq.reshape(hkv, g, d)).reshape(-1)
+        wk_h = torch.einsum("kdr,kdD->krD", P_k, f32["k_proj"].reshape(hkv, d, -1)).reshape(hkv * r, -1)
         bk = f32.get("k_proj_bias")
-        bk_h = None if bk is None else torch.einsum("kdr,kd->kr", P_r, bk.reshape(hkv, d)).reshape(-1)
+        bk_h = None if bk is None else torch.einsum("kdr,kd->kr", P_k, bk.reshape(hkv, d)).reshape(-1)
         q = gb.op(f"{n}/q/Reshape", "Reshape", [self._linear(f"{n}/q_proj", h, wq_h, bq_h), c([0, 0, p.heads, r])])
         q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
         q = gb.op(f"{n}/q/Reshape5", "Reshape", [q, c([0, hkv, g, -1, r])])
@@ -251,22 +257,31 @@ class DecoderGraph(Blocks):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         r = p.r
         kc, vc = self._cache(n, i, kh, v, io)
+        mask = self._layer_mask(n, i, mask, io)
+        if p.h2o or not p.fused:
+            a = self._attend_separate(n, i, q, kc, vc, mask, io)
+        else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
+            a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask], domain=self.domain,
+                      softcap=float(p.attn_softcap or 0.0), **self.op_attrs)  # [B, Hkv, g, T, r]
+        a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
+        a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
+        return self._linear(f"{n}/o_proj", a, wo, bo)
+
+    def _attend_separate(self, n, i, q, kc, vc, mask, io):
+        """Scores, softmax and value product as separate nodes: H2O outputs the attention weights (its heavy-hitter
+        statistic, summed over the group's query heads, [B, Hkv, T, S]), and TensorRT's plugin is TopKGatherDot."""
+        gb, p, c = self.gb, self.p, self.gb.const
         scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc, io["total"]], domain=self.domain, **self.op_attrs)
         if p.dtype != torch.float32:
             scores = gb.op(f"{n}/scores/Cast", "Cast", [scores], to=F32)  # softmax in float32, as HF does
         if p.attn_softcap:  # the attention scale is already in q^ (folded into W_Q or q_norm)
             scores = self._softcap(f"{n}/softcap", scores, p.attn_softcap)
-        probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, self._layer_mask(n, i, mask, io)])],
-                      axis=-1)
-        if p.h2o:  # H2O's heavy-hitter statistic: attention summed over the group's query heads, [B, Hkv, T, S]
-            gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0,
-                  outputs=[self.contract.WEIGHTS % i])
+        probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, mask])], axis=-1)
+        if p.h2o:
+            gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0, outputs=[self.contract.WEIGHTS % i])
         if p.dtype != torch.float32:
             probs = gb.op(f"{n}/probs/Cast", "Cast", [probs], to=p.elem)
-        a = gb.op(f"{n}/{VALUE_PRODUCT}", VALUE_PRODUCT, [probs, vc], domain=self.domain)  # [B, Hkv, g, T, r]
-        a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
-        a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
-        return self._linear(f"{n}/o_proj", a, wo, bo)
+        return gb.op(f"{n}/{VALUE_PRODUCT}", VALUE_PRODUCT, [probs, vc], domain=self.domain)  # [B, Hkv, g, T, r]
 
     def _qk_norm(self, n: str, x: str, heads: int, w: torch.Tensor | None) -> str:
         """x [B, T, heads * d] -> [B, T, heads, d], RMS-normalised per head ([d] weight) or whole ([heads * d])."""

@@ -84,6 +84,26 @@ def retention_loss(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], k_r
     return torch.stack(out)
 
 
+def union_fraction(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], key_rms: tuple[torch.Tensor, ...],
+                   k_ratio: float, selection: str) -> float:
+    """The share of K^'s rows a decode step reads under ``selection``: per layer, KV head and token, the size of
+    the union of the g query heads' selected coordinates over d (k/d when the rule shares one selection),
+    averaged. queries[l] [H, N, d], P[l] [Hkv, d, d], key_rms[l] [Hkv, d]."""
+    total, count = 0.0, 0
+    for q, p, rms in zip(queries, P, key_rms):
+        h, n, d = q.shape
+        hkv = p.shape[0]
+        k = max(1, round(k_ratio * d))
+        qh = (q.reshape(hkv, h // hkv, n, d) @ p[:, None])[None]  # [1, Hkv, g, N, d]
+        idx = select_indices(qh, k, selection, rms)[0]  # [Hkv, g, N, k]
+        hit = torch.zeros(hkv, n, d, dtype=torch.bool)
+        for j in range(idx.shape[1]):
+            hit.scatter_(-1, idx[:, j], True)
+        total += float(hit.sum()) / d
+        count += hkv * n
+    return total / count
+
+
 def retention_report(model, tok, text: str, projection: Projection, *, tokens: int, seq_len: int,
                      k_ratio: float) -> dict:
     ids = corpus.tokenize(tok, text, tokens)

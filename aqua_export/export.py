@@ -19,27 +19,48 @@ from .contract import DOMAIN, Contract
 from .models import architecture_of, attention_geometry
 
 OP_TYPE = "TopKGatherDot"
+ATTENTION = "AquaAttention"
 KEY_UPDATE, VALUE_UPDATE = "KeyCacheUpdate", "ValueCacheUpdate"
 VALUE_PRODUCT = "ValueProduct"
 PLUGIN_NAMESPACE = "aqua"
 PLUGIN_VERSION = "1"
 OPSET_VERSION = 1
+# the nodes' `rule` attribute per selection rule; the weighted rules are folded into P (selection_bases)
+RULES = {"magnitude": 0, "weighted": 0, "group": 1, "group-weighted": 1, "static": 2}
+RULE_NAMES = {0: "magnitude", 1: "group", 2: "static"}
+RULE_DOC = "0: top-k |q^| per query row; 1: one top-k of the GQA group's summed |q^| for all its rows; 2: the first k"
 
 
 # --------------------------------------------------------------------------------------------
 # The operator
 # --------------------------------------------------------------------------------------------
 
-def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int) -> torch.Tensor:
+def _keep_selected(query_hat: torch.Tensor, k: int, rule: int) -> torch.Tensor:
+    from .attention import select_indices
+
+    if k >= query_hat.shape[-1]:
+        return query_hat
+    idx = select_indices(query_hat, k, RULE_NAMES[rule])
+    return query_hat * torch.zeros_like(query_hat).scatter_(-1, idx, 1.0)
+
+
+def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, rule: int = 0) -> torch.Tensor:
     """query_hat [B, Hkv, g, T, r], key_cache [B, Hkv, r, S] (dim-major) -> scores [B, Hkv, g, T, S].
 
-    Per query row: I = top-k |q^| (ties -> lower index), scores = q^[I] . K^[I, :].
+    Per query row: I = the rule's k coordinates (attention.select_indices), scores = q^[I] . K^[I, :].
     """
-    r = query_hat.shape[-1]
-    if k < r:
-        idx = torch.sort(query_hat.abs(), dim=-1, descending=True, stable=True).indices[..., :k]
-        query_hat = query_hat * torch.zeros_like(query_hat).scatter_(-1, idx, 1.0)
-    return query_hat @ key_cache.unsqueeze(2)
+    return _keep_selected(query_hat, k, rule) @ key_cache.unsqueeze(2)
+
+
+def attention_reference(query_hat, key_cache, value_cache, total: int, mask, k: int, rule: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """AquaAttention in PyTorch: query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache [B,Hkv,C,r],
+    mask [B|1,1,1,T,total] float32 -> [B,Hkv,g,T,r] = softmax(softcap(q^[I] . K^[I,:total]) + mask) @ V[:total]."""
+    s = (_keep_selected(query_hat, k, rule) @ key_cache[..., :total].unsqueeze(2)).to(torch.float64)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    w = torch.softmax(s + mask.to(torch.float64), dim=-1)
+    return (w @ value_cache[:, :, None, :total].to(torch.float64)).to(query_hat.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,6 +82,22 @@ def _register_schema() -> None:
         outputs=[OpSchema.FormalParameter("scores", "T")],
         type_constraints=floats,
         attributes=[OpSchema.Attribute("k", OpSchema.AttrType.INT, "coordinates kept per query"),
+                    OpSchema.Attribute("rule", OpSchema.AttrType.INT, RULE_DOC, required=False),
+                    OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
+                    OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version")],
+    ))
+    onnx.defs.register_schema(OpSchema(
+        ATTENTION, DOMAIN, OPSET_VERSION,
+        doc="out = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L], one pass over the cache; K^ dim-major",
+        inputs=[OpSchema.FormalParameter("query_hat", "T"), OpSchema.FormalParameter("key_cache", "T"),
+                OpSchema.FormalParameter("value_cache", "T"), length,
+                OpSchema.FormalParameter("mask", "tensor(float)")],
+        outputs=[OpSchema.FormalParameter("out", "T")],
+        type_constraints=floats,
+        attributes=[OpSchema.Attribute("k", OpSchema.AttrType.INT, "coordinates kept per query"),
+                    OpSchema.Attribute("rule", OpSchema.AttrType.INT, RULE_DOC, required=False),
+                    OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "tanh soft-cap of the scores, 0 = none",
+                                       required=False),
                     OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
                     OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version")],
     ))
@@ -77,37 +114,68 @@ def _register_schema() -> None:
         outputs=[OpSchema.FormalParameter("out", "T")], type_constraints=floats))
 
 
-def function_body(opset: int):
-    """The portable body of TopKGatherDot as an ONNX local function of standard ops.
+def _ref_constant(name: str, attr: str, kind: str):
+    """A Constant node whose value is the function's attribute ``attr`` (value_int / value_float)."""
+    import onnx
+    from onnx import helper as H
 
-        query_hat --Abs--> TopK(k, largest, sorted: ties -> lower index) --idx--> ScatterElements(1s into 0s)
-        query_hat * keep --MatMul--> Unsqueeze(Slice(key_cache, :total_length), 2) --> scores
+    node = H.make_node("Constant", [], [name])
+    node.attribute.append(onnx.AttributeProto(name=kind, ref_attr_name=attr, type=(
+        onnx.AttributeProto.INT if kind == "value_int" else onnx.AttributeProto.FLOAT)))
+    return node
+
+
+def _selection_nodes() -> list:
+    """query_hat [B,Hkv,g,T,r] -> q_selected: the k coordinates the rule keeps, the others zeroed.
+
+        score = |q^|  (rule 0)   |  ReduceSum over g of |q^|, expanded (rule 1)   |  r, r-1, ..., 1 (rule 2)
+        TopK(score, k; ties -> lower index) --idx--> ScatterElements(1s into 0s) --> q^ * keep
     """
     from onnx import TensorProto
     from onnx import helper as H
 
-    import onnx
+    def scalar(name, value, kind=TensorProto.FLOAT):
+        return H.make_node("Constant", [], [name], value=H.make_tensor(name, kind, [], [value]))
 
-    # Constant value_int bound to the function's attribute k
-    ref = onnx.AttributeProto(name="value_int", type=onnx.AttributeProto.INT, ref_attr_name="k")
-    k_const = H.make_node("Constant", [], ["k_scalar"])
-    k_const.attribute.append(ref)
-    nodes = [
-        k_const,
+    return [
+        _ref_constant("k_scalar", "k", "value_int"), _ref_constant("rule_scalar", "rule", "value_int"),
         H.make_node("Constant", [], ["shape_1"], value_ints=[1]),
         H.make_node("Reshape", ["k_scalar", "shape_1"], ["k_1d"]),
-        H.make_node("Abs", ["query_hat"], ["magnitude"]),
-        H.make_node("TopK", ["magnitude", "k_1d"], ["top_values", "top_indices"], axis=-1, largest=1, sorted=1),
         H.make_node("Shape", ["query_hat"], ["q_shape"]),
-        H.make_node("Constant", [], ["zero"], value=H.make_tensor("zero", TensorProto.FLOAT, [], [0.0])),
-        H.make_node("CastLike", ["zero", "query_hat"], ["zero_t"]),
+        H.make_node("Abs", ["query_hat"], ["magnitude"]),
+        H.make_node("Constant", [], ["axis_g"], value_ints=[2]),
+        H.make_node("ReduceSum", ["magnitude", "axis_g"], ["group_sum"], keepdims=1),
+        H.make_node("Expand", ["group_sum", "q_shape"], ["group_score"]),
+        H.make_node("Shape", ["query_hat"], ["r_1d"], start=4, end=5),
+        H.make_node("Squeeze", ["r_1d"], ["r_scalar"]),
+        scalar("zero_i", 0, TensorProto.INT64), scalar("minus_one_i", -1, TensorProto.INT64),
+        H.make_node("Range", ["r_scalar", "zero_i", "minus_one_i"], ["ramp_i"]),
+        H.make_node("CastLike", ["ramp_i", "query_hat"], ["ramp"]),
+        H.make_node("Expand", ["ramp", "q_shape"], ["static_score"]),
+        scalar("rule_group", 1, TensorProto.INT64), scalar("rule_static", 2, TensorProto.INT64),
+        H.make_node("Equal", ["rule_scalar", "rule_group"], ["is_group"]),
+        H.make_node("Equal", ["rule_scalar", "rule_static"], ["is_static"]),
+        H.make_node("Where", ["is_group", "group_score", "magnitude"], ["shared_or_own"]),
+        H.make_node("Where", ["is_static", "static_score", "shared_or_own"], ["score"]),
+        H.make_node("TopK", ["score", "k_1d"], ["top_values", "top_indices"], axis=-1, largest=1, sorted=1),
+        scalar("zero", 0.0), H.make_node("CastLike", ["zero", "query_hat"], ["zero_t"]),
         H.make_node("Expand", ["zero_t", "q_shape"], ["zeros"]),
         H.make_node("Shape", ["top_indices"], ["i_shape"]),
-        H.make_node("Constant", [], ["one"], value=H.make_tensor("one", TensorProto.FLOAT, [], [1.0])),
-        H.make_node("CastLike", ["one", "query_hat"], ["one_t"]),
+        scalar("one", 1.0), H.make_node("CastLike", ["one", "query_hat"], ["one_t"]),
         H.make_node("Expand", ["one_t", "i_shape"], ["ones"]),
         H.make_node("ScatterElements", ["zeros", "top_indices", "ones"], ["keep"], axis=-1),
         H.make_node("Mul", ["query_hat", "keep"], ["q_selected"]),
+    ]
+
+
+def function_body(opset: int):
+    """The portable body of TopKGatherDot as an ONNX local function of standard ops.
+
+        query_hat --selection (rule, k)--> q_selected --MatMul--> Unsqueeze(Slice(key_cache, :total_length), 2)
+    """
+    from onnx import helper as H
+
+    nodes = _selection_nodes() + [
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
         H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
@@ -116,7 +184,43 @@ def function_body(opset: int):
         H.make_node("MatMul", ["q_selected", "key_cache_g"], ["scores"]),
     ]
     return H.make_function(DOMAIN, OP_TYPE, ["query_hat", "key_cache", "total_length"], ["scores"], nodes,
-                           [H.make_opsetid("", opset)], attributes=["k", "plugin_namespace", "plugin_version"])
+                           [H.make_opsetid("", opset)], attributes=["k", "rule", "plugin_namespace", "plugin_version"])
+
+
+def attention_body(opset: int):
+    """The portable body of AquaAttention (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
+
+        query_hat --selection--> q_selected --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask-->
+        Softmax --CastLike--> MatMul V[:L] --> out
+    """
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    nodes = _selection_nodes() + [
+        H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
+        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
+        H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
+        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
+        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
+        H.make_node("MatMul", ["q_selected", "key_cache_g"], ["scores_t"]),
+        H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
+        _ref_constant("cap", "softcap", "value_float"),
+        H.make_node("Div", ["scores", "cap"], ["scaled"]),
+        H.make_node("Tanh", ["scaled"], ["squashed"]),
+        H.make_node("Mul", ["squashed", "cap"], ["capped"]),
+        H.make_node("Constant", [], ["zero_f"], value=H.make_tensor("zero_f", TensorProto.FLOAT, [], [0.0])),
+        H.make_node("Greater", ["cap", "zero_f"], ["has_cap"]),
+        H.make_node("Where", ["has_cap", "capped", "scores"], ["logits_raw"]),
+        H.make_node("Add", ["logits_raw", "mask"], ["logits"]),
+        H.make_node("Softmax", ["logits"], ["probs_f"], axis=-1),
+        H.make_node("CastLike", ["probs_f", "query_hat"], ["probs"]),
+        H.make_node("Slice", ["value_cache", "zero_1", "total_length", "axis_2"], ["value_l"]),
+        H.make_node("Unsqueeze", ["value_l", "axis_2"], ["value_g"]),
+        H.make_node("MatMul", ["probs", "value_g"], ["out"]),
+    ]
+    return H.make_function(DOMAIN, ATTENTION, ["query_hat", "key_cache", "value_cache", "total_length", "mask"],
+                           ["out"], nodes, [H.make_opsetid("", opset)],
+                           attributes=["k", "rule", "softcap", "plugin_namespace", "plugin_version"])
 
 
 def cache_update_body(op: str, opset: int):
@@ -179,11 +283,11 @@ def value_product_body(opset: int):
 
 def function_bodies(opset: int) -> list:
     """Every custom node's body: a runtime without the native library runs these."""
-    return [function_body(opset), cache_update_body(KEY_UPDATE, opset), cache_update_body(VALUE_UPDATE, opset),
-            value_product_body(opset)]
+    return [function_body(opset), attention_body(opset), cache_update_body(KEY_UPDATE, opset),
+            cache_update_body(VALUE_UPDATE, opset), value_product_body(opset)]
 
 
-def single_op_model(k: int, dtype: str = "float32", opset: int = 20):
+def single_op_model(k: int, dtype: str = "float32", opset: int = 20, rule: int = 0):
     """A one-node model: TopKGatherDot(q, kc, total_length) -> s with its function body (kernel tests and
     benchmarks; the length input is ``length`` [1] int64)."""
     from onnx import TensorProto
@@ -192,13 +296,32 @@ def single_op_model(k: int, dtype: str = "float32", opset: int = 20):
     _register_schema()
     et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
     node = H.make_node(OP_TYPE, ["q", "kc", "length"], ["s"], domain=DOMAIN, name="/op/TopKGatherDot", k=k,
-                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+                       rule=rule, plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
     graph = H.make_graph([node], "topk_gather_dot", [H.make_tensor_value_info("q", et, [None] * 5),
                                                      H.make_tensor_value_info("kc", et, [None] * 4),
                                                      H.make_tensor_value_info("length", TensorProto.INT64, [1])],
                          [H.make_tensor_value_info("s", et, [None] * 5)])
     return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
                         functions=[function_body(opset)], ir_version=10)
+
+
+def attention_op_model(k: int, rule: int = 0, softcap: float = 0.0, dtype: str = "float32", opset: int = 20):
+    """A one-node model: AquaAttention(q, kc, vc, length, mask) -> out with its function body (kernel tests and
+    benchmarks)."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    _register_schema()
+    et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    node = H.make_node(ATTENTION, ["q", "kc", "vc", "length", "mask"], ["out"], domain=DOMAIN, name=f"/op/{ATTENTION}",
+                       k=k, rule=rule, softcap=float(softcap), plugin_namespace=PLUGIN_NAMESPACE,
+                       plugin_version=PLUGIN_VERSION)
+    ins = [H.make_tensor_value_info("q", et, [None] * 5), H.make_tensor_value_info("kc", et, [None] * 4),
+           H.make_tensor_value_info("vc", et, [None] * 4), H.make_tensor_value_info("length", TensorProto.INT64, [1]),
+           H.make_tensor_value_info("mask", TensorProto.FLOAT, [None] * 5)]
+    graph = H.make_graph([node], "aqua_attention", ins, [H.make_tensor_value_info("out", et, [None] * 5)])
+    return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                        functions=[attention_body(opset)], ir_version=10)
 
 
 def cache_op_model(op: str, dtype: str = "float32", opset: int = 20):
@@ -220,13 +343,29 @@ def cache_op_model(op: str, dtype: str = "float32", opset: int = 20):
 OPSET = 20  # standard-op opset of the exported graph and of the function body
 
 
+
+
+def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: AquaConfig) -> tuple:
+    """P [Hkv, d, d], key_rms [Hkv, d] -> (query basis, key basis), each [Hkv, d, r].
+
+    The weighted rules rank |q^_i| * w_i with w = rms(k^_i). Scaling q^ by w and k^ by 1/w leaves every
+    score q^ . k^ (and any subset of its terms) unchanged and turns that rank into plain |q^'_i|, so the
+    nodes and kernels only know magnitude and group rules; the cache then holds k^ / w. w is floored at
+    1e-6 of its largest value so a dead coordinate does not divide by zero (such a coordinate is never
+    selected by the rule anyway).
+    """
+    P_r = P[:, :, :r].to(torch.float32)
+    if not config.weighted_selection:
+        return P_r, P_r
+    w = key_rms[:, :r].to(torch.float32)
+    w = torch.maximum(w, 1e-6 * w.amax(-1, keepdim=True))[:, None, :]
+    return P_r * w, P_r / w
+
+
 def check_exportable(model, projection: Projection, config: AquaConfig) -> None:
     """Refuse, in one line each, what the export cannot represent."""
     arch = architecture_of(model.config)
     projection.check_model(model)
-    if config.selection != "magnitude":
-        raise ConfigError(f"export supports selection='magnitude' (the TopKGatherDot contract); "
-                          f"{config.selection!r} is reference-only: drop --selection")
     if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
         raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not exported (eviction "
                           "compacts the slots the window is measured in): drop --h2o-ratio")
@@ -242,9 +381,10 @@ def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32) 
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
-                external_data: bool | None = None, progress=None):
+                external_data: bool | None = None, progress=None, fused: bool = True):
     """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
     weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
+    fused: attention as one AquaAttention node (False: separate nodes, what TensorRT's plugin takes).
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
     from .decoder_graph import DecoderGraph, Plan
@@ -263,7 +403,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
-                final_softcap=arch.final_softcap(cfg))
+                final_softcap=arch.final_softcap(cfg), fused=fused)
     params = sum(t.numel() for t in model.parameters())
     if external_data is None:
         external_data = params * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
@@ -271,8 +411,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     store = TensorStore(data_path)
     try:
         gb = GraphBuilder(store)
-        g = DecoderGraph(gb, plan, {"k": ct.selected, "plugin_namespace": PLUGIN_NAMESPACE,
-                                    "plugin_version": PLUGIN_VERSION})
+        g = DecoderGraph(gb, plan, {"k": ct.selected, "rule": RULES[config.selection],
+                                    "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION})
         io = g.inputs()
         et = arch.embeddings(model)
         embed = g.weight("model.embed_tokens.weight", et.weight.detach())
@@ -287,7 +427,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         eye = torch.eye(d).expand(geo["kv_heads"], d, d)
         cos = sin = None
         for i, layer in enumerate(arch.layers(model)):
-            P, P_v = (eye, eye) if plan.dense else (projection.P[i], projection.P_v[i])
+            P, P_v = ((eye, eye), eye) if plan.dense else \
+                (selection_bases(projection.P[i], projection.key_rms[i], ct.width, config), projection.P_v[i])
             if arch.has_rotary:
                 cos, sin = g.rotary(io["position_ids"], *arch.rotary(model, i))
             mask = g.mask(io, arch.window(cfg, i))

@@ -202,11 +202,11 @@ def _float32_weight_casts(m):
 
 
 def _set_k(k: int):
-    from .export import DOMAIN, OP_TYPE
+    from .export import ATTENTION, DOMAIN, OP_TYPE
 
     def transform(m):
         for n in m.graph.node:
-            if n.domain == DOMAIN and n.op_type == OP_TYPE:
+            if n.domain == DOMAIN and n.op_type in (OP_TYPE, ATTENTION):
                 for a in n.attribute:
                     if a.name == "k":
                         a.i = k
@@ -214,7 +214,7 @@ def _set_k(k: int):
 
 
 def _selection_outputs(m):
-    """The graph with TopKGatherDot inlined and each layer's TopK indices as extra outputs, in layer order."""
+    """The graph with its attention nodes inlined and each layer's TopK indices as extra outputs, in layer order."""
     import onnx
     import onnx.inliner
 

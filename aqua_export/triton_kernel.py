@@ -7,7 +7,7 @@ Arguments are ordered (input pointers, int32 scalars, output pointer) then compi
 the calling convention TensorRT's ahead-of-time plugin launch uses, so the same compiled kernel
 serves both hosts. One program per (query row, block of S):
 
-    |q^| --pairwise rank (ties: lower index)--> keep = rank < k
+    |q^| (rule 0), the group's summed |q^| (rule 1), r - c (rule 2) --pairwise rank (ties: lower index)--> keep = rank < k
     K^[rows, block] loaded under the mask `keep`  (masked lanes issue no memory traffic: k of r rows read)
     scores[block] = sum over kept rows of q^[c] * K^[c, block]   (float32 accumulation)
 
@@ -49,14 +49,25 @@ def _kernel(interpret: bool):
 
     @triton.jit
     def topk_gather_dot_kernel(q_ptr, k_ptr, S, rows_per_kv, out_ptr,
-                               R: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                               R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr, G: tl.constexpr,
+                               BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
         row = tl.program_id(0)
         blk = tl.program_id(1)
         bh = row // rows_per_kv
         c = tl.arange(0, BLOCK_R)
         in_r = c < R
         q = tl.load(q_ptr + row * R + c, mask=in_r, other=0.0).to(tl.float32)
-        a = tl.where(in_r, tl.abs(q), -1.0)
+        if RULE == 1:  # one selection for the group: the summed |q^| of the g rows of this token
+            t_count = rows_per_kv // G
+            t = (row % rows_per_kv) % t_count
+            j = tl.arange(0, BLOCK_G)
+            group = tl.load(q_ptr + (bh * rows_per_kv + j[:, None] * t_count + t) * R + c[None, :],
+                            mask=(j[:, None] < G) & in_r[None, :], other=0.0).to(tl.float32)
+            a = tl.where(in_r, tl.sum(tl.abs(group), axis=0), -1.0)
+        elif RULE == 2:  # the first K coordinates
+            a = tl.where(in_r, (R - c).to(tl.float32), -1.0)
+        else:
+            a = tl.where(in_r, tl.abs(q), -1.0)
         beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (c[None, :] < c[:, None]))
         rank = tl.sum(beats.to(tl.int32), axis=1)
         keep = (rank < K) & in_r
@@ -86,8 +97,10 @@ def block_sizes(r: int, s: int) -> tuple[int, int]:
     return block_r, block_s
 
 
-def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, interpret: bool | None = None) -> torch.Tensor:
-    """query_hat [B, Hkv, g, T, r], key_cache [B, Hkv, r, S] -> scores [B, Hkv, g, T, S] (query_hat's dtype)."""
+def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, interpret: bool | None = None,
+                    rule: int = 0) -> torch.Tensor:
+    """query_hat [B, Hkv, g, T, r], key_cache [B, Hkv, r, S] -> scores [B, Hkv, g, T, S] (query_hat's dtype).
+    rule: export.RULES (0 per query row, 1 shared by the GQA group, 2 the first k)."""
     if query_hat.dim() != 5 or key_cache.dim() != 4:
         raise ValueError("expected query_hat [B, Hkv, g, T, r] and key_cache [B, Hkv, r, S]")
     b, hkv, g, t, r = query_hat.shape
@@ -106,5 +119,6 @@ def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, in
         return out
     block_r, block_s = block_sizes(r, s)
     grid = (b * hkv * g * t, triton.cdiv(s, block_s))
-    kernel[grid](q, kc, s, g * t, out, R=r, K=k, BLOCK_R=block_r, BLOCK_S=block_s)
+    kernel[grid](q, kc, s, g * t, out, R=r, K=k, RULE=rule, G=g, BLOCK_G=1 << max(0, (g - 1).bit_length()),
+                 BLOCK_R=block_r, BLOCK_S=block_s)
     return out

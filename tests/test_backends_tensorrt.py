@@ -21,13 +21,13 @@ def tiny_exports(tmp_path_factory):
     proj = tiny_projection(m, tmp)
     out = {}
     for name, cfg in {"k0.5": AquaConfig(k_ratio=0.5), "h2o": AquaConfig(k_ratio=0.75, h2o_ratio=0.5)}.items():
-        out[name] = (cfg, export_onnx(m, proj, cfg, tmp / f"{name}.onnx"))
+        out[name] = (cfg, export_onnx(m, proj, cfg, tmp / f"{name}.onnx", fused=False))
     return m, out
 
 
 
 def test_plugin_id_and_fields_match_the_exported_nodes(tiny_exports):
-    assert PLUGIN_ID == "aqua::TopKGatherDot" and PLUGIN_FIELDS == {"k": int}
+    assert PLUGIN_ID == "aqua::TopKGatherDot" and PLUGIN_FIELDS == {"k": int, "rule": int}
     _, out = tiny_exports
     for name, (cfg, proto) in out.items():
         nodes = node_contract(proto)
@@ -93,10 +93,10 @@ def test_shape_and_type_inference():
 
 
 def test_launch_plan_grid_and_scalar_arguments():
-    plan = launch_plan(48, 36, "float16")
+    plan = launch_plan(48, 36, "float16", rule=1, g=3)
     assert (plan.block_r, plan.block_s) == (64, 128)
     assert plan.signature["q_ptr"] == "*fp16" and list(plan.signature)[:5] == ["q_ptr", "k_ptr", "S", "rows_per_kv", "out_ptr"]
-    assert plan.constexprs == {"R": 48, "K": 36, "BLOCK_R": 64, "BLOCK_S": 128}
+    assert plan.constexprs == {"R": 48, "K": 36, "RULE": 1, "G": 3, "BLOCK_G": 4, "BLOCK_R": 64, "BLOCK_S": 128}
     assert plan.grid([2, 3, 3, 5, 48], [2, 3, 48, 1000]) == (90, 8)
     assert plan.scalar_args([2, 3, 3, 5, 48], [2, 3, 48, 1000]) == (1000, 15)
     with pytest.raises(ValueError):
@@ -199,7 +199,7 @@ def test_engine_matches_onnx_runtime(tmp_path):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)
     cfg = AquaConfig(k_ratio=0.5)
-    export_onnx(m, proj, cfg, tmp_path / "model.onnx")
+    export_onnx(m, proj, cfg, tmp_path / "model.onnx", fused=False)
     fcfg = folder_cfg(m, cfg)
     (tmp_path / "aqua_config.json").write_text(json.dumps(fcfg))
     build_engine(tmp_path, max_batch=2, max_context=64, max_prompt=16)

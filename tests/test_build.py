@@ -70,7 +70,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # parity's graph variants are gone
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     cfg = FolderConfig.from_folder(out)
-    assert cfg.contract.width == 64 and cfg.contract.selected == 48 and cfg.info["operators"]["TopKGatherDot"] == 30
+    assert cfg.contract.width == 64 and cfg.contract.selected == 48 and cfg.info["operators"]["AquaAttention"] == 30
     assert "dim-major" in cfg.info["layout"]["key"] and cfg.info["tools"]["onnxruntime"]
     par = json.loads((out / "parity.json").read_text())
     assert par["pass"] and par["prompt_tokens"] == 256 and par["decode_steps"] == 32
@@ -78,7 +78,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     assert fr["max_abs_logit_diff_prefill"] <= 1e-3 and fr["max_abs_logit_diff_decode"] <= 1e-3 and fr["greedy_identical"]
     assert par["selection"]["max_gap_of_differing"] <= 1e-4
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    assert sum(n.op_type == "TopKGatherDot" for n in m.graph.node) == 30
+    assert sum(n.op_type == "AquaAttention" for n in m.graph.node) == 30
     assert "external" in cfg.info["weights"]
     capsys.readouterr()
     assert main(["run", str(out), "--prompt", "What is the GNU GPL?", "--chat", "--max-new-tokens", "12"]) == 0

@@ -7,8 +7,8 @@ from aqua_export import models
 from aqua_export.attention import apply_aqua
 from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.contract import OPS, Contract
-from aqua_export.export import (DOMAIN, KEY_UPDATE, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, VALUE_UPDATE,
-                                check_exportable, contract_for, export_onnx, topk_gather_dot_reference)
+from aqua_export.export import (ATTENTION, DOMAIN, KEY_UPDATE, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, RULES,
+                                VALUE_UPDATE, check_exportable, contract_for, export_onnx, topk_gather_dot_reference)
 from aqua_export.runtime import OrtLM, make_session
 
 from helpers import folder_cfg, left_padded, tiny_projection
@@ -16,8 +16,14 @@ from helpers import folder_cfg, left_padded, tiny_projection
 # (AQUA settings, the runtime's cache: one buffer written in place, or a new present per step)
 CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
            (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "concat"), (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), "concat"),
-           (AquaConfig(), "shared"), (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "shared")]
-IDS = ["dense", "k0.5", "memory", "h2o", "dense-shared", "memory-shared"]
+           (AquaConfig(), "shared"), (AquaConfig(k_ratio=0.75, slice_ratio=0.25), "shared"),
+           # every selection rule the reference offers (weighted ones fold rms(k^) into P)
+           (AquaConfig(k_ratio=0.5, selection="group"), "shared"), (AquaConfig(k_ratio=0.5, selection="weighted"), "concat"),
+           (AquaConfig(k_ratio=0.5, selection="group-weighted"), "shared"),
+           (AquaConfig(k_ratio=0.5, selection="static"), "concat"),
+           (AquaConfig(k_ratio=0.75, h2o_ratio=0.5, selection="group-weighted"), "concat")]
+IDS = ["dense", "k0.5", "memory", "h2o", "dense-shared", "memory-shared", "group", "weighted", "group-weighted",
+       "static", "h2o-group-weighted"]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,7 @@ def exported(tmp_path_factory):
     proj = tiny_projection(m, tmp)
     out = {}
     for cfg, kv in CONFIGS:
-        path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}-{cfg.h2o_ratio}-{kv}.onnx"
+        path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}-{cfg.h2o_ratio}-{cfg.selection}-{kv}.onnx"
         proto = export_onnx(m, proj, cfg, path)
         out[cfg, kv] = (path, proto)
     return m, proj, out
@@ -38,15 +44,18 @@ def exported(tmp_path_factory):
 def test_graph_contract(exported, cfg, kv):
     m, _, out = exported
     path, proto = out[cfg, kv]
-    nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
-    assert len(nodes) == 2  # exactly one per layer
-    assert [n.name for n in nodes] == ["/model/layers.0/attn/TopKGatherDot", "/model/layers.1/attn/TopKGatherDot"]
+    # one attention node per layer: the fused one, or (H2O, which outputs the weights) TopKGatherDot
+    op = OP_TYPE if cfg.h2o_ratio < 1 else ATTENTION
+    nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type in (OP_TYPE, ATTENTION)]
+    assert [n.name for n in nodes] == [f"/model/layers.0/attn/{op}", f"/model/layers.1/attn/{op}"]
     r, k = cfg.retained_width(16), cfg.selected_width(16)
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        assert attrs == {"k": k, "plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
+        assert attrs == {"k": k, "rule": RULES[cfg.selection], "plugin_namespace": PLUGIN_NAMESPACE.encode(),
+                         "plugin_version": PLUGIN_VERSION.encode(), **({} if cfg.h2o_ratio < 1 else {"softcap": 0.0})}
     assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op) for op in OPS]
-    assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == set(OPS)
+    used = {KEY_UPDATE, VALUE_UPDATE} | ({OP_TYPE, "ValueProduct"} if cfg.h2o_ratio < 1 else {ATTENTION})
+    assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == used
     assert proto.ir_version <= 10
     ct = contract_for(m, cfg)
     assert [i.name for i in proto.graph.input] == ct.input_names()
@@ -114,7 +123,9 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
     if kv == "shared":
         # the same buffers, updated in place, hold what the reference cache holds
         assert [a.ctypes.data for a in past.key_arrays] == buffers and past.length == 17
-        if cfg.k_ratio < 1:  # (the dense export uses the identity for P, the reference the calibrated P)
+        # (the dense export uses the identity for P, the reference the calibrated P; a weighted rule's cache
+        # holds k^ / rms(k^))
+        if cfg.k_ratio < 1 and not cfg.weighted_selection:
             ref_k = cache.layers[1].keys.transpose(-1, -2).numpy()
             real_slots = tmask.astype(bool)[:, None, None, :]  # padding slots hold whatever a masked row computes
             got_k = Contract.key_rows(past.tensors()[2])  # the buffer's memory is K^ dim-major
@@ -138,7 +149,7 @@ def test_dense_export_uses_identity_projection_and_matches_hf(exported):
 
 
 def test_function_body_matches_reference_on_random_inputs():
-    """The portable ONNX body alone, incl. ties (lower index wins), k = 1 and k = r, odd sizes."""
+    """The portable ONNX body alone, incl. ties (lower index wins), k = 1 and k = r, odd sizes, every rule."""
     import onnxruntime as ort
     from onnx import TensorProto
     from onnx import helper as H
@@ -147,8 +158,8 @@ def test_function_body_matches_reference_on_random_inputs():
 
     _register_schema()
     g = torch.Generator().manual_seed(0)
-    for k in (1, 3, 8):
-        node = H.make_node(OP_TYPE, ["q", "kc", "n"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
+    for k, rule in ((1, 0), (3, 0), (8, 0), (3, 1), (3, 2)):
+        node = H.make_node(OP_TYPE, ["q", "kc", "n"], ["s"], domain=DOMAIN, k=k, rule=rule, plugin_namespace="aqua",
                            plugin_version="1")
         graph = H.make_graph([node], "t", [H.make_tensor_value_info("q", TensorProto.FLOAT, None),
                                            H.make_tensor_value_info("kc", TensorProto.FLOAT, None),
@@ -161,7 +172,7 @@ def test_function_body_matches_reference_on_random_inputs():
         q[0, 0, 0, 0, :4] = 1.5  # four-way tie
         kc = torch.randn(3, 2, 8, 11, generator=g)  # 11 slots, of which the first 7 are filled
         got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy(), "n": np.array([7])})[0]
-        ref = topk_gather_dot_reference(q, kc[..., :7], k).numpy()
+        ref = topk_gather_dot_reference(q, kc[..., :7], k, rule).numpy()
         assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-5
 
 
@@ -221,8 +232,6 @@ def test_cache_update_ops_in_place_and_growing(op, kernel):
 def test_export_refuses_what_it_cannot_do(tmp_path):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)
-    with pytest.raises(ConfigError, match="selection='magnitude'"):
-        check_exportable(m, proj, AquaConfig(k_ratio=0.5, selection="static"))
     with pytest.raises(ConfigError, match="another model"):
         check_exportable(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
 

@@ -36,13 +36,14 @@ def _inputs(shape, dtype, seed=0):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("k_of_r", [1, 0.5, "r"])
-def test_native_equals_reference_float32(shape, k_of_r):
+@pytest.mark.parametrize("rule", [0, 1, 2])
+def test_native_equals_reference_float32(shape, k_of_r, rule):
     r = shape[4]
     k = 1 if k_of_r == 1 else r if k_of_r == "r" else r // 2
     q, kc = _inputs(shape, torch.float32)
-    sess = make_session(single_op_model(k).SerializeToString(), kernel="native")
+    sess = make_session(single_op_model(k, rule=rule).SerializeToString(), kernel="native")
     got = sess.run(None, _feed(q.numpy(), kc.numpy()))[0]
-    ref = topk_gather_dot_reference(q.double(), kc.double(), k).numpy()
+    ref = topk_gather_dot_reference(q.double(), kc.double(), k, rule).numpy()
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 

@@ -151,7 +151,7 @@ def test_help_version_and_usage_errors(capsys):
     assert "--max-new-tokens" in capsys.readouterr().out
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for opt in ("--k-ratio", "--calib-tokens", "--external-data", "--force", "{magnitude,static,weighted}"):
+    for opt in ("--k-ratio", "--calib-tokens", "--external-data", "--force", "{magnitude,static,weighted,group,group-weighted}"):
         assert opt in out
     assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("aqua-export ")
     with pytest.raises(SystemExit) as e:

@@ -34,12 +34,13 @@ def _dev(name):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("which_k", ["1", "half", "r"])
-def test_triton_equals_reference(device, shape, which_k):
+@pytest.mark.parametrize("rule", [0, 1, 2])
+def test_triton_equals_reference(device, shape, which_k, rule):
     r = shape[4]
     k = {"1": 1, "half": r // 2, "r": r}[which_k]
     q, kc = _inputs(shape)
-    got = topk_gather_dot(q.to(_dev(device)), kc.to(_dev(device)), k).cpu()
-    ref = topk_gather_dot_reference(q.double(), kc.double(), k)
+    got = topk_gather_dot(q.to(_dev(device)), kc.to(_dev(device)), k, rule=rule).cpu()
+    ref = topk_gather_dot_reference(q.double(), kc.double(), k, rule)
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
 

@@ -1,21 +1,22 @@
-"""One decode attention step in ONNX Runtime: AQUA (native TopKGatherDot) vs dense vs GroupQueryAttention.
+"""One decode attention step in ONNX Runtime: the fused AquaAttention node (native kernel) against dense
+attention three ways.
 
     -> benchmarks/attention_step.json and the "Attention step" section of benchmarks/performance.md
 
-Geometry: the embedded model's (9 query heads, 3 KV heads, d = 64). Each graph is one session with
-the same thread count, fed the same cache; times are medians of repeated runs and every figure
-reported is a ratio measured in this run.
+Geometry: the embedded model's (9 query heads, 3 KV heads, d = 64). Each graph is one session with the
+same thread count, fed the same cache; times are medians of interleaved rounds and every figure reported
+is a ratio measured in this run.
 
-    AQUA   q^ --TopKGatherDot(k)--> scores --Softmax--> --MatMul V--> out     (K^ dim-major [B,Hkv,d,T])
-    dense  q  --MatMul K-----------> scores --Softmax--> --MatMul V--> out     (same layout, same session style)
-    GQA    com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's decode op)
+    AQUA         q^ --AquaAttention(k, rule)--> out        (K^ dim-major [B,Hkv,d,T], one pass, native)
+    fused dense  q  --AquaAttention(k = d)----> out        (what a dense folder of this project runs)
+    ORT dense    q  --MatMul K--> Softmax --MatMul V--> out (standard ops, same layout)
+    GQA          com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's op)
 
-Byte limit: a decode step reads K and V (dense) or the selected rows of K plus V (AQUA). Every query
-head selects its own k coordinates on its group's shared K^, so the rows read are the union u of the
-group's selections: limit = (K + V) / (u K + V); u = k/d for g = 1. The query distribution decides u:
-"iid" draws q^ coordinates with equal variance (worst case: the group's picks barely overlap),
-"spectrum" draws coordinate c with the variance the calibration measured for it (the embedded model's
-projection, median layer), which is what the model's queries look like after P.
+Selection rules: `head` (each query head its own top-k: magnitude / weighted) and `group` (one top-k per
+GQA group: group / group-weighted; the weighted rules reach the kernel as these two, rms(k^) folded into P).
+Byte limit: a step reads K and V (dense) or the union u of the group's selected rows of K^ plus V (AQUA):
+limit = (K + V) / (u K + V); u = k/d for `group`. Queries: q^ coordinate c drawn with the standard deviation
+the calibration measured for it (the embedded model's projection, median layer; iid without the artifact).
 
 Rerun: `.venv/bin/python tools/bench_attention.py` (about 10 minutes on 2 cores; --quick for a smoke run).
 """
@@ -40,11 +41,17 @@ HQ, HKV, D = 9, 3, 64
 G = HQ // HKV
 
 
-def _graph(kind: str, k: int):
+# (rule, k_ratio): what the table measures; rule 0 = per head, 1 = group-shared
+SETTINGS = [("head", 0.75), ("head", 0.5), ("head", 0.25), ("group", 0.75), ("group", 0.625), ("group", 0.5),
+            ("group", 0.25)]
+RULE = {"head": 0, "group": 1}
+
+
+def _graph(kind: str, k: int = D, rule: int = 0):
     from onnx import TensorProto
     from onnx import helper as H
 
-    from aqua_export.export import DOMAIN, OPSET_VERSION, OP_TYPE, _register_schema, function_body
+    from aqua_export.export import (ATTENTION, DOMAIN, OPSET_VERSION, _register_schema, attention_body)
 
     _register_schema()
     f = TensorProto.FLOAT
@@ -62,20 +69,19 @@ def _graph(kind: str, k: int):
         g = H.make_graph([node], "gqa", ins, outs)
         return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
     nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
-             H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]),
-             H.make_node("Shape", ["kc"], ["n"], start=3, end=4),  # every slot filled
-             H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"])]
+             H.make_node("Shape", ["kc"], ["n"], start=3, end=4)]  # every slot filled
     if kind == "aqua":
-        nodes.append(H.make_node(OP_TYPE, ["q", "kc", "n"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
-                                 plugin_version="1"))
+        nodes.append(H.make_node(ATTENTION, ["q", "kc", "v", "n", "mask"], ["out"], domain=DOMAIN, k=k, rule=rule,
+                                 softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
     else:
-        nodes.append(H.make_node("MatMul", ["q", "kc_g"], ["s"]))
-    nodes += [H.make_node("Softmax", ["s"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
+        nodes += [H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]), H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"]),
+                  H.make_node("MatMul", ["q", "kc_g"], ["s"]), H.make_node("Add", ["s", "mask"], ["sm"]),
+                  H.make_node("Softmax", ["sm"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
     ins = [H.make_tensor_value_info("q", f, ["B", HKV, G, 1, D]), H.make_tensor_value_info("kc", f, ["B", HKV, D, "T"]),
-           H.make_tensor_value_info("v", f, ["B", HKV, "T", D])]
+           H.make_tensor_value_info("v", f, ["B", HKV, "T", D]), H.make_tensor_value_info("mask", f, ["B", 1, 1, 1, "T"])]
     g = H.make_graph(nodes, kind, ins, [H.make_tensor_value_info("out", f, None)])
     return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                        functions=[function_body(20)], ir_version=10)
+                        functions=[attention_body(20)], ir_version=10)
 
 
 def _interleaved_medians(fns: dict, reps: int, budget_s: float) -> dict:
@@ -108,8 +114,10 @@ def _spectrum() -> np.ndarray:
     return np.sqrt(np.maximum(proj.energy[layer].numpy(), 0))
 
 
-def _union_fraction(q: np.ndarray, k: int) -> float:
-    """Mean over (batch, kv head) of |union of the group's top-k coordinate sets| / d."""
+def _union_fraction(q: np.ndarray, k: int, rule: str) -> float:
+    """Mean over (batch, kv head) of |union of the group's selected coordinates| / d (k / d when shared)."""
+    if rule == "group":
+        return k / q.shape[-1]
     idx = np.argsort(-np.abs(q), axis=-1, kind="stable")[..., :k]  # [B, Hkv, g, 1, k]
     b, h = q.shape[:2]
     sizes = [len(np.unique(idx[i, j])) for i in range(b) for j in range(h)]
@@ -120,7 +128,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--ratios", default="1,0.75,0.5,0.25")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="T 1024 only, few repetitions")
@@ -133,46 +140,42 @@ def main() -> int:
         return 2
     contexts = [1024] if a.quick else [int(x) for x in a.contexts.split(",")]
     reps = 5 if a.quick else a.reps
-    ratios = [float(x) for x in a.ratios.split(",")]
     spectrum = _spectrum()
-    dists = ["iid"] + (["spectrum"] if spectrum is not None else [])
-    sessions = {"dense": make_session(_graph("dense", D).SerializeToString(), a.threads, "function", spin=False),
-                "gqa": make_session(_graph("gqa", D).SerializeToString(), a.threads, "function", spin=False)}
-    for r in ratios:
-        k = max(1, round(r * D))
-        sessions[k] = make_session(_graph("aqua", k).SerializeToString(), a.threads, "native", spin=False)
+
+    def sess(model, kernel="native"):
+        return make_session(model.SerializeToString(), a.threads, kernel, spin=False)
+
+    sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function"),
+                "fused-dense": sess(_graph("aqua"))}
+    for rule, ratio in SETTINGS:
+        sessions[rule, ratio] = sess(_graph("aqua", round(ratio * D), RULE[rule]))
     rng = np.random.default_rng(0)
     rows = []
     for t in contexts:
         for b in [int(x) for x in a.batches.split(",")]:
             kc = rng.standard_normal((b, HKV, D, t), dtype=np.float32)
             v = rng.standard_normal((b, HKV, t, D), dtype=np.float32)
-            qs = {"iid": rng.standard_normal((b, HKV, G, 1, D), dtype=np.float32)}
-            if spectrum is not None:
-                qs["spectrum"] = (rng.standard_normal((b, HKV, G, 1, D)) * spectrum[None, :, None, None, :]).astype(np.float32)
-            fns = {"dense": lambda: sessions["dense"].run(None, {"q": qs["iid"], "kc": kc, "v": v}),
-                   "gqa": _gqa_runner(sessions["gqa"], b, t, rng)}
-            for dist, q in qs.items():
-                for r in ratios:
-                    k = max(1, round(r * D))
-                    if dist == "spectrum" and k == D:
-                        continue
-                    fns[(dist, r)] = (lambda s=sessions[k], q=q: s.run(None, {"q": q, "kc": kc, "v": v}))
+            sd = spectrum[None, :, None, None, :] if spectrum is not None else 1.0
+            q = (rng.standard_normal((b, HKV, G, 1, D)) * sd).astype(np.float32)
+            feed = {"q": q, "kc": kc, "v": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
+            fns = {name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items() if name != "gqa"}
+            fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
             med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
-            for dist, q in qs.items():
-                for r in ratios:
-                    k = max(1, round(r * D))
-                    if (dist, r) not in med:
-                        continue
-                    u = _union_fraction(q, k)
-                    aq = med[(dist, r)]
-                    rows.append({"T": t, "batch": b, "k_ratio": r, "k": k, "queries": dist, "union_fraction": round(u, 3),
-                                 "dense_over_aqua": round(med["dense"] / aq, 3), "gqa_over_aqua": round(med["gqa"] / aq, 3),
-                                 "byte_limit": round(2.0 / (1.0 + u), 3), "byte_limit_g1": round(2.0 / (1.0 + k / D), 3)})
-                    print(json.dumps(rows[-1]), flush=True)
+            for rule, ratio in SETTINGS:
+                k = round(ratio * D)
+                u = _union_fraction(q, k, rule)
+                aq = med[rule, ratio]
+                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k, "union_fraction": round(u, 3),
+                             "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
+                             "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
+                             "gqa_over_aqua": round(med["gqa"] / aq, 3),
+                             "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
+                             "byte_limit": round(2.0 / (1.0 + u), 3)})
+                print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": a.threads, "reps": reps, "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
+            "queries": "spectrum" if spectrum is not None else "iid",
             "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
     atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     return 0

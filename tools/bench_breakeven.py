@@ -1,11 +1,12 @@
 """The seed paper's break-even: AQUA pays O(d^2) per head and step to project q (q^ = qP) and saves
 O(T (d - k)) in the scores, so it wins for T > d^2 / (d - k). Measured here in ONNX Runtime:
 
-    AQUA   q --MatMul P--> q^ --TopKGatherDot(k)--> Softmax --MatMul V-->     (native kernel)
-    dense  q --MatMul K----------------------------> Softmax --MatMul V-->
+    AQUA   q --MatMul P--> q^ --AquaAttention(k, group-shared selection)--> out    (native kernel)
+    dense  q --------------------AquaAttention(k = d)----------------------> out    (a dense folder's step)
 
 for T from 16 to 8192 (batch 1, the embedded model's 9 query / 3 KV heads, d = 64), interleaved
-medians. The measured crossover is the smallest T from which AQUA stays faster.
+medians: the same fused kernel on both sides, so the difference is the projection, the selection and
+the K^ rows not read. The measured crossover is the smallest T from which AQUA stays faster.
     -> benchmarks/breakeven.json (tables in benchmarks/performance.md via tools/perf_report.py)
 
 Rerun: `.venv/bin/python tools/bench_breakeven.py` (about 2 minutes).
@@ -35,28 +36,24 @@ def _graph(k: int | None, P: np.ndarray):
     from onnx import TensorProto, numpy_helper
     from onnx import helper as H
 
-    from aqua_export.export import DOMAIN, OPSET_VERSION, OP_TYPE, _register_schema, function_body
+    from aqua_export.export import ATTENTION, DOMAIN, OPSET_VERSION, _register_schema, attention_body
 
     _register_schema()
     f = TensorProto.FLOAT
-    nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
-             H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]),
-             H.make_node("Shape", ["kc"], ["n"], start=3, end=4),  # every slot filled
-             H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"])]
+    nodes = [H.make_node("Shape", ["kc"], ["n"], start=3, end=4)]  # every slot filled
     inits = []
-    if k is None:
-        nodes.append(H.make_node("MatMul", ["q", "kc_g"], ["s"]))
-    else:
+    q = "q"
+    if k is not None:
         inits.append(numpy_helper.from_array(P[:, None], "P"))  # [Hkv, 1, d, d]
-        nodes += [H.make_node("MatMul", ["q", "P"], ["q_hat"]),
-                  H.make_node(OP_TYPE, ["q_hat", "kc", "n"], ["s"], domain=DOMAIN, k=k, plugin_namespace="aqua",
-                              plugin_version="1")]
-    nodes += [H.make_node("Softmax", ["s"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
+        nodes.append(H.make_node("MatMul", ["q", "P"], ["q_hat"]))
+        q = "q_hat"
+    nodes.append(H.make_node(ATTENTION, [q, "kc", "v", "n", "mask"], ["out"], domain=DOMAIN, k=k or D, rule=1,
+                             softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
     ins = [H.make_tensor_value_info("q", f, [1, HKV, G, 1, D]), H.make_tensor_value_info("kc", f, [1, HKV, D, "T"]),
-           H.make_tensor_value_info("v", f, [1, HKV, "T", D])]
+           H.make_tensor_value_info("v", f, [1, HKV, "T", D]), H.make_tensor_value_info("mask", f, [1, 1, 1, 1, "T"])]
     g = H.make_graph(nodes, "breakeven", ins, [H.make_tensor_value_info("out", f, None)], initializer=inits)
     return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                        functions=[function_body(20)], ir_version=10)
+                        functions=[attention_body(20)], ir_version=10)
 
 
 def crossover(ts: list[int], ratios: list[float]) -> int | None:
@@ -82,7 +79,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
     ks = [max(1, round(float(r) * D)) for r in a.k_ratios.split(",")]
-    sessions = {"dense": make_session(_graph(None, P).SerializeToString(), a.threads, "function", spin=False)}
+    sessions = {"dense": make_session(_graph(None, P).SerializeToString(), a.threads, "native", spin=False)}
     for k in ks:
         sessions[k] = make_session(_graph(k, P).SerializeToString(), a.threads, "native", spin=False)
     q = rng.standard_normal((1, HKV, G, 1, D), dtype=np.float32)
@@ -90,7 +87,7 @@ def main() -> int:
     for t in CONTEXTS:
         kc = rng.standard_normal((1, HKV, D, t), dtype=np.float32)
         v = rng.standard_normal((1, HKV, t, D), dtype=np.float32)
-        feed = {"q": q, "kc": kc, "v": v}
+        feed = {"q": q, "kc": kc, "v": v, "mask": np.zeros((1, 1, 1, 1, t), np.float32)}
         med = _interleaved_medians({name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items()},
                                    a.reps, 10.0)
         for k in ks:
@@ -100,7 +97,7 @@ def main() -> int:
              "dense_over_aqua_by_T": dict(zip(map(str, CONTEXTS), [round(x, 3) for x in ratios[k]]))} for k in ks]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": a.threads, "reps": a.reps, "batch": 1, "geometry": {"heads": HKV * G, "kv_heads": HKV, "head_dim": D}}
+    meta = {"threads": a.threads, "reps": a.reps, "batch": 1, "selection": "group (rule 1)", "geometry": {"heads": HKV * G, "kv_heads": HKV, "head_dim": D}}
     atomic_write_bytes(out / "breakeven.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     for r in rows:
         print(json.dumps(r))

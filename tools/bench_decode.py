@@ -6,7 +6,7 @@
     -> the "Decode" sections of benchmarks/performance.md (tools/perf_report.py)
 
 Variants (all built from the same SmolLM2-135M checkpoint and projection by the build's export stage, float32):
-    dense                 k_ratio 1 (identity P, TopKGatherDot at k = d)
+    dense                 k_ratio 1 (identity P, AquaAttention at k = d)
     aqua-k0.75 / -k0.5    standalone AQUA
     memory-s0.25-k0.75    AQUA-Memory: K and V cached 48 wide instead of 64
     h2o-0.5-k0.75         AQUA-H2O keeping half the tokens (runtime aqua only)
@@ -138,7 +138,8 @@ def main() -> int:
     a = ap.parse_args()
     names = a.variants.split(",")
     export_all(names + ["ort-genai"])
-    meta = {"threads": a.threads, "steps": a.steps, "rounds": a.rounds, "model": "SmolLM2-135M-Instruct (embedded), float32"}
+    meta = {"threads": a.threads, "steps": a.steps, "rounds": a.rounds, "model": "SmolLM2-135M-Instruct (embedded), float32",
+            "attention": "AquaAttention"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.only in (None, "aqua"):

@@ -38,39 +38,40 @@ def attention_section(data) -> list[str]:
     m = data["meta"]
     out = ["## Attention step (one decode step, ONNX Runtime, `tools/bench_attention.py`)", "",
            f"{m['geometry']['heads']} query heads, {m['geometry']['kv_heads']} KV heads, d = {m['geometry']['head_dim']}; "
-           f"{m['threads']} intra-op threads; medians of up to {m['reps']} interleaved rounds. `dense/AQUA` > 1 means "
-           "AQUA is faster. Byte limit = (K + V) / (u K + V) with u the union of the GQA group's selected "
-           "coordinates (measured); the per-head limit 2 / (1 + k/d) holds only without GQA (g = 1).", "",
-           "| T | batch | k_ratio | queries | union u | dense / AQUA | GQA op / AQUA | byte limit (u) | per-head limit |",
+           f"{m['threads']} intra-op threads; medians of up to {m['reps']} interleaved rounds; {m['queries']} queries. "
+           "AQUA = the fused `AquaAttention` node (native kernel). `X / AQUA` > 1 means AQUA is faster than X: "
+           "fused dense = the same node at k = d (what a dense folder runs), ORT dense = MatMul, Softmax, MatMul "
+           "(standard ops), GQA = ORT's GroupQueryAttention. Rule `head`: each query head its own top-k "
+           "(magnitude / weighted); `group`: one top-k per GQA group (group / group-weighted). Byte limit = "
+           "(K + V) / (u K + V) against a dense step, u = the share of K^'s rows read (the union of the group's "
+           "selections; k/d for `group`).", "",
+           "| T | batch | rule | k_ratio | union u | fused dense / AQUA | ORT dense / AQUA | GQA / AQUA | byte limit |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        out.append(f"| {r['T']} | {r['batch']} | {r['k_ratio']} | {r['queries']} | {r['union_fraction']:.2f} | "
-                   f"**{r['dense_over_aqua']:.2f}** | {r['gqa_over_aqua']:.2f} | {r['byte_limit']:.2f} | {r['byte_limit_g1']:.2f} |")
-    target = [r for r in data["rows"] if r["T"] == 16384 and r["batch"] == 8 and r["k_ratio"] == 0.5]
-    if target:
-        best = max(target, key=lambda r: r["dense_over_aqua"])
-        measured = ", ".join("{:.2f}x ({} queries, u = {:.2f})".format(r["dense_over_aqua"], r["queries"], r["union_fraction"])
-                             for r in target)
-        out += ["", f"Target (T = 16k, batch 8, k_ratio 0.5, >= 1.25x): measured {measured}. "
-                f"The byte limit at the measured union is {best['byte_limit']:.2f}x: each of the g = 3 query heads "
-                "of a group selects its own half of the coordinates, their union covers "
-                f"{best['union_fraction']:.0%} of K^'s rows, and a kernel that reads each K^ row once per group "
-                "cannot read less. 1.25x needs u <= 0.6 (k_ratio 0.25 reaches it) or g = 1."]
+        out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r['union_fraction']:.2f} | "
+                   f"**{r['fused_dense_over_aqua']:.2f}** | {r['ort_dense_over_aqua']:.2f} | {r['gqa_over_aqua']:.2f} | "
+                   f"{r['byte_limit']:.2f} |")
+    fused = {(r["T"], r["batch"]): r["ort_dense_over_fused_dense"] for r in data["rows"]}
+    out += ["", "The fused node at k = d against ORT's standard-op dense step (ORT dense / fused dense): "
+            + ", ".join(f"T {t} batch {b}: {v:.2f}" for (t, b), v in fused.items()) + "."]
     return out
 
 
 def breakeven_section(data) -> list[str]:
     m = data["meta"]
     out = ["", "## Break-even T > d^2 / (d - k) (`tools/bench_breakeven.py`)", "",
-           f"Batch {m['batch']}, AQUA step including the q^ = qP projection vs the dense step; "
-           f"{m['threads']} threads, medians of up to {m['reps']} interleaved rounds.", "",
+           (f"Batch {m['batch']}, AQUA step (q^ = qP, then AquaAttention with the {m['selection']} selection) vs the "
+            "dense step (AquaAttention at k = d, no projection); " if "selection" in m else
+            f"Batch {m['batch']}. **Measured before the fused node existed** (q^ = qP, TopKGatherDot, Softmax, MatMul V "
+            "against MatMul, Softmax, MatMul; rerun `tools/bench_breakeven.py` for the fused node); ")
+           + f"{m['threads']} threads, medians of up to {m['reps']} interleaved rounds.", "",
            "| k_ratio | k | predicted T | measured crossover T | dense / AQUA at 16 / 256 / 1024 / 8192 |", "|---|---|---|---|---|"]
     for r in data["rows"]:
         by = r["dense_over_aqua_by_T"]
         pts = " / ".join(f"{by.get(str(t), float('nan')):.2f}" for t in (16, 256, 1024, 8192))
         out.append(f"| {r['k_ratio']:.2f} | {r['k']} | {r['predicted_T']:.0f} | {r['measured_crossover_T']} | {pts} |")
-    out += ["", "The prediction counts FLOPs; on a CPU at small T the fixed cost per ONNX node (the extra MatMul "
-            "for P, the selection pass) dominates, which is what moves the measured crossover."]
+    out += ["", "The prediction counts FLOPs; on a CPU at small T the fixed cost of the extra MatMul node for P "
+            "and of the selection moves the measured crossover."]
     return out
 
 
@@ -82,7 +83,10 @@ def decode_section(data, title: str) -> list[str]:
            f"{m['rounds']} rounds interleaved, median of {m['steps']} decode steps per round after a warm-up, the "
            "context written into the cache directly. Decode memory = largest resident set right after a step "
            "(weights + cache + runtime buffers). Ratios to this project's dense folder in the same run; every "
-           "folder runs with past and present sharing one buffer, written in place.", "",
+           "folder runs with past and present sharing one buffer, written in place."
+           + ("" if m.get("attention") == "AquaAttention" else " **Measured with the folders of before the fused "
+              "AquaAttention node** (TopKGatherDot, Softmax, ValueProduct per layer); rerun `tools/bench_decode.py` "
+              "for the current graph."), "",
            "| context | batch | variant | tokens/s vs dense | decode memory vs dense |", "|---|---|---|---|---|"]
     keyed = {(r["context"], r["batch"], r["variant"]): r for r in rows}
     for (ctx, b, v), r in keyed.items():

@@ -25,7 +25,9 @@ from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
 
 CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
-SELECTIONS = ("magnitude", "static", "weighted")
+SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
+GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
+SECTIONS = ("selection", "memory", "h2o", "retention")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
 H2O = [(h, k) for h in (0.25, 0.5, 0.75) for k in (0.5, 0.75, 1.0)]
 PAPER = {1.0: (8.91, 11.34), 0.9: (8.91, 11.34), 0.75: (8.93, 11.33), 0.5: (9.20, 11.34), 0.4: (9.81, 11.47),
@@ -38,23 +40,39 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=100_000, help="evaluation tokens (GPL-3 has ~7.7k)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="measure only these (the others' figures are kept from quality.json, measured with the same "
+                         "projection file: it is recalibrated only when every section is measured)")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     torch.set_num_threads(2)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = models.load("llama")
-    t0 = time.perf_counter()
-    tensors, meta = calibrate.calibrate(model, tok, texts=[CALIB], tokens=a.calib_tokens, seq_len=a.seq_len)
-    t_cal = time.perf_counter() - t0
     proj_path = out / "llama-projection.safetensors"
-    calibrate.write(proj_path, tensors, meta)
+    old = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
+    if old and "results" not in old:  # written before sections existed: results only
+        old = {"results": old, "calibration": {"tokens": a.calib_tokens, "seconds": None}}
+    if sections >= set(SECTIONS) or not proj_path.is_file() or not old:
+        sections = set(SECTIONS)
+        t0 = time.perf_counter()
+        tensors, meta = calibrate.calibrate(model, tok, texts=[CALIB], tokens=a.calib_tokens, seq_len=a.seq_len)
+        calibrate.write(proj_path, tensors, meta)
+        cal = {"tokens": meta["tokens"], "seconds": time.perf_counter() - t0}
+        old = {}
+    else:
+        cal = old["calibration"]
+    kept = sorted(set(SECTIONS) - sections)
     proj = calibrate.load_projection(proj_path)
     text = corpus.read_text(EVAL)
 
     results: dict = {}
+    measured = {k: v for k, v in old.get("results", {}).items()}
 
-    def run(cfg: AquaConfig) -> float:
+    def run(cfg: AquaConfig, section: str) -> float:
         key = cfg.to_json()
+        if section not in sections and key in measured:
+            results[key] = measured[key]
         if key not in results:
             t = time.perf_counter()
             r = evaluate.perplexity(model, tok, text, tokens=a.tokens, seq_len=a.seq_len,
@@ -64,36 +82,72 @@ def main() -> int:
             print(f"{key}: ppl {r['perplexity']:.4f} ({r['seconds']:.0f} s)", flush=True)
         return results[key]["perplexity"]
 
-    dense = run(AquaConfig())
-    grid = {(k, s): run(AquaConfig(k_ratio=k, selection=s)) for k in K_RATIOS for s in SELECTIONS}
-    mem = {(s, k): run(AquaConfig(k_ratio=k, slice_ratio=s)) for s, k in MEMORY}
-    h2o = {(h, k): run(AquaConfig(k_ratio=k, h2o_ratio=h)) for h, k in H2O}
+    dense = run(AquaConfig(), "selection")
+    ks = sorted(set(K_RATIOS) | set(GROUP_K), reverse=True)
+    grid = {(k, s): run(AquaConfig(k_ratio=k, selection=s), "selection") for k in ks for s in SELECTIONS
+            if k < 1 and (k in GROUP_K if s.startswith("group") else k in K_RATIOS)}
+    grid.update({(1.0, s): dense for s in SELECTIONS})  # k = r: every rule is dense attention
+    mem = {(s, k): run(AquaConfig(k_ratio=k, slice_ratio=s), "memory") for s, k in MEMORY}
+    h2o = {(h, k): run(AquaConfig(k_ratio=k, h2o_ratio=h), "h2o") for h, k in H2O}
 
-    rep = evaluate.retention_report(model, tok, text, proj, tokens=4096, seq_len=a.seq_len, k_ratio=0.5)
-    evaluate.plot_retention(rep, out / "retention.png")
-    atomic_write_bytes(out / "retention.json", json.dumps(rep, sort_keys=True).encode())
+    if "retention" in sections or not (out / "retention.json").is_file():
+        rep = evaluate.retention_report(model, tok, text, proj, tokens=4096, seq_len=a.seq_len, k_ratio=0.5)
+        evaluate.plot_retention(rep, out / "retention.png")
+        atomic_write_bytes(out / "retention.json", json.dumps(rep, sort_keys=True).encode())
+    rep = json.loads((out / "retention.json").read_text())
+    union = old.get("union", {})
+    if "selection" in sections:  # rows of K^ a step reads, on the evaluation text's first 4096 tokens
+        queries, _ = evaluate.collect_queries_and_moments(model, corpus.windows(corpus.tokenize(tok, text, 4096),
+                                                                                a.seq_len))
+        union = {f"{s}/{k}": evaluate.union_fraction(queries, proj.P, proj.key_rms, k, s) for k, s in grid}
 
     n_eval = next(iter(results.values()))
     L = []
     L.append("# AQUA quality on the embedded model (SmolLM2-135M-Instruct, float32)\n")
-    L.append(f"Written by `tools/quality.py`. Calibration: `{CALIB}` ({meta['tokens']} tokens, seq {a.seq_len}, "
-             f"{t_cal:.0f} s on this machine incl. model load). Evaluation: `{EVAL}` ({n_eval['tokens']} tokens, "
-             f"{n_eval['windows']} non-overlapping windows of {a.seq_len}). Different texts: Python reference prose "
-             "vs a licence text; both ship with every fresh machine (CPython, Debian base-files).\n")
+    took = f", {cal['seconds']:.0f} s on this machine incl. model load" if cal.get("seconds") else ""
+    L.append(f"Written by `tools/quality.py`. Calibration: `{CALIB}` ({cal['tokens']} tokens, seq {a.seq_len}{took}). "
+             f"Evaluation: `{EVAL}` ({n_eval['tokens']} tokens, {n_eval['windows']} non-overlapping windows of "
+             f"{a.seq_len}). Different texts: Python reference prose vs a licence text; both ship with every fresh "
+             "machine (CPython, Debian base-files).\n")
+    if kept:
+        L.append(f"Sections measured in an earlier run of this tool and kept from `quality.json`: {', '.join(kept)} "
+                 f"(`--sections {','.join(sorted(sections))}` measured the rest; `make quality` measures all of them "
+                 "in one run, calibration included).\n")
     L.append(f"Dense perplexity (HF attention, no AQUA): **{dense:.4f}**. SmolLM2 has d=64, 9 query / 3 KV heads.\n")
     L.append("## Standalone AQUA: perplexity by k_ratio and selection rule\n")
     L.append("`weighted` is ours: top-k of |q^_i| * rms(k^_i) (the expected size of coordinate i's term in the "
-             "score, with rms from calibration). The seed paper's figures (Llama-3.1-8B / OLMoE-1B-7B on "
-             "WikiText-103, different models and text: compare the trend, not the level) stand beside.\n")
-    L.append("| k_ratio | k (of 64) | magnitude | static | weighted | paper Llama-3.1-8B | paper OLMoE-1B-7B |")
-    L.append("|---|---|---|---|---|---|---|")
-    for k in K_RATIOS:
-        row = [f"{grid[(k, s)]:.4f}" for s in SELECTIONS]
-        best = min(range(3), key=lambda i: grid[(k, SELECTIONS[i])])
+             "score, with rms from calibration). `group` / `group-weighted` choose one set per GQA group (top-k of "
+             "the group's summed |q^_i|, or summed |q^_i| * rms(k^_i)), so a step reads exactly k of K^'s rows. "
+             "The seed paper's figures (Llama-3.1-8B / OLMoE-1B-7B on WikiText-103, different models and text: "
+             "compare the trend, not the level) stand beside.\n")
+    L.append("| k_ratio | k (of 64) | " + " | ".join(SELECTIONS) + " | paper Llama-3.1-8B | paper OLMoE-1B-7B |")
+    L.append("|---|---|" + "---|" * len(SELECTIONS) + "---|---|")
+    for k in ks:
+        row = [f"{grid[(k, s)]:.4f}" if (k, s) in grid else "" for s in SELECTIONS]
+        have = [i for i, s in enumerate(SELECTIONS) if (k, s) in grid]
+        best = min(have, key=lambda i: grid[(k, SELECTIONS[i])])
         if k < 1:
             row[best] = f"**{row[best]}**"
+        paper = PAPER.get(k, ("", ""))
         L.append(f"| {k} | {AquaConfig(k_ratio=k).selected_width(64)} | " + " | ".join(row)
-                 + f" | {PAPER[k][0]} | {PAPER[k][1]} |")
+                 + f" | {paper[0]} | {paper[1]} |")
+    L.append("\n## Perplexity against bytes read\n")
+    L.append("A decode step reads V and the rows of K^ its selections touch: per (layer, KV head, token) the union of "
+             "the group's g = 3 selected coordinate sets, u of K^'s 64 rows (measured on the evaluation text's first "
+             "4096 tokens; k/64 exactly for the group rules). Bytes = (u K + V) / (K + V) of a dense step, its byte "
+             "limit 1 / bytes. Sorted by bytes; **bold**: the cheapest setting whose perplexity is no worse than "
+             "per-head magnitude at k 0.5.\n")
+    L.append("| selection | k_ratio | union u | bytes vs dense | byte limit | perplexity |")
+    L.append("|---|---|---|---|---|---|")
+    bar = grid[(0.5, "magnitude")]
+    rows_b = sorted(((union[f"{s}/{k}"], s, k) for k, s in grid if k < 1 and s != "static"),
+                    key=lambda x: ((1 + x[0]) / 2, grid[(x[2], x[1])]))
+    best_b = next(((s, k) for u, s, k in rows_b if grid[(k, s)] <= bar), None)
+    for u, s, k in rows_b:
+        cells = [s, str(k), f"{u:.3f}", f"{(1 + u) / 2:.3f}", f"{2 / (1 + u):.2f}", f"{grid[(k, s)]:.4f}"]
+        if (s, k) == best_b:
+            cells = [f"**{c}**" for c in cells]
+        L.append("| " + " | ".join(cells) + " |")
     L.append("\n## AQUA-Memory (slice K and V before caching; P_v folded into W_V / W_O)\n")
     L.append("| slice_ratio | cache width r | k_ratio 0.75 | k_ratio 0.9 | k_ratio 1.0 |")
     L.append("|---|---|---|---|---|")
@@ -116,7 +170,8 @@ def main() -> int:
         L.append(f"| {sel} | {rep['mean'][sel + '/offline']:.4f} | {rep['mean'][sel + '/online']:.4f} |")
     L.append("")
     atomic_write_bytes(out / "quality.md", "\n".join(L).encode())
-    atomic_write_bytes(out / "quality.json", json.dumps(results, sort_keys=True, indent=1).encode())
+    atomic_write_bytes(out / "quality.json", json.dumps({"calibration": cal, "results": results, "union": union},
+                                                        sort_keys=True, indent=1).encode())
     print((out / "quality.md").read_text())
     return 0
 

@@ -3,10 +3,12 @@
 The plugin uses TensorRT's Python plugin API (``tensorrt.plugin``) with an ahead-of-time compiled
 Triton kernel (``aot_impl``): the kernel of ``triton_kernel.py`` is compiled to PTX when the engine
 is built and embedded in it, so the engine runs without Python. It matches the node the exporter
-emits: op type TopKGatherDot, plugin_namespace "aqua", plugin_version "1", one field ``k``.
+emits for a TensorRT build (separate attention nodes, export_onnx(fused=False)): op type TopKGatherDot,
+plugin_namespace "aqua", plugin_version "1", fields ``k`` and ``rule`` (export.RULES). A plugin for the fused
+AquaAttention node does not exist yet: TensorRT builds run scores, softmax and value product as three nodes.
 
-    ONNX (com.aqua::TopKGatherDot, k, plugin_namespace, plugin_version)
-      --OnnxParser (plugin override on)--> plugin "aqua::TopKGatherDot"(k)
+    ONNX (com.aqua::TopKGatherDot, k, rule, plugin_namespace, plugin_version)
+      --OnnxParser (plugin override on)--> plugin "aqua::TopKGatherDot"(k, rule)
           describe:  scores [B, Hkv, g, T, S] = query_hat's shape with the last dim of key_cache (the engine
                      runs the concat contract, present = exactly total_length slots, so S = total_length)
           aot_impl:  Triton -> PTX; grid (B*Hkv*g*T, ceil(S / BLOCK_S)); int32 args (S, g*T)
@@ -29,7 +31,7 @@ from ..export import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 # The plugin's fields, as tensorrt.plugin.register declares them. The ONNX parser consumes
 # plugin_namespace / plugin_version for the registry lookup and passes every other attribute.
-PLUGIN_FIELDS = {"k": int}
+PLUGIN_FIELDS = {"k": int, "rule": int}
 RESERVED_ATTRIBUTES = {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 ENGINE_FILE = "model.engine"
@@ -67,7 +69,8 @@ def node_contract(model_proto) -> list[dict]:
 
     nodes = [n for n in model_proto.graph.node if n.op_type == OP_TYPE]
     if not nodes:
-        raise ConfigError("the model has no TopKGatherDot node: it was not exported by aqua-export")
+        raise ConfigError("the model has no TopKGatherDot node: export it with separate attention nodes "
+                          "(aqua-export --backend tensorrt does)")
     out = []
     for n in nodes:
         where = n.name or OP_TYPE
@@ -87,10 +90,10 @@ def node_contract(model_proto) -> list[dict]:
         for name, value in RESERVED_ATTRIBUTES.items():
             if attrs[name].type != onnx.AttributeProto.STRING or attrs[name].s.decode() != value:
                 raise ConfigError(f"{where}: {name} must be the string {value!r} (the plugin's registry key)")
-        k = attrs["k"].i
-        if k < 1:
-            raise ConfigError(f"{where}: k = {k}, must be >= 1")
-        out.append({"name": n.name, "k": k})
+        k, rule = attrs["k"].i, attrs["rule"].i
+        if k < 1 or rule not in (0, 1, 2):
+            raise ConfigError(f"{where}: k = {k}, rule = {rule}: k must be >= 1 and rule one of 0, 1, 2")
+        out.append({"name": n.name, "k": k, "rule": rule})
     return out
 
 
@@ -128,16 +131,20 @@ class LaunchPlan:
     dtype: str
     block_r: int
     block_s: int
+    rule: int = 0
+    g: int = 1  # query heads per KV head (static in an engine): the group rule reads the group's rows
 
     @property
     def signature(self) -> dict:
         t = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         return {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "S": "i32", "rows_per_kv": "i32", "out_ptr": f"*{t}",
-                "R": "constexpr", "K": "constexpr", "BLOCK_R": "constexpr", "BLOCK_S": "constexpr"}
+                "R": "constexpr", "K": "constexpr", "RULE": "constexpr", "G": "constexpr", "BLOCK_G": "constexpr",
+                "BLOCK_R": "constexpr", "BLOCK_S": "constexpr"}
 
     @property
     def constexprs(self) -> dict:
-        return {"R": self.r, "K": self.k, "BLOCK_R": self.block_r, "BLOCK_S": self.block_s}
+        return {"R": self.r, "K": self.k, "RULE": self.rule, "G": self.g, "BLOCK_G": 1 << max(0, (self.g - 1).bit_length()),
+                "BLOCK_R": self.block_r, "BLOCK_S": self.block_s}
 
     def grid(self, query_dims: list, key_dims: list) -> tuple:
         """(rows, S blocks), for ints or symbolic dims (which support * and the cdiv given)."""
@@ -151,7 +158,7 @@ class LaunchPlan:
         return key_dims[3], query_dims[2] * query_dims[3]
 
 
-def launch_plan(r: int, k: int, dtype: str) -> LaunchPlan:
+def launch_plan(r: int, k: int, dtype: str, rule: int = 0, g: int = 1) -> LaunchPlan:
     from ..triton_kernel import block_sizes
 
     output_type(dtype, dtype)
@@ -159,7 +166,7 @@ def launch_plan(r: int, k: int, dtype: str) -> LaunchPlan:
         raise ValueError(f"k = {k} not in [1, r = {r}]")
     # S is dynamic in an engine: size the S block for long caches (the kernel masks the tail)
     block_r, block_s = block_sizes(r, 1 << 20)
-    return LaunchPlan(r=r, k=k, dtype=dtype, block_r=block_r, block_s=block_s)
+    return LaunchPlan(r=r, k=k, dtype=dtype, block_r=block_r, block_s=block_s, rule=rule, g=g)
 
 
 def compile_kernel(plan: LaunchPlan, arch: int = 90):
@@ -247,7 +254,7 @@ def register_plugin() -> None:
 
     @trtp.register(PLUGIN_ID)
     def describe(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, total_length: trtp.TensorDesc,
-                 k: int) -> trtp.TensorDesc:
+                 k: int, rule: int) -> trtp.TensorDesc:
         out = query_hat.like()
         dims = output_dims(list(query_hat.shape_expr), list(key_cache.shape_expr), k)
         out.shape_expr[4] = dims[4]
@@ -258,13 +265,14 @@ def register_plugin() -> None:
         return [trtp.AutoTuneCombination("FP32|FP16|BF16, FP32|FP16|BF16, INT64, FP32|FP16|BF16", "LINEAR")]
 
     @trtp.aot_impl(PLUGIN_ID)
-    def aot(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, total_length: trtp.TensorDesc, k: int, outputs,
-            tactic):
+    def aot(query_hat: trtp.TensorDesc, key_cache: trtp.TensorDesc, total_length: trtp.TensorDesc, k: int, rule: int,
+            outputs, tactic):
         qd, kd = list(query_hat.shape_expr), list(key_cache.shape_expr)
-        r = qd[4]
-        if not r.is_constant:
-            raise ValueError("TopKGatherDot: the retained width r must be static in the engine")
-        plan = launch_plan(r.constant_value, k, output_type(dtypes[query_hat.dtype], dtypes[key_cache.dtype]))
+        r, g = qd[4], qd[2]
+        if not r.is_constant or not g.is_constant:
+            raise ValueError("TopKGatherDot: the retained width r and the group size g must be static in the engine")
+        plan = launch_plan(r.constant_value, k, output_type(dtypes[query_hat.dtype], dtypes[key_cache.dtype]), rule,
+                           g.constant_value)
         name, ptx, num_warps, shared = compile_kernel(plan, _device_arch())
         rows, s = plan.grid(qd, kd)
         launch = trtp.KernelLaunchParams()

@@ -30,20 +30,13 @@
 // Built against the ONNX Runtime C API headers of Debian's libonnxruntime-dev (fetched at build
 // time, see plugins/ort/CMakeLists.txt); the C API is versioned, so this loads in newer runtimes.
 
-// the API table comes from the loading runtime (RegisterCustomOps), not from a link-time symbol
-#define ORT_API_MANUAL_INIT
-#include <onnxruntime_cxx_api.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <mutex>
-#include <numeric>
-#include <type_traits>
-#include <vector>
+
+#include "aqua_ops.h"
 
 namespace {
+
+using namespace aqua;
 
 constexpr const char* kDomain = "com.aqua";
 constexpr const char* kOpName = "TopKGatherDot";
@@ -52,51 +45,32 @@ constexpr const char* kOpName = "TopKGatherDot";
 #endif
 constexpr int64_t kBlock = AQUA_BLOCK;  // positions per task: each selected key row is read in runs of this length
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
-
-// Puts the indices of the k largest |q| (ties -> lower index) in order[0..k). Their order does not
-// matter: the score phase lays the weights out densely over r and walks the group's union in index order.
-inline void select_topk(const float* q, int64_t r, int64_t k, int64_t* order) {
-  std::iota(order, order + r, int64_t{0});
-  if (k < r) {
-    std::partial_sort(order, order + k, order + r, [q](int64_t a, int64_t b) {
-      const float fa = std::fabs(q[a]), fb = std::fabs(q[b]);
-      return fa > fb || (fa == fb && a < b);
-    });
-  }
-}
-
-// Phase 1, per query row: the selected coordinates and their q^ values.
+// Phase 1, per (batch, kv head, token): the selected coordinates of its g query rows and their q^ values.
 template <typename T>
 struct SelectJob {
   const T* q;
-  int64_t r, k;
+  int64_t g, t, r, k, rule;
   int32_t* sel;  // [rows, k]
   float* qsel;   // [rows, k]
 };
 
 template <typename T>
-void select_row(void* data, size_t row) {
+void select_unit(void* data, size_t unit) {
   const auto& j = *static_cast<const SelectJob<T>*>(data);
-  float qs[256];
-  int64_t order_buf[256];
-  std::vector<float> qv;
-  std::vector<int64_t> ov;
-  float* q = qs;
-  int64_t* order = order_buf;
-  if (j.r > 256) {
-    qv.resize(j.r), ov.resize(j.r);
-    q = qv.data(), order = ov.data();
+  const int64_t bh = static_cast<int64_t>(unit) / j.t, t = static_cast<int64_t>(unit) % j.t;
+  std::vector<float> q(static_cast<size_t>(j.g * j.r));
+  std::vector<int64_t> idx(static_cast<size_t>(j.g * j.k));
+  for (int64_t h = 0; h < j.g; ++h) {
+    const T* row = j.q + ((bh * j.g + h) * j.t + t) * j.r;
+    for (int64_t c = 0; c < j.r; ++c) q[h * j.r + c] = load(row, c);
   }
-  const int64_t base = static_cast<int64_t>(row);
-  for (int64_t c = 0; c < j.r; ++c) q[c] = load(j.q + base * j.r, c);
-  select_topk(q, j.r, j.k, order);
-  for (int64_t t = 0; t < j.k; ++t) {
-    j.sel[base * j.k + t] = static_cast<int32_t>(order[t]);
-    j.qsel[base * j.k + t] = q[order[t]];
+  select_group(q.data(), j.g, j.r, j.k, j.rule, idx.data());
+  for (int64_t h = 0; h < j.g; ++h) {
+    const int64_t row = (bh * j.g + h) * j.t + t;
+    for (int64_t i = 0; i < j.k; ++i) {
+      j.sel[row * j.k + i] = static_cast<int32_t>(idx[h * j.k + i]);
+      j.qsel[row * j.k + i] = q[h * j.r + idx[h * j.k + i]];
+    }
   }
 }
 
@@ -114,41 +88,6 @@ struct ScoreJob {
   int64_t r, s, k, blocks;
   int64_t stride;  // C: the key buffer's row length (s = L of its slots are scored)
 };
-
-constexpr int kRows = 4;  // query rows accumulated together
-
-// acc[r][0..n) += w[c][r] * key[c][0..n) for every c in the union: one pass over each selected key
-// row segment (n contiguous values, prefetch-friendly) feeds NR rows' L1-resident accumulators.
-template <int NR, typename T>
-void accumulate(const T* key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf, int64_t n,
-                float (*acc)[kBlock]) {
-  for (int rr = 0; rr < NR; ++rr) std::memset(acc[rr], 0, sizeof(float) * n);
-  int64_t u = 0;
-  // four key rows per pass: the accumulators are read and written once per four rows
-  for (; u + 4 <= nu; u += 4) {
-    const T* k0 = key + uni[u] * stride;
-    const T* k1 = key + uni[u + 1] * stride;
-    const T* k2 = key + uni[u + 2] * stride;
-    const T* k3 = key + uni[u + 3] * stride;
-    float w[4][NR];
-    for (int t = 0; t < 4; ++t) {
-      for (int rr = 0; rr < NR; ++rr) w[t][rr] = wbuf[uni[u + t] * kRows + rr];
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const float a0 = load(k0, i), a1 = load(k1, i), a2 = load(k2, i), a3 = load(k3, i);
-      for (int rr = 0; rr < NR; ++rr) acc[rr][i] += w[0][rr] * a0 + w[1][rr] * a1 + w[2][rr] * a2 + w[3][rr] * a3;
-    }
-  }
-  for (; u < nu; ++u) {
-    const T* kr = key + uni[u] * stride;
-    float w[NR];
-    for (int rr = 0; rr < NR; ++rr) w[rr] = wbuf[uni[u] * kRows + rr];
-    for (int64_t i = 0; i < n; ++i) {
-      const float kv = load(kr, i);
-      for (int rr = 0; rr < NR; ++rr) acc[rr][i] += w[rr] * kv;
-    }
-  }
-}
 
 template <typename T>
 void score_block(void* data, size_t task) {
@@ -180,12 +119,7 @@ void score_block(void* data, size_t task) {
     for (int64_t c = 0; c < j.r; ++c) {
       if (mark[static_cast<size_t>(c)]) uni[static_cast<size_t>(nu++)] = static_cast<int32_t>(c);
     }
-    switch (nr) {
-      case 1: accumulate<1>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
-      case 2: accumulate<2>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
-      case 3: accumulate<3>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
-      default: accumulate<4>(key, j.stride, uni.data(), nu, wbuf.data(), n, acc); break;
-    }
+    accumulate_rows(nr, key, j.stride, uni.data(), nu, wbuf.data(), n, &acc[0][0], kBlock);
     for (int rr = 0; rr < nr; ++rr) {
       T* out = j.out + (row0 + rr) * j.s + s0;
       if constexpr (std::is_same_v<T, float>) {
@@ -197,20 +131,12 @@ void score_block(void* data, size_t task) {
   }
 }
 
-// The int64 total_length input (one element): the sequence length so far, new tokens included.
-inline int64_t total_length(Ort::KernelContext& ctx, size_t index) {
-  auto t = ctx.GetInput(index);
-  if (t.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
-    ORT_CXX_API_THROW("total_length must hold one int64", ORT_INVALID_ARGUMENT);
-  }
-  return t.GetTensorData<int64_t>()[0];
-}
-
 template <typename T>
 struct Kernel {
   explicit Kernel(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     k_ = ki.GetAttribute<int64_t>("k");
+    rule_ = int_attribute(ki, "rule", kPerHead);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -240,39 +166,19 @@ struct Kernel {
     if (rows == 0 || len == 0) return;
     std::vector<int32_t> sel(static_cast<size_t>(rows * k_));
     std::vector<float> qsel(static_cast<size_t>(rows * k_));
-    SelectJob<T> sj{q_in.GetTensorData<T>(), r, k_, sel.data(), qsel.data()};
-    ctx.ParallelFor(&select_row<T>, static_cast<size_t>(rows), 0, &sj);
+    SelectJob<T> sj{q_in.GetTensorData<T>(), qs[2], qs[3], r, k_, rule_, sel.data(), qsel.data()};
+    ctx.ParallelFor(&select_unit<T>, static_cast<size_t>(qs[0] * qs[1] * qs[3]), 0, &sj);
     const int64_t blocks = (len + kBlock - 1) / kBlock;
     ScoreJob<T> job{k_in.GetTensorData<T>(), sel.data(), qsel.data(), out.GetTensorMutableData<T>(),
                     qs[2] * qs[3], r, len, k_, blocks, ks[3]};
     ctx.ParallelFor(&score_block<T>, static_cast<size_t>(qs[0] * qs[1] * blocks), 0, &job);
   }
 
-  int64_t k_;
+  int64_t k_, rule_;
 };
 
 template <typename T>
-constexpr ONNXTensorElementDataType element_type() {
-  if constexpr (std::is_same_v<T, float>) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-}
-
-// What every op of the library declares alike: a CPU kernel of element type T (float or float16) with
-// NInputs inputs, the last an int64 total_length when Length, and one output of type T.
-template <typename Self, typename K, typename T, size_t NInputs, bool Length>
-struct CpuOp : Ort::CustomOpBase<Self, K> {
-  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new K(info); }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return NInputs; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return Length && i == NInputs - 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : element_type<T>();
-  }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
-};
-
-template <typename T>
-struct Op : CpuOp<Op<T>, Kernel<T>, T, 3, true> {
+struct Op : CpuOp<Op<T>, Kernel<T>, T, 3, 2> {
   const char* GetName() const { return kOpName; }
 };
 
@@ -435,12 +341,12 @@ struct ValueKernel {
 };
 
 template <typename T>
-struct ValueOp : CpuOp<ValueOp<T>, ValueKernel<T>, T, 2, false> {
+struct ValueOp : CpuOp<ValueOp<T>, ValueKernel<T>, T, 2, 99> {
   const char* GetName() const { return "ValueProduct"; }
 };
 
 template <typename T, bool DimMajor>
-struct CacheOp : CpuOp<CacheOp<T, DimMajor>, CacheKernel<T, DimMajor>, T, 3, true> {
+struct CacheOp : CpuOp<CacheOp<T, DimMajor>, CacheKernel<T, DimMajor>, T, 3, 2> {
   const char* GetName() const { return DimMajor ? "KeyCacheUpdate" : "ValueCacheUpdate"; }
 };
 
@@ -475,6 +381,7 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options
     domain.Add(&value_f16);
     domain.Add(&product_f32);
     domain.Add(&product_f16);
+    add_attention_ops(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(g_mutex);
     g_domains.push_back(std::move(domain));

@@ -1,0 +1,320 @@
+// AquaAttention: one layer's attention in one pass over the cache (contract: aqua_export/contract.py).
+//
+//   query_hat   [B, Hkv, g, T, r]    q^ with the attention scale folded in
+//   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key)
+//   value_cache [B, Hkv, Cv, r]      present.value
+//   total_length [1] int64           L <= C, Cv: the slots filled so far
+//   mask        [B|1, 1, 1, T, L]    float32, added to the scores (0 or float32 min)
+//     -> out [B, Hkv, g, T, r] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
+//   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap
+//
+// No [B, Hkv, g, T, L] tensor exists: tasks of (batch, kv head, tile of up to 4 query rows, split of the L
+// positions), each walking its positions in blocks of kPos:
+//
+//   K^[union of the tile's I, block] --accumulate--> s[rows][block]    (k of r key rows read; a group-shared
+//        |                                                             selection makes the union exactly k)
+//   s --softcap, + mask--> online softmax: m' = max(m, max s); o *= e^(m - m'); l = l e^(m - m') + sum e^(s - m')
+//   o[rows][:] += e^(s - m') V[block]                                  (each V row read once per tile)
+//
+// then the splits of a tile merge: out = sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M). Splits exist only when
+// (batch, kv head, tile) tasks are too few to keep ORT's thread pool busy (decode at batch 1). A block that the
+// mask hides from every row of a tile is skipped (causal prefill); a row hidden everywhere outputs zeros.
+// Query rows are tiled token-major (all g heads of a token together), so at decode a tile is the GQA group.
+
+#include "aqua_ops.h"
+
+namespace {
+
+using namespace aqua;
+
+constexpr int64_t kPos = 256;        // positions per block: the tile's scores stay in L1
+constexpr int64_t kMaxWidth = 512;   // r
+constexpr int64_t kTasksWanted = 16; // split the positions when fewer (batch, kv head, tile) tasks exist
+constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the position
+
+template <typename T>
+struct AttentionJob {
+  const T* q;
+  const T* key;
+  const T* value;
+  const float* mask;
+  T* out;
+  float* part;  // [tasks, kRows, r + 2]: o, m, l of each row when the positions are split
+  int64_t heads, g, t, r, k, rule, len, key_stride, value_slots, mask_batch_stride, tiles, splits, split_len;
+  float softcap;
+};
+
+// The tile's rows (token-major: row rr is head j of token tt) and their selections laid out densely over r.
+template <typename T>
+int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, float* wbuf, int32_t* uni) {
+  std::vector<float> q(static_cast<size_t>(j.g * j.r));
+  std::vector<int64_t> idx(static_cast<size_t>(j.g * j.k));
+  std::vector<char> mark(static_cast<size_t>(j.r), 0);
+  std::fill(wbuf, wbuf + kRows * j.r, 0.0f);
+  int64_t loaded = -1;
+  for (int rr = 0; rr < nr; ++rr) {
+    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
+    if (tt != loaded) {
+      for (int64_t hh = 0; hh < j.g; ++hh) {
+        const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.r;
+        for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
+      }
+      select_group(q.data(), j.g, j.r, j.k, j.rule, idx.data());
+      loaded = tt;
+    }
+    for (int64_t i = 0; i < j.k; ++i) {
+      const int64_t c = idx[h * j.k + i];
+      wbuf[c * kRows + rr] = q[h * j.r + c];
+      mark[c] = 1;
+    }
+  }
+  int64_t nu = 0;
+  for (int64_t c = 0; c < j.r; ++c) {
+    if (mark[c]) uni[nu++] = static_cast<int32_t>(c);
+  }
+  return nu;
+}
+
+// o[rr][0..r) += p[rr][i] * V[i][0..r) over the block's n positions, in column tiles of kCols whose NR x kCols
+// accumulators live in vector registers across the whole block (o is read and written once per block).
+constexpr int64_t kCols = 32;
+
+template <int NR, bool Full, typename T>
+void add_value_tile(const float* p, const T* __restrict v, int64_t n, int64_t r, int64_t nc, float* __restrict o) {
+  float acc[NR][kCols];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int64_t c = 0; c < kCols; ++c) acc[rr][c] = Full || c < nc ? o[rr * kMaxWidth + c] : 0.0f;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const T* vr = v + i * r;
+    float vv[kCols];
+    for (int64_t c = 0; c < kCols; ++c) vv[c] = Full || c < nc ? load(vr, c) : 0.0f;
+    for (int rr = 0; rr < NR; ++rr) {
+      const float w = p[rr * kPos + i];
+      for (int64_t c = 0; c < kCols; ++c) acc[rr][c] += w * vv[c];
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int64_t c = 0; c < kCols; ++c) {
+      if (Full || c < nc) o[rr * kMaxWidth + c] = acc[rr][c];
+    }
+  }
+}
+
+template <int NR, typename T>
+void add_values(const float* p, const T* v, int64_t n, int64_t r, float* o) {
+  for (int64_t c0 = 0; c0 < r; c0 += kCols) {
+    const int64_t nc = std::min(kCols, r - c0);
+    if (nc == kCols) {
+      add_value_tile<NR, true>(p, v + c0, n, r, nc, o + c0);
+    } else {
+      add_value_tile<NR, false>(p, v + c0, n, r, nc, o + c0);
+    }
+  }
+}
+
+template <typename T>
+void add_values_rows(int nr, const float* p, const T* v, int64_t n, int64_t r, float* o) {
+  switch (nr) {
+    case 1: add_values<1>(p, v, n, r, o); break;
+    case 2: add_values<2>(p, v, n, r, o); break;
+    case 3: add_values<3>(p, v, n, r, o); break;
+    default: add_values<4>(p, v, n, r, o); break;
+  }
+}
+
+constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
+
+// s[rr][0..n) -> e^(s - m') with the running max m and sum l of each row updated, o rescaled.
+inline void online_softmax(int nr, int64_t n, float softcap, const float* const* mrow, float* s, float* m, float* l,
+                           float* o, int64_t r) {
+  for (int rr = 0; rr < nr; ++rr) {
+    float* x = s + rr * kPos;
+    const float* mk = mrow[rr];
+    if (softcap > 0.0f) {
+      for (int64_t i = 0; i < n; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
+    }
+    float lane[kLanes];
+    std::fill(lane, lane + kLanes, -INFINITY);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int e = 0; e < kLanes; ++e) {
+        x[i + e] += mk[i + e];
+        lane[e] = std::max(lane[e], x[i + e]);
+      }
+    }
+    for (; i < n; ++i) x[i] += mk[i], lane[0] = std::max(lane[0], x[i]);
+    float top = lane[0];
+    for (int e = 1; e < kLanes; ++e) top = std::max(top, lane[e]);
+    const float m_new = std::max(m[rr], top);
+    const float alpha = std::exp(m[rr] - m_new);  // 0 on the first block (m = -inf)
+    if (alpha != 1.0f) {
+      for (int64_t c = 0; c < r; ++c) o[rr * kMaxWidth + c] *= alpha;
+    }
+    std::fill(lane, lane + kLanes, 0.0f);
+    for (i = 0; i + kLanes <= n; i += kLanes) {
+      for (int e = 0; e < kLanes; ++e) {
+        x[i + e] = std::exp(x[i + e] - m_new);
+        lane[e] += x[i + e];
+      }
+    }
+    for (; i < n; ++i) x[i] = std::exp(x[i] - m_new), lane[0] += x[i];
+    float sum = 0.0f;
+    for (int e = 0; e < kLanes; ++e) sum += lane[e];
+    l[rr] = l[rr] * alpha + sum;
+    m[rr] = m_new;
+  }
+}
+
+template <typename T>
+void attention_task(void* data, size_t task_index) {
+  const auto& j = *static_cast<const AttentionJob<T>*>(data);
+  const int64_t task = static_cast<int64_t>(task_index);
+  const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
+  const int64_t rows = j.g * j.t;
+  const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - tile * kRows));
+  std::vector<float> wbuf(static_cast<size_t>(kRows * j.r));
+  std::vector<int32_t> uni(static_cast<size_t>(j.r));
+  const int64_t nu = select_tile(j, bh, tile, nr, wbuf.data(), uni.data());
+
+  alignas(64) static thread_local float s[kRows * kPos];
+  alignas(64) static thread_local float o[kRows * kMaxWidth];
+  float m[kRows], l[kRows];
+  const float* mrow[kRows];
+  for (int rr = 0; rr < nr; ++rr) {
+    m[rr] = -INFINITY, l[rr] = 0.0f;
+    std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.r, 0.0f);
+    const int64_t tt = (tile * kRows + rr) / j.g;
+    mrow[rr] = j.mask + (bh / j.heads) * j.mask_batch_stride + tt * j.len;
+  }
+  const int64_t p0 = split * j.split_len, p1 = std::min(j.len, p0 + j.split_len);
+  const T* key = j.key + bh * j.r * j.key_stride;
+  const T* value = j.value + bh * j.value_slots * j.r;
+  for (int64_t s0 = p0; s0 < p1; s0 += kPos) {
+    const int64_t n = std::min(kPos, p1 - s0);
+    const float* mb[kRows];
+    bool visible = false;
+    for (int rr = 0; rr < nr; ++rr) {
+      mb[rr] = mrow[rr] + s0;
+      for (int64_t i = 0; i < n && !visible; ++i) visible = mb[rr][i] > kHidden;
+    }
+    if (!visible) continue;
+    accumulate_rows(nr, key + s0, j.key_stride, uni.data(), nu, wbuf.data(), n, s, kPos);
+    online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.r);
+    add_values_rows(nr, s, value + s0 * j.r, n, j.r, o);
+  }
+  for (int rr = 0; rr < nr; ++rr) {
+    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
+    if (j.splits == 1) {
+      T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.r;
+      const float inv = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
+      for (int64_t c = 0; c < j.r; ++c) store(dst, c, o[rr * kMaxWidth + c] * inv);
+    } else {
+      float* dst = j.part + (task * kRows + rr) * (j.r + 2);
+      std::copy(o + rr * kMaxWidth, o + rr * kMaxWidth + j.r, dst);
+      dst[j.r] = m[rr], dst[j.r + 1] = l[rr];
+    }
+  }
+}
+
+// The splits of one (batch, kv head, tile) merged into out.
+template <typename T>
+void merge_task(void* data, size_t index) {
+  const auto& j = *static_cast<const AttentionJob<T>*>(data);
+  const int64_t tile = static_cast<int64_t>(index) % j.tiles, bh = static_cast<int64_t>(index) / j.tiles;
+  const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g * j.t - tile * kRows));
+  std::vector<float> acc(static_cast<size_t>(j.r));
+  for (int rr = 0; rr < nr; ++rr) {
+    const float* first = j.part + ((static_cast<int64_t>(index) * j.splits) * kRows + rr) * (j.r + 2);
+    const int64_t step = kRows * (j.r + 2);
+    float top = -INFINITY, den = 0.0f;
+    for (int64_t sp = 0; sp < j.splits; ++sp) {
+      if (first[sp * step + j.r + 1] > 0.0f) top = std::max(top, first[sp * step + j.r]);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t sp = 0; sp < j.splits; ++sp) {
+      const float* p = first + sp * step;
+      if (!(p[j.r + 1] > 0.0f)) continue;
+      const float w = std::exp(p[j.r] - top);
+      den += p[j.r + 1] * w;
+      for (int64_t c = 0; c < j.r; ++c) acc[c] += p[c] * w;
+    }
+    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
+    T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.r;
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    for (int64_t c = 0; c < j.r; ++c) store(dst, c, acc[c] * inv);
+  }
+}
+
+template <typename T>
+struct AttentionKernel {
+  explicit AttentionKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    k_ = ki.GetAttribute<int64_t>("k");
+    rule_ = int_attribute(ki, "rule", kPerHead);
+    softcap_ = ki.GetAttribute<float>("softcap");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto q_in = ctx.GetInput(0), k_in = ctx.GetInput(1), v_in = ctx.GetInput(2), m_in = ctx.GetInput(4);
+    const auto qs = q_in.GetTensorTypeAndShapeInfo().GetShape();
+    const auto ks = k_in.GetTensorTypeAndShapeInfo().GetShape();
+    const auto vs = v_in.GetTensorTypeAndShapeInfo().GetShape();
+    const auto ms = m_in.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t len = total_length(ctx, 3);
+    if (qs.size() != 5 || ks.size() != 4 || vs.size() != 4 || ms.size() != 5) {
+      ORT_CXX_API_THROW("AquaAttention: expected query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache "
+                        "[B,Hkv,C,r] and mask [B,1,1,T,L]", ORT_INVALID_ARGUMENT);
+    }
+    const int64_t r = qs[4];
+    if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1] || ks[2] != r || vs[3] != r) {
+      ORT_CXX_API_THROW("AquaAttention: query_hat, key_cache and value_cache disagree on B, Hkv or r",
+                        ORT_INVALID_ARGUMENT);
+    }
+    if (len < 0 || len > ks[3] || len > vs[2] || (ms[0] != 1 && ms[0] != qs[0]) || ms[1] != 1 || ms[2] != 1 ||
+        ms[3] != qs[3] || ms[4] != len) {
+      ORT_CXX_API_THROW("AquaAttention: total_length must fit both caches and mask must be [B|1,1,1,T,L]",
+                        ORT_INVALID_ARGUMENT);
+    }
+    if (k_ < 1 || k_ > r || r > kMaxWidth || rule_ < kPerHead || rule_ > kStatic) {
+      ORT_CXX_API_THROW("AquaAttention: k must be in [1, r], r <= 512, rule in {0, 1, 2}", ORT_INVALID_ARGUMENT);
+    }
+    auto out = ctx.GetOutput(0, qs);
+    const int64_t bh = qs[0] * qs[1], rows = qs[2] * qs[3];
+    if (bh * rows == 0) return;
+    const int64_t tiles = (rows + kRows - 1) / kRows;
+    int64_t splits = 1;
+    if (bh * tiles < kTasksWanted) {
+      splits = std::min((kTasksWanted + bh * tiles - 1) / (bh * tiles), std::max<int64_t>(1, len / (4 * kPos)));
+    }
+    const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
+    std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (r + 2)) : 0);
+    AttentionJob<T> job{q_in.GetTensorData<T>(), k_in.GetTensorData<T>(), v_in.GetTensorData<T>(),
+                        m_in.GetTensorData<float>(), out.GetTensorMutableData<T>(), part.data(), qs[1], qs[2], qs[3], r, k_,
+                        rule_, len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, tiles, splits, split_len, softcap_};
+    ctx.ParallelFor(&attention_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
+    if (splits > 1) ctx.ParallelFor(&merge_task<T>, static_cast<size_t>(bh * tiles), 0, &job);
+  }
+
+  int64_t k_, rule_;
+  float softcap_;
+};
+
+template <typename T>
+struct AttentionOp : CpuOp<AttentionOp<T>, AttentionKernel<T>, T, 5, 3, 4> {
+  const char* GetName() const { return "AquaAttention"; }
+};
+
+}  // namespace
+
+namespace aqua {
+
+void add_attention_ops(Ort::CustomOpDomain& domain) {
+  static AttentionOp<float> f32;
+  static AttentionOp<Ort::Float16_t> f16;
+  domain.Add(&f32);
+  domain.Add(&f16);
+}
+
+}  // namespace aqua

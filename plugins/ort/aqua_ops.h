@@ -1,0 +1,154 @@
+// What the kernels of the com.aqua domain share (topk_gather_dot.cc, aqua_attention.cc): element access,
+// the selection rules, the key-row accumulation, the total_length input and the op declaration.
+#pragma once
+
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace aqua {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
+
+// The nodes' `rule` attribute (aqua_export/export.py RULES). The weighted rules reach the kernels as
+// magnitude / group: export folds rms(k^) into P.
+enum Rule : int64_t { kPerHead = 0, kGroup = 1, kStatic = 2 };
+
+// order[0..k) = the k largest score[] (ties -> lower index). Their order does not matter: callers lay
+// the weights out densely over r and walk the union of selections in index order.
+inline void top_k(const float* score, int64_t r, int64_t k, int64_t* order) {
+  std::iota(order, order + r, int64_t{0});
+  if (k < r) {
+    std::partial_sort(order, order + k, order + r, [score](int64_t a, int64_t b) {
+      return score[a] > score[b] || (score[a] == score[b] && a < b);
+    });
+  }
+}
+
+// The selections of the g query rows of one (batch, kv head, token): q [g][r] (float copies) ->
+// idx [g][k]. Per head: top-k |q_j|; group: one top-k of sum_j |q_j| shared by all g; static: 0..k-1.
+inline void select_group(const float* q, int64_t g, int64_t r, int64_t k, int64_t rule, int64_t* idx) {
+  std::vector<float> score(static_cast<size_t>(r));
+  std::vector<int64_t> order(static_cast<size_t>(r));
+  if (rule == kStatic || k == r) {
+    for (int64_t j = 0; j < g; ++j) std::iota(idx + j * k, idx + (j + 1) * k, int64_t{0});
+    return;
+  }
+  if (rule == kGroup) {
+    std::fill(score.begin(), score.end(), 0.0f);
+    for (int64_t j = 0; j < g; ++j) {
+      for (int64_t c = 0; c < r; ++c) score[c] += std::fabs(q[j * r + c]);
+    }
+    top_k(score.data(), r, k, order.data());
+    for (int64_t j = 0; j < g; ++j) std::copy(order.begin(), order.begin() + k, idx + j * k);
+    return;
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    for (int64_t c = 0; c < r; ++c) score[c] = std::fabs(q[j * r + c]);
+    top_k(score.data(), r, k, order.data());
+    std::copy(order.begin(), order.begin() + k, idx + j * k);
+  }
+}
+
+constexpr int kRows = 4;  // query rows accumulated together
+
+// acc[rr][0..n) = sum over c in the union of w[c][rr] * key[c][0..n): one pass over each selected key
+// row segment (n contiguous values, prefetch-friendly) feeds NR rows' L1-resident accumulators.
+// acc rows are `pitch` floats apart.
+template <int NR, typename T>
+void accumulate(const T* __restrict key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
+                int64_t n, float* __restrict acc, int64_t pitch) {
+  for (int rr = 0; rr < NR; ++rr) std::memset(acc + rr * pitch, 0, sizeof(float) * n);
+  int64_t u = 0;
+  // four key rows per pass: the accumulators are read and written once per four rows
+  for (; u + 4 <= nu; u += 4) {
+    const T* k0 = key + uni[u] * stride;
+    const T* k1 = key + uni[u + 1] * stride;
+    const T* k2 = key + uni[u + 2] * stride;
+    const T* k3 = key + uni[u + 3] * stride;
+    float w[4][NR];
+    for (int t = 0; t < 4; ++t) {
+      for (int rr = 0; rr < NR; ++rr) w[t][rr] = wbuf[uni[u + t] * kRows + rr];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float a0 = load(k0, i), a1 = load(k1, i), a2 = load(k2, i), a3 = load(k3, i);
+      for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] += w[0][rr] * a0 + w[1][rr] * a1 + w[2][rr] * a2 + w[3][rr] * a3;
+    }
+  }
+  for (; u < nu; ++u) {
+    const T* kr = key + uni[u] * stride;
+    float w[NR];
+    for (int rr = 0; rr < NR; ++rr) w[rr] = wbuf[uni[u] * kRows + rr];
+    for (int64_t i = 0; i < n; ++i) {
+      const float kv = load(kr, i);
+      for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] += w[rr] * kv;
+    }
+  }
+}
+
+template <typename T>
+void accumulate_rows(int nr, const T* key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
+                     int64_t n, float* acc, int64_t pitch) {
+  switch (nr) {
+    case 1: accumulate<1>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    case 2: accumulate<2>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    case 3: accumulate<3>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    default: accumulate<4>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+  }
+}
+
+// An optional int attribute (`rule` is absent from nodes written before the selection rules were exported).
+inline int64_t int_attribute(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
+  try {
+    return ki.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+// The int64 total_length input (one element): the sequence length so far, new tokens included.
+inline int64_t total_length(Ort::KernelContext& ctx, size_t index) {
+  auto t = ctx.GetInput(index);
+  if (t.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
+    ORT_CXX_API_THROW("total_length must hold one int64", ORT_INVALID_ARGUMENT);
+  }
+  return t.GetTensorData<int64_t>()[0];
+}
+
+template <typename T>
+constexpr ONNXTensorElementDataType element_type() {
+  if constexpr (std::is_same_v<T, float>) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+
+// What every op of the library declares alike: a CPU kernel of element type T (float or float16) with
+// NInputs inputs, input `LengthAt` an int64 total_length (none when out of range), input `FloatAt` float32
+// whatever T is (none when out of range), and one output of type T.
+template <typename Self, typename K, typename T, size_t NInputs, size_t LengthAt, size_t FloatAt = 99>
+struct CpuOp : Ort::CustomOpBase<Self, K> {
+  void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new K(info); }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return NInputs; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == LengthAt) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (i == FloatAt) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return element_type<T>();
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
+};
+
+// Adds AquaAttention (aqua_attention.cc) to the domain.
+void add_attention_ops(Ort::CustomOpDomain& domain);
+
+}  // namespace aqua
