@@ -168,6 +168,20 @@ def _selection_nodes() -> list:
     ]
 
 
+def _score_nodes(scores: str) -> list:
+    """query_hat, key_cache, total_length -> ``scores`` = q_selected @ K^[:, :, :, :total_length] (both bodies' head)."""
+    from onnx import helper as H
+
+    return _selection_nodes() + [
+        H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
+        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
+        H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
+        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
+        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
+        H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
+    ]
+
+
 def function_body(opset: int):
     """The portable body of TopKGatherDot as an ONNX local function of standard ops.
 
@@ -175,15 +189,7 @@ def function_body(opset: int):
     """
     from onnx import helper as H
 
-    nodes = _selection_nodes() + [
-        H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
-        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
-        H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
-        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
-        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
-        H.make_node("MatMul", ["q_selected", "key_cache_g"], ["scores"]),
-    ]
-    return H.make_function(DOMAIN, OP_TYPE, ["query_hat", "key_cache", "total_length"], ["scores"], nodes,
+    return H.make_function(DOMAIN, OP_TYPE, ["query_hat", "key_cache", "total_length"], ["scores"], _score_nodes("scores"),
                            [H.make_opsetid("", opset)], attributes=["k", "rule", "plugin_namespace", "plugin_version"])
 
 
@@ -196,13 +202,7 @@ def attention_body(opset: int):
     from onnx import TensorProto
     from onnx import helper as H
 
-    nodes = _selection_nodes() + [
-        H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
-        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
-        H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
-        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
-        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
-        H.make_node("MatMul", ["q_selected", "key_cache_g"], ["scores_t"]),
+    nodes = _score_nodes("scores_t") + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         _ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),

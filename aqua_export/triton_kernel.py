@@ -97,6 +97,11 @@ def block_sizes(r: int, s: int) -> tuple[int, int]:
     return block_r, block_s
 
 
+def group_block(g: int) -> int:
+    """BLOCK_G: the group's g query rows padded to a power of two (the group rule loads them together)."""
+    return 1 << max(0, (g - 1).bit_length())
+
+
 def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, interpret: bool | None = None,
                     rule: int = 0) -> torch.Tensor:
     """query_hat [B, Hkv, g, T, r], key_cache [B, Hkv, r, S] -> scores [B, Hkv, g, T, S] (query_hat's dtype).
@@ -119,6 +124,6 @@ def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, in
         return out
     block_r, block_s = block_sizes(r, s)
     grid = (b * hkv * g * t, triton.cdiv(s, block_s))
-    kernel[grid](q, kc, s, g * t, out, R=r, K=k, RULE=rule, G=g, BLOCK_G=1 << max(0, (g - 1).bit_length()),
+    kernel[grid](q, kc, s, g * t, out, R=r, K=k, RULE=rule, G=g, BLOCK_G=group_block(g),
                  BLOCK_R=block_r, BLOCK_S=block_s)
     return out

@@ -47,13 +47,11 @@ SETTINGS = [("head", 0.75), ("head", 0.5), ("head", 0.25), ("group", 0.75), ("gr
 RULE = {"head": 0, "group": 1}
 
 
-def _graph(kind: str, k: int = D, rule: int = 0):
+def _graph(kind: str):
+    """The two baselines without a custom node: ORT's GroupQueryAttention ("gqa") and the standard-op dense step."""
     from onnx import TensorProto
     from onnx import helper as H
 
-    from aqua_export.export import (ATTENTION, DOMAIN, OPSET_VERSION, _register_schema, attention_body)
-
-    _register_schema()
     f = TensorProto.FLOAT
     if kind == "gqa":
         node = H.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
@@ -68,20 +66,15 @@ def _graph(kind: str, k: int = D, rule: int = 0):
                 H.make_tensor_value_info("present_v", f, None)]
         g = H.make_graph([node], "gqa", ins, outs)
         return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
+    # ORT dense; AquaAttention is export.attention_op_model (inputs q, kc, vc, length, mask)
     nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
-             H.make_node("Shape", ["kc"], ["n"], start=3, end=4)]  # every slot filled
-    if kind == "aqua":
-        nodes.append(H.make_node(ATTENTION, ["q", "kc", "v", "n", "mask"], ["out"], domain=DOMAIN, k=k, rule=rule,
-                                 softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
-    else:
-        nodes += [H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]), H.make_node("Unsqueeze", ["v", "ax2"], ["v_g"]),
-                  H.make_node("MatMul", ["q", "kc_g"], ["s"]), H.make_node("Add", ["s", "mask"], ["sm"]),
-                  H.make_node("Softmax", ["sm"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
+             H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]), H.make_node("Unsqueeze", ["vc", "ax2"], ["v_g"]),
+             H.make_node("MatMul", ["q", "kc_g"], ["s"]), H.make_node("Add", ["s", "mask"], ["sm"]),
+             H.make_node("Softmax", ["sm"], ["w"], axis=-1), H.make_node("MatMul", ["w", "v_g"], ["out"])]
     ins = [H.make_tensor_value_info("q", f, ["B", HKV, G, 1, D]), H.make_tensor_value_info("kc", f, ["B", HKV, D, "T"]),
-           H.make_tensor_value_info("v", f, ["B", HKV, "T", D]), H.make_tensor_value_info("mask", f, ["B", 1, 1, 1, "T"])]
+           H.make_tensor_value_info("vc", f, ["B", HKV, "T", D]), H.make_tensor_value_info("mask", f, ["B", 1, 1, 1, "T"])]
     g = H.make_graph(nodes, kind, ins, [H.make_tensor_value_info("out", f, None)])
-    return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                        functions=[attention_body(20)], ir_version=10)
+    return H.make_model(g, opset_imports=[H.make_opsetid("", 20)], ir_version=10)
 
 
 def _interleaved_medians(fns: dict, reps: int, budget_s: float) -> dict:
@@ -145,10 +138,12 @@ def main() -> int:
     def sess(model, kernel="native"):
         return make_session(model.SerializeToString(), a.threads, kernel, spin=False)
 
+    from aqua_export.export import attention_op_model
+
     sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function"),
-                "fused-dense": sess(_graph("aqua"))}
+                "fused-dense": sess(attention_op_model(D))}
     for rule, ratio in SETTINGS:
-        sessions[rule, ratio] = sess(_graph("aqua", round(ratio * D), RULE[rule]))
+        sessions[rule, ratio] = sess(attention_op_model(round(ratio * D), RULE[rule]))
     rng = np.random.default_rng(0)
     rows = []
     for t in contexts:
@@ -157,8 +152,10 @@ def main() -> int:
             v = rng.standard_normal((b, HKV, t, D), dtype=np.float32)
             sd = spectrum[None, :, None, None, :] if spectrum is not None else 1.0
             q = (rng.standard_normal((b, HKV, G, 1, D)) * sd).astype(np.float32)
-            feed = {"q": q, "kc": kc, "v": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
-            fns = {name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items() if name != "gqa"}
+            feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
+            fused = {**feed, "length": np.array([t], np.int64)}  # every slot filled
+            fns = {name: (lambda s=s, fd=feed if name == "ort-dense" else fused: s.run(None, fd))
+                   for name, s in sessions.items() if name != "gqa"}
             fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
             med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
             for rule, ratio in SETTINGS:

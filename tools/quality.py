@@ -67,7 +67,7 @@ def main() -> int:
     text = corpus.read_text(EVAL)
 
     results: dict = {}
-    measured = {k: v for k, v in old.get("results", {}).items()}
+    measured = dict(old.get("results", {}))
 
     def run(cfg: AquaConfig, section: str) -> float:
         key = cfg.to_json()
@@ -99,7 +99,8 @@ def main() -> int:
     if "selection" in sections:  # rows of K^ a step reads, on the evaluation text's first 4096 tokens
         queries, _ = evaluate.collect_queries_and_moments(model, corpus.windows(corpus.tokenize(tok, text, 4096),
                                                                                 a.seq_len))
-        union = {f"{s}/{k}": evaluate.union_fraction(queries, proj.P, proj.key_rms, k, s) for k, s in grid}
+        union = {f"{s}/{k}": evaluate.union_fraction(queries, proj.P, proj.key_rms, k, s) for k, s in grid
+                 if k < 1 and s != "static"}  # the rows of the bytes table
 
     n_eval = next(iter(results.values()))
     L = []

@@ -143,7 +143,9 @@ class LaunchPlan:
 
     @property
     def constexprs(self) -> dict:
-        return {"R": self.r, "K": self.k, "RULE": self.rule, "G": self.g, "BLOCK_G": 1 << max(0, (self.g - 1).bit_length()),
+        from ..triton_kernel import group_block
+
+        return {"R": self.r, "K": self.k, "RULE": self.rule, "G": self.g, "BLOCK_G": group_block(self.g),
                 "BLOCK_R": self.block_r, "BLOCK_S": self.block_s}
 
     def grid(self, query_dims: list, key_dims: list) -> tuple:
