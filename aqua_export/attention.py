@@ -96,7 +96,11 @@ def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> 
 
 
 def h2o_budget(ratio: float, n_seen: torch.Tensor) -> torch.Tensor:
-    return torch.ceil(ratio * n_seen.to(torch.float64) - 1e-9).to(torch.int64).clamp_min(1)
+    """Tokens kept after n real ones: max(1, ceil(ratio n)). The slack of 1e-6 n below the ceiling makes the
+    ratio rounded to float32 (the graph's H2OAttention attribute: 0.3 -> 0.30000001) keep what the double it
+    came from keeps (3 of 10, not 4); it moves no budget of a two-decimal ratio below 10,000 tokens."""
+    n = n_seen.to(torch.float64)
+    return torch.ceil(ratio * n - 1e-6 * n - 1e-9).to(torch.int64).clamp_min(1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +325,7 @@ def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is
 def _forced_eviction(st: LayerAqua, layer: AquaLayerCache, offset: int, vis, acc, budget, own, hidden, real):
     """Replace this token's eviction by the one another implementation made (parity harness) and
     record where ours differs. offset: this token's index minus the layer's token count."""
-    from .caches import eviction_flips
+    from .h2o import eviction_flips
 
     index = layer.seen + offset
     live = torch.from_numpy(st.forced_keep[index])  # [B, Hkv, index + 1]

@@ -85,34 +85,30 @@ def _rss_mb() -> float:
 
 
 def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
-    from .caches import H2OCache
+    from .h2o import budget
     from .runtime import OrtLM
 
     lm = OrtLM.from_folder(folder, threads)
     ct = lm.contract
-    if lm.h2o:  # the cache already evicted down to its budget
-        n = int(np.ceil(lm.h2o_ratio * context))
-        kv = [rng.standard_normal(ct.cache_shape(batch, n), dtype=np.float32).astype(lm.dtype)
-              for _ in range(2 * ct.layers)]
-        past = H2OCache(kv, ct.kv_heads, lm.h2o_ratio)
-        past.valid = [np.ones((batch, ct.kv_heads, n), bool) for _ in range(ct.layers)]
-        past.acc = [rng.random((batch, ct.kv_heads, n), dtype=np.float32) for _ in range(ct.layers)]
-        past.pos = [np.broadcast_to(np.arange(n), (batch, ct.kv_heads, n)).copy() for _ in range(ct.layers)]
-        past.n_real = np.full(batch, context, np.int64)
-        past.seen = context
-    else:
-        past = lm.empty_past(batch)
-        past.reserve(max(capacity, context + steps + 2))
-        for arrays in (past.key_arrays, past.value_arrays):
-            for a in arrays:
-                a[:, :, :context] = rng.standard_normal(a[:, :, :context].shape, dtype=np.float32)
-        past.length = context
+    past = lm.empty_past(batch)
+    mask = np.ones((batch, context + steps + 2), np.int64)
+    past.reserve(max(capacity, past.slots_for(mask)))
+    # the slots a context of this length fills: all of them, or under H2O the budget it has evicted down to
+    n = int(budget(lm.h2o_ratio, context)) if lm.h2o else context
+    for kind in ("key", "value"):
+        for a in past.arrays[kind]:
+            a[:, :, :n] = rng.standard_normal(a[:, :, :n].shape, dtype=np.float32)
+    if lm.h2o:
+        for h, t in zip(past.arrays["heavy"], past.arrays["token"]):
+            h[..., :n] = rng.random(h[..., :n].shape, dtype=np.float32)
+            t[..., :n] = np.arange(context - n, context)
+    past.length = context
     state = {"past": past, "pos": context}
 
     def step():
         p = state["pos"]
         _, state["past"] = lm.step(rng.integers(3, min(1000, ct.vocab), (batch, 1)), np.ones((batch, p + 1), np.int64),
-                                   np.full((batch, 1), p), state["past"])
+                                   state["past"])
         state["pos"] = p + 1
 
     return step

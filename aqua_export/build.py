@@ -84,10 +84,12 @@ class BuildOptions:
     force: bool = False  # replace an existing --out that this tool built
 
 
-def _check(o: BuildOptions) -> None:
+def _check(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
+    if o.backend == "tensorrt" and config.h2o_ratio < 1:
+        raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
     if o.backend == "tensorrt":
         from .backends.tensorrt import require_tensorrt
 
@@ -107,7 +109,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     when they exceed what one ONNX protobuf holds. trt_limits: (max batch, max context, max prompt) of the
     TensorRT engine's optimization profiles."""
     o = options
-    _check(o)
+    _check(o, config)
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
     projection = calibrate.load_projection(projection_path) if projection_path else None
@@ -185,7 +187,8 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
                    "P after RoPE (cannot fold under rotary embeddings)",
                    *(["rms(k^) folded into P (q^ * w, k^ / w): the weighted rule as magnitude"]
                      if config.weighted_selection and config.k_ratio < 1 else []),
-                   "AquaAttention per layer" if config.h2o_ratio == 1 and o.backend != "tensorrt" else
+                   "H2OAttention per layer" if config.h2o_ratio < 1 else
+                   "AquaAttention per layer" if o.backend != "tensorrt" else
                    "TopKGatherDot, Softmax, ValueProduct per layer"],
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
         **{p.key: p.value for p in proto.metadata_props if p.key == "float16_cast"},
@@ -193,8 +196,9 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
                   "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }
     if config.h2o_ratio < 1:
-        info["h2o"] = ("eviction in the runtime between tokens (caches.H2OCache): keep ceil(ratio*n) per sequence, "
-                       "floor(half) most recent, the rest by accumulated attention_weights; one token per forward")
+        info["h2o"] = ("eviction inside the graph (H2OAttention, fixed-capacity slots updated in place): keep "
+                       "ceil(ratio*n) per sequence and KV head, floor(half) the most recent, the rest by accumulated "
+                       "attention; a prompt is one forward, evicting as token-by-token decoding does")
     cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract_for(model, config, DTYPES[o.dtype]),
                        context_length=getattr(model.config, "max_position_embeddings", None),
                        fingerprint=models.fingerprint(model), info=info)

@@ -8,12 +8,11 @@ Per layer i, with r the retained width (K^ and V cached at the same width), the 
     attention_mask            [batch, total]                 int64   every token so far (0 = padding), new included
     past_key_values.{i}.key   [batch, kv_heads, past, r]     K^ buffer, memory dim-major (see below)
     past_key_values.{i}.value [batch, kv_heads, past, r]     V buffer (P_v's basis), memory token-major
-  and H2O graphs also
-    position_ids              [batch, sequence]              int64   (eviction compacts slots: positions are fed)
-    past_key_values.{i}.valid [batch, kv_heads, past]        bool    slot holds a live token
+  and H2O graphs also (The H2O state, below)
+    past_key_values.{i}.heavy [batch, kv_heads, past]        float32 accumulated attention of each slot
+    past_key_values.{i}.token [batch, kv_heads, past]        int64   which token a slot holds, -1 = free
 
-and returns logits [batch, sequence, vocab], present.{i}.key / .value [batch, kv_heads, present, r] and,
-under H2O, attention_weights.{i} [batch, kv_heads, sequence, total] (softmax summed over the group).
+and returns logits [batch, sequence, vocab] and present.{i}.<kind> for each of those buffers ([..., present, ...]).
 
 The KV contract, as onnxruntime-genai drives it (docs/design.md, The KV contract):
   * total = attention_mask.shape[1] is the only length the graph needs; the new tokens go to slots
@@ -26,6 +25,12 @@ The KV contract, as onnxruntime-genai drives it (docs/design.md, The KV contract
   * The declared shape is genai's; the memory layout is ours: a key buffer of C slots holds K^ as
     [batch, kv_heads, r, C] (one contiguous row per coordinate; ``key_rows`` gives that view), so
     TopKGatherDot reads the first ``total`` values of only the k selected rows.
+
+The H2O state (h2o.py, AQUA-H2O): the buffers are slots, not positions. A new real token takes the first
+free slot and an evicted token frees its slot, inside the graph (one H2OAttention node per layer), so
+slots are positions of nothing: token[b, h, slot] says which token (0-based, padding counted) a slot of
+head h holds. present = max(past, h2o.slots_needed) slots, at most ceil(ratio * total) + 1; a buffer
+that has them is updated in place, as above. Positions are still cumsum(attention_mask) - 1.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ from dataclasses import dataclass
 
 from .config import ConfigError, reject_unknown
 
-CONTRACT_VERSION = 2
+CONTRACT_VERSION = 3  # 3: H2O state as slot buffers (heavy, token); no position_ids / valid / weights
 DOMAIN = "com.aqua"
 # the custom nodes, each with a function body
-OPS = ("TopKGatherDot", "AquaAttention", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct")
+OPS = ("TopKGatherDot", "AquaAttention", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct", "H2OAttention")
 DTYPES = ("float32", "float16")
 
 
@@ -81,13 +86,12 @@ class Contract:
     # ---------------------------------------------------------------- names
     INPUT_IDS = "input_ids"
     ATTENTION_MASK = "attention_mask"
-    POSITION_IDS = "position_ids"
     LOGITS = "logits"
     PAST = "past_key_values.%d.%s"
     PRESENT = "present.%d.%s"
-    VALID = "past_key_values.%d.valid"
-    WEIGHTS = "attention_weights.%d"
-    KINDS = ("key", "value")
+    KV = ("key", "value")
+    H2O_STATE = ("heavy", "token")
+    FREE = -1  # token of a free slot
 
     def past(self, i: int, kind: str) -> str:
         return self.PAST % (i, kind)
@@ -95,27 +99,28 @@ class Contract:
     def present(self, i: int, kind: str) -> str:
         return self.PRESENT % (i, kind)
 
+    @property
+    def kinds(self) -> tuple:
+        """The buffers each layer carries between forwards, in I/O order."""
+        return self.KV + (self.H2O_STATE if self.h2o else ())
+
     # ---------------------------------------------------------------- I/O
+    def _buffer_spec(self, name: str, kind: str, slots: str) -> TensorSpec:
+        dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.dtype)
+        shape = ("batch", self.kv_heads, slots) + ((self.width,) if kind in self.KV else ())
+        return TensorSpec(name, dtype, shape)
+
     def inputs(self) -> list[TensorSpec]:
-        hkv, r = self.kv_heads, self.width
         out = [TensorSpec(self.INPUT_IDS, "int64", ("batch", "sequence")),
                TensorSpec(self.ATTENTION_MASK, "int64", ("batch", "total"))]
-        if self.h2o:
-            out.append(TensorSpec(self.POSITION_IDS, "int64", ("batch", "sequence")))
         for i in range(self.layers):
-            out += [TensorSpec(self.past(i, k), self.dtype, ("batch", hkv, "past", r)) for k in self.KINDS]
-            if self.h2o:
-                out.append(TensorSpec(self.VALID % i, "bool", ("batch", hkv, "past")))
+            out += [self._buffer_spec(self.past(i, k), k, "past") for k in self.kinds]
         return out
 
     def outputs(self) -> list[TensorSpec]:
-        hkv, r = self.kv_heads, self.width
         out = [TensorSpec(self.LOGITS, self.dtype, ("batch", "sequence", self.vocab))]
         for i in range(self.layers):
-            out += [TensorSpec(self.present(i, k), self.dtype, ("batch", hkv, "present", r)) for k in self.KINDS]
-        if self.h2o:
-            out += [TensorSpec(self.WEIGHTS % i, "float32", ("batch", hkv, "sequence", "total"))
-                    for i in range(self.layers)]
+            out += [self._buffer_spec(self.present(i, k), k, "present") for k in self.kinds]
         return out
 
     def input_names(self) -> list[str]:
@@ -133,6 +138,15 @@ class Contract:
     def cache_shape(self, batch: int, slots: int) -> tuple:
         """Declared shape of one key or value buffer of ``slots`` slots."""
         return (batch, self.kv_heads, slots, self.width)
+
+    def empty_buffer(self, kind: str, batch: int, slots: int):
+        """A fresh buffer of ``kind`` (numpy): zeros, a token buffer all free."""
+        import numpy as np
+
+        spec = self._buffer_spec("", kind, slots)
+        dtype = np.float16 if spec.dtype == "float16" else np.dtype(spec.dtype)
+        fill = self.FREE if kind == "token" else 0
+        return np.full(tuple(batch if d == "batch" else d for d in spec.shape), fill, dtype)
 
     @staticmethod
     def key_rows(buf):

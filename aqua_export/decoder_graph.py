@@ -11,9 +11,12 @@ Per layer i, with g = H / Hkv, r the retained width and k the selected width (do
       <-- [B,Hkv,g,T,r]: softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
-P_q = P_k = P[:, :r] except under the weighted rules (export.selection_bases). AQUA-H2O, which outputs the
-attention weights, and TensorRT builds (whose plugin is TopKGatherDot) run TopKGatherDot, Softmax and
-ValueProduct as separate nodes instead.
+P_q = P_k = P[:, :r] except under the weighted rules (export.selection_bases). TensorRT builds (whose plugin
+is TopKGatherDot) run TopKGatherDot, Softmax and ValueProduct as separate nodes instead. AQUA-H2O replaces the
+cache updates and AquaAttention by one node over the layer's slot buffers (h2o.py):
+
+    q^, k^, v, past.{key, value, heavy, token}, attention_mask --H2OAttention(k, rule, softcap, ratio)-->
+        [B,Hkv,g,T,r], present.{key, value, heavy, token}       (written in place when bound to the past)
 
 What the families change (archs/): q/k RMSNorms before RoPE (the scale then folds into q_norm), partial
 rotary, per-layer sliding-window masks, soft-capping of the scores before the mask, norms on the block
@@ -38,6 +41,7 @@ from onnx import TensorProto
 
 from .contract import DOMAIN, Contract
 from .export import ATTENTION, KEY_UPDATE, OP_TYPE, VALUE_PRODUCT, VALUE_UPDATE
+from .h2o import OP as H2O
 from .fold import fold_output, fold_scale_into_query, fold_value
 from .graph_blocks import Blocks, stack
 from .onnx_builder import GraphBuilder, onnx_type
@@ -61,7 +65,8 @@ class Plan:
     act: str = "silu"  # gated MLP activation: silu or gelu_tanh
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the mask
     final_softcap: float | None = None  # logits -> tanh(logits / c) * c
-    fused: bool = True  # AquaAttention; False: TopKGatherDot, Softmax, ValueProduct (H2O always; TensorRT's plugin)
+    fused: bool = True  # AquaAttention; False: TopKGatherDot, Softmax, ValueProduct (TensorRT's plugin)
+    h2o_ratio: float = 1.0  # AQUA-H2O (contract.h2o): one H2OAttention node per layer keeps this share of tokens
 
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
@@ -93,16 +98,13 @@ class DecoderGraph(Blocks):
     # ---------------------------------------------------------------- once per graph
     def inputs(self) -> dict:
         """Declares the contract's inputs; returns their names plus values every layer shares: total (the
-        sequence length so far, [1]) and position_ids (fed under H2O, else cumsum(attention_mask) - 1)."""
+        sequence length so far, [1]) and position_ids (cumsum(attention_mask) - 1)."""
         gb, c, types = self.gb, self.gb.const, {"int64": TensorProto.INT64, "bool": TensorProto.BOOL}
         for t in self.contract.inputs():
             gb.input(t.name, types.get(t.dtype, self.p.elem), list(t.shape))
         ct = self.contract
         io = {"input_ids": ct.INPUT_IDS, "attention_mask": ct.ATTENTION_MASK}
         io["total"] = gb.op("/model/total_length", "Shape", [ct.ATTENTION_MASK], start=1, end=2)
-        if self.p.h2o:
-            io["position_ids"] = ct.POSITION_IDS
-            return io
         # HF's positions under left padding: the count of real tokens before each one
         n = "/model/position_ids"
         seen = gb.op(f"{n}/CumSum", "CumSum", [ct.ATTENTION_MASK, c(1)])
@@ -114,8 +116,9 @@ class DecoderGraph(Blocks):
 
     def outputs(self) -> None:
         """Declares the contract's outputs (the nodes made them under these names)."""
+        types = {"float32": F32, "int64": TensorProto.INT64}
         for t in self.contract.outputs():
-            self.gb.output(t.name, F32 if t.dtype == "float32" else self.p.elem, list(t.shape))
+            self.gb.output(t.name, types.get(t.dtype, self.p.elem), list(t.shape))
 
     def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple[str, str]:
         """cos, sin [B, 1, T, rotary_dim] in the model dtype: angles position * inv_freq in float32, as HF computes
@@ -256,29 +259,31 @@ class DecoderGraph(Blocks):
         """q^ [B,Hkv,g,T,r], k^ [B,Hkv,T,r], v [B,Hkv,T,r] -> attention output [B,T,D]."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         r = p.r
-        kc, vc = self._cache(n, i, kh, v, io)
-        mask = self._layer_mask(n, i, mask, io)
-        if p.h2o or not p.fused:
-            a = self._attend_separate(n, i, q, kc, vc, mask, io)
+        if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
+            ct = self.contract
+            a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK],
+                      domain=self.domain, outputs=[f"{n}/{H2O}/out"] + [ct.present(i, kind) for kind in ct.kinds],
+                      softcap=float(p.attn_softcap or 0.0), ratio=float(p.h2o_ratio), **self.op_attrs)[0]
+        elif not p.fused:
+            kc, vc = self._cache(n, i, kh, v, io)
+            a = self._attend_separate(n, q, kc, vc, mask, io)
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
+            kc, vc = self._cache(n, i, kh, v, io)
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask], domain=self.domain,
                       softcap=float(p.attn_softcap or 0.0), **self.op_attrs)  # [B, Hkv, g, T, r]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
         return self._linear(f"{n}/o_proj", a, wo, bo)
 
-    def _attend_separate(self, n, i, q, kc, vc, mask, io):
-        """Scores, softmax and value product as separate nodes: H2O outputs the attention weights (its heavy-hitter
-        statistic, summed over the group's query heads, [B, Hkv, T, S]), and TensorRT's plugin is TopKGatherDot."""
-        gb, p, c = self.gb, self.p, self.gb.const
+    def _attend_separate(self, n, q, kc, vc, mask, io):
+        """Scores, softmax and value product as separate nodes (TensorRT's plugin is TopKGatherDot)."""
+        gb, p = self.gb, self.p
         scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc, io["total"]], domain=self.domain, **self.op_attrs)
         if p.dtype != torch.float32:
             scores = gb.op(f"{n}/scores/Cast", "Cast", [scores], to=F32)  # softmax in float32, as HF does
         if p.attn_softcap:  # the attention scale is already in q^ (folded into W_Q or q_norm)
             scores = self._softcap(f"{n}/softcap", scores, p.attn_softcap)
         probs = gb.op(f"{n}/Softmax", "Softmax", [gb.op(f"{n}/mask/Add", "Add", [scores, mask])], axis=-1)
-        if p.h2o:
-            gb.op(f"{n}/ReduceSumGroup", "ReduceSum", [probs, c([2])], keepdims=0, outputs=[self.contract.WEIGHTS % i])
         if p.dtype != torch.float32:
             probs = gb.op(f"{n}/probs/Cast", "Cast", [probs], to=p.elem)
         return gb.op(f"{n}/{VALUE_PRODUCT}", VALUE_PRODUCT, [probs, vc], domain=self.domain)  # [B, Hkv, g, T, r]
@@ -302,23 +307,6 @@ class DecoderGraph(Blocks):
                    outputs=[ct.present(i, "value")])[0]
         kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, c([0, 0, self.p.r, -1])])  # B, Hkv kept; C inferred
         return kr, vc
-
-    def _layer_mask(self, n: str, i: int, mask: str, io: dict) -> str:
-        """The shared mask, or under H2O: past slots visible iff this layer's valid[b, h, slot], new tokens as usual."""
-        if not self.p.h2o:
-            return mask
-        gb, c = self.gb, self.gb.const
-        valid = self.contract.VALID % i
-        past = gb.op(f"{n}/valid/Where", "Where", [valid, c(0.0, torch.float32),
-                                                    c(torch.finfo(torch.float32).min, torch.float32)])
-        past = gb.op(f"{n}/valid/Unsqueeze", "Unsqueeze", [past, c([2, 3])])  # [B, Hkv, 1, 1, P]
-        p_len = gb.op(f"{n}/valid/Shape", "Shape", [valid], start=2, end=3)
-        new = gb.op(f"{n}/mask/SliceNew", "Slice", [mask, p_len, c([torch.iinfo(torch.int64).max]), c([4])])
-        new = gb.op(f"{n}/mask/ExpandHeads", "Expand", [new, c([1, self.p.kv_heads, 1, 1, 1])])  # [B, Hkv, 1, T, T]
-        t = gb.op(f"{n}/mask/ShapeT", "Shape", [new], start=3, end=4)
-        past = gb.op(f"{n}/valid/Expand", "Expand",
-                     [past, gb.op(f"{n}/valid/ExpandShape", "Concat", [c([1, 1, 1]), t, c([1])], axis=0)])
-        return gb.op(f"{n}/mask/ConcatValid", "Concat", [past, new], axis=-1)
 
     # ---------------------------------------------------------------- head
     def head(self, x: str, norm_w: torch.Tensor, norm_b: torch.Tensor | None, lm_head: torch.Tensor,

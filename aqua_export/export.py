@@ -71,6 +71,9 @@ def _register_schema() -> None:
     import onnx
     from onnx.defs import OpSchema
 
+    from .h2o import register_schema
+
+    register_schema()
     if onnx.defs.has(OP_TYPE, DOMAIN):
         return
     floats = [("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")]
@@ -283,8 +286,10 @@ def value_product_body(opset: int):
 
 def function_bodies(opset: int) -> list:
     """Every custom node's body: a runtime without the native library runs these."""
+    from . import h2o
+
     return [function_body(opset), attention_body(opset), cache_update_body(KEY_UPDATE, opset),
-            cache_update_body(VALUE_UPDATE, opset), value_product_body(opset)]
+            cache_update_body(VALUE_UPDATE, opset), value_product_body(opset), h2o.function_body(opset)]
 
 
 def single_op_model(k: int, dtype: str = "float32", opset: int = 20, rule: int = 0):
@@ -367,8 +372,8 @@ def check_exportable(model, projection: Projection, config: AquaConfig) -> None:
     arch = architecture_of(model.config)
     projection.check_model(model)
     if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
-        raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not exported (eviction "
-                          "compacts the slots the window is measured in): drop --h2o-ratio")
+        raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not exported (its slots hold "
+                          "tokens in no order a window can be measured in): drop --h2o-ratio")
 
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32) -> Contract:
@@ -403,7 +408,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
-                final_softcap=arch.final_softcap(cfg), fused=fused)
+                final_softcap=arch.final_softcap(cfg), fused=fused, h2o_ratio=config.h2o_ratio)
     params = sum(t.numel() for t in model.parameters())
     if external_data is None:
         external_data = params * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
@@ -431,7 +436,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                 (selection_bases(projection.P[i], projection.key_rms[i], ct.width, config), projection.P_v[i])
             if arch.has_rotary:
                 cos, sin = g.rotary(io["position_ids"], *arch.rotary(model, i))
-            mask = g.mask(io, arch.window(cfg, i))
+            mask = None if ct.h2o else g.mask(io, arch.window(cfg, i))  # H2OAttention masks by its slots
             x = g.layer(i, x, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, cos, sin, mask, io)
             if progress is not None:
                 progress(i + 1, plan.layers)

@@ -115,8 +115,8 @@ class OrtLM:
 
     cache "shared": past and present bound to one buffer per layer and kind (IOBinding), written in place,
     as onnxruntime-genai's past_present_share_buffer does; "concat": a new present every step.
-    With AQUA-H2O the past is an H2OCache (per-head slot validity, heavy-hitter statistics) and every
-    forward runs one token at a time, evicting between tokens, exactly as the PyTorch reference does.
+    AQUA-H2O graphs evict inside (h2o.py): their cache is an H2OCache of fixed-capacity slots, and a prompt
+    is one forward.
     """
 
     def __init__(self, session, cfg: FolderConfig, cache: str = "shared"):
@@ -127,27 +127,26 @@ class OrtLM:
         self.layers, self.kv_heads, self.r = self.contract.layers, self.contract.kv_heads, self.contract.width
         self.dtype = np.float16 if self.contract.dtype == "float16" else np.float32
         self.h2o_ratio = cfg.aqua.h2o_ratio
-        # the graph's inputs say whether it takes per-head validity (an H2O export); a ratio of 1 on such a
-        # graph runs it without eviction
-        self.h2o = self.contract.VALID % 0 in {i.name for i in session.get_inputs()} \
-            if hasattr(session, "get_inputs") else self.contract.h2o
-        self.shared = cache == "shared" and not self.h2o
+        self.h2o = self.contract.h2o
+        self.shared = cache == "shared"
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
-        self.n_outputs = 1 + 2 * self.layers + (self.layers if self.h2o else 0)
+        self.n_outputs = 1 + len(self.contract.kinds) * self.layers
         self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
         self._check_graph()
 
     def _check_graph(self) -> None:
-        """The config must describe this graph: one key/value input pair per layer, of its heads and width."""
+        """The config must describe this graph: the contract's buffers per layer, of its heads and width."""
         if not hasattr(self.session, "get_inputs"):
             return
         by_name = {i.name: i for i in self.session.get_inputs()}
         keys = [by_name[n] for n in (self.contract.past(i, "key") for i in range(len(by_name))) if n in by_name]
         shape = list(keys[0].shape) if keys else []
-        if len(keys) != self.layers or (len(shape) == 4 and [shape[1], shape[3]] != [self.kv_heads, self.r]):
+        h2o = self.contract.past(0, "token") in by_name
+        if len(keys) != self.layers or (len(shape) == 4 and [shape[1], shape[3]] != [self.kv_heads, self.r]) \
+                or h2o != self.h2o:
             raise ConfigError(f"the folder's aqua_config.json does not match its model.onnx ({self.layers} layers, "
-                              f"{self.kv_heads} KV heads of width {self.r} in the config; {len(keys)} layers, "
-                              f"{shape[1:2] + shape[3:]} in the graph): rebuild the folder")
+                              f"{self.kv_heads} KV heads of width {self.r}, H2O {self.h2o} in the config; {len(keys)} "
+                              f"layers, {shape[1:2] + shape[3:]}, H2O {h2o} in the graph): rebuild the folder")
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared") -> "OrtLM":
@@ -159,36 +158,37 @@ class OrtLM:
             kernel = default_kernel(cfg.dtype)
         return cls(make_session(path, threads, kernel), cfg, cache)
 
-    def empty_past(self, batch: int, log: list | None = None, force: list | None = None):
-        """Zero-length past: a SharedCache, a list [key_0, value_0, ...] (concat), or for H2O graphs an
-        H2OCache (log / force: see H2OCache)."""
-        if self.shared:
-            return SharedCache(batch, self.contract, self.dtype)
-        out = [np.zeros(self.contract.cache_shape(batch, 0), self.dtype) for _ in range(2 * self.layers)]
-        return H2OCache(out, self.kv_heads, self.h2o_ratio, log, force) if self.h2o else out
+    def empty_past(self, batch: int, log: list | None = None):
+        """Nothing seen yet: a SharedCache (an H2OCache for H2O graphs; log: see H2OCache), or for the concat
+        cache a list of every layer's buffers (Contract.kinds order), each of 0 slots."""
+        ct = self.contract
+        if not self.shared:
+            return [ct.empty_buffer(kind, batch, 0) for _ in range(self.layers) for kind in ct.kinds]
+        return H2OCache(batch, ct, self.dtype, self.h2o_ratio, log) if self.h2o else SharedCache(batch, ct, self.dtype)
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
-        """One forward. input_ids [B, T], attention_mask [B, P+T] (every token seen, padding 0); position_ids
-        [B, T] is read by H2O graphs only (the others derive HF's positions from the mask); past as from
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past):
+        """One forward. input_ids [B, T], attention_mask [B, P+T] (every token seen, padding 0); past as from
         empty_past. Returns (logits [B, T, V], present)."""
-        if self.h2o:
-            return self._step_h2o(input_ids, attention_mask, position_ids, past)
-        if self.shared:
-            return self._step_shared(input_ids, attention_mask, past)
-        self.last_extra = []
-        out = self._run(input_ids, attention_mask, position_ids, past, [])
-        return out[0], out[1:1 + 2 * self.layers]
+        if not self.shared:
+            self.last_extra = []
+            out = self._run(input_ids, attention_mask, past)
+            return out[0], out[1:self.n_outputs]
+        if getattr(past, "log", None) is not None and input_ids.shape[1] > 1:  # evictions recorded token by token
+            t, logits, extra = input_ids.shape[1], [], []
+            for j in range(t):
+                out, past = self._step_shared(input_ids[:, j:j + 1], attention_mask[:, :attention_mask.shape[1] - t + j + 1],
+                                              past)
+                logits.append(out)
+                extra.append(self.last_extra[0])
+            self.last_extra = [[np.concatenate(x, axis=-2) for x in zip(*extra)]]
+            return np.concatenate(logits, axis=1), past
+        return self._step_shared(input_ids, attention_mask, past)
 
-    def _run(self, input_ids, attention_mask, position_ids, past, valid) -> list[np.ndarray]:
+    def _run(self, input_ids, attention_mask, past) -> list[np.ndarray]:
         ct = self.contract
         feed = {ct.INPUT_IDS: input_ids.astype(np.int64), ct.ATTENTION_MASK: attention_mask.astype(np.int64)}
-        if self.h2o:
-            feed[ct.POSITION_IDS] = position_ids.astype(np.int64)
-        for i in range(self.layers):
-            feed[ct.past(i, "key")] = past[2 * i]
-            feed[ct.past(i, "value")] = past[2 * i + 1]
-            if valid:
-                feed[ct.VALID % i] = valid[i]
+        names = [ct.past(i, kind) for i in range(self.layers) for kind in ct.kinds]
+        feed.update(zip(names, past))
         out = self.session.run(None, feed)
         self.last_extra.append(out[self.n_outputs:])
         return out
@@ -197,37 +197,21 @@ class OrtLM:
         """past and present bound to the same buffers (IOBinding): the graph writes the new entries in place."""
         ct = self.contract
         t = input_ids.shape[1]
-        cache.reserve(cache.length + t)
+        mask = np.ascontiguousarray(attention_mask[:, -(cache.length + t):], dtype=np.int64)
+        cache.reserve(cache.slots_for(mask))
         io = self.session.io_binding()
         io.bind_cpu_input(ct.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
-        io.bind_cpu_input(ct.ATTENTION_MASK, np.ascontiguousarray(attention_mask[:, -(cache.length + t):], dtype=np.int64))
+        io.bind_cpu_input(ct.ATTENTION_MASK, mask)
         io.bind_output(ct.LOGITS)
         extra = self.output_names[self.n_outputs:]
         for name in extra:  # debug outputs beyond the contract (parity's TopK indices)
             io.bind_output(name)
-        for i in range(self.layers):
-            for kind, buf in (("key", cache.keys[i]), ("value", cache.values[i])):
-                io.bind_ortvalue_input(ct.past(i, kind), buf)
-                io.bind_ortvalue_output(ct.present(i, kind), buf)
+        cache.bind(io)
         self.session.run_with_iobinding(io)
         outs = io.get_outputs()
-        cache.length += t
+        cache.after(t)
         self.last_extra = [[o.numpy() for o in outs[1:1 + len(extra)]]]
         return outs[0].numpy(), cache
-
-    def _step_h2o(self, input_ids, attention_mask, position_ids, cache: "H2OCache"):
-        b, t = input_ids.shape
-        real = attention_mask[:, -t:].astype(bool)
-        logits = []
-        self.last_extra = []
-        for j in range(t):
-            # past visibility comes from the per-head validity; the mask's past columns are not read
-            p = cache.length
-            mask = np.concatenate([np.ones((b, p), np.int64), real[:, j:j + 1].astype(np.int64)], axis=1)
-            out = self._run(input_ids[:, j:j + 1], mask, position_ids[:, j:j + 1], cache.kv, cache.valid)
-            cache.append_and_evict(out[1:1 + 2 * self.layers], out[1 + 2 * self.layers:self.n_outputs], real[:, j])
-            logits.append(out[0])
-        return np.concatenate(logits, axis=1), cache
 
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
                  eos_token_id: int | None = None, on_token=None, on_logits=None) -> np.ndarray:
@@ -237,13 +221,11 @@ class OrtLM:
         rng = np.random.default_rng(sampling.seed)
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
-        pos = np.clip(mask.cumsum(-1) - 1, 0, None)
-        logits, past = self.step(input_ids, mask, pos, self.empty_past(b))
+        logits, past = self.step(input_ids, mask, self.empty_past(b))
         last_real = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)  # the prompt's last token, per row
         logits = logits[np.arange(b), last_real][:, None]
         done = np.zeros(b, dtype=bool)
         out = []
-        last_pos = pos[:, -1:]
         for step in range(sampling.max_new_tokens):
             if on_logits is not None:
                 on_logits(step, logits[:, -1, :])
@@ -251,8 +233,7 @@ class OrtLM:
             if done.all() or step == sampling.max_new_tokens - 1:
                 break
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
-            last_pos = last_pos + 1
-            logits, past = self.step(nxt[:, None], mask, last_pos, past)
+            logits, past = self.step(nxt[:, None], mask, past)
         return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)
 
 

@@ -20,7 +20,7 @@ def tiny_exports(tmp_path_factory):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp)
     out = {}
-    for name, cfg in {"k0.5": AquaConfig(k_ratio=0.5), "h2o": AquaConfig(k_ratio=0.75, h2o_ratio=0.5)}.items():
+    for name, cfg in {"k0.5": AquaConfig(k_ratio=0.5), "k0.75-group": AquaConfig(k_ratio=0.75, selection="group")}.items():
         out[name] = (cfg, export_onnx(m, proj, cfg, tmp / f"{name}.onnx", fused=False))
     return m, out
 
@@ -163,13 +163,14 @@ def test_optimization_profiles(tiny_exports):
         check_request(profs, 1, 100, 413)
 
 
-def test_h2o_profiles_are_decode_only_with_validity(tiny_exports):
-    m, out = tiny_exports
-    cfg, proto = out["h2o"]
-    (prof,) = optimization_profiles(folder_cfg(m, cfg), max_batch=2, max_context=256, max_prompt=64)
-    assert list(prof) == [i.name for i in proto.graph.input]
-    assert prof["past_key_values.0.valid"] == ((1, 2, 0), (2, 2, 128), (2, 2, 255))
-    assert prof["input_ids"][2] == (2, 1)
+def test_h2o_has_no_engine_and_is_refused_before_any_work(tmp_path):
+    """H2OAttention has no TensorRT plugin: the build says so in one line, before TensorRT is even looked for."""
+    from aqua_export.build import BuildOptions, build
+
+    with pytest.raises(ConfigError) as e:
+        build("llama", AquaConfig(k_ratio=0.75, h2o_ratio=0.5), out=str(tmp_path / "x"),
+              options=BuildOptions(backend="tensorrt"))
+    assert "--backend onnx" in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "x").exists()
 
 
 def test_missing_tensorrt_is_one_line():

@@ -24,8 +24,11 @@ def test_names_shapes_and_round_trip():
     assert ct.feed_shapes(4, 1, 10)["attention_mask"] == (4, 11)
     assert Contract.from_dict(json.loads(json.dumps(ct.to_dict()))) == ct
     h2o = _contract(h2o=True)
-    assert "position_ids" in h2o.input_names() and "past_key_values.0.valid" in h2o.input_names()
-    assert h2o.output_names()[-1] == "attention_weights.2"
+    assert h2o.input_names()[2:6] == [f"past_key_values.0.{k}" for k in ("key", "value", "heavy", "token")]
+    assert h2o.output_names()[-1] == "present.2.token" and "position_ids" not in h2o.input_names()
+    assert h2o.feed_shapes(4, 1, 10)["past_key_values.1.token"] == (4, 2, 10)
+    assert h2o.empty_buffer("token", 4, 3).tolist() == [[[-1] * 3] * 2] * 4
+    assert h2o.empty_buffer("heavy", 1, 2).dtype == np.float32 and h2o.empty_buffer("key", 1, 2).shape == (1, 2, 2, 12)
     inputs, outputs = ct.genai_io()
     assert inputs["past_key_names"] % 2 == "past_key_values.2.key" and outputs["present_value_names"] % 0 == "present.0.value"
     with pytest.raises(ConfigError, match="--runtime aqua"):

@@ -9,6 +9,7 @@ from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.contract import OPS, Contract
 from aqua_export.export import (ATTENTION, DOMAIN, KEY_UPDATE, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, RULES,
                                 VALUE_UPDATE, check_exportable, contract_for, export_onnx, topk_gather_dot_reference)
+from aqua_export.h2o import OP as H2O
 from aqua_export.runtime import OrtLM, make_session
 
 from helpers import folder_cfg, left_padded, tiny_projection
@@ -21,7 +22,7 @@ CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
            (AquaConfig(k_ratio=0.5, selection="group"), "shared"), (AquaConfig(k_ratio=0.5, selection="weighted"), "concat"),
            (AquaConfig(k_ratio=0.5, selection="group-weighted"), "shared"),
            (AquaConfig(k_ratio=0.5, selection="static"), "concat"),
-           (AquaConfig(k_ratio=0.75, h2o_ratio=0.5, selection="group-weighted"), "concat")]
+           (AquaConfig(k_ratio=0.75, h2o_ratio=0.5, selection="group-weighted"), "shared")]
 IDS = ["dense", "k0.5", "memory", "h2o", "dense-shared", "memory-shared", "group", "weighted", "group-weighted",
        "static", "h2o-group-weighted"]
 
@@ -44,33 +45,35 @@ def exported(tmp_path_factory):
 def test_graph_contract(exported, cfg, kv):
     m, _, out = exported
     path, proto = out[cfg, kv]
-    # one attention node per layer: the fused one, or (H2O, which outputs the weights) TopKGatherDot
-    op = OP_TYPE if cfg.h2o_ratio < 1 else ATTENTION
-    nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type in (OP_TYPE, ATTENTION)]
+    # one attention node per layer: the fused one, or H2O's (cache updates and eviction inside)
+    h2o = cfg.h2o_ratio < 1
+    op = H2O if h2o else ATTENTION
+    nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type in (OP_TYPE, ATTENTION, H2O)]
     assert [n.name for n in nodes] == [f"/model/layers.0/attn/{op}", f"/model/layers.1/attn/{op}"]
     r, k = cfg.retained_width(16), cfg.selected_width(16)
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"k": k, "rule": RULES[cfg.selection], "plugin_namespace": PLUGIN_NAMESPACE.encode(),
-                         "plugin_version": PLUGIN_VERSION.encode(), **({} if cfg.h2o_ratio < 1 else {"softcap": 0.0})}
+                         "plugin_version": PLUGIN_VERSION.encode(), "softcap": 0.0, **({"ratio": 0.5} if h2o else {})}
     assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op) for op in OPS]
-    used = {KEY_UPDATE, VALUE_UPDATE} | ({OP_TYPE, "ValueProduct"} if cfg.h2o_ratio < 1 else {ATTENTION})
+    used = {H2O} if h2o else {KEY_UPDATE, VALUE_UPDATE, ATTENTION}
     assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == used
     assert proto.ir_version <= 10
     ct = contract_for(m, cfg)
     assert [i.name for i in proto.graph.input] == ct.input_names()
     assert [o.name for o in proto.graph.output] == ct.output_names()
-    # no cache_position; position_ids only where H2O's compaction makes them unrecoverable from the mask
-    assert ("position_ids" in ct.input_names()) == (cfg.h2o_ratio < 1) and "cache_position" not in ct.input_names()
+    # positions come from the mask, always (H2O's slots included)
+    assert "position_ids" not in ct.input_names() and "cache_position" not in ct.input_names()
     # K and V of the same width r, declared [B, Hkv, past, r] (what onnxruntime-genai allocates)
     for name in ("past_key_values.0.key", "past_key_values.0.value", "present.1.key", "present.1.value"):
         dims = next(i for i in list(proto.graph.input) + list(proto.graph.output) if i.name == name).type.tensor_type.shape.dim
         assert dims[1].dim_value == 2 and dims[3].dim_value == r and dims[0].dim_param and dims[2].dim_param
     key = next(i for i in proto.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
-    if cfg.h2o_ratio < 1:
-        valid = next(i for i in proto.graph.input if i.name == "past_key_values.0.valid").type.tensor_type
-        assert valid.elem_type == onnx.TensorProto.BOOL and valid.shape.dim[1].dim_value == 2
-        assert valid.shape.dim[2].dim_param == key[2].dim_param
+    state = {i.name: i.type.tensor_type for i in proto.graph.input if i.name.endswith((".heavy", ".token"))}
+    assert len(state) == (4 if h2o else 0)
+    for name, t in state.items():  # H2O's slot state: [B, Hkv, past] with the key buffer's slots
+        assert t.elem_type == (onnx.TensorProto.FLOAT if name.endswith("heavy") else onnx.TensorProto.INT64)
+        assert t.shape.dim[1].dim_value == 2 and t.shape.dim[2].dim_param == key[2].dim_param
     onnx.checker.check_model(proto)
 
 
@@ -79,8 +82,8 @@ def test_graph_contract(exported, cfg, kv):
 def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv, kernel):
     """ORT (function body, or the native kernel) vs the PyTorch reference, batch 2 left-padded, 6 decode steps.
 
-    H2O: budget ceil(0.5 n) per sequence, so eviction starts at the first token and the ORT cache is
-    compacted between tokens; the reference evicts with its own statistics.
+    H2O: budget ceil(0.5 n) per sequence, so eviction starts at the first token; the graph evicts inside its
+    slots (the prompt in one forward), the reference with its own statistics: both keep the same tokens.
     """
     from aqua_export.runtime import native_library
 
@@ -91,19 +94,20 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
     lm = OrtLM(make_session(path, kernel=kernel), folder_cfg(m, cfg), kv)
     ids, mask = left_padded(128, [11, 6])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
-    logits, past = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
+    logits, past = lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))
     r = cfg.retained_width(16)
-    if cfg.h2o_ratio < 1:
-        # 11 and 6 real tokens -> 6 and 3 kept per head; the shared length is the largest kept count
-        assert past.length == 6 and [v.sum(-1).tolist() for v in past.valid[:1]] == [[[6, 6], [3, 3]]]
-        assert past.kv[0].shape == (2, 2, 6, r) and past.n_real.tolist() == [11, 6]
-    elif kv == "shared":
-        # one buffer per layer, written in place: capacity in steps of 256, 11 slots filled
+    h2o = cfg.h2o_ratio < 1
+    if kv == "shared":
+        # one buffer per layer and kind, written in place: capacity in steps of 256
         assert lm.shared and past.capacity == 256 and past.length == 11
         assert past.key_arrays[0].shape == (2, 2, 256, r) and past.value_arrays[0].shape == (2, 2, 256, r)
-        buffers = [a.ctypes.data for a in past.key_arrays]
+        buffers = [a.ctypes.data for kind in past.arrays.values() for a in kind]
     else:
-        assert past[0].shape == (2, 2, 11, r) and past[1].shape == (2, 2, 11, r)
+        # 11 and 6 real tokens: H2O needs min(n, ceil(n / 2) + 1) = 7 slots
+        assert past[0].shape == (2, 2, 7 if h2o else 11, r) and past[1].shape == past[0].shape
+    if h2o:  # 6 and 3 tokens kept per head
+        token = past.arrays["token"][0] if kv == "shared" else past[3]
+        assert (token >= 0).sum(-1).tolist() == [[6, 6], [3, 3]]
     with torch.no_grad(), apply_aqua(m, proj, cfg) as aqua:
         cache = aqua.new_cache()
         ref = m(input_ids=ids, attention_mask=mask, position_ids=torch.from_numpy(pos), past_key_values=cache).logits
@@ -115,25 +119,28 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
             assert np.array_equal(nxt, ref[:, -1].argmax(-1).numpy())
             tmask = np.concatenate([tmask, np.ones((2, 1), np.int64)], 1)
             tpos = tpos + 1
-            logits, past = lm.step(nxt[:, None], tmask, tpos, past)
+            logits, past = lm.step(nxt[:, None], tmask, past)
             ref = m(input_ids=torch.from_numpy(nxt[:, None]), attention_mask=torch.from_numpy(tmask),
                     position_ids=torch.from_numpy(tpos), past_key_values=cache).logits
             assert np.abs(logits - ref.numpy()).max() <= 1e-4
     assert tuple(cache.layers[0].keys.shape[-1:]) == (r,)
     if kv == "shared":
-        # the same buffers, updated in place, hold what the reference cache holds
-        assert [a.ctypes.data for a in past.key_arrays] == buffers and past.length == 17
+        # the same buffers, updated in place
+        assert [a.ctypes.data for kind in past.arrays.values() for a in kind] == buffers and past.length == 17
         # (the dense export uses the identity for P, the reference the calibrated P; a weighted rule's cache
         # holds k^ / rms(k^))
-        if cfg.k_ratio < 1 and not cfg.weighted_selection:
+        if cfg.k_ratio < 1 and not cfg.weighted_selection and not h2o:
             ref_k = cache.layers[1].keys.transpose(-1, -2).numpy()
             real_slots = tmask.astype(bool)[:, None, None, :]  # padding slots hold whatever a masked row computes
             got_k = Contract.key_rows(past.tensors()[2])  # the buffer's memory is K^ dim-major
             assert np.abs(got_k - ref_k)[np.broadcast_to(real_slots, ref_k.shape)].max() <= 1e-5
-    if cfg.h2o_ratio < 1:
-        # both sides evicted the same tokens: per (batch, head) the same number of live slots
+    if h2o:  # both sides kept the same tokens, per layer, sequence and head
         for i, layer in enumerate(cache.layers):
-            assert np.array_equal(past.valid[i].sum(-1), layer.valid.sum(-1).numpy())
+            token = past.arrays["token"][i] if kv == "shared" else past[4 * i + 3]
+            for b in range(2):
+                for h in range(2):
+                    ours = sorted(int(t) for t in token[b, h] if t >= 0)
+                    assert ours == sorted(layer.pos[b, h][layer.valid[b, h]].tolist())
 
 
 def test_dense_export_uses_identity_projection_and_matches_hf(exported):
@@ -141,8 +148,7 @@ def test_dense_export_uses_identity_projection_and_matches_hf(exported):
     path, _ = out[AquaConfig(), "concat"]
     lm = OrtLM(make_session(path), folder_cfg(m, AquaConfig()))
     ids, mask = left_padded(128, [9, 9])
-    pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
-    logits, _ = lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))
+    logits, _ = lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))
     with torch.no_grad():
         hf = m(input_ids=ids, attention_mask=mask).logits.numpy()
     assert np.abs(logits - hf).max() <= 1e-5
@@ -287,11 +293,10 @@ def test_external_data_is_page_aligned_and_loads_by_path(exported, tmp_path):
     assert ext and all(int(dict((e.key, e.value) for e in t.external_data)["offset"]) % ALIGN == 0 for t in ext)
     assert all(dict((e.key, e.value) for e in t.external_data)["location"] == "model.onnx.data" for t in ext)
     ids, mask = left_padded(128, [7, 5])
-    pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits = []
     for p in (path, out[cfg, "concat"][0]):  # external, inline
         lm = OrtLM(make_session(p), folder_cfg(m, cfg))
-        logits.append(lm.step(ids.numpy(), mask.numpy(), pos, lm.empty_past(2))[0])
+        logits.append(lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))[0])
     assert np.array_equal(*logits)
 
 

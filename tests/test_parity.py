@@ -44,13 +44,15 @@ def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
 
 def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     """A replay log that keeps the wrong tokens must show up as differing decisions that are not near-ties."""
-    from aqua_export.parity import _flip_summary, _ort_trace
+    from aqua_export.attention import apply_aqua
+    from aqua_export.parity import _flip_summary, _ort_trace, _torch_trace
 
     m, proj, cfg, proto, path = h2o_export
     lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg))
     ids = np.arange(3, 43)[None]
     log = []
-    _ort_trace(lm, ids, 4, log=log)
+    _, toks, _, _ = _ort_trace(lm, ids, 4, log=log)
+    assert len(log) == 44 and log[-1][0].shape == (1, 2, 44)  # per token, per layer: live tokens [B, Hkv, seen]
     wrong = []
     for entry in log:  # keep the oldest tokens instead: same budget, other tokens
         bad = []
@@ -58,8 +60,12 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
             n = live.sum(-1, keepdims=True)
             bad.append(np.arange(live.shape[-1])[None, None, :] < n)
         wrong.append(bad)
-    _, _, _, cache = _ort_trace(lm, ids, 4, force=wrong)
-    s = _flip_summary(cache.flips, {"near_tie": 1e-4})
+    with apply_aqua(m, proj, cfg) as aqua:
+        for i, st in enumerate(aqua.states):
+            st.forced_keep = [entry[i] for entry in wrong]
+        _torch_trace(m, ids, toks, aqua.new_cache(), aqua.states)
+        flips = [f for st in aqua.states for f in st.evict_flips]
+    s = _flip_summary(flips, {"near_tie": 1e-4})
     assert s["decisions_differing"] > 0 and not s["pass"]
 
 

@@ -38,20 +38,3 @@ def test_not_a_built_folder(tmp_path):
         FolderConfig.from_folder(tmp_path)
 
 
-def test_numpy_h2o_keep_equals_the_reference_rule():
-    """caches.h2o_keep (between ORT steps) is the twin of attention.h2o_keep, ties included."""
-    import torch
-
-    from aqua_export import attention, caches
-
-    g = torch.Generator().manual_seed(0)
-    for trial in range(50):
-        b, h, s = 3, 2, int(torch.randint(1, 40, (1,), generator=g))
-        vis = torch.rand(b, h, s, generator=g) < 0.8
-        acc = torch.randint(0, 5, (b, h, s), generator=g).float() / 4  # many exact ties
-        budget = torch.randint(1, s + 2, (b,), generator=g)
-        ref = attention.h2o_keep(vis, acc, budget).numpy()
-        got = caches.h2o_keep(vis.numpy(), acc.numpy(), budget.numpy())
-        assert np.array_equal(got, ref), trial
-    n = np.array([1, 2, 3, 7, 100])
-    assert caches.h2o_budget(0.5, n).tolist() == attention.h2o_budget(0.5, torch.from_numpy(n)).tolist() == [1, 1, 2, 4, 50]

@@ -189,15 +189,14 @@ def compile_kernel(plan: LaunchPlan, arch: int = 90):
 
 def optimization_profiles(cfg, max_batch: int, max_context: int, max_prompt: int) -> list[dict]:
     """Min / opt / max shapes of every graph input, one profile for prefill (no past, T up to
-    max_prompt) and one for decode (T = 1, past up to max_context - 1). H2O graphs run one token per
-    forward, so they get the decode profile only, starting from an empty past.
+    max_prompt) and one for decode (T = 1, past up to max_context - 1). (H2O graphs have no engine: their
+    H2OAttention node has no plugin.)
 
     Returns [{input name: (min, opt, max)}], shapes as tuples."""
     if max_batch < 1 or max_prompt < 1 or max_context <= max_prompt:
         raise ConfigError(f"TensorRT profiles need batch >= 1, prompt >= 1 and context > prompt "
                           f"(got batch {max_batch}, prompt {max_prompt}, context {max_context})")
     ct = cfg.contract
-    h2o = ct.h2o
     opt_b = max(1, min(max_batch, 8)) if max_batch >= 8 else max_batch
 
     def shapes(b, t, p):
@@ -207,9 +206,7 @@ def optimization_profiles(cfg, max_batch: int, max_context: int, max_prompt: int
         a, o, z = shapes(*lo), shapes(*opt), shapes(*hi)
         return {name: (a[name], o[name], z[name]) for name in a}
 
-    decode = profile((1, 1, 0 if h2o else 1), (opt_b, 1, max_context // 2), (max_batch, 1, max_context - 1))
-    if h2o:
-        return [decode]
+    decode = profile((1, 1, 1), (opt_b, 1, max_context // 2), (max_batch, 1, max_context - 1))
     prefill = profile((1, 1, 0), (opt_b, max(1, max_prompt // 2), 0), (max_batch, max_prompt, 0))
     return [prefill, decode]
 
@@ -338,7 +335,7 @@ def build_engine(folder: str | Path, max_batch: int = 8, max_context: int = 4096
 
 class TrtSession:
     """An engine behind the slice of ONNX Runtime's session API that runtime.OrtLM uses (get_inputs,
-    run), so the same generation loop, batching and H2O eviction drive it."""
+    run), so the same generation loop and batching drive it."""
 
     @dataclass(frozen=True)
     class _Arg:

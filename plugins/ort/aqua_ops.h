@@ -148,7 +148,8 @@ struct CpuOp : Ort::CustomOpBase<Self, K> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return element_type<T>(); }
 };
 
-// Adds AquaAttention (aqua_attention.cc) to the domain.
+// Add AquaAttention (aqua_attention.cc) and H2OAttention (h2o_attention.cc) to the domain.
 void add_attention_ops(Ort::CustomOpDomain& domain);
+void add_h2o_ops(Ort::CustomOpDomain& domain);
 
 }  // namespace aqua

@@ -1,0 +1,359 @@
+"""The H2OAttention node: AQUA-H2O attention with heavy-hitter eviction inside the graph, on fixed-capacity
+slot buffers (contract.Contract, The H2O state). Its schema, its portable function body (standard ops: a Loop
+over the new tokens), a slot-level PyTorch reference of the op, a one-node model, and the slot count a cache
+needs. The native kernel is plugins/ort/h2o_attention.cc; the keep rule is attention.h2o_keep's.
+
+Per (batch, kv head), one new token at a time (so a T-token prefill evicts exactly as T one-token forwards):
+
+    real token? --write k^, v into the first free slot s; token[s] = position, heavy[s] = 0
+    q^ --selection (k, rule)--> scores over K^[:, live slots] --softcap, softmax over live slots--> w [g, C]
+    out = w @ V
+    real token? --heavy += sum_g w; n += 1; budget = max(1, ceil(ratio n))
+                --live > budget: free argmin heavy over live slots outside the floor(budget / 2) most recent
+                  real tokens (ties: the later token)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .contract import DOMAIN
+
+OP = "H2OAttention"
+INPUTS = ("query_hat", "key_new", "value_new", "past_key", "past_value", "past_heavy", "past_token", "attention_mask")
+OUTPUTS = ("out", "present_key", "present_value", "present_heavy", "present_token")
+ATTRIBUTES = ("k", "rule", "softcap", "ratio", "plugin_namespace", "plugin_version")
+FREE = -1  # token of a free slot
+HIDDEN = float(torch.finfo(torch.float32).min)
+
+
+def budget(ratio: float, n):
+    """Tokens a sequence keeps after seeing n real ones: attention.h2o_budget (its slack included)."""
+    n = np.asarray(n, np.float64)
+    return np.maximum(np.ceil(ratio * n - 1e-6 * n - 1e-9).astype(np.int64), 1)
+
+
+def slots_needed(ratio: float, n_real) -> int:
+    """Slots a cache must have for rows that will have seen n_real [B] real tokens: live slots never exceed
+    budget + 1 (one token in, at most one out), and never the tokens seen."""
+    n = np.asarray(n_real, np.int64)
+    return int(np.minimum(n, budget(ratio, n) + 1).max(initial=0))
+
+
+def eviction_flips(visible, acc, budget, own, forced, real) -> tuple[int, int, float]:
+    """(decisions, decisions where ``own`` differs from ``forced``, largest relative gap at the heavy-hitter
+    boundary among those): a float near-tie of two accumulators has a gap near rounding error. visible, own,
+    forced [B, Hkv, S] bool, acc [B, Hkv, S], budget [B], real [B] (the parity harness's eviction replay)."""
+    visible, acc, own, forced = (np.asarray(x) for x in (visible, acc, own, forced))
+    real = np.asarray(real, bool)
+    differ = ((own != forced) & visible).any(-1) & real[:, None]
+    gap = 0.0
+    if differ.any():
+        n_recent = np.asarray(budget) // 2
+        for b, h in zip(*np.nonzero(differ)):
+            from_end = np.cumsum(visible[b, h][::-1])[::-1] - 1
+            cand = visible[b, h] & ~(from_end < n_recent[b])
+            vals = np.sort(acc[b, h][cand].astype(np.float64))[::-1]
+            n_heavy = int(budget[b] - n_recent[b])
+            if 0 < n_heavy < len(vals):
+                gap = max(gap, float((vals[n_heavy - 1] - vals[n_heavy]) / max(abs(vals[n_heavy - 1]), 1e-30)))
+            else:
+                gap = float("inf")  # not a boundary question: a real disagreement
+    return int(real.sum()) * visible.shape[1], int(differ.sum()), gap
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+def reference(q, key_new, value_new, past_key, past_value, past_heavy, past_token, mask, k: int, rule: int = 0,
+              softcap: float = 0.0, ratio: float = 0.5):
+    """The op in PyTorch, float64 arithmetic (tests). Shapes as the node's (module docstring of
+    plugins/ort/h2o_attention.cc); returns (out, present_key, present_value, present_heavy, present_token)."""
+    from .export import _keep_selected
+
+    b, hkv, g, t, r = q.shape
+    c = past_key.shape[2]
+    lens = mask.shape[1]
+    real = mask != 0
+    cap = max(c, slots_needed(ratio, real.sum(1).numpy()))
+    kr = torch.zeros(b, hkv, r, cap, dtype=torch.float64)
+    kr[..., :c] = past_key.reshape(b, hkv, r, c).double()
+    vv = torch.zeros(b, hkv, cap, r, dtype=torch.float64)
+    vv[:, :, :c] = past_value.double()
+    heavy = torch.zeros(b, hkv, cap, dtype=torch.float64)
+    heavy[..., :c] = past_heavy.double()
+    token = torch.full((b, hkv, cap), FREE, dtype=torch.int64)
+    token[..., :c] = past_token
+    qs = _keep_selected(q, k, rule).double()
+    before = torch.cat([torch.zeros(b, 1, dtype=torch.int64), real.long().cumsum(1)], 1)
+    out = torch.zeros(b, hkv, g, t, r, dtype=torch.float64)
+    first = lens - t
+    for bb in range(b):
+        for h in range(hkv):
+            n = int(before[bb, first])
+            for tt in range(t):
+                pos = first + tt
+                tok = token[bb, h]
+                if real[bb, pos]:
+                    s = int((tok == FREE).nonzero()[0])
+                    kr[bb, h, :, s] = key_new[bb, h, tt].double()
+                    vv[bb, h, s] = value_new[bb, h, tt].double()
+                    tok[s], heavy[bb, h, s] = pos, 0.0
+                live = tok >= 0
+                sc = qs[bb, h, :, tt] @ kr[bb, h]  # [g, cap]
+                if softcap:
+                    sc = torch.tanh(sc / softcap) * softcap
+                w = torch.softmax(sc.masked_fill(~live, -torch.inf), -1).nan_to_num(0.0) * live
+                out[bb, h, :, tt] = w @ vv[bb, h]
+                if real[bb, pos]:
+                    heavy[bb, h] += w.sum(0)
+                    n += 1
+                    keep = int(budget(ratio, n))
+                    if int(live.sum()) > keep:
+                        recent = n - before[bb, tok.clamp_min(0)] <= keep // 2
+                        cand = (live & ~recent).nonzero().flatten().tolist()
+                        v = min(cand, key=lambda i: (float(heavy[bb, h, i]), -int(tok[i])))
+                        tok[v] = FREE
+    dt = q.dtype
+    return (out.to(dt), kr.to(dt).reshape(b, hkv, cap, r), vv.to(dt), heavy.float(), token)
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX
+# --------------------------------------------------------------------------------------------
+
+def register_schema() -> None:
+    import onnx
+    from onnx.defs import OpSchema
+
+    from .export import RULE_DOC
+
+    if onnx.defs.has(OP, DOMAIN):
+        return
+    floats = [("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")]
+    types = {"past_heavy": "tensor(float)", "past_token": "tensor(int64)", "attention_mask": "tensor(int64)",
+             "present_heavy": "tensor(float)", "present_token": "tensor(int64)"}
+    A = OpSchema.Attribute
+    onnx.defs.register_schema(OpSchema(
+        OP, DOMAIN, 1,
+        doc="AQUA-H2O attention over fixed-capacity slots with heavy-hitter eviction, one new token at a time",
+        inputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in INPUTS],
+        outputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in OUTPUTS],
+        type_constraints=floats,
+        attributes=[A("k", OpSchema.AttrType.INT, "coordinates kept per query"),
+                    A("rule", OpSchema.AttrType.INT, RULE_DOC, required=False),
+                    A("softcap", OpSchema.AttrType.FLOAT, "tanh soft-cap of the scores, 0 = none", required=False),
+                    A("ratio", OpSchema.AttrType.FLOAT, "share of a sequence's real tokens kept"),
+                    A("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
+                    A("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version")],
+    ))
+
+
+def _const(name: str, value, kind=None):
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    kind = kind or (TensorProto.INT64 if isinstance(value, (int, list)) and not isinstance(value, bool) else
+                    TensorProto.FLOAT)
+    vals = value if isinstance(value, list) else [value]
+    dims = [len(vals)] if isinstance(value, list) else []
+    return H.make_node("Constant", [], [name], value=H.make_tensor(name, kind, dims, vals))
+
+
+CARRIED = ("K", "V", "heavy", "token")  # per iteration: the slot buffers
+FIXED = ("q_sel", "key_new", "value_new", "real", "before", "first", "ratio_d", "cap")  # carried unchanged
+
+
+def _step_graph():
+    """The Loop body: one new token (iteration ``it``) for every (batch, kv head). No outer-scope reads and no
+    attribute references (both are carried in), so any runtime inlining the function runs it as is."""
+    import onnx
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    B, I64, F, D = TensorProto.BOOL, TensorProto.INT64, TensorProto.FLOAT, TensorProto.DOUBLE
+    n = H.make_node
+    nodes = [
+        _const("ax0", [0]), _const("ax1", [1]), _const("ax2", [2]), _const("ax3", [3]), _const("ax23", [2, 3]),
+        _const("free", -1), _const("zero_i", 0), _const("one_i", 1), _const("two_i", 2),
+        _const("zero_f", 0.0), _const("hidden", HIDDEN), _const("top_f", float(torch.finfo(torch.float32).max)),
+        _const("eps_d", 1e-9, D), _const("slack_d", 1e-6, D), _const("minus_one_d", -1.0, D), _const("flat", [0, -1]),
+        n("Unsqueeze", ["it", "ax0"], ["it1"]),
+        n("Add", ["first_in", "it1"], ["pos"]),
+        n("Gather", ["q_sel_in", "it1"], ["q_t"], axis=3),  # [B,H,g,1,r]
+        n("Gather", ["key_new_in", "it1"], ["k_t"], axis=2),  # [B,H,1,r]
+        n("Gather", ["value_new_in", "it1"], ["v_t"], axis=2),
+        n("Gather", ["real_in", "pos"], ["real_i"], axis=1),  # [B,1]
+        n("Cast", ["real_i"], ["real_b"], to=B),
+        n("Unsqueeze", ["real_b", "ax2"], ["real3"]),  # [B,1,1]
+        # the new token into the first free slot
+        n("Equal", ["token_in", "free"], ["is_free"]),
+        n("Cast", ["is_free"], ["is_free_i"], to=TensorProto.INT32),
+        n("ArgMax", ["is_free_i"], ["slot"], axis=2, keepdims=1),  # [B,H,1]: the first free
+        n("Shape", ["token_in"], ["c_1d"], start=2, end=3),
+        n("Squeeze", ["c_1d"], ["c_s"]),
+        n("Range", ["zero_i", "c_s", "one_i"], ["slots"]),
+        n("Equal", ["slots", "slot"], ["at_slot"]),
+        n("And", ["at_slot", "real3"], ["write"]),  # [B,H,C]
+        n("Unsqueeze", ["write", "ax2"], ["write_k"]),
+        n("Transpose", ["k_t"], ["k_col"], perm=[0, 1, 3, 2]),
+        n("Where", ["write_k", "k_col", "K_in"], ["K_w"]),
+        n("Unsqueeze", ["write", "ax3"], ["write_v"]),
+        n("Where", ["write_v", "v_t", "V_in"], ["V_out"]),
+        n("Where", ["write", "pos", "token_in"], ["token_w"]),
+        n("Where", ["write", "zero_f", "heavy_in"], ["heavy_w"]),
+        # scores over the live slots, softmax, value product
+        n("GreaterOrEqual", ["token_w", "zero_i"], ["live"]),
+        n("Unsqueeze", ["K_w", "ax2"], ["K_g"]),
+        n("MatMul", ["q_t", "K_g"], ["s_t"]),
+        n("Cast", ["s_t"], ["s"], to=F),
+        n("Div", ["s", "cap_in"], ["s_scaled"]), n("Tanh", ["s_scaled"], ["s_tanh"]),
+        n("Mul", ["s_tanh", "cap_in"], ["s_capped"]), n("Greater", ["cap_in", "zero_f"], ["has_cap"]),
+        n("Where", ["has_cap", "s_capped", "s"], ["s_c"]),
+        n("Unsqueeze", ["live", "ax23"], ["live5"]),
+        n("Where", ["live5", "s_c", "hidden"], ["s_m"]),
+        n("Softmax", ["s_m"], ["p"], axis=-1),
+        n("Where", ["live5", "p", "zero_f"], ["w"]),  # a query with no live slot: all 0
+        n("CastLike", ["w", "q_t"], ["w_t"]),
+        n("Unsqueeze", ["V_out", "ax2"], ["V_g"]),
+        n("MatMul", ["w_t", "V_g"], ["o5"]),
+        n("Squeeze", ["o5", "ax3"], ["o"]),  # [B,H,g,r]
+        # heavy hitters and eviction
+        n("ReduceSum", ["w", "ax23"], ["w_sum"], keepdims=0),
+        n("Add", ["heavy_w", "w_sum"], ["heavy_add"]),
+        n("Where", ["real3", "heavy_add", "heavy_w"], ["heavy_out"]),
+        n("Gather", ["before_in", "pos"], ["n_before"], axis=1),
+        n("Add", ["n_before", "real_i"], ["n_seen"]),  # [B,1]
+        n("Cast", ["n_seen"], ["n_d"], to=D), n("Mul", ["n_d", "ratio_d_in"], ["rn"]),
+        n("Mul", ["n_d", "slack_d"], ["slack"]), n("Sub", ["rn", "slack"], ["rn_s"]),
+        n("Sub", ["rn_s", "eps_d"], ["rn_eps"]), n("Ceil", ["rn_eps"], ["rn_up"]),
+        n("Cast", ["rn_up"], ["rn_i"], to=I64), n("Max", ["rn_i", "one_i"], ["keep"]),
+        n("Div", ["keep", "two_i"], ["n_recent"]),
+        n("Max", ["token_w", "zero_i"], ["token_c"]),
+        n("Reshape", ["token_c", "flat"], ["token_flat"]),
+        n("GatherElements", ["before_in", "token_flat"], ["bef_flat"], axis=1),
+        n("Shape", ["token_w"], ["token_shape"]),
+        n("Reshape", ["bef_flat", "token_shape"], ["bef"]),
+        n("Unsqueeze", ["n_seen", "ax2"], ["n3"]),
+        n("Sub", ["n3", "bef"], ["since"]),  # real tokens from the slot's to the current one
+        n("Unsqueeze", ["n_recent", "ax2"], ["n_recent3"]),
+        n("LessOrEqual", ["since", "n_recent3"], ["recent"]),
+        n("Not", ["recent"], ["old"]), n("And", ["live", "old"], ["cand"]),
+        n("Cast", ["live"], ["live_i"], to=I64),
+        n("ReduceSum", ["live_i", "ax2"], ["n_live"], keepdims=1),
+        n("Unsqueeze", ["keep", "ax2"], ["keep3"]),
+        n("Greater", ["n_live", "keep3"], ["too_many"]),
+        n("And", ["too_many", "real3"], ["evict_row"]),
+        n("Where", ["cand", "heavy_out", "top_f"], ["key"]),
+        n("ReduceMin", ["key", "ax2"], ["key_min"], keepdims=1),
+        n("Equal", ["key", "key_min"], ["at_min"]), n("And", ["cand", "at_min"], ["tie"]),
+        n("Cast", ["token_w"], ["token_d"], to=D),
+        n("Where", ["tie", "token_d", "minus_one_d"], ["tie_token"]),
+        n("ArgMax", ["tie_token"], ["victim"], axis=2, keepdims=1),  # the later token of a tie
+        n("Equal", ["slots", "victim"], ["at_victim"]),
+        n("And", ["at_victim", "evict_row"], ["evict"]),
+        n("Where", ["evict", "free", "token_w"], ["token_out"]),
+        n("Identity", ["cond_in"], ["cond_out"]),
+        n("Identity", ["K_w"], ["K_out"]),
+    ] + [n("Identity", [f"{f}_in"], [f"{f}_out"]) for f in FIXED]
+    vi = H.make_tensor_value_info
+    untyped = [H.make_value_info(f"{x}_in", onnx.TypeProto()) for x in CARRIED + FIXED]  # the Loop's inputs type them
+    ins = [vi("it", I64, []), vi("cond_in", B, [])] + untyped
+    outs = [vi("cond_out", B, [])] + [H.make_value_info(f"{x}_out", onnx.TypeProto()) for x in CARRIED + FIXED] \
+        + [H.make_value_info("o", onnx.TypeProto())]
+    graph = H.make_graph(nodes, "h2o_step", ins, outs)
+    # a subgraph may not shadow a name of the scope around it: every name here gets the step's prefix
+    for node in graph.node:
+        node.input[:] = [f"step/{x}" if x else x for x in node.input]
+        node.output[:] = [f"step/{x}" for x in node.output]
+    for v in list(graph.input) + list(graph.output):
+        v.name = f"step/{v.name}"
+    return graph
+
+
+def function_body(opset: int):
+    """The portable body of H2OAttention (copies every slot buffer once per new token: slower than the native
+    kernel, which updates them in place, but any ONNX Runtime runs it).
+
+        query_hat --selection (k, rule)--> q_sel
+        past_* --widen to C' slots (keys as their dim-major [B,H,r,C] view)--> Loop over the T new tokens
+        (_step_graph) --> out [T,B,H,g,r] --Transpose--> [B,H,g,T,r]; present_* (keys back to [B,H,C',r])
+    """
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    from .export import _ref_constant, _selection_nodes
+
+    I64, D = TensorProto.INT64, TensorProto.DOUBLE
+    n = H.make_node
+    nodes = _selection_nodes() + [
+        _ref_constant("cap", "softcap", "value_float"), _ref_constant("ratio", "ratio", "value_float"),
+        _const("h_ax1", [1]), _const("h_one", 1), _const("h_eps", 1e-9, D), _const("h_slack", 1e-6, D), _const("h_zeros6", [0] * 6),
+        _const("h_zeros5", [0] * 5), _const("h_zeros7", [0] * 7), _const("h_zeros1", [0]),
+        _const("h_free", -1), _const("h_zero_f", 0.0),
+        n("Cast", ["ratio"], ["ratio_d"], to=D),
+        n("Cast", ["attention_mask"], ["mask_b"], to=TensorProto.BOOL),
+        n("Cast", ["mask_b"], ["real"], to=I64),
+        n("CumSum", ["real", "h_ax1"], ["before"], exclusive=1),
+        n("Shape", ["attention_mask"], ["len_1d"], start=1, end=2),
+        n("Shape", ["key_new"], ["t_1d"], start=2, end=3),
+        n("Sub", ["len_1d", "t_1d"], ["first"]),
+        n("Squeeze", ["t_1d"], ["t_s"]),
+        # C' = max(C, need): need = max over rows of min(n, budget(n) + 1)
+        n("ReduceSum", ["real", "h_ax1"], ["n_row"], keepdims=0),
+        n("Cast", ["n_row"], ["n_row_d"], to=D), n("Mul", ["n_row_d", "ratio_d"], ["rn"]),
+        n("Mul", ["n_row_d", "h_slack"], ["slack"]), n("Sub", ["rn", "slack"], ["rn_s"]),
+        n("Sub", ["rn_s", "h_eps"], ["rn_eps"]), n("Ceil", ["rn_eps"], ["rn_up"]), n("Cast", ["rn_up"], ["rn_i"], to=I64),
+        n("Max", ["rn_i", "h_one"], ["h_keep"]), n("Add", ["h_keep", "h_one"], ["h_keep1"]),
+        n("Min", ["n_row", "h_keep1"], ["need_row"]),
+        n("ReduceMax", ["need_row"], ["need"], keepdims=1),
+        n("Shape", ["past_key"], ["bh"], start=0, end=2),
+        n("Shape", ["past_key"], ["c_1d"], start=2, end=3),
+        n("Shape", ["past_key"], ["h_r"], start=3, end=4),
+        n("Max", ["c_1d", "need"], ["cap_1d"]),
+        n("Sub", ["cap_1d", "c_1d"], ["extra"]),
+        n("Concat", ["bh", "h_r", "c_1d"], ["rows_shape"], axis=0),
+        n("Reshape", ["past_key", "rows_shape"], ["key_rows"], allowzero=1),
+        n("Concat", ["h_zeros7", "extra"], ["pads_k"], axis=0),
+        n("Pad", ["key_rows", "pads_k"], ["K0"]),
+        n("Concat", ["h_zeros6", "extra", "h_zeros1"], ["pads_v"], axis=0),
+        n("Pad", ["past_value", "pads_v"], ["V0"]),
+        n("Concat", ["h_zeros5", "extra"], ["pads_s"], axis=0),
+        n("Pad", ["past_heavy", "pads_s", "h_zero_f"], ["heavy0"]),
+        n("Pad", ["past_token", "pads_s", "h_free"], ["token0"]),
+        n("Identity", ["q_selected"], ["q_sel"]),
+        n("Loop", ["t_s", ""] + ["K0", "V0", "heavy0", "token0"] + list(FIXED),
+          ["K_f", "present_value", "present_heavy", "present_token"] + [f"{f}_f" for f in FIXED] + ["o_seq"],
+          body=_step_graph()),
+        n("Transpose", ["o_seq"], ["out"], perm=[1, 2, 3, 0, 4]),
+        n("Concat", ["bh", "cap_1d", "h_r"], ["key_shape"], axis=0),
+        n("Reshape", ["K_f", "key_shape"], ["present_key"], allowzero=1),
+    ]
+    return H.make_function(DOMAIN, OP, list(INPUTS), list(OUTPUTS), nodes, [H.make_opsetid("", opset)],
+                           attributes=list(ATTRIBUTES))
+
+
+def op_model(k: int, rule: int = 0, softcap: float = 0.0, ratio: float = 0.5, dtype: str = "float32", opset: int = 20):
+    """A one-node model of H2OAttention with its function body (kernel tests and benchmarks); inputs and
+    outputs are named as the node's."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    from .export import PLUGIN_NAMESPACE, PLUGIN_VERSION, _register_schema
+
+    _register_schema()
+    et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    kinds = {"past_heavy": TensorProto.FLOAT, "past_token": TensorProto.INT64, "attention_mask": TensorProto.INT64,
+             "present_heavy": TensorProto.FLOAT, "present_token": TensorProto.INT64}
+    rank = {"query_hat": 5, "out": 5, "past_heavy": 3, "past_token": 3, "present_heavy": 3, "present_token": 3,
+            "attention_mask": 2}
+    node = H.make_node(OP, list(INPUTS), list(OUTPUTS), domain=DOMAIN, name=f"/op/{OP}", k=k, rule=rule,
+                       softcap=float(softcap), ratio=float(ratio), plugin_namespace=PLUGIN_NAMESPACE,
+                       plugin_version=PLUGIN_VERSION)
+    vi = H.make_tensor_value_info
+    graph = H.make_graph([node], "h2o_attention", [vi(x, kinds.get(x, et), [None] * rank.get(x, 4)) for x in INPUTS],
+                         [vi(x, kinds.get(x, et), [None] * rank.get(x, 4)) for x in OUTPUTS])
+    return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, 1)],
+                        functions=[function_body(opset)], ir_version=10)

@@ -1,0 +1,174 @@
+"""H2OAttention op by op: the native kernel and the portable function body against the slot-level reference
+(h2o.reference), a T-token forward against T one-token forwards, in-place updates of bound buffers, bad input.
+
+Tolerances: float32 outputs 1e-5 and heavy sums 1e-5 (float32 sums of softmax weights against float64);
+float16 outputs 2e-2 (its rounding of q^, K^, V). Token buffers (the eviction decisions) must be identical.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from aqua_export import attention, h2o
+from aqua_export.runtime import make_session, native_library
+
+KERNELS = ["function", "native"]
+
+
+def _session(tmp_path, kernel, **attrs):
+    import onnx
+
+    if kernel == "native" and native_library() is None:
+        pytest.skip("native kernel not built (run `make plugin`)")
+    path = tmp_path / f"h2o-{kernel}.onnx"
+    onnx.save(h2o.op_model(**attrs), path)
+    return make_session(path, 1, kernel)
+
+
+def _inputs(b, hkv, g, t, r, mask, past=None, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
+         torch.randn(b, hkv, t, r, generator=gen)]
+    x = [a.to(dtype) for a in x]
+    if past is None:
+        past = (torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0),
+                torch.zeros(b, hkv, 0, dtype=torch.int64))
+    return x + list(past) + [torch.as_tensor(mask, dtype=torch.int64)]
+
+
+def _feed(ins):
+    return {n: x.numpy() for n, x in zip(h2o.INPUTS, ins)}
+
+
+def _check(got, want, tol):
+    for name, a, e in zip(h2o.OUTPUTS, got, want):
+        e = e.numpy()
+        assert a.shape == e.shape, name
+        if name == "present_token":
+            assert np.array_equal(a, e), name
+        else:
+            assert np.abs(a.astype(np.float64) - e.astype(np.float64)).max() <= tol, name
+
+
+MASKS = {"full": np.ones((1, 24), np.int64),
+         # left padding, a padding gap in the middle (right-padded prompt, then generated tokens)
+         "padded": np.array([[0, 0, 0] + [1] * 21, [1] * 7 + [0, 0] + [1] * 15])}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rule,k", [(0, 8), (1, 8), (2, 8), (0, 16), (0, 1)])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_op_equals_reference(tmp_path, kernel, rule, k, mask):
+    m = MASKS[mask]
+    ins = _inputs(m.shape[0], 2, 3, m.shape[1], 16, m)
+    want = h2o.reference(*ins, k=k, rule=rule, ratio=0.5)
+    got = _session(tmp_path, kernel, k=k, rule=rule, ratio=0.5).run(None, _feed(ins))
+    _check(got, want, 1e-5)
+    # 0.5 of the real tokens kept per head: 12 of 24, 11 of 21, 11 of 22
+    live = (got[4] >= 0).sum(-1)
+    assert live.tolist() == [[12, 12]] if mask == "full" else [[11, 11], [11, 11]]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_softcap_ratio_and_float16(tmp_path, kernel):
+    m = MASKS["padded"]
+    ins = _inputs(2, 2, 2, 24, 16, m)
+    _check(_session(tmp_path, kernel, k=6, softcap=2.0, ratio=0.3).run(None, _feed(ins)),
+           h2o.reference(*ins, k=6, softcap=2.0, ratio=0.3), 1e-5)
+    ins16 = _inputs(2, 2, 2, 24, 16, m, dtype=torch.float16)
+    got = _session(tmp_path, kernel, k=6, ratio=0.5, dtype="float16").run(None, _feed(ins16))
+    want = h2o.reference(*ins16, k=6, ratio=0.5)
+    assert got[0].dtype == np.float16 and np.abs(got[0].astype(np.float64) - want[0].double().numpy()).max() <= 2e-2
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_prompt_in_one_forward_evicts_as_token_by_token(tmp_path, kernel):
+    """A T-token forward reproduces T one-token forwards exactly (same slots, same heavy sums, same outputs),
+    then decoding continues from either state alike."""
+    sess = _session(tmp_path, kernel, k=8, rule=1, ratio=0.5)
+    m = MASKS["padded"]
+    ins = _inputs(2, 2, 3, 24, 16, m)
+    whole = sess.run(None, _feed(ins))
+    cap = whole[1].shape[2]
+    past = [torch.zeros(2, 2, cap, 16), torch.zeros(2, 2, cap, 16), torch.zeros(2, 2, cap),
+            torch.full((2, 2, cap), -1, dtype=torch.int64)]
+    outs = []
+    for t in range(24):
+        one = [ins[0][:, :, :, t:t + 1], ins[1][:, :, t:t + 1], ins[2][:, :, t:t + 1]] + past + [ins[7][:, :t + 1]]
+        res = sess.run(None, _feed(one))
+        outs.append(res[0])
+        past = [torch.from_numpy(a) for a in res[1:]]
+    assert np.array_equal(np.concatenate(outs, axis=3), whole[0])
+    for a, b in zip(whole[1:], past):
+        assert np.array_equal(a, b.numpy())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_continuing_from_a_past(tmp_path, kernel):
+    """A decode step and a chunk of 5 from a state that already evicted, against the reference."""
+    sess = _session(tmp_path, kernel, k=8, ratio=0.5)
+    m = MASKS["padded"]
+    first = _inputs(2, 2, 3, 19, 16, m[:, :19])
+    state = [torch.from_numpy(a) for a in sess.run(None, _feed(first))[1:]]
+    nxt = _inputs(2, 2, 3, 5, 16, m, past=state, seed=1)
+    _check(sess.run(None, _feed(nxt)), h2o.reference(*nxt, k=8, ratio=0.5), 1e-5)
+
+
+def test_native_updates_bound_buffers_in_place(tmp_path):
+    """Buffers with room for the new tokens, bound as both past and present, are written where they are."""
+    import onnxruntime as ort
+
+    sess = _session(tmp_path, "native", k=8, ratio=0.5)
+    m = MASKS["padded"]
+    ins = _inputs(2, 2, 3, 24, 16, m)
+    want = sess.run(None, _feed(ins))
+    cap = 32  # more than needed (12)
+    bufs = [np.zeros((2, 2, cap, 16), np.float32), np.zeros((2, 2, cap, 16), np.float32),
+            np.zeros((2, 2, cap), np.float32), np.full((2, 2, cap), -1, np.int64)]
+    io = sess.io_binding()
+    for n, x in zip(h2o.INPUTS[:3], ins[:3]):
+        io.bind_cpu_input(n, x.numpy())
+    io.bind_cpu_input("attention_mask", m)
+    io.bind_output("out")
+    for past, present, a in zip(h2o.INPUTS[3:7], h2o.OUTPUTS[1:], bufs):
+        v = ort.OrtValue.ortvalue_from_numpy(a)
+        io.bind_ortvalue_input(past, v)
+        io.bind_ortvalue_output(present, v)
+    sess.run_with_iobinding(io)
+    assert np.array_equal(io.get_outputs()[0].numpy(), want[0])
+    c = want[1].shape[2]
+    assert np.array_equal(bufs[3][..., :c], want[4]) and (bufs[3][..., c:] == -1).all()
+    assert np.array_equal(bufs[2][..., :c], want[3])
+    assert np.array_equal(bufs[1][:, :, :c], want[2])
+    assert np.array_equal(bufs[0].reshape(2, 2, 16, cap)[..., :c], want[1].reshape(2, 2, 16, c))
+
+
+def test_native_refuses_a_state_that_is_not_its_own(tmp_path):
+    sess = _session(tmp_path, "native", k=8, ratio=0.5)
+    m = np.ones((1, 10), np.int64)
+    # 9 tokens seen, budget 5, but 7 live slots: not a state this op could have left
+    token = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, -1], [0, 1, 2, -1, -1, -1, -1, -1]]])
+    past = (torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8), token)
+    with pytest.raises(Exception, match="not this graph's state"):
+        sess.run(None, _feed(_inputs(1, 2, 3, 1, 16, m, past=past)))
+    with pytest.raises(Exception, match="disagree"):
+        bad = _inputs(1, 2, 3, 1, 16, m)
+        bad[1] = torch.zeros(1, 2, 1, 8)  # key_new narrower than q^
+        sess.run(None, _feed(bad))
+    with pytest.raises(Exception, match="ratio in"):
+        _session(tmp_path, "native", k=8, ratio=1.5).run(None, _feed(_inputs(1, 2, 3, 1, 16, m[:, :1])))
+
+
+def test_budget_and_slots_needed():
+    """h2o.budget is attention.h2o_budget; slots_needed bounds the live slots of any run (one token in, at most
+    one out, per real token)."""
+    n = np.array([1, 2, 3, 7, 100])
+    assert h2o.budget(0.5, n).tolist() == attention.h2o_budget(0.5, torch.from_numpy(n)).tolist() == [1, 1, 2, 4, 50]
+    for ratio in (0.1, 0.3, 0.5, 0.9, 1.0):
+        live = peak = 0
+        for seen in range(1, 300):
+            live += 1
+            peak = max(peak, live)
+            assert peak <= h2o.slots_needed(ratio, [seen])
+            live = min(live, int(h2o.budget(ratio, seen)))
+    assert h2o.slots_needed(0.5, [11, 6]) == 7 and h2o.slots_needed(0.5, []) == 0
