@@ -14,6 +14,9 @@ Runtimes:
             [B, Hkv, max_length, head_size] buffer bound as past and present, attention_mask [B, total]),
             the context written into the buffer directly: for contexts whose prefill genai cannot fit
 "decode memory" is the largest resident set right after a decode step.
+
+With prefill N (runtime aqua), each timed step is instead a whole prompt of N random tokens from an
+empty cache (AQUA-H2O included: its prompt is one forward that evicts inside the graph).
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ RUNTIMES = ("aqua", "genai", "genai-io")
 
 
 def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", steps: int = 8, rounds: int = 3,
-          threads: int = 2, capacity: int = 0) -> dict:
-    """capacity: cache slots allocated (aqua, genai-io; 0 = just enough): a step's cost must not depend on it."""
+          threads: int = 2, capacity: int = 0, prefill: int = 0) -> dict:
+    """capacity: cache slots allocated (aqua, genai-io; 0 = just enough): a step's cost must not depend on it.
+    prefill: time prompts of this many tokens instead of decode steps (runtime aqua; context unused)."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
-    if context < 1 or batch < 1 or steps < 1 or rounds < 1:
-        raise ConfigError("--context, --batch, --steps and --rounds must be >= 1")
+    if context < 1 or batch < 1 or steps < 1 or rounds < 1 or prefill < 0:
+        raise ConfigError("--context, --batch, --steps and --rounds must be >= 1, --prefill >= 0")
+    if prefill and runtime != "aqua":
+        raise ConfigError("--prefill is measured in this project's runtime only: use --runtime aqua")
     for f in folders:
         if not (Path(f) / ("genai_config.json" if runtime != "aqua" else "aqua_config.json")).is_file():
             raise ConfigError(f"{f} is not a folder the {runtime} runtime loads: build it with aqua-export")
@@ -47,7 +53,7 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
     for _ in range(rounds):
         for f in folders:
             out = subprocess.run([sys.executable, "-m", "aqua_export.bench", f, str(context), str(batch), runtime,
-                                  str(steps), str(threads), str(capacity)], capture_output=True, text=True)
+                                  str(steps), str(threads), str(capacity), str(prefill)], capture_output=True, text=True)
             if out.returncode:
                 last = (out.stderr.strip().splitlines() or ["no output"])[-1]
                 raise ConfigError(f"bench of {f} failed: {last}")
@@ -55,16 +61,18 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
             times[f] += one["step_s"]
             rss[f].append(one["decode_rss_mb"])
     res = {"context": context, "batch": batch, "runtime": runtime, "steps": steps, "rounds": rounds,
-           "threads": threads, "capacity": capacity, "folders": {}}
+           "threads": threads, "capacity": capacity, "prefill": prefill, "folders": {}}
     for f in folders:
         med = statistics.median(times[f])
-        res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch / med, "decode_rss_mb": max(rss[f])}
+        res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch * (prefill or 1) / med,
+                             "decode_rss_mb": max(rss[f])}
     return res
 
 
 def table(res: dict) -> str:
     first = next(iter(res["folders"].values()))
-    lines = [f"context {res['context']}, batch {res['batch']}, runtime {res['runtime']}, {res['threads']} threads, "
+    what = f"prefill of {res['prefill']} tokens" if res.get("prefill") else f"context {res['context']}"
+    lines = [f"{what}, batch {res['batch']}, runtime {res['runtime']}, {res['threads']} threads, "
              f"{res['rounds']} rounds x {res['steps']} steps",
              "| folder | tokens/s | vs first | decode memory (MB) | vs first |", "|---|---|---|---|---|"]
     for f, r in res["folders"].items():
@@ -110,6 +118,19 @@ def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
         _, state["past"] = lm.step(rng.integers(3, min(1000, ct.vocab), (batch, 1)), np.ones((batch, p + 1), np.int64),
                                    state["past"])
         state["pos"] = p + 1
+
+    return step
+
+
+def _aqua_prefiller(folder, prompt, batch, threads, rng):
+    from .runtime import OrtLM
+
+    lm = OrtLM.from_folder(folder, threads)
+    vocab = lm.contract.vocab
+
+    def step():
+        lm.step(rng.integers(3, min(1000, vocab), (batch, prompt)), np.ones((batch, prompt), np.int64),
+                lm.empty_past(batch))
 
     return step
 
@@ -171,10 +192,14 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
     return step
 
 
-def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int, capacity: int = 0) -> dict:
+def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int, capacity: int = 0,
+                prefill: int = 0) -> dict:
     rng = np.random.default_rng(0)
-    make = {"aqua": _aqua_stepper, "genai": _genai_stepper, "genai-io": _genai_io_stepper}[runtime]
-    step = make(folder, context, batch, threads, rng, steps, capacity)
+    if prefill:
+        step = _aqua_prefiller(folder, prefill, batch, threads, rng)
+    else:
+        make = {"aqua": _aqua_stepper, "genai": _genai_stepper, "genai-io": _genai_io_stepper}[runtime]
+        step = make(folder, context, batch, threads, rng, steps, capacity)
     step()  # warm-up: allocations, thread pool
     times, rss = [], []
     for _ in range(steps):
@@ -186,5 +211,5 @@ def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int,
 
 
 if __name__ == "__main__":
-    f, c, b, rt, s, th, cap = sys.argv[1:8]
-    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th), int(cap))))
+    f, c, b, rt, s, th, cap, pre = sys.argv[1:9]
+    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th), int(cap), int(pre))))

@@ -206,7 +206,7 @@ def cmd_bench(a) -> int:
     from .bench import bench, table
 
     res = bench(a.folders, context=a.context, batch=a.batch, runtime=a.runtime, steps=a.steps, rounds=a.rounds,
-                threads=a.threads, capacity=a.capacity)
+                threads=a.threads, capacity=a.capacity, prefill=a.prefill)
     print(json.dumps(res, sort_keys=True) if a.json else table(res))
     return 0
 
@@ -358,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default %(default)s)")
     p.add_argument("--capacity", type=int, default=0, help="cache slots to allocate, as genai's max_length would "
                    "(aqua, genai-io; 0 = just enough): a step's cost should not depend on it (default %(default)s)")
+    p.add_argument("--prefill", type=int, default=0, help="time whole prompts of this many tokens from an empty "
+                   "cache instead of decode steps (runtime aqua; 0 = decode) (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_bench)
 

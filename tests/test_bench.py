@@ -46,3 +46,14 @@ def test_bench_refuses_what_it_cannot_measure(tiny_folders, tmp_path, capsys):
     assert "is not a folder the aqua runtime loads" in capsys.readouterr().err
     assert main(["bench", str(tiny_folders[0]), "--context", "0"]) == 2
     assert "--context, --batch, --steps and --rounds must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_times_prefill(tiny_folders, capsys):
+    """--prefill: whole prompts from an empty cache (the H2O folder's prompt is one forward evicting inside)."""
+    args = ["bench", str(tiny_folders[0]), str(tiny_folders[2]), "--batch", "2", "--steps", "2", "--rounds", "1",
+            "--threads", "1", "--prefill", "24", "--json"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["prefill"] == 24 and all(r["tokens_per_s"] > 0 for r in res["folders"].values())
+    assert main(args[:-1] + ["--runtime", "genai-io"]) == 2
+    assert "--prefill is measured in this project's runtime only" in capsys.readouterr().err

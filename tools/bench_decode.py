@@ -1,8 +1,9 @@
 """End-to-end decode of built folders of the embedded model: tokens/s and decode memory, through
 `aqua-export bench` (aqua_export/bench.py: fresh process per measurement, rounds interleaved).
 
-    -> benchmarks/decode.json (this project's runtime, every variant) and benchmarks/genai.json
-       (onnxruntime-genai against its own model builder's export of the same checkpoint)
+    -> benchmarks/decode.json (this project's runtime, every variant), benchmarks/genai.json
+       (onnxruntime-genai against its own model builder's export of the same checkpoint) and
+       benchmarks/h2o.json (AQUA-H2O against dense: decode at 4k / 8k, batch 1 / 8, and a 1,024-token prefill)
     -> the "Decode" sections of benchmarks/performance.md (tools/perf_report.py)
 
 Variants (all built from the same SmolLM2-135M checkpoint and projection by the build's export stage, float32):
@@ -36,6 +37,8 @@ VARIANTS = {"dense": dict(k_ratio=1.0), "aqua-k0.75": dict(k_ratio=0.75), "aqua-
 # the issue's claims, each measured in one run: (context, batch, genai runtime, folders)
 GENAI_RUNS = [(1024, 1, "genai", ["ort-genai", "dense"]),
               (8160, 8, "genai-io", ["ort-genai", "dense", "memory-s0.25-k0.75"])]
+H2O_RUNS = [(ctx, b) for ctx in (4096, 8160) for b in (1, 8)]  # decode; plus one prefill of H2O_PROMPT tokens
+H2O_PROMPT = 1024
 
 
 def _projection():
@@ -103,6 +106,20 @@ def _rows(names, ctx, batch, runtime, a, capacity=0) -> list[dict]:
     return rows
 
 
+def _h2o_rows(a) -> list[dict]:
+    """AQUA-H2O (h2o 0.5, k 0.75) against the dense folder, each measurement one interleaved run of the two."""
+    names = ["dense", "h2o-0.5-k0.75"]
+    rows = []
+    for ctx, batch in H2O_RUNS:
+        rows += [dict(r, mode="decode") for r in _rows(names, ctx, batch, "aqua", a)]
+    res = bench([str(WORK / n) for n in names], context=1, batch=1, steps=2, rounds=a.rounds, threads=a.threads,
+                prefill=H2O_PROMPT)
+    for n in names:
+        rows.append({"variant": n, "mode": "prefill", "prompt": H2O_PROMPT, "batch": 1, **res["folders"][str(WORK / n)]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def _capacity_rows(a) -> list[dict]:
     """A step reads the filled slots only: the same 1k context in a buffer of just enough slots and in one of
     genai's max_length (8,192), rounds interleaved between the two sizes."""
@@ -133,13 +150,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process each)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", choices=["aqua", "genai", "capacity"], help="run one of the tables")
+    ap.add_argument("--only", choices=["aqua", "genai", "capacity", "h2o"], help="run one of the tables")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args()
     names = a.variants.split(",")
-    export_all(names + ["ort-genai"])
+    export_all(names + (["ort-genai"] if a.only in (None, "genai") else []))
     meta = {"threads": a.threads, "steps": a.steps, "rounds": a.rounds, "model": "SmolLM2-135M-Instruct (embedded), float32",
-            "attention": "AquaAttention"}
+            "attention": "AquaAttention", "h2o": "H2OAttention"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.only in (None, "aqua"):
@@ -153,6 +170,8 @@ def main() -> int:
         for ctx, batch, runtime, folders in GENAI_RUNS:
             rows += _rows(folders, ctx, batch, runtime, a)
         atomic_write_bytes(out / "genai.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
+    if a.only in (None, "h2o"):
+        atomic_write_bytes(out / "h2o.json", json.dumps({"meta": meta, "rows": _h2o_rows(a)}, indent=1).encode())
     if a.only in (None, "capacity"):
         atomic_write_bytes(out / "capacity.json", json.dumps({"meta": meta, "rows": _capacity_rows(a)},
                                                              indent=1).encode())
