@@ -174,7 +174,7 @@ class DecoderGraph(Blocks):
               mask: str, io: dict) -> str:
         """w: the layer's weights as HF names them (see decoder_weights); P = (query basis, key basis), each
         [Hkv, d, r] (export.selection_bases); P_v [Hkv, d, d].
-        Returns x after the layer (its present.{i}.* / attention_weights.{i} outputs are named nodes)."""
+        Returns x after the layer (its present.{i}.* outputs are named nodes)."""
         n = f"/model/layers.{i}"
         h = self._norm(f"{n}/input_layernorm", x, w["input_layernorm"], w.get("input_layernorm_bias"))
         attn = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)

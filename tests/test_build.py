@@ -125,14 +125,16 @@ def test_float16_build(tmp_path, proj):
 
 @pytest.mark.slow
 def test_memory_h2o_build(tmp_path, proj):
-    """AQUA-Memory and AQUA-H2O together on the embedded model: narrow cache, eviction in the runtime, parity
+    """AQUA-Memory and AQUA-H2O together on the embedded model: narrow cache, eviction in the graph, parity
     under ORT's selection and ORT's evictions replayed, native kernel against the function body."""
     out = tmp_path / "mh"
     assert main(["--model", "llama", "--k-ratio", "0.75", "--slice-ratio", "0.25", "--h2o-ratio", "0.5",
                  "--projection", str(proj), "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "96"]) == 0
     cfg = FolderConfig.from_folder(out)
     assert cfg.contract.width == 48 and cfg.contract.h2o and cfg.aqua.h2o_ratio == 0.5
-    assert "past_key_values.0.valid" in cfg.contract.input_names() and "attention_weights.29" in cfg.contract.output_names()
+    assert "past_key_values.0.token" in cfg.contract.input_names() and "present.29.heavy" in cfg.contract.output_names()
+    assert sum(1 for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+               if n.op_type == "H2OAttention") == 30
     assert not (out / "genai_config.json").exists()  # genai cannot evict: the folder is for --runtime aqua
     par = json.loads((out / "parity.json").read_text())
     assert par["pass"]
