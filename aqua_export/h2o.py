@@ -24,6 +24,11 @@ OP = "H2OAttention"
 INPUTS = ("query_hat", "key_new", "value_new", "past_key", "past_value", "past_heavy", "past_token", "attention_mask")
 OUTPUTS = ("out", "present_key", "present_value", "present_heavy", "present_token")
 ATTRIBUTES = ("k", "rule", "softcap", "ratio", "plugin_namespace", "plugin_version")
+# element type of the I/O that is not the float type T, and rank of each name (the others are [B, Hkv, ., r])
+NOT_T = {"past_heavy": "float", "past_token": "int64", "attention_mask": "int64", "present_heavy": "float",
+         "present_token": "int64"}
+RANK = {"query_hat": 5, "out": 5, "past_heavy": 3, "past_token": 3, "present_heavy": 3, "present_token": 3,
+        "attention_mask": 2}
 FREE = -1  # token of a free slot
 HIDDEN = float(torch.finfo(torch.float32).min)
 
@@ -133,8 +138,7 @@ def register_schema() -> None:
     if onnx.defs.has(OP, DOMAIN):
         return
     floats = [("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")]
-    types = {"past_heavy": "tensor(float)", "past_token": "tensor(int64)", "attention_mask": "tensor(int64)",
-             "present_heavy": "tensor(float)", "present_token": "tensor(int64)"}
+    types = {n: f"tensor({t})" for n, t in NOT_T.items()}
     A = OpSchema.Attribute
     onnx.defs.register_schema(OpSchema(
         OP, DOMAIN, 1,
@@ -345,15 +349,12 @@ def op_model(k: int, rule: int = 0, softcap: float = 0.0, ratio: float = 0.5, dt
 
     _register_schema()
     et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
-    kinds = {"past_heavy": TensorProto.FLOAT, "past_token": TensorProto.INT64, "attention_mask": TensorProto.INT64,
-             "present_heavy": TensorProto.FLOAT, "present_token": TensorProto.INT64}
-    rank = {"query_hat": 5, "out": 5, "past_heavy": 3, "past_token": 3, "present_heavy": 3, "present_token": 3,
-            "attention_mask": 2}
+    kinds = {n: {"float": TensorProto.FLOAT, "int64": TensorProto.INT64}[t] for n, t in NOT_T.items()}
     node = H.make_node(OP, list(INPUTS), list(OUTPUTS), domain=DOMAIN, name=f"/op/{OP}", k=k, rule=rule,
                        softcap=float(softcap), ratio=float(ratio), plugin_namespace=PLUGIN_NAMESPACE,
                        plugin_version=PLUGIN_VERSION)
     vi = H.make_tensor_value_info
-    graph = H.make_graph([node], "h2o_attention", [vi(x, kinds.get(x, et), [None] * rank.get(x, 4)) for x in INPUTS],
-                         [vi(x, kinds.get(x, et), [None] * rank.get(x, 4)) for x in OUTPUTS])
+    graph = H.make_graph([node], "h2o_attention", [vi(x, kinds.get(x, et), [None] * RANK.get(x, 4)) for x in INPUTS],
+                         [vi(x, kinds.get(x, et), [None] * RANK.get(x, 4)) for x in OUTPUTS])
     return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, 1)],
                         functions=[function_body(opset)], ir_version=10)

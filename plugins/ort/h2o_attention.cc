@@ -191,11 +191,11 @@ void h2o_task(void* data, size_t index) {
 // present = past widened to cap slots (a copy unless bound to past's memory): keys dim-major, free slots
 // token -1, heavy 0, K and V 0.
 template <typename T>
-void widen(const T* src, T* dst, int64_t rows, int64_t c, int64_t cap, int64_t width) {
+void widen(const T* src, T* dst, int64_t rows, int64_t c, int64_t cap, int64_t width, T fill = T{}) {
   if (src == dst) return;
   for (int64_t i = 0; i < rows; ++i) {
     std::copy(src + i * c * width, src + (i + 1) * c * width, dst + i * cap * width);
-    std::fill(dst + (i * cap + c) * width, dst + (i + 1) * cap * width, T{});
+    std::fill(dst + (i * cap + c) * width, dst + (i + 1) * cap * width, fill);
   }
 }
 
@@ -259,13 +259,7 @@ struct H2OKernel {
     widen(k_in.GetTensorData<T>(), key, rows * r, c, cap, 1);
     widen(v_in.GetTensorData<T>(), value, rows, c, cap, r);
     widen(h_in.GetTensorData<float>(), heavy, rows, c, cap, 1);
-    const int64_t* tok_in = t_in.GetTensorData<int64_t>();
-    if (tok_in != token) {
-      for (int64_t i = 0; i < rows; ++i) {
-        std::copy(tok_in + i * c, tok_in + (i + 1) * c, token + i * cap);
-        std::fill(token + i * cap + c, token + (i + 1) * cap, int64_t{-1});
-      }
-    }
+    widen(t_in.GetTensorData<int64_t>(), token, rows, c, cap, 1, int64_t{-1});
     // what the slot search relies on: a row holds at most budget(n) live tokens, all before the new ones
     const int64_t first = len - t;
     for (int64_t i = 0; i < rows; ++i) {
