@@ -22,6 +22,7 @@ kernel in Triton's interpreter on the CPU (how the tests check it on machines wi
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -31,56 +32,64 @@ _KERNELS: dict[bool, object] = {}
 KERNEL_SIGNATURE = ("query_hat", "key_cache", "S", "rows_per_kv", "scores")  # the runtime arguments, in order
 
 
-def _kernel(interpret: bool):
-    if interpret in _KERNELS:
-        return _KERNELS[interpret]
-    # triton.jit decides at decoration time whether a kernel is interpreted; language functions follow
-    # the setting at first import, so the interpreter is selected before anything imports triton
+@contextmanager
+def triton_for(interpret: bool):
+    """Yields (triton, triton.language) with Triton's interpreter on or off for the kernels decorated inside:
+    triton.jit decides at decoration time whether a kernel is interpreted, and language functions follow the
+    setting at first import, so the interpreter is selected before anything imports triton."""
     previous = os.environ.get("TRITON_INTERPRET")
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
     try:
-        import triton
-        import triton.language as tl
-    except ImportError as e:
-        raise RuntimeError("the GPU kernel needs triton: pip install triton") from e
-
-    @triton.jit
-    def topk_gather_dot_kernel(q_ptr, k_ptr, S, rows_per_kv, out_ptr,
-                               R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr, G: tl.constexpr,
-                               BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        bh = row // rows_per_kv
-        c = tl.arange(0, BLOCK_R)
-        in_r = c < R
-        q = tl.load(q_ptr + row * R + c, mask=in_r, other=0.0).to(tl.float32)
-        if RULE == 1:  # one selection for the group: the summed |q^| of the g rows of this token
-            t_count = rows_per_kv // G
-            t = (row % rows_per_kv) % t_count
-            j = tl.arange(0, BLOCK_G)
-            group = tl.load(q_ptr + (bh * rows_per_kv + j[:, None] * t_count + t) * R + c[None, :],
-                            mask=(j[:, None] < G) & in_r[None, :], other=0.0).to(tl.float32)
-            a = tl.where(in_r, tl.sum(tl.abs(group), axis=0), -1.0)
-        elif RULE == 2:  # the first K coordinates
-            a = tl.where(in_r, (R - c).to(tl.float32), -1.0)
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError as e:
+            raise RuntimeError("the GPU kernel needs triton: pip install triton") from e
+        yield triton, tl
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
         else:
-            a = tl.where(in_r, tl.abs(q), -1.0)
-        beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (c[None, :] < c[:, None]))
-        rank = tl.sum(beats.to(tl.int32), axis=1)
-        keep = (rank < K) & in_r
-        s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
-        in_s = s < S
-        kb = tl.load(k_ptr + bh * R * S + c[:, None] * S + s[None, :], mask=keep[:, None] & in_s[None, :], other=0.0)
-        scores = tl.sum(tl.where(keep, q, 0.0)[:, None] * kb.to(tl.float32), axis=0)
-        tl.store(out_ptr + row * S + s, scores.to(out_ptr.dtype.element_ty), mask=in_s)
+            os.environ["TRITON_INTERPRET"] = previous
 
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
+
+def _kernel(interpret: bool):
+    if interpret in _KERNELS:
+        return _KERNELS[interpret]
+    with triton_for(interpret) as (triton, tl):
+        @triton.jit
+        def topk_gather_dot_kernel(q_ptr, k_ptr, S, rows_per_kv, out_ptr,
+                                   R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr, G: tl.constexpr,
+                                   BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+            row = tl.program_id(0)
+            blk = tl.program_id(1)
+            bh = row // rows_per_kv
+            c = tl.arange(0, BLOCK_R)
+            in_r = c < R
+            q = tl.load(q_ptr + row * R + c, mask=in_r, other=0.0).to(tl.float32)
+            if RULE == 1:  # one selection for the group: the summed |q^| of the g rows of this token
+                t_count = rows_per_kv // G
+                t = (row % rows_per_kv) % t_count
+                j = tl.arange(0, BLOCK_G)
+                group = tl.load(q_ptr + (bh * rows_per_kv + j[:, None] * t_count + t) * R + c[None, :],
+                                mask=(j[:, None] < G) & in_r[None, :], other=0.0).to(tl.float32)
+                a = tl.where(in_r, tl.sum(tl.abs(group), axis=0), -1.0)
+            elif RULE == 2:  # the first K coordinates
+                a = tl.where(in_r, (R - c).to(tl.float32), -1.0)
+            else:
+                a = tl.where(in_r, tl.abs(q), -1.0)
+            beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (c[None, :] < c[:, None]))
+            rank = tl.sum(beats.to(tl.int32), axis=1)
+            keep = (rank < K) & in_r
+            s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+            in_s = s < S
+            kb = tl.load(k_ptr + bh * R * S + c[:, None] * S + s[None, :], mask=keep[:, None] & in_s[None, :], other=0.0)
+            scores = tl.sum(tl.where(keep, q, 0.0)[:, None] * kb.to(tl.float32), axis=0)
+            tl.store(out_ptr + row * S + s, scores.to(out_ptr.dtype.element_ty), mask=in_s)
+
     _KERNELS[interpret] = (topk_gather_dot_kernel, triton)
     return _KERNELS[interpret]
 

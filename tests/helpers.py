@@ -1,5 +1,6 @@
-"""Shared test helpers: calibrate a tiny model on random tokens, left-padded batches."""
+"""Shared test helpers: calibrate a tiny model on random tokens, left-padded batches, H2OAttention inputs."""
 
+import numpy as np
 import torch
 
 from aqua_export import calibrate
@@ -56,3 +57,35 @@ def saved_checkpoint(folder, model_type: str = "llama", dtype=None, **kw):
     m.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+H2O_MASKS = {"full": np.ones((1, 24), np.int64),
+             # left padding, a padding gap in the middle (right-padded prompt, then generated tokens)
+             "padded": np.array([[0, 0, 0] + [1] * 21, [1] * 7 + [0, 0] + [1] * 15])}
+
+
+def h2o_inputs(b, hkv, g, t, r, mask, past=None, dtype=torch.float32, seed=0):
+    """H2OAttention's inputs (h2o.INPUTS): random q^, k^, v of T new tokens, an empty past unless given."""
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
+         torch.randn(b, hkv, t, r, generator=gen)]
+    x = [a.to(dtype) for a in x]
+    if past is None:
+        past = (torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0),
+                torch.zeros(b, hkv, 0, dtype=torch.int64))
+    return x + list(past) + [torch.as_tensor(mask, dtype=torch.int64)]
+
+
+def h2o_token_by_token(run, ins, cap: int):
+    """H2OAttention fed ins's T new tokens one forward each, from empty buffers of cap slots: (out [B, Hkv, g,
+    T, r], final state). run(inputs) -> the node's outputs as torch tensors."""
+    b, hkv, g, t, r = ins[0].shape
+    past = [torch.zeros(b, hkv, cap, r), torch.zeros(b, hkv, cap, r), torch.zeros(b, hkv, cap),
+            torch.full((b, hkv, cap), -1, dtype=torch.int64)]
+    outs = []
+    for i in range(t):
+        one = [ins[0][:, :, :, i:i + 1], ins[1][:, :, i:i + 1], ins[2][:, :, i:i + 1]] + past + [ins[7][:, :i + 1]]
+        res = run(one)
+        outs.append(res[0])
+        past = res[1:]
+    return torch.cat(outs, 3), past

@@ -11,6 +11,7 @@ import torch
 
 from aqua_export import attention, h2o
 from aqua_export.runtime import make_session, native_library
+from helpers import H2O_MASKS, h2o_inputs, h2o_token_by_token
 
 KERNELS = ["function", "native"]
 
@@ -23,17 +24,6 @@ def _session(tmp_path, kernel, **attrs):
     path = tmp_path / f"h2o-{kernel}.onnx"
     onnx.save(h2o.op_model(**attrs), path)
     return make_session(path, 1, kernel)
-
-
-def _inputs(b, hkv, g, t, r, mask, past=None, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
-         torch.randn(b, hkv, t, r, generator=gen)]
-    x = [a.to(dtype) for a in x]
-    if past is None:
-        past = (torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0),
-                torch.zeros(b, hkv, 0, dtype=torch.int64))
-    return x + list(past) + [torch.as_tensor(mask, dtype=torch.int64)]
 
 
 def _feed(ins):
@@ -50,17 +40,12 @@ def _check(got, want, tol):
             assert np.abs(a.astype(np.float64) - e.astype(np.float64)).max() <= tol, name
 
 
-MASKS = {"full": np.ones((1, 24), np.int64),
-         # left padding, a padding gap in the middle (right-padded prompt, then generated tokens)
-         "padded": np.array([[0, 0, 0] + [1] * 21, [1] * 7 + [0, 0] + [1] * 15])}
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rule,k", [(0, 8), (1, 8), (2, 8), (0, 16), (0, 1)])
-@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("mask", sorted(H2O_MASKS))
 def test_op_equals_reference(tmp_path, kernel, rule, k, mask):
-    m = MASKS[mask]
-    ins = _inputs(m.shape[0], 2, 3, m.shape[1], 16, m)
+    m = H2O_MASKS[mask]
+    ins = h2o_inputs(m.shape[0], 2, 3, m.shape[1], 16, m)
     want = h2o.reference(*ins, k=k, rule=rule, ratio=0.5)
     got = _session(tmp_path, kernel, k=k, rule=rule, ratio=0.5).run(None, _feed(ins))
     _check(got, want, 1e-5)
@@ -71,11 +56,11 @@ def test_op_equals_reference(tmp_path, kernel, rule, k, mask):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_softcap_ratio_and_float16(tmp_path, kernel):
-    m = MASKS["padded"]
-    ins = _inputs(2, 2, 2, 24, 16, m)
+    m = H2O_MASKS["padded"]
+    ins = h2o_inputs(2, 2, 2, 24, 16, m)
     _check(_session(tmp_path, kernel, k=6, softcap=2.0, ratio=0.3).run(None, _feed(ins)),
            h2o.reference(*ins, k=6, softcap=2.0, ratio=0.3), 1e-5)
-    ins16 = _inputs(2, 2, 2, 24, 16, m, dtype=torch.float16)
+    ins16 = h2o_inputs(2, 2, 2, 24, 16, m, dtype=torch.float16)
     got = _session(tmp_path, kernel, k=6, ratio=0.5, dtype="float16").run(None, _feed(ins16))
     want = h2o.reference(*ins16, k=6, ratio=0.5)
     assert got[0].dtype == np.float16 and np.abs(got[0].astype(np.float64) - want[0].double().numpy()).max() <= 2e-2
@@ -86,20 +71,13 @@ def test_a_prompt_in_one_forward_evicts_as_token_by_token(tmp_path, kernel):
     """A T-token forward reproduces T one-token forwards exactly (same slots, same heavy sums, same outputs),
     then decoding continues from either state alike."""
     sess = _session(tmp_path, kernel, k=8, rule=1, ratio=0.5)
-    m = MASKS["padded"]
-    ins = _inputs(2, 2, 3, 24, 16, m)
+    m = H2O_MASKS["padded"]
+    ins = h2o_inputs(2, 2, 3, 24, 16, m)
     whole = sess.run(None, _feed(ins))
-    cap = whole[1].shape[2]
-    past = [torch.zeros(2, 2, cap, 16), torch.zeros(2, 2, cap, 16), torch.zeros(2, 2, cap),
-            torch.full((2, 2, cap), -1, dtype=torch.int64)]
-    outs = []
-    for t in range(24):
-        one = [ins[0][:, :, :, t:t + 1], ins[1][:, :, t:t + 1], ins[2][:, :, t:t + 1]] + past + [ins[7][:, :t + 1]]
-        res = sess.run(None, _feed(one))
-        outs.append(res[0])
-        past = [torch.from_numpy(a) for a in res[1:]]
-    assert np.array_equal(np.concatenate(outs, axis=3), whole[0])
-    for a, b in zip(whole[1:], past):
+    out, state = h2o_token_by_token(lambda one: [torch.from_numpy(a) for a in sess.run(None, _feed(one))], ins,
+                                    whole[1].shape[2])
+    assert np.array_equal(out.numpy(), whole[0])
+    for a, b in zip(whole[1:], state):
         assert np.array_equal(a, b.numpy())
 
 
@@ -107,10 +85,10 @@ def test_a_prompt_in_one_forward_evicts_as_token_by_token(tmp_path, kernel):
 def test_continuing_from_a_past(tmp_path, kernel):
     """A decode step and a chunk of 5 from a state that already evicted, against the reference."""
     sess = _session(tmp_path, kernel, k=8, ratio=0.5)
-    m = MASKS["padded"]
-    first = _inputs(2, 2, 3, 19, 16, m[:, :19])
+    m = H2O_MASKS["padded"]
+    first = h2o_inputs(2, 2, 3, 19, 16, m[:, :19])
     state = [torch.from_numpy(a) for a in sess.run(None, _feed(first))[1:]]
-    nxt = _inputs(2, 2, 3, 5, 16, m, past=state, seed=1)
+    nxt = h2o_inputs(2, 2, 3, 5, 16, m, past=state, seed=1)
     _check(sess.run(None, _feed(nxt)), h2o.reference(*nxt, k=8, ratio=0.5), 1e-5)
 
 
@@ -119,8 +97,8 @@ def test_native_updates_bound_buffers_in_place(tmp_path):
     import onnxruntime as ort
 
     sess = _session(tmp_path, "native", k=8, ratio=0.5)
-    m = MASKS["padded"]
-    ins = _inputs(2, 2, 3, 24, 16, m)
+    m = H2O_MASKS["padded"]
+    ins = h2o_inputs(2, 2, 3, 24, 16, m)
     want = sess.run(None, _feed(ins))
     cap = 32  # more than needed (12)
     bufs = [np.zeros((2, 2, cap, 16), np.float32), np.zeros((2, 2, cap, 16), np.float32),
@@ -150,13 +128,13 @@ def test_native_refuses_a_state_that_is_not_its_own(tmp_path):
     token = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, -1], [0, 1, 2, -1, -1, -1, -1, -1]]])
     past = (torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8), token)
     with pytest.raises(Exception, match="not this graph's state"):
-        sess.run(None, _feed(_inputs(1, 2, 3, 1, 16, m, past=past)))
+        sess.run(None, _feed(h2o_inputs(1, 2, 3, 1, 16, m, past=past)))
     with pytest.raises(Exception, match="disagree"):
-        bad = _inputs(1, 2, 3, 1, 16, m)
+        bad = h2o_inputs(1, 2, 3, 1, 16, m)
         bad[1] = torch.zeros(1, 2, 1, 8)  # key_new narrower than q^
         sess.run(None, _feed(bad))
     with pytest.raises(Exception, match="ratio in"):
-        _session(tmp_path, "native", k=8, ratio=1.5).run(None, _feed(_inputs(1, 2, 3, 1, 16, m[:, :1])))
+        _session(tmp_path, "native", k=8, ratio=1.5).run(None, _feed(h2o_inputs(1, 2, 3, 1, 16, m[:, :1])))
 
 
 def test_budget_and_slots_needed():

@@ -9,6 +9,9 @@ T = 16k .. 128k cached tokens. For each T:
   aqua QK (k)    the Triton kernel: reads k of r rows of K^ per query row (+ q, + the scores it writes)
   dense SDPA     torch's scaled_dot_product_attention over K and V [B,Hkv,T,d] (GQA): the whole step
   aqua step (k)  Triton scores + softmax + probs @ V (unfused: the scores go through memory)
+  h2o step (k)   the Triton H2OAttention kernel (triton_h2o.py) at h2o 0.5: T/2 + 1 slots, the most recent
+                 T/2 tokens live, one token in, against dense SDPA over all T (the token buffer is restored
+                 before each call; it is 1/64 of the K^ + V bytes)
 
 Bytes counted are the fewest each variant must move (every input read once, every output written once);
 bandwidth is bytes / median time; the ceiling is a measured device-to-device copy (read + write).
@@ -94,6 +97,64 @@ def bench(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) ->
     return out
 
 
+def check_h2o() -> list[str]:
+    """The H2O kernel on the GPU against the float64 slot-level reference (a prompt, then a decode step)."""
+    from aqua_export import h2o
+    from aqua_export.triton_h2o import h2o_attention
+
+    gen = torch.Generator().manual_seed(4)
+    b, hkv, g, t, r = 2, 2, 4, 300, 128
+    mask = torch.ones(b, t, dtype=torch.int64)
+    mask[1, :37] = 0
+    ins = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
+           torch.randn(b, hkv, t, r, generator=gen), torch.zeros(b, hkv, 0, r), torch.zeros(b, hkv, 0, r),
+           torch.zeros(b, hkv, 0), torch.zeros(b, hkv, 0, dtype=torch.int64), mask]
+    got = [x.cpu() for x in h2o_attention(*[x.cuda() for x in ins], k=64, rule=1, ratio=0.5)]
+    want = h2o.reference(*ins, k=64, rule=1, ratio=0.5)
+    err = (got[0].double() - want[0].double()).abs().max().item()
+    same = torch.equal(got[4], want[4])
+    line = f"check H2OAttention float32 (2, 2, 4, 300, 128) k 64 h2o 0.5: max error {err:.1e}, same evictions {same}"
+    if err > 1e-4 or not same:
+        raise SystemExit(line + " FAIL")
+    return [line]
+
+
+def bench_h2o(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) -> list[dict]:
+    """One decode step of the H2O kernel at ratio 0.5 (compared with bench()'s dense SDPA over T tokens)."""
+    import triton.testing as tt
+
+    from aqua_export.triton_h2o import h2o_attention
+
+    dt, es = torch.float16, 2
+    live = T // 2
+    cap = live + 1
+    key = torch.randn(B, hkv, cap, d, device="cuda", dtype=dt)
+    value = torch.randn(B, hkv, cap, d, device="cuda", dtype=dt)
+    heavy = torch.rand(B, hkv, cap, device="cuda")
+    token = torch.full((B, hkv, cap), -1, dtype=torch.int64, device="cuda")
+    token[..., :live] = torch.arange(T - live, T, device="cuda")  # the most recent half is live
+    saved = token.clone()
+    mask = torch.ones(B, T + 1, dtype=torch.int64, device="cuda")
+    q = torch.randn(B, hkv, g, 1, d, device="cuda", dtype=dt)
+    kn, vn = (torch.randn(B, hkv, 1, d, device="cuda", dtype=dt) for _ in range(2))
+
+    def med(fn):
+        return tt.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e-3
+
+    out = []
+    for k in ks:
+        def step():
+            token.copy_(saved)
+            h2o_attention(q, kn, vn, key, value, heavy, token, mask, k=k, rule=1, ratio=0.5)
+        # the fewest: the selected rows of K^ and V once, heavy read and written, token read
+        nbytes = B * hkv * cap * (k * es + d * es + 2 * 4 + 8)
+        out.append({"T": T, "variant": f"h2o 0.5 step k={k}", "bytes": nbytes, "s": med(step)})
+    for o in out:
+        o["GB/s"] = o["bytes"] / o["s"] / 1e9
+        o["of copy bandwidth"] = o["bytes"] / o["s"] / bw
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/gpu_attention.md")
@@ -106,20 +167,23 @@ def main() -> None:
     from aqua_export.triton_kernel import topk_gather_dot
 
     name = torch.cuda.get_device_name()
-    lines = check(topk_gather_dot, topk_gather_dot_reference)
+    lines = check(topk_gather_dot, topk_gather_dot_reference) + check_h2o()
     bw = copy_bandwidth()
     rows = []
     for T in map(int, a.contexts.split(",")):
         rows += bench(T, a.batch, 8, 4, 128, [64, 96], bw)
+        rows += bench_h2o(T, a.batch, 8, 4, 128, [64, 96], bw)
         torch.cuda.empty_cache()
     md = [f"# GPU attention step: Triton TopKGatherDot vs dense ({name})", "",
           f"Written by `python tools/bench_gpu.py` on {name}; torch {torch.__version__}. Llama-3.1-8B attention "
           f"shapes at decode (Hkv 8, g 4, d 128, one query token), batch {a.batch}, float16. Median of "
           "triton.testing.do_bench. Bytes = the fewest each variant must move; the ceiling is a measured "
           f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write).", "", *[f"- {x}" for x in lines], "",
-          "| T | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense QK |", "|---|---|---|---|---|---|---|"]
+          "| T | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense QK (h2o: vs dense SDPA) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next(x for x in rows if x["T"] == r["T"] and x["variant"] == "dense QK")["s"]
+        if r["variant"].startswith("h2o"):
+            base = next(x for x in rows if x["T"] == r["T"] and x["variant"].startswith("dense SDPA"))["s"]
         md.append(f"| {r['T']} | {r['variant']} | {r['s'] * 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['GB/s']:.0f} | "
                   f"{r['of copy bandwidth']:.2f} | {base / r['s']:.2f}x |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,8 @@ def genai_section(data) -> list[str]:
 
 
 def h2o_section(data) -> list[str]:
+    from aqua_export.h2o import slots_needed
+
     m = data["meta"]
     out = ["", "## AQUA-H2O against dense (`tools/bench_decode.py --only h2o`)", "",
            f"{m['model']}; {m['threads']} threads; the dense folder and `h2o-0.5-k0.75` (keep half the tokens, "
@@ -133,8 +135,12 @@ def h2o_section(data) -> list[str]:
            f"of {m['steps']} steps with the context already in the cache (under H2O: already evicted to its budget, "
            "ceil(0.5 context) slots). Prefill: a whole prompt from an empty cache, one forward for both (H2O evicts "
            "inside the graph, token by token, in that forward). Eviction runs in the H2OAttention node on "
-           "fixed-capacity slots updated in place.", "",
-           "| measurement | batch | h2o tokens/s vs dense | h2o decode memory vs dense |", "|---|---|---|---|"]
+           "fixed-capacity slots updated in place. Decode memory is the process's RSS (the 540 MB of weights "
+           "included); cache bytes are the buffers' own size from the contract: per slot and KV head, K^ and V "
+           "(2 x 64 float32) for both, plus heavy (float32) and token (int64) for H2O, over dense's context + 1 "
+           "slots and H2O's h2o.slots_needed(0.5, context + 1).", "",
+           "| measurement | batch | h2o tokens/s vs dense | h2o decode memory vs dense | h2o cache bytes vs dense |",
+           "|---|---|---|---|---|"]
     keyed = {}
     for r in data["rows"]:
         keyed.setdefault((r["mode"], r.get("context", r.get("prompt")), r["batch"]), {})[r["variant"]] = r
@@ -142,7 +148,8 @@ def h2o_section(data) -> list[str]:
         d, h = rs["dense"], rs["h2o-0.5-k0.75"]
         what = f"decode at {n}" if mode == "decode" else f"prefill of {n} tokens"
         mem = f"{h['decode_rss_mb'] / d['decode_rss_mb']:.2f}" if mode == "decode" else "-"
-        out.append(f"| {what} | {b} | **{h['tokens_per_s'] / d['tokens_per_s']:.2f}** | {mem} |")
+        cache = f"{slots_needed(0.5, [n + 1]) * (512 + 12) / ((n + 1) * 512):.2f}" if mode == "decode" else "-"
+        out.append(f"| {what} | {b} | **{h['tokens_per_s'] / d['tokens_per_s']:.2f}** | {mem} | {cache} |")
     return out
 
 
