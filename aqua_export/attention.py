@@ -128,9 +128,8 @@ class AquaLayerCache(DynamicLayer):
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
         b, hkv = key_states.shape[:2]
-        r = self.state.r
-        self.keys = key_states.new_zeros(b, hkv, 0, r)
-        self.values = value_states.new_zeros(b, hkv, 0, r)
+        self.keys = key_states.new_zeros(b, hkv, 0, self.state.r)
+        self.values = value_states.new_zeros(b, hkv, 0, self.state.value_width)
         self.valid = torch.zeros(b, hkv, 0, dtype=torch.bool, device=key_states.device)
         self.acc = torch.zeros(b, hkv, 0, dtype=torch.float32, device=key_states.device)
         self.pos = torch.zeros(b, hkv, 0, dtype=torch.int64, device=key_states.device)
@@ -142,7 +141,7 @@ class AquaLayerCache(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         st = self.state
         kh = key_states @ st.P_r[None].to(key_states.dtype)
-        vh = value_states[..., : st.r]
+        vh = value_states[..., : st.value_width]
         t = key_states.shape[2]
         self.keys = torch.cat([self.keys, kh], dim=-2)
         self.values = torch.cat([self.values, vh], dim=-2)
@@ -206,6 +205,7 @@ class LayerAqua:
     selection: str
     key_rms: torch.Tensor  # [Hkv, r]
     h2o_ratio: float
+    rv: int | None = None  # V's cached width when it differs from K^'s r (a measurement: the export ties them)
     fresh: tuple | None = field(default=None, repr=False)
     # parity harness: indices chosen by another implementation, and how often ours differ from them
     forced: torch.Tensor | None = field(default=None, repr=False)
@@ -213,6 +213,10 @@ class LayerAqua:
     # the same for H2O eviction: per token index, live tokens [B, Hkv, index + 1] chosen elsewhere
     forced_keep: list | None = field(default=None, repr=False)
     evict_flips: list = field(default_factory=list, repr=False)
+
+    @property
+    def value_width(self) -> int:
+        return self.r if self.rv is None else self.rv
 
 
 def _take_layer_cache(st: LayerAqua, key: torch.Tensor) -> AquaLayerCache | None:
@@ -237,7 +241,7 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
     else:
         if st.h2o_ratio < 1.0 and key.shape[2] > tq:
             raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
-        kh, v = key @ P_r[None], value[..., : st.r]
+        kh, v = key @ P_r[None], value[..., : st.value_width]
     s = kh.shape[2]
     forced, st.forced = st.forced, None
     if forced is not None:
@@ -273,8 +277,8 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
         neg = torch.finfo(scores.dtype).min
         w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
         out = w.to(v.dtype) @ v[:, :, None]  # [B, Hkv, g, Tq, r]
-    if st.r < d:
-        out = torch.nn.functional.pad(out, (0, d - st.r))
+    if st.value_width < d:
+        out = torch.nn.functional.pad(out, (0, d - st.value_width))
     return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
 
 
@@ -348,16 +352,23 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL, eager_mask)
 
 
-def layer_states(model, projection: Projection, config: AquaConfig) -> list[LayerAqua]:
+def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
+                 value_widths: tuple | None = None) -> list[LayerAqua]:
+    """One LayerAqua per layer; widths: r per layer (default: allocate.layer_widths of config); value_widths:
+    V's own width per layer (default: the same r)."""
+    from .allocate import layer_widths
+
     geo = attention_geometry(model)
     d = geo["head_dim"]
-    r = config.retained_width(d)
-    k = config.selected_width(d)
+    if widths is None:
+        widths = layer_widths(config, projection, geo["layers"], d)
     states = []
-    for i in range(geo["layers"]):
+    for i, r in enumerate(widths):
+        k = config.selected_of(r)
+        rv = None if value_widths is None else value_widths[i]
         states.append(LayerAqua(
             P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
-            key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio,
+            key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv,
         ))
     return states
 
@@ -378,15 +389,18 @@ class AquaSession:
 
 
 @contextlib.contextmanager
-def apply_aqua(model, projection: Projection, config: AquaConfig):
-    """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit."""
+def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
+               value_widths: tuple | None = None):
+    """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
+    cached width of each layer (default: config's allocation, allocate.layer_widths); value_widths: V's, when
+    it should differ from K^'s (tools/quality.py measures where slicing costs)."""
     arch = architecture_of(model.config)
     projection.check_model(model)
     if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
         raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not supported (a window and "
                           "an eviction budget over the same slots disagree on what is kept): drop --h2o-ratio")
     _register()
-    states = layer_states(model, projection, config)
+    states = layer_states(model, projection, config, widths, value_widths)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
     saved = []
@@ -395,7 +409,7 @@ def apply_aqua(model, projection: Projection, config: AquaConfig):
         with torch.no_grad():
             for layer, a, st, pv in zip(arch.layers(model), attns, states, projection.P_v):
                 a._aqua = st
-                if config.slice_ratio > 0:
+                if st.value_width < st.d:
                     v_proj, o_proj = arch.value_output(layer)
                     saved.append((v_proj, o_proj, v_proj.weight.detach().clone(),
                                   None if v_proj.bias is None else v_proj.bias.detach().clone(),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, calibrate, models
+from . import __version__, allocate, calibrate, models
 from .config import AquaConfig, ConfigError
 from .folder import CONFIG_FILE, FolderConfig, Geometry
 from .meter import StageMeter, stage_bar
@@ -45,6 +45,8 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-h{config.h2o_ratio:g}"
     if config.selection != "magnitude":
         name += f"-{config.selection}"
+    if config.slice_alloc != "uniform" and config.slice_ratio:
+        name += f"-{config.slice_alloc}"
     if o.dtype != "float32":
         name += f"-{o.dtype}"
     if o.backend != "onnx":
@@ -134,6 +136,9 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
         else:
             projection.check_model(model)
             shutil.copyfile(projection_path, tmp / "projection.safetensors")
+        if config.slice_alloc == "measured" and config.slice_ratio and projection.slice_cost is None:
+            projection = allocate.add_costs(model, tok, projection, tmp / "projection.safetensors",
+                                            calib_texts or ["builtin:python-reference"])
         d = models.attention_geometry(model)["head_dim"]
         _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})", total)
         meter.start("export")
@@ -195,11 +200,14 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
         "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                   "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }
+    if config.slice_alloc != "uniform" and config.slice_ratio:
+        info["slice_alloc"] = (f"{config.slice_alloc}: layer widths chosen where slicing costs least, the cache's bytes "
+                               "those of uniform slicing (allocate.py); onnxruntime-genai takes one width: --runtime aqua")
     if config.h2o_ratio < 1:
         info["h2o"] = ("eviction inside the graph (H2OAttention, fixed-capacity slots updated in place): keep "
                        "ceil(ratio*n) per sequence and KV head, floor(half) the most recent, the rest by accumulated "
                        "attention; a prompt is one forward, evicting as token-by-token decoding does")
-    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract_for(model, config, DTYPES[o.dtype]),
+    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract_for(model, config, DTYPES[o.dtype], projection),
                        context_length=getattr(model.config, "max_position_embeddings", None),
                        fingerprint=models.fingerprint(model), info=info)
     # written now for stages that read the folder (TensorRT); rewritten at the end with the resources used

@@ -48,7 +48,7 @@ class SharedCache:
         cap = -(-needed // self.GROW) * self.GROW
         ct, old = self.contract, self.capacity
         for kind, layers in self.arrays.items():
-            grown = [ct.empty_buffer(kind, self.batch, cap) for _ in range(ct.layers)]
+            grown = [ct.empty_buffer(kind, self.batch, cap, i) for i in range(ct.layers)]
             for a, b in zip(grown, layers if old else []):
                 if kind == "key":
                     ct.key_rows(a)[..., :old] = ct.key_rows(b)

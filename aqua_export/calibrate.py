@@ -13,6 +13,8 @@ Artifact (safetensors, keyed by layer):
     layers.{i}.energy   [Hkv, d]      mean squared coordinate of the q/k stack in P's basis
     layers.{i}.energy_v [Hkv, d]      same for values in P_v's basis
     layers.{i}.key_rms  [Hkv, d]      rms of k^ per coordinate (keys only)
+  optional, for --slice-alloc measured (allocate.measure_costs; metadata "slice_widths" lists the widths):
+    layers.{i}.slice_cost [n]         KL of the next-token distribution with only layer i cut to each width
 """
 
 from __future__ import annotations
@@ -321,6 +323,7 @@ class Projection:
     energy_v: tuple[torch.Tensor, ...]
     key_rms: tuple[torch.Tensor, ...]
     metadata: dict
+    slice_cost: tuple[torch.Tensor, ...] | None = None  # [n] per layer at metadata["slice_widths"]
 
     @property
     def fingerprint(self) -> dict:
@@ -371,4 +374,22 @@ def load_projection(path: str | Path) -> Projection:
             err = (p.transpose(-1, -2) @ p - torch.eye(d)).abs().max().item()
             if err > 1e-4:
                 raise ConfigError(f"projection file {path} is corrupt: layers.{i}.{k} is not orthogonal (error {err:.1e})")
-    return Projection(**{k: tuple(v) for k, v in out.items()}, metadata=meta)
+    return Projection(**{k: tuple(v) for k, v in out.items()}, metadata=meta,
+                      slice_cost=_slice_cost(path, tensors, meta, n_layers, d))
+
+
+def _slice_cost(path, tensors: dict, meta: dict, n_layers: int, d: int):
+    """The optional measured slice costs: all layers or none, at the metadata's widths (each in [1, d))."""
+    have = [f"layers.{i}.slice_cost" in tensors for i in range(n_layers)]
+    if not any(have):
+        return None
+    try:
+        widths = [int(w) for w in meta["slice_widths"].split(",")]
+    except (KeyError, ValueError):
+        raise ConfigError(f"projection file {path} is corrupt: slice costs without valid slice_widths") from None
+    if not all(have) or sorted(set(widths)) != widths or not all(0 < w < d for w in widths):
+        raise ConfigError(f"projection file {path} is corrupt: slice costs missing for some layers or bad widths")
+    out = tuple(tensors[f"layers.{i}.slice_cost"] for i in range(n_layers))
+    if any(t.shape != (len(widths),) or not torch.isfinite(t).all() for t in out):
+        raise ConfigError(f"projection file {path} is corrupt: a slice_cost is not [{len(widths)}] finite values")
+    return out

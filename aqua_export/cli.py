@@ -1,7 +1,7 @@
 """Command line.
 
     aqua-export --model M --k-ratio R [...]        build a ready-to-serve folder (the main job)
-    aqua-export {calibrate,eval,retention,run,parity} ...
+    aqua-export {calibrate,eval,lm-eval,retention,run,bench,parity} ...
 
 Every bad input ends in one line on stderr, ``aqua-export: error: ...``, and exit code 2.
 """
@@ -29,7 +29,7 @@ def _model_arg(p):
 
 
 def _config_args(p, k_default: float = 1.0):
-    from .config import SELECTIONS
+    from .config import SELECTIONS, SLICE_ALLOCS
 
     p.add_argument("--k-ratio", type=float, default=k_default,
                    help="share of the retained width r whose coordinates score each query, in (0, 1]; 1 = dense "
@@ -44,6 +44,11 @@ def _config_args(p, k_default: float = 1.0):
                         "(top-k |q^_i| * rms(k^_i)), group / group-weighted (one top-k of the GQA group's summed "
                         "scores for all its query heads: a step reads exactly k of K^'s rows); every rule is exported "
                         "(default %(default)s)")
+    p.add_argument("--slice-alloc", default="uniform", choices=SLICE_ALLOCS,
+                   help="how AQUA-Memory spends its width budget (the same cache bytes as uniform slicing): uniform "
+                        "(every layer drops --slice-ratio), energy (water-filling on the calibrated spectra), "
+                        "measured (on each layer's measured cost of slicing: the projection's slice costs, measured "
+                        "by the build or `calibrate --slice-costs`) (default %(default)s)")
 
 
 def _window_args(p, tokens: int, what: str):
@@ -53,7 +58,8 @@ def _window_args(p, tokens: int, what: str):
 
 
 def _config(a) -> AquaConfig:
-    return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection)
+    return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
+                      slice_alloc=a.slice_alloc)
 
 
 def _check_out_file(path: str) -> Path:
@@ -109,7 +115,12 @@ def cmd_calibrate(a) -> int:
         if res is not None:  # rank 0 (or the only process) writes
             tensors, meta = res
             calibrate.write(out, tensors, meta)
-            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']})")
+            if a.slice_costs:
+                from .allocate import add_costs
+
+                add_costs(model, tok, calibrate.load_projection(out), out, a.text or ["builtin:python-reference"],
+                          progress=not a.quiet)
+            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']}{', slice costs' if a.slice_costs else ''})")
     finally:
         if group is not None:
             import torch.distributed as dist
@@ -136,6 +147,23 @@ def cmd_eval(a) -> int:
     else:
         print(f"perplexity {res['perplexity']:.4f} over {res['predicted_tokens']} predicted tokens "
               f"({res['windows']} windows of {a.seq_len}) with {cfg.to_json()}")
+    return 0
+
+
+def cmd_lm_eval(a) -> int:
+    from .lm_eval_model import AquaLM, evaluate
+
+    with AquaLM(model=a.model, folder=a.folder, projection=a.projection, k_ratio=a.k_ratio, slice_ratio=a.slice_ratio,
+                h2o_ratio=a.h2o_ratio, selection=a.selection, slice_alloc=a.slice_alloc, threads=a.threads,
+                kernel=a.kernel, batch_size=a.batch_size) as lm:
+        res = evaluate(lm, [t for t in a.tasks.split(",") if t], a.include_path, a.limit)
+    if a.json:
+        print(json.dumps({"results": res["results"], "config": lm.aqua_config.to_dict(), "model": a.model,
+                          "folder": a.folder, "limit": a.limit}, sort_keys=True, default=float))
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(res))
     return 0
 
 
@@ -301,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-map", help="accelerate placement for a model larger than one device: auto (GPUs, then "
                                         "CPU, then disk), cpu, or a device; data-parallel: run under torchrun")
     p.add_argument("--max-memory", help="per-device limits for --device-map, e.g. cpu=2GiB,0=20GiB")
+    p.add_argument("--slice-costs", action="store_true",
+                   help="also measure each layer's cost of slicing (for --slice-alloc measured): 6 cuts per layer, a "
+                        "1,024-token forward each, on --text (default builtin:python-reference)")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("eval", help="perplexity with or without AQUA")
@@ -311,6 +342,26 @@ def build_parser() -> argparse.ArgumentParser:
     _window_args(p, 8192, "evaluate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on the PyTorch reference or a built folder")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="as for eval: HF model id, local folder, .gguf, or 'llama' (the PyTorch "
+                                     "reference, AQUA applied with --projection and the settings below)")
+    src.add_argument("--folder", help="a folder built by aqua-export, run by ONNX Runtime (its own AQUA settings)")
+    p.add_argument("--projection", help="projection file (with --model; needed unless dense)")
+    _config_args(p)
+    p.add_argument("--tasks", default="aqua_local", help="comma-separated lm_eval tasks or groups; aqua_local (the "
+                   "offline tasks: aqua_lastword, aqua_choice, aqua_rolling, aqua_copy) needs no network; hub tasks "
+                   "need their datasets in the Hugging Face cache (default %(default)s)")
+    p.add_argument("--include-path", help="a folder of extra task YAML files (lm_eval's --include_path)")
+    p.add_argument("--limit", type=float, help="items per task (a count, or a share when < 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward (default %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --folder; 0 = all "
+                                                          "(default %(default)s)")
+    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
+                   help="with --folder: the native kernels (auto: when built) or the function bodies")
+    p.add_argument("--json", action="store_true", help="print one JSON object (lm_eval's results per task)")
+    p.set_defaults(fn=cmd_lm_eval)
 
     p = sub.add_parser("retention", help="information retention loss per layer/head, JSON + PNG")
     _model_arg(p)

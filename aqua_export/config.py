@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 CONFIG_VERSION = 1
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
+SLICE_ALLOCS = ("uniform", "energy", "measured")  # how AQUA-Memory spreads its width budget over layers (allocate.py)
 # how each rule scores coordinate i of q^ before taking the top k (attention.select_indices is the definition):
 #   shared: one index set per KV group (the sum of the score over its g query heads), so a kernel reads exactly
 #           k of K^'s r rows per group instead of the union of g selections
@@ -53,12 +54,16 @@ class AquaConfig:
                  |q^_i| * rms(k^_i), the expected contribution of coordinate i to the score);
                  'group' / 'group-weighted' share one selection across the query heads of a GQA group
                  (top-k of the group's summed |q^_i|, or summed |q^_i| * rms(k^_i)).
+    slice_alloc: how AQUA-Memory's budget (slice_ratio of every layer's width, on average) is spread over the
+                 layers: 'uniform' (the paper: every layer drops the same share), 'energy' (water-filling on
+                 the calibrated spectra) or 'measured' (on each layer's measured cost of slicing; allocate.py).
     """
 
     k_ratio: float = 1.0
     slice_ratio: float = 0.0
     h2o_ratio: float = 1.0
     selection: str = "magnitude"
+    slice_alloc: str = "uniform"
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -67,6 +72,8 @@ class AquaConfig:
         object.__setattr__(self, "h2o_ratio", _ratio("h2o_ratio", self.h2o_ratio, 0.0, 1.0, True, False))
         if self.selection not in SELECTIONS:
             raise ConfigError(f"selection={self.selection!r} is unknown: use one of {', '.join(SELECTIONS)}")
+        if self.slice_alloc not in SLICE_ALLOCS:
+            raise ConfigError(f"slice_alloc={self.slice_alloc!r} is unknown: use one of {', '.join(SLICE_ALLOCS)}")
         if self.version != CONFIG_VERSION:
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
 
@@ -78,7 +85,11 @@ class AquaConfig:
         return r
 
     def selected_width(self, head_dim: int) -> int:
-        return max(1, min(self.retained_width(head_dim), round(self.k_ratio * self.retained_width(head_dim))))
+        return self.selected_of(self.retained_width(head_dim))
+
+    def selected_of(self, r: int) -> int:
+        """k for a layer that caches r coordinates."""
+        return max(1, min(r, round(self.k_ratio * r)))
 
     @property
     def shared_selection(self) -> bool:

@@ -2,7 +2,8 @@
 cache layout and modes. Export, the runtimes (ours and onnxruntime-genai's config), the TensorRT profiles,
 the benchmarks and the tests all derive from a ``Contract``; nothing else spells a name or a layout.
 
-Per layer i, with r the retained width (K^ and V cached at the same width), the decoder takes
+Per layer i, with r = widths[i] its retained width (K^ and V of a layer cached at the same width; layers may
+differ, AQUA-Memory's allocated slicing, allocate.py), the decoder takes
 
     input_ids                 [batch, sequence]              int64   the new tokens
     attention_mask            [batch, total]                 int64   every token so far (0 = padding), new included
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from .config import ConfigError, reject_unknown
 
-CONTRACT_VERSION = 3  # 3: H2O state as slot buffers (heavy, token); no position_ids / valid / weights
+CONTRACT_VERSION = 4  # 4: a width and a k per layer; 3: H2O state as slot buffers (heavy, token)
 DOMAIN = "com.aqua"
 # the custom nodes, each with a function body
 OPS = ("TopKGatherDot", "AquaAttention", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct", "H2OAttention")
@@ -62,20 +63,30 @@ class Contract:
 
     layers: int
     kv_heads: int
-    width: int  # r: cached coordinates of K^ and of V per head
-    selected: int  # k: coordinates that score each query
+    widths: tuple  # r per layer: cached coordinates of K^ and of V per head
+    selected: tuple  # k per layer: coordinates that score each query
     vocab: int
     dtype: str = "float32"
     h2o: bool = False
     version: int = CONTRACT_VERSION
 
     def __post_init__(self):
-        for f in ("layers", "kv_heads", "width", "selected", "vocab"):
-            v = getattr(self, f)
+        def positive(name, v):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"contract.{f} must be a positive integer, got {v!r}")
-        if self.selected > self.width:
-            raise ConfigError(f"contract.selected {self.selected} exceeds contract.width {self.width}")
+                raise ConfigError(f"contract.{name} must be a positive integer, got {v!r}")
+
+        for f in ("layers", "kv_heads", "vocab"):
+            positive(f, getattr(self, f))
+        for f in ("widths", "selected"):
+            v = getattr(self, f)
+            if not isinstance(v, (list, tuple)) or len(v) != self.layers:
+                raise ConfigError(f"contract.{f} must list one integer per layer ({self.layers}), got {v!r}")
+            object.__setattr__(self, f, tuple(v))
+            for x in v:
+                positive(f, x)
+        for i, (r, k) in enumerate(zip(self.widths, self.selected)):
+            if k > r:
+                raise ConfigError(f"contract.selected {k} exceeds contract.widths {r} at layer {i}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"contract.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.h2o, bool):
@@ -104,23 +115,28 @@ class Contract:
         """The buffers each layer carries between forwards, in I/O order."""
         return self.KV + (self.H2O_STATE if self.h2o else ())
 
+    @property
+    def uniform(self) -> bool:
+        """Every layer caches the same width (what onnxruntime-genai's single head_size describes)."""
+        return len(set(self.widths)) == 1
+
     # ---------------------------------------------------------------- I/O
-    def _buffer_spec(self, name: str, kind: str, slots: str) -> TensorSpec:
+    def _buffer_spec(self, name: str, kind: str, slots: str, layer: int) -> TensorSpec:
         dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.dtype)
-        shape = ("batch", self.kv_heads, slots) + ((self.width,) if kind in self.KV else ())
+        shape = ("batch", self.kv_heads, slots) + ((self.widths[layer],) if kind in self.KV else ())
         return TensorSpec(name, dtype, shape)
 
     def inputs(self) -> list[TensorSpec]:
         out = [TensorSpec(self.INPUT_IDS, "int64", ("batch", "sequence")),
                TensorSpec(self.ATTENTION_MASK, "int64", ("batch", "total"))]
         for i in range(self.layers):
-            out += [self._buffer_spec(self.past(i, k), k, "past") for k in self.kinds]
+            out += [self._buffer_spec(self.past(i, k), k, "past", i) for k in self.kinds]
         return out
 
     def outputs(self) -> list[TensorSpec]:
         out = [TensorSpec(self.LOGITS, self.dtype, ("batch", "sequence", self.vocab))]
         for i in range(self.layers):
-            out += [self._buffer_spec(self.present(i, k), k, "present") for k in self.kinds]
+            out += [self._buffer_spec(self.present(i, k), k, "present", i) for k in self.kinds]
         return out
 
     def input_names(self) -> list[str]:
@@ -135,15 +151,11 @@ class Contract:
         return {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.inputs()}
 
     # ---------------------------------------------------------------- the cache
-    def cache_shape(self, batch: int, slots: int) -> tuple:
-        """Declared shape of one key or value buffer of ``slots`` slots."""
-        return (batch, self.kv_heads, slots, self.width)
-
-    def empty_buffer(self, kind: str, batch: int, slots: int):
-        """A fresh buffer of ``kind`` (numpy): zeros, a token buffer all free."""
+    def empty_buffer(self, kind: str, batch: int, slots: int, layer: int):
+        """A fresh buffer of ``kind`` for ``layer`` (numpy): zeros, a token buffer all free."""
         import numpy as np
 
-        spec = self._buffer_spec("", kind, slots)
+        spec = self._buffer_spec("", kind, slots, layer)
         dtype = np.float16 if spec.dtype == "float16" else np.dtype(spec.dtype)
         fill = self.FREE if kind == "token" else 0
         return np.full(tuple(batch if d == "batch" else d for d in spec.shape), fill, dtype)
@@ -168,6 +180,9 @@ class Contract:
         if self.h2o:
             raise ConfigError("AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: "
                               "run them with --runtime aqua")
+        if not self.uniform:
+            raise ConfigError("this folder's layers cache different widths (--slice-alloc), and onnxruntime-genai "
+                              "takes one head_size for all: run it with --runtime aqua")
         def template(pattern, kind):
             return pattern.replace("%s", kind)  # genai fills %d with the layer
 

@@ -71,8 +71,14 @@ class Plan:
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
     vocab = property(lambda self: self.contract.vocab)
-    r = property(lambda self: self.contract.width)
-    k = property(lambda self: self.contract.selected)
+    def r(self, i: int) -> int:
+        """Layer i's cached width (contract.widths)."""
+        return self.contract.widths[i]
+
+    def k(self, i: int) -> int:
+        """Layer i's selected coordinates (contract.selected)."""
+        return self.contract.selected[i]
+
     h2o = property(lambda self: self.contract.h2o)
 
     @property
@@ -190,7 +196,7 @@ class DecoderGraph(Blocks):
 
     def _attention(self, i, h, w, P, P_v, scaling, cos, sin, mask, io):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        d, g, hkv, r = p.head_dim, p.g, p.kv_heads, p.r
+        d, g, hkv, r = p.head_dim, p.g, p.kv_heads, p.r(i)
         f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items()
                if k.startswith(("q_proj", "k_proj", "v_proj", "o_proj"))}
         # the attention scale goes into W_Q, or into q_norm's weight when a norm follows W_Q (it would undo it)
@@ -238,7 +244,7 @@ class DecoderGraph(Blocks):
         """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds): q^ and k^
         come out of the projections, r wide, and the graph has no projection MatMul at all."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        hkv, g, d, r = p.kv_heads, p.g, p.head_dim, p.r
+        hkv, g, d, r = p.kv_heads, p.g, p.head_dim, p.r(i)
         P_q, P_k = (b.to(torch.float32) for b in P)  # [Hkv, d, r]
         wq_h = torch.einsum("kdr,kgdD->kgrD", P_q, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
         bq_h = None if bq is None else torch.einsum("kdr,kgd->kgr", P_q, bq.reshape(hkv, g, d)).reshape(-1)
@@ -258,27 +264,27 @@ class DecoderGraph(Blocks):
     def _attend(self, i, q, kh, v, wo, bo, mask, io):
         """q^ [B,Hkv,g,T,r], k^ [B,Hkv,T,r], v [B,Hkv,T,r] -> attention output [B,T,D]."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        r = p.r
+        r, attrs = p.r(i), dict(self.op_attrs, k=p.k(i))
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
             ct = self.contract
             a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK],
                       domain=self.domain, outputs=[f"{n}/{H2O}/out"] + [ct.present(i, kind) for kind in ct.kinds],
-                      softcap=float(p.attn_softcap or 0.0), ratio=float(p.h2o_ratio), **self.op_attrs)[0]
+                      softcap=float(p.attn_softcap or 0.0), ratio=float(p.h2o_ratio), **attrs)[0]
         elif not p.fused:
             kc, vc = self._cache(n, i, kh, v, io)
-            a = self._attend_separate(n, q, kc, vc, mask, io)
+            a = self._attend_separate(n, q, kc, vc, mask, io, attrs)
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
             kc, vc = self._cache(n, i, kh, v, io)
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask], domain=self.domain,
-                      softcap=float(p.attn_softcap or 0.0), **self.op_attrs)  # [B, Hkv, g, T, r]
+                      softcap=float(p.attn_softcap or 0.0), **attrs)  # [B, Hkv, g, T, r]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
         return self._linear(f"{n}/o_proj", a, wo, bo)
 
-    def _attend_separate(self, n, q, kc, vc, mask, io):
+    def _attend_separate(self, n, q, kc, vc, mask, io, attrs):
         """Scores, softmax and value product as separate nodes (TensorRT's plugin is TopKGatherDot)."""
         gb, p = self.gb, self.p
-        scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc, io["total"]], domain=self.domain, **self.op_attrs)
+        scores = gb.op(f"{n}/{self.op_type}", self.op_type, [q, kc, io["total"]], domain=self.domain, **attrs)
         if p.dtype != torch.float32:
             scores = gb.op(f"{n}/scores/Cast", "Cast", [scores], to=F32)  # softmax in float32, as HF does
         if p.attn_softcap:  # the attention scale is already in q^ (folded into W_Q or q_norm)
@@ -305,7 +311,7 @@ class DecoderGraph(Blocks):
                    outputs=[ct.present(i, "key")])[0]
         vc = gb.op(f"{n}/v/CacheUpdate", VALUE_UPDATE, [ct.past(i, "value"), v, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "value")])[0]
-        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, c([0, 0, self.p.r, -1])])  # B, Hkv kept; C inferred
+        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, c([0, 0, self.p.r(i), -1])])  # B, Hkv kept; C inferred
         return kr, vc
 
     # ---------------------------------------------------------------- head

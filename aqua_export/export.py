@@ -376,12 +376,15 @@ def check_exportable(model, projection: Projection, config: AquaConfig) -> None:
                           "tokens in no order a window can be measured in): drop --h2o-ratio")
 
 
-def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32) -> Contract:
-    """The graph contract an export of ``model`` with ``config`` has."""
+def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None
+                 ) -> Contract:
+    """The graph contract an export of ``model`` with ``config`` has (projection: for an allocated slicing)."""
+    from .allocate import layer_widths
+
     geo = attention_geometry(model)
-    d = geo["head_dim"]
-    return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], width=config.retained_width(d),
-                    selected=config.selected_width(d), vocab=model.config.vocab_size,
+    widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
+    return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], widths=widths,
+                    selected=tuple(config.selected_of(r) for r in widths), vocab=model.config.vocab_size,
                     dtype={torch.float32: "float32", torch.float16: "float16"}[dtype], h2o=config.h2o_ratio < 1)
 
 
@@ -400,11 +403,11 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     path = Path(path)
     geo = attention_geometry(model)
     d = geo["head_dim"]
-    ct = contract_for(model, config, dtype)
+    ct = contract_for(model, config, dtype, projection)
     cfg = model.config
     arch = architecture_of(cfg)
     plan = Plan(contract=ct, heads=geo["heads"], head_dim=d, hidden=geo["hidden_size"],
-                dense=ct.selected == ct.width and config.slice_ratio == 0,
+                dense=ct.selected == ct.widths == (d,) * ct.layers,
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
@@ -416,7 +419,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     store = TensorStore(data_path)
     try:
         gb = GraphBuilder(store)
-        g = DecoderGraph(gb, plan, {"k": ct.selected, "rule": RULES[config.selection],
+        g = DecoderGraph(gb, plan, {"rule": RULES[config.selection],
                                     "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION})
         io = g.inputs()
         et = arch.embeddings(model)
@@ -433,7 +436,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         cos = sin = None
         for i, layer in enumerate(arch.layers(model)):
             P, P_v = ((eye, eye), eye) if plan.dense else \
-                (selection_bases(projection.P[i], projection.key_rms[i], ct.width, config), projection.P_v[i])
+                (selection_bases(projection.P[i], projection.key_rms[i], ct.widths[i], config), projection.P_v[i])
             if arch.has_rotary:
                 cos, sin = g.rotary(io["position_ids"], *arch.rotary(model, i))
             mask = None if ct.h2o else g.mask(io, arch.window(cfg, i))  # H2OAttention masks by its slots

@@ -62,8 +62,11 @@ class FolderConfig:
         if (c.layers, c.kv_heads) != (g.layers, g.kv_heads):
             raise ConfigError(f"contract ({c.layers} layers, {c.kv_heads} KV heads) disagrees with the geometry "
                               f"({g.layers}, {g.kv_heads})")
-        if (c.width, c.selected) != (a.retained_width(g.head_dim), a.selected_width(g.head_dim)):
-            raise ConfigError(f"cache widths {c.width}/{c.selected} disagree with the AQUA settings")
+        r = a.retained_width(g.head_dim)
+        budget_ok = sum(c.widths) == c.layers * r and max(c.widths) <= g.head_dim
+        if not budget_ok or (a.slice_alloc == "uniform" and not c.uniform) or \
+                c.selected != tuple(a.selected_of(w) for w in c.widths):
+            raise ConfigError(f"cache widths {list(c.widths)} / k {list(c.selected)} disagree with the AQUA settings")
 
     @property
     def dtype(self) -> str:

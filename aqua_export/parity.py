@@ -285,7 +285,8 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     if config.k_ratio < 1 and config.slice_ratio == 0:
         progress("ONNX Runtime, the graph with k = r")
         no_evict = dataclasses.replace(cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF does not evict
-        with session("k_eq_r", "auto", _set_k(cfg.contract.width), lm_cfg=no_evict) as dense:
+        # slice 0: every layer is d wide, so one k = r fits all nodes
+        with session("k_eq_r", "auto", _set_k(cfg.contract.widths[0]), lm_cfg=no_evict) as dense:
             runs["k_eq_r"] = _ort_trace(dense, ids, steps)[:2]
     return runs
 
@@ -301,7 +302,7 @@ def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, confi
     ids = corpus.tokenize(tok, corpus.read_text(PARITY_TEXT), prompt_tokens).numpy()[None]
     tol = TOLERANCE[dtype]
     h2o = config.h2o_ratio < 1
-    sparse = cfg.contract.selected < cfg.contract.width
+    sparse = cfg.contract.selected != cfg.contract.widths
     res = {"prompt": PARITY_TEXT, "prompt_tokens": int(ids.shape[1]), "decode_steps": steps, "dtype": dtype,
            "near_tie": tol["near_tie"], "kernel": kernel}
     runs = _ort_phase(Path(model_path), cfg, config, ids, steps, kernel, sparse, progress)

@@ -124,7 +124,7 @@ class OrtLM:
             raise ConfigError(f"cache must be one of {CACHES}, got {cache!r}")
         self.session, self.cfg = session, cfg
         self.contract: Contract = cfg.contract
-        self.layers, self.kv_heads, self.r = self.contract.layers, self.contract.kv_heads, self.contract.width
+        self.layers, self.kv_heads = self.contract.layers, self.contract.kv_heads
         self.dtype = np.float16 if self.contract.dtype == "float16" else np.float32
         self.h2o_ratio = cfg.aqua.h2o_ratio
         self.h2o = self.contract.h2o
@@ -140,13 +140,15 @@ class OrtLM:
             return
         by_name = {i.name: i for i in self.session.get_inputs()}
         keys = [by_name[n] for n in (self.contract.past(i, "key") for i in range(len(by_name))) if n in by_name]
-        shape = list(keys[0].shape) if keys else []
+        widths = [k.shape[3] if len(k.shape) == 4 else None for k in keys]
+        heads = {k.shape[1] for k in keys if len(k.shape) == 4}
         h2o = self.contract.past(0, "token") in by_name
-        if len(keys) != self.layers or (len(shape) == 4 and [shape[1], shape[3]] != [self.kv_heads, self.r]) \
+        if len(keys) != self.layers or heads - {self.kv_heads} or tuple(widths) != self.contract.widths \
                 or h2o != self.h2o:
             raise ConfigError(f"the folder's aqua_config.json does not match its model.onnx ({self.layers} layers, "
-                              f"{self.kv_heads} KV heads of width {self.r}, H2O {self.h2o} in the config; {len(keys)} "
-                              f"layers, {shape[1:2] + shape[3:]}, H2O {h2o} in the graph): rebuild the folder")
+                              f"{self.kv_heads} KV heads of widths {list(self.contract.widths)}, H2O {self.h2o} in the "
+                              f"config; {len(keys)} layers, {sorted(heads)} KV heads of widths {widths}, H2O {h2o} "
+                              "in the graph): rebuild the folder")
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared") -> "OrtLM":
@@ -163,7 +165,7 @@ class OrtLM:
         cache a list of every layer's buffers (Contract.kinds order), each of 0 slots."""
         ct = self.contract
         if not self.shared:
-            return [ct.empty_buffer(kind, batch, 0) for _ in range(self.layers) for kind in ct.kinds]
+            return [ct.empty_buffer(kind, batch, 0, i) for i in range(self.layers) for kind in ct.kinds]
         return H2OCache(batch, ct, self.dtype, self.h2o_ratio, log) if self.h2o else SharedCache(batch, ct, self.dtype)
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past):

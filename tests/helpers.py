@@ -33,14 +33,15 @@ def left_padded(vocab: int, lengths, seed: int = 1):
     return ids, mask
 
 
-def folder_cfg(model, config, dtype: str = "float32"):
+def folder_cfg(model, config, dtype: str = "float32", projection=None):
     """The FolderConfig a build would write for ``model`` exported with ``config`` in a test."""
     from aqua_export.export import contract_for
     from aqua_export.folder import FolderConfig, Geometry
     from aqua_export.models import attention_geometry
 
     return FolderConfig(model="test", aqua=config, geometry=Geometry(**attention_geometry(model)),
-                        contract=contract_for(model, config, {"float32": torch.float32, "float16": torch.float16}[dtype]))
+                        contract=contract_for(model, config, {"float32": torch.float32, "float16": torch.float16}[dtype],
+                                              projection))
 
 
 def saved_checkpoint(folder, model_type: str = "llama", dtype=None, **kw):

@@ -70,7 +70,7 @@ def test_build_run_parity_on_the_embedded_model(tmp_path, proj, capsys):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # parity's graph variants are gone
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     cfg = FolderConfig.from_folder(out)
-    assert cfg.contract.width == 64 and cfg.contract.selected == 48 and cfg.info["operators"]["AquaAttention"] == 30
+    assert cfg.contract.widths == (64,) * 30 and cfg.contract.selected == (48,) * 30 and cfg.info["operators"]["AquaAttention"] == 30
     assert "dim-major" in cfg.info["layout"]["key"] and cfg.info["tools"]["onnxruntime"]
     par = json.loads((out / "parity.json").read_text())
     assert par["pass"] and par["prompt_tokens"] == 256 and par["decode_steps"] == 32
@@ -125,17 +125,23 @@ def test_float16_build(tmp_path, proj):
 
 @pytest.mark.slow
 def test_memory_h2o_build(tmp_path, proj):
-    """AQUA-Memory and AQUA-H2O together on the embedded model: narrow cache, eviction in the graph, parity
-    under ORT's selection and ORT's evictions replayed, native kernel against the function body."""
+    """AQUA-Memory (energy-allocated: each layer's own width) and AQUA-H2O together on the embedded model: narrow
+    caches of different widths, eviction in the graph, parity under ORT's selection and ORT's evictions
+    replayed, native kernel against the function body."""
     out = tmp_path / "mh"
-    assert main(["--model", "llama", "--k-ratio", "0.75", "--slice-ratio", "0.25", "--h2o-ratio", "0.5",
-                 "--projection", str(proj), "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "96"]) == 0
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--slice-ratio", "0.25", "--slice-alloc", "energy",
+                 "--h2o-ratio", "0.5", "--projection", str(proj), "--out", str(out), "--parity-steps", "8",
+                 "--parity-prompt-tokens", "96"]) == 0
     cfg = FolderConfig.from_folder(out)
-    assert cfg.contract.width == 48 and cfg.contract.h2o and cfg.aqua.h2o_ratio == 0.5
+    widths = cfg.contract.widths
+    assert sum(widths) == 48 * 30 and len(set(widths)) > 1 and cfg.contract.h2o and cfg.aqua.h2o_ratio == 0.5
+    assert cfg.contract.selected == tuple(round(0.75 * w) for w in widths)
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert [i.type.tensor_type.shape.dim[3].dim_value for i in graph.input if i.name.endswith(".key")] == list(widths)
     assert "past_key_values.0.token" in cfg.contract.input_names() and "present.29.heavy" in cfg.contract.output_names()
-    assert sum(1 for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
-               if n.op_type == "H2OAttention") == 30
+    assert sum(1 for n in graph.node if n.op_type == "H2OAttention") == 30
     assert not (out / "genai_config.json").exists()  # genai cannot evict: the folder is for --runtime aqua
+    assert (out / "config.json").exists()  # what lm-eval's folder backend reads
     par = json.loads((out / "parity.json").read_text())
     assert par["pass"]
     fr = par["ort_vs_reference"]
@@ -146,9 +152,6 @@ def test_memory_h2o_build(tmp_path, proj):
 
     if native_library() is not None:
         assert par["kernel"] == "native" and par["native_vs_function_body"]["greedy_identical"]
-    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    key = next(i for i in m.graph.input if i.name == "past_key_values.0.key").type.tensor_type.shape.dim
-    assert key[3].dim_value == 48
 
 
 def test_out_with_other_files_is_never_replaced(tmp_path, capsys):

@@ -12,7 +12,7 @@ from aqua_export.folder import FolderConfig, Geometry
 
 
 def _contract(**kw):
-    return Contract(**{"layers": 3, "kv_heads": 2, "width": 12, "selected": 9, "vocab": 50, **kw})
+    return Contract(**{"layers": 3, "kv_heads": 2, "widths": (12, 12, 12), "selected": (9, 9, 9), "vocab": 50, **kw})
 
 
 def test_names_shapes_and_round_trip():
@@ -27,12 +27,24 @@ def test_names_shapes_and_round_trip():
     assert h2o.input_names()[2:6] == [f"past_key_values.0.{k}" for k in ("key", "value", "heavy", "token")]
     assert h2o.output_names()[-1] == "present.2.token" and "position_ids" not in h2o.input_names()
     assert h2o.feed_shapes(4, 1, 10)["past_key_values.1.token"] == (4, 2, 10)
-    assert h2o.empty_buffer("token", 4, 3).tolist() == [[[-1] * 3] * 2] * 4
-    assert h2o.empty_buffer("heavy", 1, 2).dtype == np.float32 and h2o.empty_buffer("key", 1, 2).shape == (1, 2, 2, 12)
+    assert h2o.empty_buffer("token", 4, 3, 0).tolist() == [[[-1] * 3] * 2] * 4
+    assert h2o.empty_buffer("heavy", 1, 2, 1).dtype == np.float32 and h2o.empty_buffer("key", 1, 2, 2).shape == (1, 2, 2, 12)
     inputs, outputs = ct.genai_io()
     assert inputs["past_key_names"] % 2 == "past_key_values.2.key" and outputs["present_value_names"] % 0 == "present.0.value"
     with pytest.raises(ConfigError, match="--runtime aqua"):
         h2o.genai_io()
+
+
+def test_layers_of_different_widths():
+    """AQUA-Memory's allocated slicing: each layer's buffers are as wide as that layer caches."""
+    ct = _contract(widths=[16, 8, 12], selected=[12, 6, 9])
+    assert ct.widths == (16, 8, 12) and not ct.uniform and _contract().uniform
+    shapes = ct.feed_shapes(1, 1, 5)
+    assert [shapes[f"past_key_values.{i}.key"][-1] for i in range(3)] == [16, 8, 12]
+    assert ct.empty_buffer("value", 2, 3, 1).shape == (2, 2, 3, 8)
+    assert Contract.from_dict(json.loads(json.dumps(ct.to_dict()))) == ct
+    with pytest.raises(ConfigError, match="one head_size for all"):
+        ct.genai_io()
 
 
 def test_key_buffer_memory_is_dim_major():
@@ -43,7 +55,8 @@ def test_key_buffer_memory_is_dim_major():
     assert np.shares_memory(Contract.key_rows(buf), buf)
 
 
-@pytest.mark.parametrize("kw,needle", [({"width": 0}, "contract.width"), ({"selected": 13}, "exceeds"),
+@pytest.mark.parametrize("kw,needle", [({"widths": (12, 0, 12)}, "contract.widths"), ({"widths": (12, 12)}, "one integer per layer"),
+                                       ({"selected": (9, 13, 9)}, "exceeds contract.widths 12 at layer 1"),
                                        ({"dtype": "int8"}, "contract.dtype"), ({"version": 1}, "version"),
                                        ({"h2o": "yes"}, "contract.h2o")])
 def test_contract_refuses_bad_values(kw, needle):
@@ -56,7 +69,7 @@ def test_contract_refuses_bad_values(kw, needle):
 def _folder_cfg():
     aqua = AquaConfig(k_ratio=0.75)
     return FolderConfig(model="llama", aqua=aqua, geometry=Geometry(3, 4, 2, 12, 48),
-                        contract=_contract(selected=aqua.selected_width(12)), context_length=128, info={"x": 1})
+                        contract=_contract(selected=(aqua.selected_width(12),) * 3), context_length=128, info={"x": 1})
 
 
 def test_folder_config_round_trips_and_writes_atomically(tmp_path):
@@ -71,7 +84,8 @@ def test_folder_config_round_trips_and_writes_atomically(tmp_path):
     (lambda d: {**d, "cache": {}}, "unknown field"),
     (lambda d: {**d, "geometry": {**d["geometry"], "layers": -3}}, "geometry.layers"),
     (lambda d: {**d, "geometry": {**d["geometry"], "layers": 4}}, "disagrees with the geometry"),
-    (lambda d: {**d, "contract": {**d["contract"], "width": 11}}, "disagree with the AQUA settings"),
+    (lambda d: {**d, "contract": {**d["contract"], "widths": [11, 12, 12]}}, "disagree with the AQUA settings"),
+    (lambda d: {**d, "contract": {**d["contract"], "widths": [11, 13, 12]}}, "disagree with the AQUA settings"),
     (lambda d: {**d, "aqua": {**d["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
     (lambda d: {**d, "context_length": 0}, "context_length"),
 ])

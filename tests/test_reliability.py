@@ -74,7 +74,7 @@ def test_corrupt_model_file(copy, capsys, damage):
     (lambda c: {**c, "geometry": {**c["geometry"], "layers": "two"}}, "geometry.layers"),
     (lambda c: {**c, "aqua": {**c["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
     (lambda c: {**c, "contract": {**c["contract"], "h2o": "bogus"}}, "contract.h2o"),
-    (lambda c: {**c, "contract": {**c["contract"], "width": 60}}, "disagree"),
+    (lambda c: {**c, "contract": {**c["contract"], "widths": [60] * len(c["contract"]["widths"])}}, "disagree"),
     (lambda c: {**c, "contract": {**c["contract"], "dtype": "int8"}}, "dtype"),
 ])
 def test_edited_config_is_refused_with_one_line(copy, capsys, edit, needle):
@@ -89,6 +89,8 @@ def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
     c = json.loads(f.read_text())
     c["geometry"]["layers"] += 1
     c["contract"]["layers"] += 1
+    for key in ("widths", "selected"):
+        c["contract"][key].append(c["contract"][key][-1])
     f.write_text(json.dumps(c))
     assert main(["run", str(copy), "--prompt", "Hi"]) == 2
     _one_line_error(capsys, "does not match its model.onnx")

@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aqua_export import calibrate, corpus, evaluate, models  # noqa: E402
+from aqua_export import allocate, calibrate, corpus, evaluate, models  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
 from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
 
@@ -27,11 +27,113 @@ CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
-SECTIONS = ("selection", "memory", "h2o", "retention")
+SECTIONS = ("selection", "memory", "h2o", "retention", "lmeval")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
+ALLOCS = ("energy", "measured")  # AQUA-Memory's other allocations, compared with uniform at k 0.9
 H2O = [(h, k) for h in (0.25, 0.5, 0.75) for k in (0.5, 0.75, 1.0)]
+LM_EVAL = {"dense": AquaConfig(), "AQUA k 0.75": AquaConfig(k_ratio=0.75), "AQUA k 0.5": AquaConfig(k_ratio=0.5),
+           "AQUA-Memory s 0.1, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.1),
+           "AQUA-Memory s 0.25, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.25)}
+LM_METRICS = [("aqua_lastword", "acc,none", "last word acc"), ("aqua_lastword", "perplexity,none", "last word ppl"),
+              ("aqua_choice", "acc,none", "choice acc"), ("aqua_choice", "acc_norm,none", "choice acc_norm"),
+              ("aqua_rolling", "word_perplexity,none", "paragraph word ppl"),
+              ("aqua_copy", "exact_match,none", "copy exact match")]
 PAPER = {1.0: (8.91, 11.34), 0.9: (8.91, 11.34), 0.75: (8.93, 11.33), 0.5: (9.20, 11.34), 0.4: (9.81, 11.47),
          0.3: (12.55, 12.14)}
+
+
+def kv_split(model, tok, text: str, proj, a) -> dict:
+    """Perplexity at k 0.9 with uniform slicing's bytes spent on one side: keys cut to 2r - d with values whole,
+    or the reverse (the reference caches V at its own width; the export ties K^'s and V's widths)."""
+    from aqua_export.attention import apply_aqua
+
+    n, d = len(proj.P), proj.P[0].shape[-1]
+    out = {}
+    for s in (0.1, 0.25):
+        cut = 2 * AquaConfig(slice_ratio=s).retained_width(d) - d
+        for side, (kw, vw) in {"keys": ((cut,) * n, (d,) * n), "values": ((d,) * n, (cut,) * n)}.items():
+            with torch.no_grad(), apply_aqua(model, proj, AquaConfig(k_ratio=0.9), widths=kw, value_widths=vw):
+                r = evaluate.perplexity(model, tok, text, tokens=a.tokens, seq_len=a.seq_len)
+            out[f"{s}/{side}"] = {"perplexity": r["perplexity"], "cut_to": cut}
+            print(f"memory split s {s}, {side} cut to {cut}: ppl {r['perplexity']:.4f}", flush=True)
+    return out
+
+
+def memory_alloc_lines(mem: dict, alloc: dict, dense: float, proj, split: dict) -> list[str]:
+    """The allocations against uniform slicing at the same cache bytes, k 0.9."""
+    L = ["### Where the width goes: allocation at the same cache bytes (k_ratio 0.9)\n",
+         "`--slice-alloc`: every layer keeps its own width, the widths summing to uniform slicing's (allocate.py). "
+         "`energy`: water-filling on the calibrated spectra (the share of key-side and value-side energy a width "
+         "drops); `measured`: on each layer's measured cost, the KL of the next-token distribution when only that "
+         f"layer is cut (calibration text, widths {proj.metadata.get('slice_widths', '?')} of 64). Increase = "
+         "perplexity - dense; ratio = allocated increase / uniform increase (<= 0.5 halves it).\n",
+         "| slice_ratio | uniform | " + " | ".join(ALLOCS) + " | " + " | ".join(f"{a} / uniform increase" for a in ALLOCS)
+         + " |", "|---|---|" + "---|" * 2 * len(ALLOCS)]
+    for s in (0.1, 0.25):
+        u = mem[(s, 0.9)]
+        L.append(f"| {s} | {u:.4f} | " + " | ".join(f"{alloc[(s, a)]:.4f}" for a in ALLOCS) + " | "
+                 + " | ".join(f"{(alloc[(s, a)] - dense) / (u - dense):.2f}" for a in ALLOCS) + " |")
+    if split:
+        L += ["", "The same bytes spent on one side only (the reference; the export caches K^ and V of a layer at one "
+              "width): keys cut to 2r - d with V whole, or V cut with keys whole.\n",
+              "| slice_ratio | uniform (K^ and V at r) | keys cut, V whole | V cut, keys whole | keys-only / uniform "
+              "increase |", "|---|---|---|---|---|"]
+        for s in (0.1, 0.25):
+            u, k_, v_ = mem[(s, 0.9)], split[f"{s}/keys"], split[f"{s}/values"]
+            L.append(f"| {s} | {u:.4f} | {k_['perplexity']:.4f} (K^ {k_['cut_to']}) | {v_['perplexity']:.4f} "
+                     f"(V {v_['cut_to']}) | {(k_['perplexity'] - dense) / (u - dense):.2f} |")
+    L.append("")
+    return L
+
+
+def lm_eval_grid(proj_path: Path) -> dict:
+    """lm-eval's aqua_local on the reference for each LM_EVAL setting, and on a k 0.75 folder run by ONNX Runtime
+    (with the items whose accuracy differs from the reference's)."""
+    import tempfile
+
+    from aqua_export.build import BuildOptions, build
+    from aqua_export.lm_eval_model import LOCAL_TASKS, AquaLM, evaluate
+
+    def measure(lm):
+        t = time.perf_counter()
+        with lm:
+            r = evaluate(lm, ["aqua_local"], log_samples=True)
+        acc = {task: [s.get("acc", s.get("exact_match")) for s in r["samples"][task]] for task in LOCAL_TASKS}
+        return {"results": {t_: r["results"][t_] for t_ in LOCAL_TASKS}, "acc": acc,
+                "seconds": time.perf_counter() - t}
+
+    grid = {}
+    for name, cfg in LM_EVAL.items():
+        grid[name] = measure(AquaLM(model="llama", projection=None if cfg.is_dense else str(proj_path),
+                                    k_ratio=cfg.k_ratio, slice_ratio=cfg.slice_ratio, batch_size=8))
+        print(f"lm-eval {name}: {grid[name]['seconds']:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build("llama", LM_EVAL["AQUA k 0.75"], projection_path=str(proj_path), calib_texts=None,
+                       out=str(Path(tmp) / "k0.75"), options=BuildOptions(parity_steps=8))
+        ort = measure(AquaLM(folder=str(folder), batch_size=8, threads=2))
+    ref = grid["AQUA k 0.75"]["acc"]
+    ort["differing_items"] = sum(a != b for t in LOCAL_TASKS for a, b in zip(ort["acc"][t], ref[t]))
+    grid["AQUA k 0.75, built folder (ONNX Runtime)"] = ort
+    return grid
+
+
+def lm_eval_lines(grid: dict) -> list[str]:
+    first = next(iter(grid.values()))["results"]
+    sizes = ", ".join(f"{t} {first[t]['sample_len']}" for t in first)
+    L = ["\n## lm-evaluation-harness on the offline tasks (`aqua-export lm-eval --tasks aqua_local`)\n",
+         f"Every item of each task ({sizes}), made from the evaluation text (`lm_eval_tasks/aqua_tasks.py`); the "
+         "reference (PyTorch) for each setting, and the k 0.75 setting again as a built folder run by ONNX Runtime, "
+         "compared item by item with the reference.\n",
+         "| setting | " + " | ".join(m[2] for m in LM_METRICS) + " |", "|---|" + "---|" * len(LM_METRICS)]
+    for name, g in grid.items():
+        cells = [f"{g['results'][t][m]:.4f}" if "ppl" in label else f"{g['results'][t][m]:.3f}"
+                 for t, m, label in LM_METRICS]
+        L.append(f"| {name} | " + " | ".join(cells) + " |")
+    ort = grid.get("AQUA k 0.75, built folder (ONNX Runtime)")
+    if ort is not None:
+        L.append(f"\nBuilt folder against the reference at k 0.75: {ort['differing_items']} item(s) whose accuracy "
+                 "differs.\n")
+    return L
 
 
 def main() -> int:
@@ -88,6 +190,11 @@ def main() -> int:
             if k < 1 and (k in GROUP_K if s.startswith("group") else k in K_RATIOS)}
     grid.update({(1.0, s): dense for s in SELECTIONS})  # k = r: every rule is dense attention
     mem = {(s, k): run(AquaConfig(k_ratio=k, slice_ratio=s), "memory") for s, k in MEMORY}
+    if "memory" in sections and proj.slice_cost is None:  # measured on the calibration text, kept in the artifact
+        proj = allocate.add_costs(model, tok, proj, proj_path, [CALIB])
+    alloc = {(s, a): run(AquaConfig(k_ratio=0.9, slice_ratio=s, slice_alloc=a), "memory") for s in (0.1, 0.25)
+             for a in ALLOCS}
+    split = kv_split(model, tok, text, proj, a) if "memory" in sections else old.get("kv_split", {})
     h2o = {(h, k): run(AquaConfig(k_ratio=k, h2o_ratio=h), "h2o") for h, k in H2O}
 
     if "retention" in sections or not (out / "retention.json").is_file():
@@ -101,6 +208,8 @@ def main() -> int:
                                                                                 a.seq_len))
         union = {f"{s}/{k}": evaluate.union_fraction(queries, proj.P, proj.key_rms, k, s) for k, s in grid
                  if k < 1 and s != "static"}  # the rows of the bytes table
+
+    lm_grid = lm_eval_grid(proj_path) if "lmeval" in sections else old.get("lm_eval", {})
 
     n_eval = next(iter(results.values()))
     L = []
@@ -156,6 +265,7 @@ def main() -> int:
         L.append(f"| {s} | {AquaConfig(slice_ratio=s).retained_width(64)} | "
                  + " | ".join(f"{mem[(s, k)]:.4f}" for k in (0.75, 0.9, 1.0)) + " |")
     L.append("\nPaper (Llama-3.1-8B): slice 0.10 / k 0.90 -> 9.10; slice 0.25 / k 0.90 -> 10.09 (dense 8.91).\n")
+    L += memory_alloc_lines(mem, alloc, dense, proj, split)
     L.append("## AQUA-H2O (heavy hitters from the approximate scores; token-by-token eviction simulated exactly)\n")
     L.append("| h2o_ratio (kept) | k_ratio 0.5 | k_ratio 0.75 | k_ratio 1.0 |")
     L.append("|---|---|---|---|")
@@ -169,9 +279,12 @@ def main() -> int:
     L.append("|---|---|---|")
     for sel in ("magnitude", "static"):
         L.append(f"| {sel} | {rep['mean'][sel + '/offline']:.4f} | {rep['mean'][sel + '/online']:.4f} |")
+    if lm_grid:
+        L += lm_eval_lines(lm_grid)
     L.append("")
     atomic_write_bytes(out / "quality.md", "\n".join(L).encode())
-    atomic_write_bytes(out / "quality.json", json.dumps({"calibration": cal, "results": results, "union": union},
+    atomic_write_bytes(out / "quality.json", json.dumps({"calibration": cal, "results": results, "union": union, "lm_eval": lm_grid,
+                                                         "kv_split": split},
                                                         sort_keys=True, indent=1).encode())
     print((out / "quality.md").read_text())
     return 0

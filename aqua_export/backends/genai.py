@@ -50,7 +50,7 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
             "bos_token_id": bos, "context_length": context, "eos_token_id": eos, "pad_token_id": pad,
             "type": "decoder",  # genai's generic decoder-only LLM: the graph does everything model-specific
             "vocab_size": cfg.contract.vocab,
-            "decoder": {"session_options": session, "filename": "model.onnx", "head_size": cfg.contract.width,
+            "decoder": {"session_options": session, "filename": "model.onnx", "head_size": cfg.contract.widths[0],
                         "hidden_size": g.hidden_size, "num_attention_heads": g.heads,
                         "num_hidden_layers": g.layers, "num_key_value_heads": g.kv_heads,
                         "inputs": inputs, "outputs": outputs},
@@ -66,7 +66,11 @@ def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, t
     """genai_config.json, config.json, generation_config.json and (float32) the native kernel library."""
     from ..runtime import native_library
 
-    if cfg.contract.h2o:  # genai cannot evict between tokens; the folder runs with --runtime aqua only
+    atomic_write_bytes(folder / "config.json", hf_config.to_json_string().encode())
+    if generation_config is not None:
+        atomic_write_bytes(folder / "generation_config.json", generation_config.to_json_string().encode())
+    # genai cannot evict between tokens (H2O) nor take one width per layer: those folders run with --runtime aqua
+    if cfg.contract.h2o or not cfg.contract.uniform:
         return
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = getattr(hf_config, "eos_token_id", None)
@@ -74,9 +78,6 @@ def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, t
     bos = getattr(hf_config, "bos_token_id", None)
     bos = tok.bos_token_id if bos is None else bos
     atomic_write_bytes(folder / GENAI_CONFIG, json.dumps(genai_config(cfg, bos, eos, pad), indent=4).encode())
-    atomic_write_bytes(folder / "config.json", hf_config.to_json_string().encode())
-    if generation_config is not None:
-        atomic_write_bytes(folder / "generation_config.json", generation_config.to_json_string().encode())
     lib = native_library()
     if cfg.dtype == "float32" and lib is not None:
         shutil.copyfile(lib, folder / NATIVE_NAME)

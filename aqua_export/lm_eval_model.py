@@ -1,0 +1,140 @@
+"""lm-evaluation-harness on AQUA models: the ``aqua`` model of lm_eval, and ``aqua-export lm-eval``.
+
+``AquaLM`` is lm_eval's own ``hf`` model (HFLM) with the forward swapped, so tokenisation, batching,
+truncation, rolling windows and stop handling are lm_eval's, item for item:
+
+    model=M [projection=P, k_ratio=..., slice_ratio=..., h2o_ratio=..., selection=..., slice_alloc=...]
+        the PyTorch reference: M loaded as `aqua-export eval` loads it, AQUA applied (attention.apply_aqua)
+        for the life of the object (close() restores the model)
+    folder=DIR [threads=N, kernel=auto|native|function]
+        a built folder run by ONNX Runtime (runtime.OrtLM): logits of a batch from an empty cache,
+        greedy generation from the folder's own cache
+
+The local tasks (lm_eval_tasks/, group ``aqua_local``) need no network; real tasks (``--tasks hellaswag``)
+need their datasets in the Hugging Face cache, as for lm_eval itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .config import AquaConfig, ConfigError
+
+TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
+LOCAL_TASKS = ("aqua_lastword", "aqua_choice", "aqua_rolling", "aqua_copy")
+
+
+class _OrtModel(torch.nn.Module):
+    """What HFLM reads of a model, served by a built folder: config, device, __call__ -> .logits, generate."""
+
+    def __init__(self, lm, tokenizer, folder: str):
+        from transformers import AutoConfig
+
+        super().__init__()
+        self.lm, self.tokenizer = lm, tokenizer
+        self.config = AutoConfig.from_pretrained(folder)  # the source model's, copied by the build: same max_length
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def tie_weights(self):
+        pass
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """input_ids [B, T] (lm_eval pads on the right: every scored position sees only real tokens)."""
+        ids = input_ids.cpu().numpy()
+        mask = np.ones_like(ids) if attention_mask is None else attention_mask.cpu().numpy()
+        logits, _ = self.lm.step(ids, mask, self.lm.empty_past(ids.shape[0]))
+        return type("Out", (), {"logits": torch.from_numpy(np.asarray(logits, np.float32))})()
+
+    def generate(self, input_ids, attention_mask, max_length: int, stopping_criteria, pad_token_id, **_):
+        """Greedy, as HF's generate with do_sample=False: rows that emitted EOS continue with padding; stops when
+        every row meets a stop criterion or at max_length. Returns [B, T + new] with the context."""
+        ids, mask = input_ids.cpu().numpy(), attention_mask.cpu().numpy().astype(np.int64)
+        eos = self.tokenizer.eos_token_id
+        out = torch.as_tensor(ids)
+        logits, past = self.lm.step(ids, mask, self.lm.empty_past(ids.shape[0]))
+        done = np.zeros(ids.shape[0], bool)
+        while out.shape[1] < max_length:
+            nxt = np.where(done, pad_token_id, logits[:, -1].argmax(-1))
+            done |= nxt == eos
+            out = torch.cat([out, torch.as_tensor(nxt)[:, None]], 1)
+            if done.all() or bool(stopping_criteria(out, None).all()):
+                break
+            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], 1)
+            logits, past = self.lm.step(nxt[:, None], mask, past)
+        return out
+
+
+@register_model("aqua")
+class AquaLM(HFLM):
+    def __init__(self, model: str | None = None, folder: str | None = None, projection: str | None = None,
+                 k_ratio: float = 1.0, slice_ratio: float = 0.0, h2o_ratio: float = 1.0, selection: str = "magnitude",
+                 slice_alloc: str = "uniform", threads: int = 0, kernel: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
+                 **kwargs):
+        from . import calibrate, models
+        from .attention import apply_aqua
+
+        if (model is None) == (folder is None):
+            raise ConfigError("give the aqua model either model=M (the PyTorch reference) or folder=DIR (a built folder)")
+        self._stack = contextlib.ExitStack()
+        self._session = None
+        if folder is not None:
+            from .runtime import OrtLM, load_tokenizer
+
+            if projection is not None or AquaConfig(float(k_ratio), float(slice_ratio), float(h2o_ratio), selection,
+                                                    slice_alloc) != AquaConfig():
+                raise ConfigError("a folder carries its own AQUA settings: drop projection / k_ratio / slice_ratio / "
+                                  "h2o_ratio / selection / slice_alloc with folder=")
+            tok = load_tokenizer(folder)
+            net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel), tok, folder)
+            self.aqua_config = net.lm.cfg.aqua
+        else:
+            config = AquaConfig(float(k_ratio), float(slice_ratio), float(h2o_ratio), selection, slice_alloc)
+            if projection is None and not config.is_dense:
+                raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1 need projection=FILE")
+            net, tok = models.load(model)
+            if projection is not None:
+                self._session = self._stack.enter_context(apply_aqua(net, calibrate.load_projection(projection), config))
+            self.aqua_config = config
+        super().__init__(pretrained=net, tokenizer=tok, backend="causal", batch_size=batch_size,
+                         max_length=None if max_length is None else int(max_length), **kwargs)
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        if self._session is not None:  # AQUA's own cache: H2O eviction and the narrow AQUA-Memory cache
+            generation_kwargs["past_key_values"] = self._session.new_cache()
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def close(self) -> None:
+        """Restore the model (the reference's attention patches live until here)."""
+        self._stack.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def evaluate(lm: AquaLM, tasks: list[str], include_path: str | None = None, limit: float | None = None,
+             log_samples: bool = False) -> dict:
+    """lm_eval.simple_evaluate on ``lm`` with the local tasks (and include_path's) registered. Returns its results
+    dict (``samples`` per task when log_samples)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(TASKS_DIR)] + ([include_path] if include_path else [])
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(unknown)}: use aqua_local, one of {', '.join(LOCAL_TASKS)}, "
+                          "an lm_eval task, or a YAML under --include-path")
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples,
+                           bootstrap_iters=0)
