@@ -205,7 +205,7 @@ class LayerAqua:
     selection: str
     key_rms: torch.Tensor  # [Hkv, r]
     h2o_ratio: float
-    rv: int | None = None  # V's cached width when it differs from K^'s r (a measurement: the export ties them)
+    rv: int | None = None  # V's cached width when it differs from K^'s r (allocated AQUA-Memory)
     fresh: tuple | None = field(default=None, repr=False)
     # parity harness: indices chosen by another implementation, and how often ours differ from them
     forced: torch.Tensor | None = field(default=None, repr=False)
@@ -354,14 +354,14 @@ def _register() -> None:
 
 def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                  value_widths: tuple | None = None) -> list[LayerAqua]:
-    """One LayerAqua per layer; widths: r per layer (default: allocate.layer_widths of config); value_widths:
-    V's own width per layer (default: the same r)."""
+    """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
+    allocate.layer_widths; value_widths alone defaults to widths)."""
     from .allocate import layer_widths
 
     geo = attention_geometry(model)
     d = geo["head_dim"]
     if widths is None:
-        widths = layer_widths(config, projection, geo["layers"], d)
+        widths, value_widths = layer_widths(config, projection, geo["layers"], d)
     states = []
     for i, r in enumerate(widths):
         k = config.selected_of(r)
@@ -392,8 +392,7 @@ class AquaSession:
 def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                value_widths: tuple | None = None):
     """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
-    cached width of each layer (default: config's allocation, allocate.layer_widths); value_widths: V's, when
-    it should differ from K^'s (tools/quality.py measures where slicing costs)."""
+    cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths)."""
     arch = architecture_of(model.config)
     projection.check_model(model)
     if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):

@@ -14,7 +14,8 @@ Artifact (safetensors, keyed by layer):
     layers.{i}.energy_v [Hkv, d]      same for values in P_v's basis
     layers.{i}.key_rms  [Hkv, d]      rms of k^ per coordinate (keys only)
   optional, for --slice-alloc measured (allocate.measure_costs; metadata "slice_widths" lists the widths):
-    layers.{i}.slice_cost [n]         KL of the next-token distribution with only layer i cut to each width
+    layers.{i}.slice_cost [2, n]      KL of the next-token distribution with only layer i's K^ (row 0) or V
+                                      (row 1) cut to each width
 """
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ class Projection:
     energy_v: tuple[torch.Tensor, ...]
     key_rms: tuple[torch.Tensor, ...]
     metadata: dict
-    slice_cost: tuple[torch.Tensor, ...] | None = None  # [n] per layer at metadata["slice_widths"]
+    slice_cost: tuple[torch.Tensor, ...] | None = None  # [2, n] per layer at metadata["slice_widths"]
 
     @property
     def fingerprint(self) -> dict:
@@ -390,6 +391,6 @@ def _slice_cost(path, tensors: dict, meta: dict, n_layers: int, d: int):
     if not all(have) or sorted(set(widths)) != widths or not all(0 < w < d for w in widths):
         raise ConfigError(f"projection file {path} is corrupt: slice costs missing for some layers or bad widths")
     out = tuple(tensors[f"layers.{i}.slice_cost"] for i in range(n_layers))
-    if any(t.shape != (len(widths),) or not torch.isfinite(t).all() for t in out):
-        raise ConfigError(f"projection file {path} is corrupt: a slice_cost is not [{len(widths)}] finite values")
+    if any(t.shape != (2, len(widths)) or not torch.isfinite(t).all() for t in out):
+        raise ConfigError(f"projection file {path} is corrupt: a slice_cost is not [2, {len(widths)}] finite values")
     return out

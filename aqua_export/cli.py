@@ -45,10 +45,10 @@ def _config_args(p, k_default: float = 1.0):
                         "scores for all its query heads: a step reads exactly k of K^'s rows); every rule is exported "
                         "(default %(default)s)")
     p.add_argument("--slice-alloc", default="uniform", choices=SLICE_ALLOCS,
-                   help="how AQUA-Memory spends its width budget (the same cache bytes as uniform slicing): uniform "
-                        "(every layer drops --slice-ratio), energy (water-filling on the calibrated spectra), "
-                        "measured (on each layer's measured cost of slicing: the projection's slice costs, measured "
-                        "by the build or `calibrate --slice-costs`) (default %(default)s)")
+                   help="how AQUA-Memory spends its width budget over the layers' K^ and V (the same cache bytes as "
+                        "uniform slicing): uniform (every K^ and V drops --slice-ratio), energy (water-filling on the "
+                        "calibrated spectra), measured (on measured costs of slicing: the projection's slice costs, "
+                        "measured by the build or `calibrate --slice-costs`) (default %(default)s)")
 
 
 def _window_args(p, tokens: int, what: str):
@@ -330,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "CPU, then disk), cpu, or a device; data-parallel: run under torchrun")
     p.add_argument("--max-memory", help="per-device limits for --device-map, e.g. cpu=2GiB,0=20GiB")
     p.add_argument("--slice-costs", action="store_true",
-                   help="also measure each layer's cost of slicing (for --slice-alloc measured): 6 cuts per layer, a "
-                        "1,024-token forward each, on --text (default builtin:python-reference)")
+                   help="also measure each layer's cost of slicing its K^ and its V (for --slice-alloc measured): 12 "
+                        "cuts per layer, a 1,024-token forward each, on --text (default builtin:python-reference)")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("eval", help="perplexity with or without AQUA")

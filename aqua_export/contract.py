@@ -2,13 +2,13 @@
 cache layout and modes. Export, the runtimes (ours and onnxruntime-genai's config), the TensorRT profiles,
 the benchmarks and the tests all derive from a ``Contract``; nothing else spells a name or a layout.
 
-Per layer i, with r = widths[i] its retained width (K^ and V of a layer cached at the same width; layers may
-differ, AQUA-Memory's allocated slicing, allocate.py), the decoder takes
+Per layer i, with r = widths[i] the width of its K^ and rv = value_widths[i] that of its V (equal, and equal over
+the layers, unless AQUA-Memory's slicing is allocated: allocate.py), the decoder takes
 
     input_ids                 [batch, sequence]              int64   the new tokens
     attention_mask            [batch, total]                 int64   every token so far (0 = padding), new included
     past_key_values.{i}.key   [batch, kv_heads, past, r]     K^ buffer, memory dim-major (see below)
-    past_key_values.{i}.value [batch, kv_heads, past, r]     V buffer (P_v's basis), memory token-major
+    past_key_values.{i}.value [batch, kv_heads, past, rv]    V buffer (P_v's basis), memory token-major
   and H2O graphs also (The H2O state, below)
     past_key_values.{i}.heavy [batch, kv_heads, past]        float32 accumulated attention of each slot
     past_key_values.{i}.token [batch, kv_heads, past]        int64   which token a slot holds, -1 = free
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from .config import ConfigError, reject_unknown
 
-CONTRACT_VERSION = 4  # 4: a width and a k per layer; 3: H2O state as slot buffers (heavy, token)
+CONTRACT_VERSION = 4  # 4: K^, V widths and k per layer; 3: H2O state as slot buffers (heavy, token)
 DOMAIN = "com.aqua"
 # the custom nodes, each with a function body
 OPS = ("TopKGatherDot", "AquaAttention", "KeyCacheUpdate", "ValueCacheUpdate", "ValueProduct", "H2OAttention")
@@ -63,8 +63,9 @@ class Contract:
 
     layers: int
     kv_heads: int
-    widths: tuple  # r per layer: cached coordinates of K^ and of V per head
+    widths: tuple  # r per layer: cached coordinates of K^ per head
     selected: tuple  # k per layer: coordinates that score each query
+    value_widths: tuple  # rv per layer: cached coordinates of V per head
     vocab: int
     dtype: str = "float32"
     h2o: bool = False
@@ -77,7 +78,7 @@ class Contract:
 
         for f in ("layers", "kv_heads", "vocab"):
             positive(f, getattr(self, f))
-        for f in ("widths", "selected"):
+        for f in ("widths", "selected", "value_widths"):
             v = getattr(self, f)
             if not isinstance(v, (list, tuple)) or len(v) != self.layers:
                 raise ConfigError(f"contract.{f} must list one integer per layer ({self.layers}), got {v!r}")
@@ -117,13 +118,14 @@ class Contract:
 
     @property
     def uniform(self) -> bool:
-        """Every layer caches the same width (what onnxruntime-genai's single head_size describes)."""
-        return len(set(self.widths)) == 1
+        """Every layer caches K^ and V at one width (what onnxruntime-genai's single head_size describes)."""
+        return len(set(self.widths) | set(self.value_widths)) == 1
 
     # ---------------------------------------------------------------- I/O
     def _buffer_spec(self, name: str, kind: str, slots: str, layer: int) -> TensorSpec:
         dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.dtype)
-        shape = ("batch", self.kv_heads, slots) + ((self.widths[layer],) if kind in self.KV else ())
+        width = {"key": self.widths, "value": self.value_widths}.get(kind)
+        shape = ("batch", self.kv_heads, slots) + ((width[layer],) if width else ())
         return TensorSpec(name, dtype, shape)
 
     def inputs(self) -> list[TensorSpec]:
@@ -181,7 +183,7 @@ class Contract:
             raise ConfigError("AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: "
                               "run them with --runtime aqua")
         if not self.uniform:
-            raise ConfigError("this folder's layers cache different widths (--slice-alloc), and onnxruntime-genai "
+            raise ConfigError("this folder caches K^ and V at several widths (--slice-alloc), and onnxruntime-genai "
                               "takes one head_size for all: run it with --runtime aqua")
         def template(pattern, kind):
             return pattern.replace("%s", kind)  # genai fills %d with the layer

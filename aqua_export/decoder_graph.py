@@ -79,6 +79,10 @@ class Plan:
         """Layer i's selected coordinates (contract.selected)."""
         return self.contract.selected[i]
 
+    def rv(self, i: int) -> int:
+        """Layer i's cached V width (contract.value_widths)."""
+        return self.contract.value_widths[i]
+
     h2o = property(lambda self: self.contract.h2o)
 
     @property
@@ -196,15 +200,15 @@ class DecoderGraph(Blocks):
 
     def _attention(self, i, h, w, P, P_v, scaling, cos, sin, mask, io):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        d, g, hkv, r = p.head_dim, p.g, p.kv_heads, p.r(i)
+        d, g, hkv, rv = p.head_dim, p.g, p.kv_heads, p.rv(i)
         f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items()
                if k.startswith(("q_proj", "k_proj", "v_proj", "o_proj"))}
         # the attention scale goes into W_Q, or into q_norm's weight when a norm follows W_Q (it would undo it)
         wq, bq = (f32["q_proj"], f32.get("q_proj_bias")) if "q_norm" in w else \
             fold_scale_into_query(f32["q_proj"], f32.get("q_proj_bias"), scaling)
         wv, bv = fold_value(f32["v_proj"], f32.get("v_proj_bias"), P_v)
-        keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :r].reshape(-1)
-        wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(p.heads * d).reshape(p.heads, d)[:, :r].reshape(-1)]
+        keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :rv].reshape(-1)
+        wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(p.heads * d).reshape(p.heads, d)[:, :rv].reshape(-1)]
 
         if not p.rotary_dim:
             return self._attention_folded(i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo)
@@ -214,12 +218,12 @@ class DecoderGraph(Blocks):
             P_q, P_k = (b.to(torch.float32) for b in P)
             q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_q[:, None])])
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])
-        v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
-                  perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
+        v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, rv])])],
+                  perm=[0, 2, 1, 3])  # [B, Hkv, T, rv]
         return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io)
 
     def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, cos, sin):
-        """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*r]: one MatMul for all three. Without q/k
+        """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*rv]: one MatMul for all three. Without q/k
         norms q and k are rotated together (one RoPE over H + Hkv heads: fewer nodes, and decode is per-node
         bound at short context)."""
         gb, p, c = self.gb, self.p, self.gb.const
@@ -257,14 +261,14 @@ class DecoderGraph(Blocks):
         k = gb.op(f"{n}/k/Reshape", "Reshape", [self._linear(f"{n}/k_proj", h, wk_h, bk_h), c([0, 0, hkv, r])])
         kh = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
         v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
-        v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, r])])],
+        v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, p.rv(i)])])],
                   perm=[0, 2, 1, 3])
         return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
 
     def _attend(self, i, q, kh, v, wo, bo, mask, io):
-        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,T,r], v [B,Hkv,T,r] -> attention output [B,T,D]."""
+        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,T,r], v [B,Hkv,T,rv] -> attention output [B,T,D]."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        r, attrs = p.r(i), dict(self.op_attrs, k=p.k(i))
+        rv, attrs = p.rv(i), dict(self.op_attrs, k=p.k(i))
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
             ct = self.contract
             a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK],
@@ -276,9 +280,9 @@ class DecoderGraph(Blocks):
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
             kc, vc = self._cache(n, i, kh, v, io)
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask], domain=self.domain,
-                      softcap=float(p.attn_softcap or 0.0), **attrs)  # [B, Hkv, g, T, r]
+                      softcap=float(p.attn_softcap or 0.0), **attrs)  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
-        a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * r])])
+        a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])
         return self._linear(f"{n}/o_proj", a, wo, bo)
 
     def _attend_separate(self, n, q, kc, vc, mask, io, attrs):

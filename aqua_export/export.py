@@ -54,8 +54,8 @@ def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, 
 
 def attention_reference(query_hat, key_cache, value_cache, total: int, mask, k: int, rule: int = 0,
                         softcap: float = 0.0) -> torch.Tensor:
-    """AquaAttention in PyTorch: query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache [B,Hkv,C,r],
-    mask [B|1,1,1,T,total] float32 -> [B,Hkv,g,T,r] = softmax(softcap(q^[I] . K^[I,:total]) + mask) @ V[:total]."""
+    """AquaAttention in PyTorch: query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache [B,Hkv,C,rv],
+    mask [B|1,1,1,T,total] float32 -> [B,Hkv,g,T,rv] = softmax(softcap(q^[I] . K^[I,:total]) + mask) @ V[:total]."""
     s = (_keep_selected(query_hat, k, rule) @ key_cache[..., :total].unsqueeze(2)).to(torch.float64)
     if softcap:
         s = torch.tanh(s / softcap) * softcap
@@ -382,9 +382,10 @@ def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, 
     from .allocate import layer_widths
 
     geo = attention_geometry(model)
-    widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
+    widths, value_widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
     return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], widths=widths,
-                    selected=tuple(config.selected_of(r) for r in widths), vocab=model.config.vocab_size,
+                    selected=tuple(config.selected_of(r) for r in widths), value_widths=value_widths,
+                    vocab=model.config.vocab_size,
                     dtype={torch.float32: "float32", torch.float16: "float16"}[dtype], h2o=config.h2o_ratio < 1)
 
 
@@ -407,7 +408,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     cfg = model.config
     arch = architecture_of(cfg)
     plan = Plan(contract=ct, heads=geo["heads"], head_dim=d, hidden=geo["hidden_size"],
-                dense=ct.selected == ct.widths == (d,) * ct.layers,
+                dense=ct.selected == ct.widths == ct.value_widths == (d,) * ct.layers,
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),

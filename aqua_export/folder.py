@@ -63,10 +63,12 @@ class FolderConfig:
             raise ConfigError(f"contract ({c.layers} layers, {c.kv_heads} KV heads) disagrees with the geometry "
                               f"({g.layers}, {g.kv_heads})")
         r = a.retained_width(g.head_dim)
-        budget_ok = sum(c.widths) == c.layers * r and max(c.widths) <= g.head_dim
+        budget_ok = sum(c.widths) + sum(c.value_widths) == 2 * c.layers * r and \
+            max(c.widths + c.value_widths) <= g.head_dim
         if not budget_ok or (a.slice_alloc == "uniform" and not c.uniform) or \
                 c.selected != tuple(a.selected_of(w) for w in c.widths):
-            raise ConfigError(f"cache widths {list(c.widths)} / k {list(c.selected)} disagree with the AQUA settings")
+            raise ConfigError(f"cache widths K^ {list(c.widths)}, V {list(c.value_widths)}, k {list(c.selected)} "
+                              "disagree with the AQUA settings")
 
     @property
     def dtype(self) -> str:

@@ -79,13 +79,14 @@ def reference(q, key_new, value_new, past_key, past_value, past_heavy, past_toke
     from .export import _keep_selected
 
     b, hkv, g, t, r = q.shape
+    rv = value_new.shape[-1]  # V's width (r unless AQUA-Memory cuts K^ and V apart)
     c = past_key.shape[2]
     lens = mask.shape[1]
     real = mask != 0
     cap = max(c, slots_needed(ratio, real.sum(1).numpy()))
     kr = torch.zeros(b, hkv, r, cap, dtype=torch.float64)
     kr[..., :c] = past_key.reshape(b, hkv, r, c).double()
-    vv = torch.zeros(b, hkv, cap, r, dtype=torch.float64)
+    vv = torch.zeros(b, hkv, cap, rv, dtype=torch.float64)
     vv[:, :, :c] = past_value.double()
     heavy = torch.zeros(b, hkv, cap, dtype=torch.float64)
     heavy[..., :c] = past_heavy.double()
@@ -93,7 +94,7 @@ def reference(q, key_new, value_new, past_key, past_value, past_heavy, past_toke
     token[..., :c] = past_token
     qs = _keep_selected(q, k, rule).double()
     before = torch.cat([torch.zeros(b, 1, dtype=torch.int64), real.long().cumsum(1)], 1)
-    out = torch.zeros(b, hkv, g, t, r, dtype=torch.float64)
+    out = torch.zeros(b, hkv, g, t, rv, dtype=torch.float64)
     first = lens - t
     for bb in range(b):
         for h in range(hkv):

@@ -73,6 +73,12 @@ class _OrtModel(torch.nn.Module):
         return out
 
 
+def _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc) -> AquaConfig:
+    """lm_eval passes model_args as strings: the numbers are converted here, AquaConfig validates them."""
+    return AquaConfig(k_ratio=float(k_ratio), slice_ratio=float(slice_ratio), h2o_ratio=float(h2o_ratio),
+                      selection=selection, slice_alloc=slice_alloc)
+
+
 @register_model("aqua")
 class AquaLM(HFLM):
     def __init__(self, model: str | None = None, folder: str | None = None, projection: str | None = None,
@@ -89,15 +95,14 @@ class AquaLM(HFLM):
         if folder is not None:
             from .runtime import OrtLM, load_tokenizer
 
-            if projection is not None or AquaConfig(float(k_ratio), float(slice_ratio), float(h2o_ratio), selection,
-                                                    slice_alloc) != AquaConfig():
+            if projection is not None or _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc) != AquaConfig():
                 raise ConfigError("a folder carries its own AQUA settings: drop projection / k_ratio / slice_ratio / "
                                   "h2o_ratio / selection / slice_alloc with folder=")
             tok = load_tokenizer(folder)
             net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
-            config = AquaConfig(float(k_ratio), float(slice_ratio), float(h2o_ratio), selection, slice_alloc)
+            config = _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc)
             if projection is None and not config.is_dense:
                 raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1 need projection=FILE")
             net, tok = models.load(model)

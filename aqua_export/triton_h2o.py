@@ -1,9 +1,9 @@
 """The GPU kernel of H2OAttention, in Triton: the node's contract (h2o.py, plugins/ort/h2o_attention.cc) on
 fixed-capacity slot buffers updated in place, for the PyTorch host.
 
-    query_hat [B, Hkv, g, T, r]  key_new / value_new [B, Hkv, T, r]  attention_mask [B, L]
-    key [B, Hkv, r, C] (dim-major K^)  value [B, Hkv, C, r]  heavy [B, Hkv, C] f32  token [B, Hkv, C] i64  (in place)
-        -> out [B, Hkv, g, T, r]
+    query_hat [B, Hkv, g, T, r]  key_new [B, Hkv, T, r]  value_new [B, Hkv, T, rv]  attention_mask [B, L]
+    key [B, Hkv, r, C] (dim-major K^)  value [B, Hkv, C, rv]  heavy [B, Hkv, C] f32  token [B, Hkv, C] i64  (in place)
+        -> out [B, Hkv, g, T, rv]
 
 One program per (sequence, KV head); within it the T new tokens are taken one at a time (what makes a
 T-token prefill evict exactly as T one-token forwards), each in four passes over the slots in blocks:
@@ -39,18 +39,19 @@ def _kernel(interpret: bool):
         @triton.jit
         def h2o_attention_kernel(q_ptr, kn_ptr, vn_ptr, key_ptr, value_ptr, heavy_ptr, token_ptr, mask_ptr,
                                  before_ptr, keep_ptr, out_ptr, HEADS, T, L, CAP,
-                                 R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr,
-                                 SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 BLOCK_S: tl.constexpr):
+                                 R: tl.constexpr, RV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+                                 RULE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr,
+                                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
             bh = tl.program_id(0)
             b = bh // HEADS
             c = tl.arange(0, BLOCK_R)
             in_r = c < R
+            in_v = c < RV  # BLOCK_R covers both widths
             j = tl.arange(0, BLOCK_G)
             in_g = j < G
             blk = tl.arange(0, BLOCK_S)
             key = key_ptr + bh * R * CAP
-            value = value_ptr + bh * CAP * R
+            value = value_ptr + bh * CAP * RV
             heavy = heavy_ptr + bh * CAP
             token = token_ptr + bh * CAP
             before = before_ptr + b * (L + 1)
@@ -69,7 +70,8 @@ def _kernel(interpret: bool):
                     free = tl.minimum(free, tl.min(tl.where((tk < 0) & (s < CAP), s, CAP), axis=0))
                 row = (bh * T + tt) * R
                 tl.store(key + c * CAP + free, tl.load(kn_ptr + row + c, mask=in_r), mask=in_r & real_r)
-                tl.store(value + free * R + c, tl.load(vn_ptr + row + c, mask=in_r), mask=in_r & real_r)
+                tl.store(value + free * RV + c, tl.load(vn_ptr + (bh * T + tt) * RV + c, mask=in_v),
+                         mask=in_v & real_r)
                 tl.store(token + free, pos.to(tl.int64), mask=real)
                 tl.store(heavy + free, 0.0, mask=real)
                 tl.debug_barrier()
@@ -114,16 +116,16 @@ def _kernel(interpret: bool):
                             m = m_new
                         else:
                             w = tl.where(live[None, :] & in_g[:, None], tl.exp(sc - m[:, None]) * acc[:, None], 0.0)
-                            vb = tl.load(value + s[:, None] * R + c[None, :],
-                                         mask=(in_s & live)[:, None] & in_r[None, :], other=0.0).to(tl.float32)
+                            vb = tl.load(value + s[:, None] * RV + c[None, :],
+                                         mask=(in_s & live)[:, None] & in_v[None, :], other=0.0).to(tl.float32)
                             o += tl.sum(w[:, :, None] * vb[None, :, :], axis=1)
                             hv = tl.load(heavy + s, mask=in_s, other=0.0)
                             tl.store(heavy + s, hv + tl.sum(w, axis=0), mask=in_s & live & real_s)
                     if p == 0:  # from here acc is 1 / sum (0 when no slot is live), m finite
                         acc = tl.where(acc > 0.0, 1.0 / tl.maximum(acc, 1e-30), 0.0)
                         m = tl.where(m > float("-inf"), m, 0.0)
-                tl.store(out_ptr + ((bh * G + j[:, None]) * T + tt) * R + c[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=both)
+                tl.store(out_ptr + ((bh * G + j[:, None]) * T + tt) * RV + c[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=in_g[:, None] & in_v[None, :])
                 tl.debug_barrier()
                 # -- eviction: blockwise argmin of heavy among the candidates, ties -> the later token
                 n = tl.load(before + pos + 1)
@@ -188,9 +190,9 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
     [B, Hkv, C', r] holding dim-major K^, present_value, present_heavy, present_token). When the past already
     has C' slots, present is past: the buffers are updated in place."""
     b, hkv, g, t, r = q.shape
-    c = past_key.shape[2]
-    if key_new.shape != (b, hkv, t, r) or value_new.shape != key_new.shape or past_key.shape != (b, hkv, c, r) \
-            or past_value.shape != past_key.shape or past_heavy.shape != (b, hkv, c) or past_token.shape != (b, hkv, c) \
+    c, rv = past_key.shape[2], value_new.shape[-1]
+    if key_new.shape != (b, hkv, t, r) or value_new.shape != (b, hkv, t, rv) or past_key.shape != (b, hkv, c, r) \
+            or past_value.shape != (b, hkv, c, rv) or past_heavy.shape != (b, hkv, c) or past_token.shape != (b, hkv, c) \
             or mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < t:
         raise ValueError("H2OAttention: the inputs disagree on B, Hkv, T, r or the slots C, or attention_mask is "
                          "shorter than the new tokens")
@@ -208,10 +210,10 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
         key = torch.zeros(b, hkv, r, cap, dtype=q.dtype, device=q.device)
         key[..., :c] = past_key.reshape(b, hkv, r, c)
         key = key.reshape(b, hkv, cap, r)
-        value = torch.cat([past_value, past_value.new_zeros(b, hkv, cap - c, r)], 2)
+        value = torch.cat([past_value, past_value.new_zeros(b, hkv, cap - c, rv)], 2)
         heavy = torch.cat([past_heavy, past_heavy.new_zeros(b, hkv, cap - c)], 2)
         token = torch.cat([past_token, past_token.new_full((b, hkv, cap - c), h2o.FREE)], 2)
-    out = torch.empty_like(q)
+    out = q.new_empty(b, hkv, g, t, rv)
     if b * hkv * t == 0:
         return out, key, value, heavy, token
     kernel, _ = _kernel(interpret)
@@ -220,6 +222,7 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
         if not x.is_contiguous():
             raise ValueError("H2OAttention: the slot buffers must be contiguous (they are updated in place)")
     kernel[(b * hkv,)](*tensors, key, value, heavy, token, mask.contiguous(), before, keep, out, hkv, t,
-                       mask.shape[1], cap, R=r, G=g, K=k, RULE=rule, SOFTCAP=float(softcap),
-                       BLOCK_G=group_block(g), BLOCK_R=1 << max(0, (r - 1).bit_length()), BLOCK_S=block_s(g, r, cap))
+                       mask.shape[1], cap, R=r, RV=rv, G=g, K=k, RULE=rule, SOFTCAP=float(softcap),
+                       BLOCK_G=group_block(g), BLOCK_R=1 << max(0, (max(r, rv) - 1).bit_length()),
+                       BLOCK_S=block_s(g, max(r, rv), cap))
     return out, key, value, heavy, token

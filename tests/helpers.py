@@ -65,14 +65,16 @@ H2O_MASKS = {"full": np.ones((1, 24), np.int64),
              "padded": np.array([[0, 0, 0] + [1] * 21, [1] * 7 + [0, 0] + [1] * 15])}
 
 
-def h2o_inputs(b, hkv, g, t, r, mask, past=None, dtype=torch.float32, seed=0):
-    """H2OAttention's inputs (h2o.INPUTS): random q^, k^, v of T new tokens, an empty past unless given."""
+def h2o_inputs(b, hkv, g, t, r, mask, past=None, dtype=torch.float32, seed=0, rv=None):
+    """H2OAttention's inputs (h2o.INPUTS): random q^, k^, v of T new tokens (v rv wide, r unless given), an empty
+    past unless given."""
+    rv = r if rv is None else rv
     gen = torch.Generator().manual_seed(seed)
     x = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
-         torch.randn(b, hkv, t, r, generator=gen)]
+         torch.randn(b, hkv, t, rv, generator=gen)]
     x = [a.to(dtype) for a in x]
     if past is None:
-        past = (torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0),
+        past = (torch.zeros(b, hkv, 0, r, dtype=dtype), torch.zeros(b, hkv, 0, rv, dtype=dtype), torch.zeros(b, hkv, 0),
                 torch.zeros(b, hkv, 0, dtype=torch.int64))
     return x + list(past) + [torch.as_tensor(mask, dtype=torch.int64)]
 

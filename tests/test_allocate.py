@@ -33,15 +33,15 @@ def test_energy_costs_and_widths(tmp_path):
     d = model.config.hidden_size // model.config.num_attention_heads
     hkv = model.config.num_key_value_heads
     costs = allocate.energy_costs(proj)
-    assert costs.shape == (3, d + 1)
-    assert torch.allclose(costs[:, 0], torch.full((3,), 2.0 * hkv, dtype=torch.float64)) and (costs[:, -1] == 0).all()
-    assert (costs[:, 1:] <= costs[:, :-1] + 1e-12).all()  # energy sorted descending: cost never grows with width
+    assert costs.shape == (3, 2, d + 1)  # layer, K^ / V, width
+    assert torch.allclose(costs[..., 0], torch.full((3, 2), 1.0 * hkv, dtype=torch.float64)) and (costs[..., -1] == 0).all()
+    assert (costs[..., 1:] <= costs[..., :-1] + 1e-12).all()  # energy sorted descending: cost never grows with width
     cfg = AquaConfig(slice_ratio=0.25, slice_alloc="energy")
-    widths = allocate.layer_widths(cfg, proj, 3, d)
-    assert sum(widths) == 3 * cfg.retained_width(d) and all(d // 4 <= w <= d for w in widths)
-    assert allocate.layer_widths(dataclasses.replace(cfg, slice_alloc="uniform"), None, 3, d) == \
-        (cfg.retained_width(d),) * 3
-    assert allocate.layer_widths(AquaConfig(slice_alloc="energy"), proj, 3, d) == (d,) * 3  # nothing to cut
+    kw, vw = allocate.layer_widths(cfg, proj, 3, d)
+    r = cfg.retained_width(d)
+    assert sum(kw) + sum(vw) == 2 * 3 * r and all(d // 4 <= w <= d for w in kw + vw)
+    assert allocate.layer_widths(dataclasses.replace(cfg, slice_alloc="uniform"), None, 3, d) == ((r,) * 3, (r,) * 3)
+    assert allocate.layer_widths(AquaConfig(slice_alloc="energy"), proj, 3, d) == ((d,) * 3, (d,) * 3)  # no cut
 
 
 def test_measured_costs_round_trip_and_allocate(tmp_path, char_tok):
@@ -54,13 +54,15 @@ def test_measured_costs_round_trip_and_allocate(tmp_path, char_tok):
     proj2 = allocate.add_costs(model, char_tok, proj, path, ["builtin:gpl-3"], progress=False)
     widths = [int(w) for w in proj2.metadata["slice_widths"].split(",")]
     assert widths == sorted(set(widths)) and all(0 < w < d for w in widths)
-    assert len(proj2.slice_cost) == 3 and all(c.shape == (len(widths),) and (c >= -1e-9).all() for c in proj2.slice_cost)
-    assert torch.equal(proj2.P[1], proj.P[1])
+    assert len(proj2.slice_cost) == 3 and all(c.shape == (2, len(widths)) for c in proj2.slice_cost)
+    assert all((c >= -1e-9).all() for c in proj2.slice_cost) and torch.equal(proj2.P[1], proj.P[1])
     curve = allocate.measured_costs(proj2, d)
-    for i in range(3):  # the curve passes through the measured points and ends at 0 for the full width
-        assert torch.allclose(curve[i, widths], proj2.slice_cost[i].double().clamp_min(0)) and curve[i, d] == 0
-    got = allocate.layer_widths(cfg, proj2, 3, d)
-    assert sum(got) == 3 * cfg.retained_width(d)
+    assert curve.shape == (3, 2, d + 1)
+    for i in range(3):  # the curves pass through the measured points and end at 0 for the full width
+        assert torch.allclose(curve[i][:, widths], proj2.slice_cost[i].double().clamp_min(0))
+        assert (curve[i, :, d] == 0).all()
+    kw, vw = allocate.layer_widths(cfg, proj2, 3, d)
+    assert sum(kw) + sum(vw) == 2 * 3 * cfg.retained_width(d)
 
 
 def test_the_reference_caches_each_layers_width(tmp_path):
@@ -84,7 +86,7 @@ def test_folder_config_takes_allocated_widths(tmp_path):
     model, proj = _tiny(tmp_path)
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25, slice_alloc="energy")
     fc = folder_cfg(model, cfg, projection=proj)
-    assert sum(fc.contract.widths) == 3 * cfg.retained_width(fc.geometry.head_dim)
+    assert sum(fc.contract.widths + fc.contract.value_widths) == 2 * 3 * cfg.retained_width(fc.geometry.head_dim)
     wrong = dataclasses.replace(fc.contract, widths=tuple(w + 1 for w in fc.contract.widths))
     with pytest.raises(ConfigError, match="disagree with the AQUA settings"):
         dataclasses.replace(fc, contract=wrong)
@@ -94,9 +96,9 @@ def test_corrupt_slice_costs_are_refused(tmp_path):
     model, proj = _tiny(tmp_path)
     tensors = {f"layers.{i}.{k}": getattr(proj, k)[i] for i in range(3) for k in ("P", "P_v", "energy", "energy_v", "key_rms")}
     for extra, meta, needle in [
-        ({"layers.0.slice_cost": torch.zeros(2)}, {"slice_widths": "4,8"}, "missing for some layers"),
-        ({f"layers.{i}.slice_cost": torch.zeros(2) for i in range(3)}, {}, "without valid slice_widths"),
-        ({f"layers.{i}.slice_cost": torch.zeros(3) for i in range(3)}, {"slice_widths": "4,8"}, "is not [2] finite"),
+        ({"layers.0.slice_cost": torch.zeros(2, 2)}, {"slice_widths": "4,8"}, "missing for some layers"),
+        ({f"layers.{i}.slice_cost": torch.zeros(2, 2) for i in range(3)}, {}, "without valid slice_widths"),
+        ({f"layers.{i}.slice_cost": torch.zeros(2, 3) for i in range(3)}, {"slice_widths": "4,8"}, "is not [2, 2] finite"),
     ]:
         path = tmp_path / "bad.safetensors"
         calibrate.write(path, {**tensors, **extra}, {**proj.metadata, **meta})

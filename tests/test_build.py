@@ -133,11 +133,14 @@ def test_memory_h2o_build(tmp_path, proj):
                  "--h2o-ratio", "0.5", "--projection", str(proj), "--out", str(out), "--parity-steps", "8",
                  "--parity-prompt-tokens", "96"]) == 0
     cfg = FolderConfig.from_folder(out)
-    widths = cfg.contract.widths
-    assert sum(widths) == 48 * 30 and len(set(widths)) > 1 and cfg.contract.h2o and cfg.aqua.h2o_ratio == 0.5
+    widths, value_widths = cfg.contract.widths, cfg.contract.value_widths
+    assert sum(widths + value_widths) == 2 * 48 * 30 and len(set(widths + value_widths)) > 1
+    assert cfg.contract.h2o and cfg.aqua.h2o_ratio == 0.5
     assert cfg.contract.selected == tuple(round(0.75 * w) for w in widths)
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
-    assert [i.type.tensor_type.shape.dim[3].dim_value for i in graph.input if i.name.endswith(".key")] == list(widths)
+    dims = {i.name: i.type.tensor_type.shape.dim[3].dim_value for i in graph.input if i.name.endswith(("key", "value"))}
+    assert [dims[f"past_key_values.{i}.key"] for i in range(30)] == list(widths)
+    assert [dims[f"past_key_values.{i}.value"] for i in range(30)] == list(value_widths)
     assert "past_key_values.0.token" in cfg.contract.input_names() and "present.29.heavy" in cfg.contract.output_names()
     assert sum(1 for n in graph.node if n.op_type == "H2OAttention") == 30
     assert not (out / "genai_config.json").exists()  # genai cannot evict: the folder is for --runtime aqua

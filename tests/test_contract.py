@@ -12,7 +12,7 @@ from aqua_export.folder import FolderConfig, Geometry
 
 
 def _contract(**kw):
-    return Contract(**{"layers": 3, "kv_heads": 2, "widths": (12, 12, 12), "selected": (9, 9, 9), "vocab": 50, **kw})
+    return Contract(**{"layers": 3, "kv_heads": 2, "widths": (12, 12, 12), "selected": (9, 9, 9), "value_widths": (12, 12, 12), "vocab": 50, **kw})
 
 
 def test_names_shapes_and_round_trip():
@@ -37,11 +37,13 @@ def test_names_shapes_and_round_trip():
 
 def test_layers_of_different_widths():
     """AQUA-Memory's allocated slicing: each layer's buffers are as wide as that layer caches."""
-    ct = _contract(widths=[16, 8, 12], selected=[12, 6, 9])
+    ct = _contract(widths=[16, 8, 12], selected=[12, 6, 9], value_widths=[4, 20, 12])
     assert ct.widths == (16, 8, 12) and not ct.uniform and _contract().uniform
+    assert not _contract(value_widths=(12, 12, 11)).uniform
     shapes = ct.feed_shapes(1, 1, 5)
     assert [shapes[f"past_key_values.{i}.key"][-1] for i in range(3)] == [16, 8, 12]
-    assert ct.empty_buffer("value", 2, 3, 1).shape == (2, 2, 3, 8)
+    assert [shapes[f"past_key_values.{i}.value"][-1] for i in range(3)] == [4, 20, 12]
+    assert ct.empty_buffer("value", 2, 3, 1).shape == (2, 2, 3, 20) and ct.empty_buffer("key", 2, 3, 1).shape == (2, 2, 3, 8)
     assert Contract.from_dict(json.loads(json.dumps(ct.to_dict()))) == ct
     with pytest.raises(ConfigError, match="one head_size for all"):
         ct.genai_io()
@@ -86,6 +88,7 @@ def test_folder_config_round_trips_and_writes_atomically(tmp_path):
     (lambda d: {**d, "geometry": {**d["geometry"], "layers": 4}}, "disagrees with the geometry"),
     (lambda d: {**d, "contract": {**d["contract"], "widths": [11, 12, 12]}}, "disagree with the AQUA settings"),
     (lambda d: {**d, "contract": {**d["contract"], "widths": [11, 13, 12]}}, "disagree with the AQUA settings"),
+    (lambda d: {**d, "contract": {**d["contract"], "value_widths": [11, 13, 12]}}, "disagree with the AQUA settings"),
     (lambda d: {**d, "aqua": {**d["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
     (lambda d: {**d, "context_length": 0}, "context_length"),
 ])

@@ -73,7 +73,7 @@ def test_damaged_genai_config_is_one_line(tmp_path, text):
     from aqua_export.folder import FolderConfig, Geometry
 
     FolderConfig(model="llama", aqua=AquaConfig(), geometry=Geometry(2, 4, 2, 16, 64),
-                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(16, 16), vocab=100)).write(tmp_path)
+                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(16, 16), value_widths=(16, 16), vocab=100)).write(tmp_path)
     with pytest.raises(ConfigError, match="has no genai_config.json: rebuild the folder") as e:
         GenaiLM(tmp_path)
     assert "\n" not in str(e.value)
@@ -90,7 +90,7 @@ def test_genai_refuses_h2o_folders_with_one_line(tmp_path):
 
     aqua = AquaConfig(k_ratio=0.75, h2o_ratio=0.5)
     FolderConfig(model="llama", aqua=aqua, geometry=Geometry(2, 4, 2, 16, 64),
-                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(12, 12), vocab=100, h2o=True)).write(tmp_path)
+                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(12, 12), value_widths=(16, 16), vocab=100, h2o=True)).write(tmp_path)
     with pytest.raises(ConfigError, match="--runtime aqua") as e:
         GenaiLM(tmp_path)
     assert "\n" not in str(e.value)

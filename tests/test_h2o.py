@@ -55,6 +55,17 @@ def test_op_equals_reference(tmp_path, kernel, rule, k, mask):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rv", [8, 24])
+def test_values_narrower_or_wider_than_the_keys(tmp_path, kernel, rv):
+    """AQUA-Memory may cache V at its own width: out and present_value are rv wide."""
+    m = H2O_MASKS["padded"]
+    ins = h2o_inputs(2, 2, 3, 24, 16, m, rv=rv)
+    got = _session(tmp_path, kernel, k=8, rule=1, ratio=0.5).run(None, _feed(ins))
+    assert got[0].shape[-1] == rv and got[2].shape[-1] == rv and got[1].shape[-1] == 16
+    _check(got, h2o.reference(*ins, k=8, rule=1, ratio=0.5), 1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_softcap_ratio_and_float16(tmp_path, kernel):
     m = H2O_MASKS["padded"]
     ins = h2o_inputs(2, 2, 2, 24, 16, m)

@@ -19,13 +19,14 @@ SHAPES = [(1, 2, 3, 1, 64, 3000, 3000), (3, 3, 3, 1, 32, 300, 517), (2, 2, 3, 7,
           (1, 2, 4, 3, 64, 600, 700)]
 
 
-def _inputs(shape, dtype=torch.float32, seed=0, pad=True):
+def _inputs(shape, dtype=torch.float32, seed=0, pad=True, rv=None):
     b, hkv, g, t, r, length, cap = shape
+    rv = r if rv is None else rv
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hkv, g, t, r, generator=gen)
     q[0, 0, 0, 0, : min(4, r)] = 1.5  # a tie: the lower index wins
     kc = torch.randn(b, hkv, r, cap, generator=gen)
-    vc = torch.randn(b, hkv, cap, r, generator=gen)
+    vc = torch.randn(b, hkv, cap, rv, generator=gen)
     pos = torch.arange(length)
     new = torch.arange(length - t, length)
     ok = (pos[None, :] <= new[:, None]).expand(b, t, length).clone()  # causal over the new tokens
@@ -53,6 +54,18 @@ def test_attention_equals_reference_float32(kernel, shape, rule, k_of_r):
     ref = attention_reference(q.double(), kc.double(), vc.double(), length, mask, k, rule).numpy()
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 2e-5, np.abs(got - ref).max()  # float32 accumulation over L terms
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape,rv", [((1, 2, 3, 1, 32, 3000, 3000), 48), ((2, 2, 3, 7, 16, 40, 40), 8)],
+                         ids=["decode-split-wider-v", "prefill-narrower-v"])
+def test_values_of_their_own_width(kernel, shape, rv):
+    """AQUA-Memory may cache V at its own width rv: out is rv wide (the split decode merges rv + 2 partials)."""
+    q, kc, vc, length, mask = _inputs(shape, rv=rv)
+    got = _run(kernel, shape[4] // 2, 1, 0.0, q, kc, vc, length, mask)
+    ref = attention_reference(q.double(), kc.double(), vc.double(), length, mask, shape[4] // 2, 1).numpy()
+    assert got.shape == ref.shape and got.shape[-1] == rv
+    assert np.abs(got - ref).max() <= 2e-5
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

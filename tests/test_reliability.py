@@ -89,7 +89,7 @@ def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
     c = json.loads(f.read_text())
     c["geometry"]["layers"] += 1
     c["contract"]["layers"] += 1
-    for key in ("widths", "selected"):
+    for key in ("widths", "selected", "value_widths"):
         c["contract"][key].append(c["contract"][key][-1])
     f.write_text(json.dumps(c))
     assert main(["run", str(copy), "--prompt", "Hi"]) == 2

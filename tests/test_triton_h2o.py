@@ -62,6 +62,15 @@ def test_triton_h2o_softcap_ratio_float16_and_several_blocks():
     _check(got, h2o.reference(*ins, k=48, rule=1, ratio=0.5), 1e-5)
 
 
+@pytest.mark.parametrize("rv", [8, 24])
+def test_triton_h2o_values_of_their_own_width(rv):
+    m = H2O_MASKS["padded"]
+    ins = h2o_inputs(2, 2, 3, 24, 16, m, rv=rv)
+    got = _run(ins, k=8, rule=1, ratio=0.5)
+    assert got[0].shape[-1] == rv and got[2].shape[-1] == rv
+    _check(got, h2o.reference(*ins, k=8, rule=1, ratio=0.5), 1e-5)
+
+
 def test_triton_h2o_prompt_in_one_forward_evicts_as_token_by_token():
     m = H2O_MASKS["padded"]
     ins = h2o_inputs(2, 2, 3, 24, 16, m)

@@ -44,7 +44,7 @@ PAPER = {1.0: (8.91, 11.34), 0.9: (8.91, 11.34), 0.75: (8.93, 11.33), 0.5: (9.20
 
 def kv_split(model, tok, text: str, proj, a) -> dict:
     """Perplexity at k 0.9 with uniform slicing's bytes spent on one side: keys cut to 2r - d with values whole,
-    or the reverse (the reference caches V at its own width; the export ties K^'s and V's widths)."""
+    or the reverse."""
     from aqua_export.attention import apply_aqua
 
     n, d = len(proj.P), proj.P[0].shape[-1]
@@ -62,11 +62,12 @@ def kv_split(model, tok, text: str, proj, a) -> dict:
 def memory_alloc_lines(mem: dict, alloc: dict, dense: float, proj, split: dict) -> list[str]:
     """The allocations against uniform slicing at the same cache bytes, k 0.9."""
     L = ["### Where the width goes: allocation at the same cache bytes (k_ratio 0.9)\n",
-         "`--slice-alloc`: every layer keeps its own width, the widths summing to uniform slicing's (allocate.py). "
-         "`energy`: water-filling on the calibrated spectra (the share of key-side and value-side energy a width "
-         "drops); `measured`: on each layer's measured cost, the KL of the next-token distribution when only that "
-         f"layer is cut (calibration text, widths {proj.metadata.get('slice_widths', '?')} of 64). Increase = "
-         "perplexity - dense; ratio = allocated increase / uniform increase (<= 0.5 halves it).\n",
+         "`--slice-alloc`: every layer's K^ and V get their own widths, summing to uniform slicing's (allocate.py): "
+         "the same cache bytes. `energy`: water-filling on the calibrated spectra (the share of the q/k stack's "
+         "energy a K^ width drops, of the values' energy a V width drops); `measured`: on measured costs, the KL "
+         "of the next-token distribution when only one layer's K^ or V is cut (calibration text, widths "
+         f"{proj.metadata.get('slice_widths', '?')} of 64). Increase = perplexity - dense; ratio = allocated "
+         "increase / uniform increase (<= 0.5 halves it).\n",
          "| slice_ratio | uniform | " + " | ".join(ALLOCS) + " | " + " | ".join(f"{a} / uniform increase" for a in ALLOCS)
          + " |", "|---|---|" + "---|" * 2 * len(ALLOCS)]
     for s in (0.1, 0.25):
@@ -74,8 +75,8 @@ def memory_alloc_lines(mem: dict, alloc: dict, dense: float, proj, split: dict) 
         L.append(f"| {s} | {u:.4f} | " + " | ".join(f"{alloc[(s, a)]:.4f}" for a in ALLOCS) + " | "
                  + " | ".join(f"{(alloc[(s, a)] - dense) / (u - dense):.2f}" for a in ALLOCS) + " |")
     if split:
-        L += ["", "The same bytes spent on one side only (the reference; the export caches K^ and V of a layer at one "
-              "width): keys cut to 2r - d with V whole, or V cut with keys whole.\n",
+        L += ["", "Why the allocations cut keys first: the same bytes spent on one side only, keys cut to 2r - d with "
+              "V whole, or V cut with keys whole (every layer alike).\n",
               "| slice_ratio | uniform (K^ and V at r) | keys cut, V whole | V cut, keys whole | keys-only / uniform "
               "increase |", "|---|---|---|---|---|"]
         for s in (0.1, 0.25):

@@ -2,10 +2,10 @@
 //
 //   query_hat   [B, Hkv, g, T, r]    q^ with the attention scale folded in
 //   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key)
-//   value_cache [B, Hkv, Cv, r]      present.value
+//   value_cache [B, Hkv, Cv, rv]     present.value (rv: V's width, r unless AQUA-Memory cuts K^ and V apart)
 //   total_length [1] int64           L <= C, Cv: the slots filled so far
 //   mask        [B|1, 1, 1, T, L]    float32, added to the scores (0 or float32 min)
-//     -> out [B, Hkv, g, T, r] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
+//     -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
 //   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap
 //
 // No [B, Hkv, g, T, L] tensor exists: tasks of (batch, kv head, tile of up to 4 query rows, split of the L
@@ -39,8 +39,8 @@ struct AttentionJob {
   const T* value;
   const float* mask;
   T* out;
-  float* part;  // [tasks, kRows, r + 2]: o, m, l of each row when the positions are split
-  int64_t heads, g, t, r, k, rule, len, key_stride, value_slots, mask_batch_stride, tiles, splits, split_len;
+  float* part;  // [tasks, kRows, rv + 2]: o, m, l of each row when the positions are split
+  int64_t heads, g, t, r, rv, k, rule, len, key_stride, value_slots, mask_batch_stride, tiles, splits, split_len;
   float softcap;
 };
 
@@ -183,13 +183,13 @@ void attention_task(void* data, size_t task_index) {
   const float* mrow[kRows];
   for (int rr = 0; rr < nr; ++rr) {
     m[rr] = -INFINITY, l[rr] = 0.0f;
-    std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.r, 0.0f);
+    std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, 0.0f);
     const int64_t tt = (tile * kRows + rr) / j.g;
     mrow[rr] = j.mask + (bh / j.heads) * j.mask_batch_stride + tt * j.len;
   }
   const int64_t p0 = split * j.split_len, p1 = std::min(j.len, p0 + j.split_len);
   const T* key = j.key + bh * j.r * j.key_stride;
-  const T* value = j.value + bh * j.value_slots * j.r;
+  const T* value = j.value + bh * j.value_slots * j.rv;
   for (int64_t s0 = p0; s0 < p1; s0 += kPos) {
     const int64_t n = std::min(kPos, p1 - s0);
     const float* mb[kRows];
@@ -200,19 +200,19 @@ void attention_task(void* data, size_t task_index) {
     }
     if (!visible) continue;
     accumulate_rows(nr, key + s0, j.key_stride, uni.data(), nu, wbuf.data(), n, s, kPos);
-    online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.r);
-    add_values_rows(nr, s, value + s0 * j.r, n, j.r, o);
+    online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.rv);
+    add_values_rows(nr, s, value + s0 * j.rv, n, j.rv, o);
   }
   for (int rr = 0; rr < nr; ++rr) {
     const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
     if (j.splits == 1) {
-      T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.r;
+      T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.rv;
       const float inv = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
-      for (int64_t c = 0; c < j.r; ++c) store(dst, c, o[rr * kMaxWidth + c] * inv);
+      for (int64_t c = 0; c < j.rv; ++c) store(dst, c, o[rr * kMaxWidth + c] * inv);
     } else {
-      float* dst = j.part + (task * kRows + rr) * (j.r + 2);
-      std::copy(o + rr * kMaxWidth, o + rr * kMaxWidth + j.r, dst);
-      dst[j.r] = m[rr], dst[j.r + 1] = l[rr];
+      float* dst = j.part + (task * kRows + rr) * (j.rv + 2);
+      std::copy(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, dst);
+      dst[j.rv] = m[rr], dst[j.rv + 1] = l[rr];
     }
   }
 }
@@ -223,26 +223,27 @@ void merge_task(void* data, size_t index) {
   const auto& j = *static_cast<const AttentionJob<T>*>(data);
   const int64_t tile = static_cast<int64_t>(index) % j.tiles, bh = static_cast<int64_t>(index) / j.tiles;
   const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g * j.t - tile * kRows));
-  std::vector<float> acc(static_cast<size_t>(j.r));
+  const int64_t rv = j.rv;
+  std::vector<float> acc(static_cast<size_t>(rv));
   for (int rr = 0; rr < nr; ++rr) {
-    const float* first = j.part + ((static_cast<int64_t>(index) * j.splits) * kRows + rr) * (j.r + 2);
-    const int64_t step = kRows * (j.r + 2);
+    const float* first = j.part + ((static_cast<int64_t>(index) * j.splits) * kRows + rr) * (rv + 2);
+    const int64_t step = kRows * (rv + 2);
     float top = -INFINITY, den = 0.0f;
     for (int64_t sp = 0; sp < j.splits; ++sp) {
-      if (first[sp * step + j.r + 1] > 0.0f) top = std::max(top, first[sp * step + j.r]);
+      if (first[sp * step + rv + 1] > 0.0f) top = std::max(top, first[sp * step + rv]);
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t sp = 0; sp < j.splits; ++sp) {
       const float* p = first + sp * step;
-      if (!(p[j.r + 1] > 0.0f)) continue;
-      const float w = std::exp(p[j.r] - top);
-      den += p[j.r + 1] * w;
-      for (int64_t c = 0; c < j.r; ++c) acc[c] += p[c] * w;
+      if (!(p[rv + 1] > 0.0f)) continue;
+      const float w = std::exp(p[rv] - top);
+      den += p[rv + 1] * w;
+      for (int64_t c = 0; c < rv; ++c) acc[c] += p[c] * w;
     }
     const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
-    T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.r;
+    T* dst = j.out + ((bh * j.g + h) * j.t + tt) * rv;
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    for (int64_t c = 0; c < j.r; ++c) store(dst, c, acc[c] * inv);
+    for (int64_t c = 0; c < rv; ++c) store(dst, c, acc[c] * inv);
   }
 }
 
@@ -265,10 +266,10 @@ struct AttentionKernel {
     const int64_t len = total_length(ctx, 3);
     if (qs.size() != 5 || ks.size() != 4 || vs.size() != 4 || ms.size() != 5) {
       ORT_CXX_API_THROW("AquaAttention: expected query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache "
-                        "[B,Hkv,C,r] and mask [B,1,1,T,L]", ORT_INVALID_ARGUMENT);
+                        "[B,Hkv,C,rv] and mask [B,1,1,T,L]", ORT_INVALID_ARGUMENT);
     }
-    const int64_t r = qs[4];
-    if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1] || ks[2] != r || vs[3] != r) {
+    const int64_t r = qs[4], rv = vs[3];
+    if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1] || ks[2] != r) {
       ORT_CXX_API_THROW("AquaAttention: query_hat, key_cache and value_cache disagree on B, Hkv or r",
                         ORT_INVALID_ARGUMENT);
     }
@@ -277,10 +278,11 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: total_length must fit both caches and mask must be [B|1,1,1,T,L]",
                         ORT_INVALID_ARGUMENT);
     }
-    if (k_ < 1 || k_ > r || r > kMaxWidth || rule_ < kPerHead || rule_ > kStatic) {
-      ORT_CXX_API_THROW("AquaAttention: k must be in [1, r], r <= 512, rule in {0, 1, 2}", ORT_INVALID_ARGUMENT);
+    if (k_ < 1 || k_ > r || r > kMaxWidth || rv < 1 || rv > kMaxWidth || rule_ < kPerHead || rule_ > kStatic) {
+      ORT_CXX_API_THROW("AquaAttention: k must be in [1, r], r and rv in [1, 512], rule in {0, 1, 2}",
+                        ORT_INVALID_ARGUMENT);
     }
-    auto out = ctx.GetOutput(0, qs);
+    auto out = ctx.GetOutput(0, std::vector<int64_t>{qs[0], qs[1], qs[2], qs[3], rv});
     const int64_t bh = qs[0] * qs[1], rows = qs[2] * qs[3];
     if (bh * rows == 0) return;
     const int64_t tiles = (rows + kRows - 1) / kRows;
@@ -289,9 +291,9 @@ struct AttentionKernel {
       splits = std::min((kTasksWanted + bh * tiles - 1) / (bh * tiles), std::max<int64_t>(1, len / (4 * kPos)));
     }
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
-    std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (r + 2)) : 0);
+    std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0);
     AttentionJob<T> job{q_in.GetTensorData<T>(), k_in.GetTensorData<T>(), v_in.GetTensorData<T>(),
-                        m_in.GetTensorData<float>(), out.GetTensorMutableData<T>(), part.data(), qs[1], qs[2], qs[3], r, k_,
+                        m_in.GetTensorData<float>(), out.GetTensorMutableData<T>(), part.data(), qs[1], qs[2], qs[3], r, rv, k_,
                         rule_, len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, tiles, splits, split_len, softcap_};
     ctx.ParallelFor(&attention_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
     if (splits > 1) ctx.ParallelFor(&merge_task<T>, static_cast<size_t>(bh * tiles), 0, &job);

@@ -3,13 +3,13 @@
 //
 //   query_hat    [B, Hkv, g, T, r]   q^ of the new tokens, attention scale folded in
 //   key_new      [B, Hkv, T, r]      k^ of the new tokens
-//   value_new    [B, Hkv, T, r]      v of the new tokens
+//   value_new    [B, Hkv, T, rv]     v of the new tokens (rv: V's width, r unless K^ and V are cut apart)
 //   past_key     [B, Hkv, C, r]      slots of K^, memory dim-major [B, Hkv, r, C]
-//   past_value   [B, Hkv, C, r]
+//   past_value   [B, Hkv, C, rv]
 //   past_heavy   [B, Hkv, C] f32     accumulated attention of each slot (the heavy-hitter statistic)
 //   past_token   [B, Hkv, C] i64     which token (0-based, padding counted) a slot holds; -1: free
 //   attention_mask [B, L] i64        every token so far, the T new ones last (0 = padding)
-//     -> out [B, Hkv, g, T, r], present_key / _value / _heavy / _token of C' = max(C, need) slots
+//     -> out [B, Hkv, g, T, rv], present_key / _value / _heavy / _token of C' = max(C, need) slots
 //   attributes: k, rule, softcap (as AquaAttention), ratio (share of a sequence's real tokens kept)
 //
 // Fixed-capacity slots updated in place: when present is bound to past's memory (a shared buffer) nothing
@@ -47,13 +47,13 @@ struct H2OJob {
   const T* key_new;
   const T* value_new;
   T* key;      // [B, Hkv, r, C]
-  T* value;    // [B, Hkv, C, r]
+  T* value;    // [B, Hkv, C, rv]
   float* heavy;
   int64_t* token;
   const int64_t* mask;  // [B, L]
   const int64_t* before;  // [B, L + 1]: real tokens at positions < p
-  T* out;                 // [B, Hkv, g, T, r]
-  int64_t heads, g, t, r, k, rule, len, cap;
+  T* out;                 // [B, Hkv, g, T, rv]
+  int64_t heads, g, t, r, rv, k, rule, len, cap;
   double ratio;
   float softcap;
 };
@@ -122,9 +122,9 @@ inline int64_t victim(const float* heavy, const int64_t* token, const int64_t* b
 template <typename T>
 void h2o_task(void* data, size_t index) {
   const auto& j = *static_cast<const H2OJob<T>*>(data);
-  const int64_t bh = static_cast<int64_t>(index), b = bh / j.heads, cap = j.cap, r = j.r, g = j.g;
+  const int64_t bh = static_cast<int64_t>(index), b = bh / j.heads, cap = j.cap, r = j.r, rv = j.rv, g = j.g;
   T* key = j.key + bh * r * cap;
-  T* value = j.value + bh * cap * r;
+  T* value = j.value + bh * cap * rv;
   float* heavy = j.heavy + bh * cap;
   int64_t* token = j.token + bh * cap;
   const int64_t* mask = j.mask + b * j.len;
@@ -135,7 +135,7 @@ void h2o_task(void* data, size_t index) {
   }
   const int64_t first = j.len - j.t;
   int64_t n = before[first];
-  std::vector<float> q(static_cast<size_t>(g * r)), o(static_cast<size_t>(g * r));
+  std::vector<float> q(static_cast<size_t>(g * r)), o(static_cast<size_t>(g * rv));
   std::vector<int64_t> idx(static_cast<size_t>(g * j.k));
   std::vector<float> s(static_cast<size_t>(g * cap));
   for (int64_t tt = 0; tt < j.t; ++tt) {
@@ -145,9 +145,9 @@ void h2o_task(void* data, size_t index) {
       int64_t slot = 0;
       while (token[slot] >= 0) ++slot;  // a free slot exists: cap >= need
       const T* kn = j.key_new + (bh * j.t + tt) * r;
-      const T* vn = j.value_new + (bh * j.t + tt) * r;
+      const T* vn = j.value_new + (bh * j.t + tt) * rv;
       for (int64_t c = 0; c < r; ++c) key[c * cap + slot] = kn[c];
-      std::copy(vn, vn + r, value + slot * r);
+      std::copy(vn, vn + rv, value + slot * rv);
       token[slot] = pos, heavy[slot] = 0.0f, ++live, hw = std::max(hw, slot + 1);
     }
     for (int64_t h = 0; h < g; ++h) {
@@ -160,16 +160,16 @@ void h2o_task(void* data, size_t index) {
     std::fill(o.begin(), o.end(), 0.0f);
     for (int64_t i = 0; i < hw; ++i) {
       if (token[i] < 0) continue;
-      const T* vr = value + i * r;
+      const T* vr = value + i * rv;
       for (int64_t h = 0; h < g; ++h) {
         const float w = s[h * cap + i];
-        float* oh = o.data() + h * r;
-        for (int64_t c = 0; c < r; ++c) oh[c] += w * load(vr, c);
+        float* oh = o.data() + h * rv;
+        for (int64_t c = 0; c < rv; ++c) oh[c] += w * load(vr, c);
       }
     }
     for (int64_t h = 0; h < g; ++h) {
-      T* dst = j.out + ((bh * g + h) * j.t + tt) * r;
-      for (int64_t c = 0; c < r; ++c) store(dst, c, o[h * r + c]);
+      T* dst = j.out + ((bh * g + h) * j.t + tt) * rv;
+      for (int64_t c = 0; c < rv; ++c) store(dst, c, o[h * rv + c]);
     }
     if (real) {
       for (int64_t i = 0; i < hw; ++i) {
@@ -224,12 +224,13 @@ struct H2OKernel {
     if (qs.size() != 5 || kns.size() != 4 || vns.size() != 4 || ks.size() != 4 || vs.size() != 4 || hs.size() != 3 ||
         ts.size() != 3 || ms.size() != 2) {
       ORT_CXX_API_THROW("H2OAttention: expected query_hat [B,Hkv,g,T,r], key_new / value_new [B,Hkv,T,r], past "
-                        "key / value [B,Hkv,C,r], heavy / token [B,Hkv,C] and attention_mask [B,L]", ORT_INVALID_ARGUMENT);
+                        "key / value [B,Hkv,C,r|rv], heavy / token [B,Hkv,C] and attention_mask [B,L]",
+                        ORT_INVALID_ARGUMENT);
     }
-    const int64_t b = qs[0], hkv = qs[1], g = qs[2], t = qs[3], r = qs[4], c = ks[2], len = ms[1];
+    const int64_t b = qs[0], hkv = qs[1], g = qs[2], t = qs[3], r = qs[4], rv = vns[3], c = ks[2], len = ms[1];
     const std::vector<int64_t> new_shape{b, hkv, t, r}, state{b, hkv, c};
-    if (kns != new_shape || vns != new_shape || ks != std::vector<int64_t>{b, hkv, c, r} || vs != ks || hs != state ||
-        ts != state || ms[0] != b || len < t) {
+    if (kns != new_shape || vns != std::vector<int64_t>{b, hkv, t, rv} || ks != std::vector<int64_t>{b, hkv, c, r} ||
+        vs != std::vector<int64_t>{b, hkv, c, rv} || rv < 1 || hs != state || ts != state || ms[0] != b || len < t) {
       ORT_CXX_API_THROW("H2OAttention: the inputs disagree on B, Hkv, T, r or the slots C, or attention_mask is "
                         "shorter than the new tokens", ORT_INVALID_ARGUMENT);
     }
@@ -246,9 +247,9 @@ struct H2OKernel {
       need = std::max(need, std::min(row[len], budget(ratio_, row[len]) + 1));
     }
     const int64_t cap = std::max(c, need);
-    auto out = ctx.GetOutput(0, qs);
+    auto out = ctx.GetOutput(0, {b, hkv, g, t, rv});
     auto k_out = ctx.GetOutput(1, {b, hkv, cap, r});
-    auto v_out = ctx.GetOutput(2, {b, hkv, cap, r});
+    auto v_out = ctx.GetOutput(2, {b, hkv, cap, rv});
     auto h_out = ctx.GetOutput(3, {b, hkv, cap});
     auto t_out = ctx.GetOutput(4, {b, hkv, cap});
     T* key = k_out.GetTensorMutableData<T>();
@@ -257,7 +258,7 @@ struct H2OKernel {
     int64_t* token = t_out.GetTensorMutableData<int64_t>();
     const int64_t rows = b * hkv;
     widen(k_in.GetTensorData<T>(), key, rows * r, c, cap, 1);
-    widen(v_in.GetTensorData<T>(), value, rows, c, cap, r);
+    widen(v_in.GetTensorData<T>(), value, rows, c, cap, rv);
     widen(h_in.GetTensorData<float>(), heavy, rows, c, cap, 1);
     widen(t_in.GetTensorData<int64_t>(), token, rows, c, cap, 1, int64_t{-1});
     // what the slot search relies on: a row holds at most budget(n) live tokens, all before the new ones
@@ -277,7 +278,7 @@ struct H2OKernel {
     }
     if (rows * t == 0) return;
     H2OJob<T> job{q_in.GetTensorData<T>(), kn_in.GetTensorData<T>(), vn_in.GetTensorData<T>(), key, value, heavy,
-                  token, mask, before.data(), out.GetTensorMutableData<T>(), hkv, g, t, r, k_, rule_, len, cap,
+                  token, mask, before.data(), out.GetTensorMutableData<T>(), hkv, g, t, r, rv, k_, rule_, len, cap,
                   static_cast<double>(ratio_), softcap_};
     ctx.ParallelFor(&h2o_task<T>, static_cast<size_t>(rows), 0, &job);
   }
