@@ -83,14 +83,19 @@ def test_damaged_genai_config_is_one_line(tmp_path, text):
     assert "\n" not in str(e.value)
 
 
-def test_genai_refuses_h2o_folders_with_one_line(tmp_path):
+@pytest.mark.parametrize("what", ["h2o", "widths"])
+def test_genai_refuses_h2o_and_allocated_folders_with_one_line(tmp_path, what):
     from aqua_export.backends.genai import GenaiLM
     from aqua_export.contract import Contract
     from aqua_export.folder import FolderConfig, Geometry
 
-    aqua = AquaConfig(k_ratio=0.75, h2o_ratio=0.5)
+    if what == "h2o":
+        aqua, widths, value_widths = AquaConfig(k_ratio=0.75, h2o_ratio=0.5), (16, 16), (16, 16)
+    else:  # slice 0.25 of 16 -> 12 on average, spent 8 / 16 on K^ and V
+        aqua, widths, value_widths = AquaConfig(k_ratio=0.75, slice_ratio=0.25, slice_alloc="energy"), (8, 12), (16, 12)
     FolderConfig(model="llama", aqua=aqua, geometry=Geometry(2, 4, 2, 16, 64),
-                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(12, 12), value_widths=(16, 16), vocab=100, h2o=True)).write(tmp_path)
+                 contract=Contract(layers=2, kv_heads=2, widths=widths, selected=tuple(round(0.75 * w) for w in widths),
+                                   value_widths=value_widths, vocab=100, h2o=what == "h2o")).write(tmp_path)
     with pytest.raises(ConfigError, match="--runtime aqua") as e:
         GenaiLM(tmp_path)
     assert "\n" not in str(e.value)

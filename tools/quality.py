@@ -170,7 +170,8 @@ def main() -> int:
     text = corpus.read_text(EVAL)
 
     results: dict = {}
-    measured = dict(old.get("results", {}))
+    # keyed by AquaConfig's JSON: re-keyed so that results written before a config field existed still match
+    measured = {AquaConfig.from_json(k).to_json(): v for k, v in old.get("results", {}).items()}
 
     def run(cfg: AquaConfig, section: str) -> float:
         key = cfg.to_json()

@@ -97,9 +97,7 @@ class GenaiLM:
 
     def __init__(self, folder: str | Path, share_buffer: bool = True, threads: int = 0):
         self.cfg = FolderConfig.from_folder(folder)
-        if self.cfg.contract.h2o:
-            raise ConfigError("AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: use "
-                              "--runtime aqua")
+        self.cfg.contract.genai_io()  # H2O, or K^ / V widths per layer: one line naming --runtime aqua
         folder = Path(folder)
         if not (folder / GENAI_CONFIG).is_file():
             raise ConfigError(f"{folder} has no {GENAI_CONFIG}: rebuild the folder with this aqua-export")
