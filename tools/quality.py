@@ -29,7 +29,9 @@ SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
 SECTIONS = ("selection", "memory", "h2o", "retention", "lmeval")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
-ALLOCS = ("energy", "measured")  # AQUA-Memory's other allocations, compared with uniform at k 0.9
+# AQUA-Memory's allocations compared with uniform at k 0.9 ('measured' also works, after 2 L n forwards that
+# measure its costs: add it here to compare it too)
+ALLOCS = ("energy",)
 H2O = [(h, k) for h in (0.25, 0.5, 0.75) for k in (0.5, 0.75, 1.0)]
 LM_EVAL = {"dense": AquaConfig(), "AQUA k 0.75": AquaConfig(k_ratio=0.75), "AQUA k 0.5": AquaConfig(k_ratio=0.5),
            "AQUA-Memory s 0.1, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.1),
@@ -173,9 +175,11 @@ def main() -> int:
     # keyed by AquaConfig's JSON: re-keyed so that results written before a config field existed still match
     measured = {AquaConfig.from_json(k).to_json(): v for k, v in old.get("results", {}).items()}
 
-    def run(cfg: AquaConfig, section: str) -> float:
+    def run(cfg: AquaConfig, section: str) -> float | None:
         key = cfg.to_json()
-        if section not in sections and key in measured:
+        if section not in sections:
+            if key not in measured:
+                return None  # not measured yet: its section measures it
             results[key] = measured[key]
         if key not in results:
             t = time.perf_counter()
@@ -239,10 +243,10 @@ def main() -> int:
     L.append("| k_ratio | k (of 64) | " + " | ".join(SELECTIONS) + " | paper Llama-3.1-8B | paper OLMoE-1B-7B |")
     L.append("|---|---|" + "---|" * len(SELECTIONS) + "---|---|")
     for k in ks:
-        row = [f"{grid[(k, s)]:.4f}" if (k, s) in grid else "" for s in SELECTIONS]
-        have = [i for i, s in enumerate(SELECTIONS) if (k, s) in grid]
-        best = min(have, key=lambda i: grid[(k, SELECTIONS[i])])
-        if k < 1:
+        row = [f"{grid[(k, s)]:.4f}" if grid.get((k, s)) is not None else "" for s in SELECTIONS]
+        have = [i for i, s in enumerate(SELECTIONS) if grid.get((k, s)) is not None]
+        best = min(have, key=lambda i: grid[(k, SELECTIONS[i])]) if have else None
+        if k < 1 and have:
             row[best] = f"**{row[best]}**"
         paper = PAPER.get(k, ("", ""))
         L.append(f"| {k} | {AquaConfig(k_ratio=k).selected_width(64)} | " + " | ".join(row)
