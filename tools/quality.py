@@ -196,7 +196,7 @@ def main() -> int:
             if k < 1 and (k in GROUP_K if s.startswith("group") else k in K_RATIOS)}
     grid.update({(1.0, s): dense for s in SELECTIONS})  # k = r: every rule is dense attention
     mem = {(s, k): run(AquaConfig(k_ratio=k, slice_ratio=s), "memory") for s, k in MEMORY}
-    if "memory" in sections and proj.slice_cost is None:  # measured on the calibration text, kept in the artifact
+    if "memory" in sections and "measured" in ALLOCS and proj.slice_cost is None:  # kept in the artifact
         proj = allocate.add_costs(model, tok, proj, proj_path, [CALIB])
     alloc = {(s, a): run(AquaConfig(k_ratio=0.9, slice_ratio=s, slice_alloc=a), "memory") for s in (0.1, 0.25)
              for a in ALLOCS}
