@@ -66,10 +66,10 @@ def memory_alloc_lines(mem: dict, alloc: dict, dense: float, proj, split: dict) 
     L = ["### Where the width goes: allocation at the same cache bytes (k_ratio 0.9)\n",
          "`--slice-alloc`: every layer's K^ and V get their own widths, summing to uniform slicing's (allocate.py): "
          "the same cache bytes. `energy`: water-filling on the calibrated spectra (the share of the q/k stack's "
-         "energy a K^ width drops, of the values' energy a V width drops); `measured`: on measured costs, the KL "
-         "of the next-token distribution when only one layer's K^ or V is cut (calibration text, widths "
-         f"{proj.metadata.get('slice_widths', '?')} of 64). Increase = perplexity - dense; ratio = allocated "
-         "increase / uniform increase (<= 0.5 halves it).\n",
+         "energy a K^ width drops, of the values' energy a V width drops); `measured` (compared when listed in "
+         "ALLOCS): on measured costs, the KL of the next-token distribution when only one layer's K^ or V is cut "
+         "(calibration text). Increase = perplexity - dense; ratio = allocated increase / uniform increase "
+         "(<= 0.5 halves it).\n",
          "| slice_ratio | uniform | " + " | ".join(ALLOCS) + " | " + " | ".join(f"{a} / uniform increase" for a in ALLOCS)
          + " |", "|---|---|" + "---|" * 2 * len(ALLOCS)]
     for s in (0.1, 0.25):
