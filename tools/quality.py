@@ -61,7 +61,7 @@ def kv_split(model, tok, text: str, proj, a) -> dict:
     return out
 
 
-def memory_alloc_lines(mem: dict, alloc: dict, dense: float, proj, split: dict) -> list[str]:
+def memory_alloc_lines(mem: dict, alloc: dict, dense: float, split: dict) -> list[str]:
     """The allocations against uniform slicing at the same cache bytes, k 0.9."""
     L = ["### Where the width goes: allocation at the same cache bytes (k_ratio 0.9)\n",
          "`--slice-alloc`: every layer's K^ and V get their own widths, summing to uniform slicing's (allocate.py): "
@@ -279,7 +279,7 @@ def main() -> int:
         L.append(f"| {s} | {AquaConfig(slice_ratio=s).retained_width(64)} | "
                  + " | ".join(f"{mem[(s, k)]:.4f}" for k in (0.75, 0.9, 1.0)) + " |")
     L.append("\nPaper (Llama-3.1-8B): slice 0.10 / k 0.90 -> 9.10; slice 0.25 / k 0.90 -> 10.09 (dense 8.91).\n")
-    L += memory_alloc_lines(mem, alloc, dense, proj, split)
+    L += memory_alloc_lines(mem, alloc, dense, split)
     L.append("## AQUA-H2O (heavy hitters from the approximate scores; token-by-token eviction simulated exactly)\n")
     L.append("| h2o_ratio (kept) | k_ratio 0.5 | k_ratio 0.75 | k_ratio 1.0 |")
     L.append("|---|---|---|---|")
