@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 
 from .config import AquaConfig, ConfigError
@@ -58,24 +59,17 @@ def measured_costs(projection, head_dim: int) -> torch.Tensor:
     if projection.slice_cost is None:
         raise ConfigError("--slice-alloc measured needs slice costs in the projection: calibrate with "
                           "`aqua-export calibrate --slice-costs` (or let the build calibrate)")
-    widths = [int(w) for w in projection.metadata["slice_widths"].split(",")] + [head_dim]
-    grid = torch.arange(head_dim + 1, dtype=torch.float64)
+    x = np.array([int(w) for w in projection.metadata["slice_widths"].split(",")] + [head_dim], np.float64)
+    grid = np.arange(head_dim + 1, dtype=np.float64)
     out = []
     for cost in (side for layer in projection.slice_cost for side in layer):
-        y = torch.cat([cost.double().clamp_min(0), torch.zeros(1, dtype=torch.float64)])
-        x = torch.tensor(widths, dtype=torch.float64)
+        y = np.append(cost.double().clamp_min(0).numpy(), 0.0)
+        row = np.interp(grid, x, y)
         # below the narrowest measured width, extend its slope (costs only grow as columns go)
-        slope = (y[0] - y[1]) / (x[1] - x[0])
-        row = torch.empty(head_dim + 1, dtype=torch.float64)
-        for w in range(head_dim + 1):
-            j = int(torch.searchsorted(x, grid[w]))
-            if j == 0:
-                row[w] = y[0] + slope * (x[0] - w)
-            else:
-                t = (w - x[j - 1]) / (x[j] - x[j - 1])
-                row[w] = y[j - 1] + t * (y[j] - y[j - 1])
+        below = grid < x[0]
+        row[below] = y[0] + (y[0] - y[1]) / (x[1] - x[0]) * (x[0] - grid[below])
         out.append(row)
-    return torch.stack(out).reshape(len(projection.slice_cost), 2, head_dim + 1)
+    return torch.from_numpy(np.stack(out)).reshape(len(projection.slice_cost), 2, head_dim + 1)
 
 
 def water_fill(costs: torch.Tensor, total: int, floor: int) -> tuple[int, ...]:
@@ -147,7 +141,5 @@ def add_costs(model, tok, projection, path, texts: list[str], progress: bool = T
 
     with float32_compute(model):
         costs, widths = measure_costs(model, tok, projection, texts, progress=progress)
-    tensors = {f"layers.{i}.{k}": getattr(projection, k)[i] for i in range(len(projection.P))
-               for k in ("P", "P_v", "energy", "energy_v", "key_rms")}
-    calibrate.write(path, {**tensors, **costs}, {**projection.metadata, "slice_widths": widths})
+    calibrate.write(path, {**projection.tensors(), **costs}, {**projection.metadata, "slice_widths": widths})
     return calibrate.load_projection(path)

@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .calibrate import Projection
 from .config import AquaConfig, ConfigError
 from .fold import fold_output, fold_value
+from .h2o import budget as h2o_budget  # the keep rule's budget, defined with the H2OAttention node
 from .models import architecture_of, attention_geometry
 
 IMPL = "aqua"
@@ -93,14 +94,6 @@ def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> 
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     heavy = cand & (rank < n_heavy)
     return recent | heavy
-
-
-def h2o_budget(ratio: float, n_seen: torch.Tensor) -> torch.Tensor:
-    """Tokens kept after n real ones: max(1, ceil(ratio n)). The slack of 1e-6 n below the ceiling makes the
-    ratio rounded to float32 (the graph's H2OAttention attribute: 0.3 -> 0.30000001) keep what the double it
-    came from keeps (3 of 10, not 4); it moves no budget of a two-decimal ratio below 10,000 tokens."""
-    n = n_seen.to(torch.float64)
-    return torch.ceil(ratio * n - 1e-6 * n - 1e-9).to(torch.int64).clamp_min(1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from .precision import float32_compute
 from .safetensors_io import save as save_safetensors
 
 FORMAT_VERSION = "1"
+TENSORS = ("P", "P_v", "energy", "energy_v", "key_rms")  # per layer, in every artifact
 _CALIB_IMPL = "aqua_calibrate"
 
 
@@ -330,6 +331,11 @@ class Projection:
     def fingerprint(self) -> dict:
         return json.loads(self.metadata["fingerprint"])
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The artifact's tensors keyed by layer, as ``write`` takes them (slice costs included when measured)."""
+        kinds = TENSORS + (("slice_cost",) if self.slice_cost is not None else ())
+        return {f"layers.{i}.{k}": getattr(self, k)[i] for i in range(len(self.P)) for k in kinds}
+
     def check_model(self, model) -> None:
         mine, theirs = self.fingerprint, fingerprint(model)
         if mine != theirs:
@@ -360,7 +366,7 @@ def load_projection(path: str | Path) -> Projection:
         n_layers, hkv, d = int(fp["layers"]), int(fp["kv_heads"]), int(fp["head_dim"])
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"projection file {path} has a corrupt fingerprint") from None
-    out: dict[str, list] = {k: [] for k in ("P", "P_v", "energy", "energy_v", "key_rms")}
+    out: dict[str, list] = {k: [] for k in TENSORS}
     for i in range(n_layers):
         for k, shape in (("P", (hkv, d, d)), ("P_v", (hkv, d, d)), ("energy", (hkv, d)),
                          ("energy_v", (hkv, d)), ("key_rms", (hkv, d))):

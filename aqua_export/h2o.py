@@ -34,9 +34,15 @@ HIDDEN = float(torch.finfo(torch.float32).min)
 
 
 def budget(ratio: float, n):
-    """Tokens a sequence keeps after seeing n real ones: attention.h2o_budget (its slack included)."""
-    n = np.asarray(n, np.float64)
-    return np.maximum(np.ceil(ratio * n - 1e-6 * n - 1e-9).astype(np.int64), 1)
+    """Tokens kept after n real ones: max(1, ceil(ratio n)), the one definition (the reference, the function body's
+    and the kernels' twins follow it). The slack of 1e-6 n below the ceiling makes the ratio rounded to float32
+    (the node's attribute: 0.3 -> 0.30000001) keep what the double it came from keeps (3 of 10, not 4); it moves
+    no budget of a two-decimal ratio below 10,000 tokens. n: a torch tensor (-> int64 tensor on its device) or
+    anything numpy takes (-> int64 array)."""
+    t = n if isinstance(n, torch.Tensor) else torch.as_tensor(np.asarray(n, np.float64))
+    x = t.to(torch.float64)
+    out = torch.ceil(ratio * x - 1e-6 * x - 1e-9).to(torch.int64).clamp_min(1)
+    return out if isinstance(n, torch.Tensor) else out.numpy()
 
 
 def slots_needed(ratio: float, n_real) -> int:

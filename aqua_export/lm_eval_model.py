@@ -54,23 +54,19 @@ class _OrtModel(torch.nn.Module):
         logits, _ = self.lm.step(ids, mask, self.lm.empty_past(ids.shape[0]))
         return type("Out", (), {"logits": torch.from_numpy(np.asarray(logits, np.float32))})()
 
-    def generate(self, input_ids, attention_mask, max_length: int, stopping_criteria, pad_token_id, **_):
-        """Greedy, as HF's generate with do_sample=False: rows that emitted EOS continue with padding; stops when
-        every row meets a stop criterion or at max_length. Returns [B, T + new] with the context."""
-        ids, mask = input_ids.cpu().numpy(), attention_mask.cpu().numpy().astype(np.int64)
-        eos = self.tokenizer.eos_token_id
-        out = torch.as_tensor(ids)
-        logits, past = self.lm.step(ids, mask, self.lm.empty_past(ids.shape[0]))
-        done = np.zeros(ids.shape[0], bool)
-        while out.shape[1] < max_length:
-            nxt = np.where(done, pad_token_id, logits[:, -1].argmax(-1))
-            done |= nxt == eos
-            out = torch.cat([out, torch.as_tensor(nxt)[:, None]], 1)
-            if done.all() or bool(stopping_criteria(out, None).all()):
-                break
-            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], 1)
-            logits, past = self.lm.step(nxt[:, None], mask, past)
-        return out
+    def generate(self, input_ids, attention_mask, max_length: int, stopping_criteria, **_):
+        """Greedy, as HF's generate with do_sample=False, in the runtime's own loop: stops when every row meets a
+        stop criterion (or EOS) or at max_length. Returns [B, T + new] with the context."""
+        from .runtime import SamplingConfig
+
+        ids = input_ids.cpu().numpy()
+
+        def whole(new):
+            return torch.as_tensor(np.concatenate([ids, new], 1))
+
+        new = self.lm.generate(ids, attention_mask.cpu().numpy(), SamplingConfig(max_new_tokens=max_length - ids.shape[1]),
+                               self.tokenizer.eos_token_id, stop=lambda n: bool(stopping_criteria(whole(n), None).all()))
+        return whole(new)
 
 
 def _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc) -> AquaConfig:

@@ -216,10 +216,11 @@ class OrtLM:
         return outs[0].numpy(), cache
 
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
-                 eos_token_id: int | None = None, on_token=None, on_logits=None) -> np.ndarray:
+                 eos_token_id: int | None = None, on_token=None, on_logits=None, stop=None) -> np.ndarray:
         """Padded prompts [B, T] (padding left or right: positions come from the mask) -> generated ids
         [B, N]; every row continues after the last column. on_token(step, ids[B]) streams; on_logits(step,
-        logits[B, V]) sees the logits each token is picked from."""
+        logits[B, V]) sees the logits each token is picked from; stop(ids [B, n]) ends generation early when
+        true (lm-eval's stop sequences)."""
         rng = np.random.default_rng(sampling.seed)
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
@@ -232,7 +233,7 @@ class OrtLM:
             if on_logits is not None:
                 on_logits(step, logits[:, -1, :])
             nxt = emit(pick(logits[:, -1, :], sampling, rng), done, eos_token_id, step, out, on_token)
-            if done.all() or step == sampling.max_new_tokens - 1:
+            if done.all() or step == sampling.max_new_tokens - 1 or (stop is not None and stop(np.stack(out, 1))):
                 break
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
             logits, past = self.step(nxt[:, None], mask, past)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import h2o
-from .triton_kernel import group_block, triton_for
+from .triton_kernel import group_block, next_pow2, triton_for
 
 _KERNELS: dict[bool, object] = {}
 
@@ -160,17 +160,14 @@ def _kernel(interpret: bool):
 
 def block_s(g: int, r: int, cap: int) -> int:
     """Slots per block: a program's [g, r, slots] product tile holds <= 8k elements."""
-    block_r = 1 << max(0, (r - 1).bit_length())
-    return max(16, min(1 << max(0, (cap - 1).bit_length()), 8192 // (group_block(g) * block_r)))
+    return max(16, min(next_pow2(cap), 8192 // (group_block(g) * next_pow2(r))))
 
 
 def _tables(mask: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
     """before [B, L + 1]: real tokens before each position; keep [B, L]: the budget after each position's token
-    (h2o.budget's float64 formula, computed where the mask is)."""
+    (h2o.budget, computed where the mask is)."""
     before = torch.nn.functional.pad((mask != 0).long().cumsum(1), (1, 0))
-    n = before[:, 1:].double()
-    keep = torch.ceil(ratio * n - 1e-6 * n - 1e-9).long().clamp_min(1)
-    return before, keep
+    return before, h2o.budget(ratio, before[:, 1:])
 
 
 def check_state(token: torch.Tensor, before: torch.Tensor, first: int, ratio: float) -> None:
@@ -223,6 +220,6 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
             raise ValueError("H2OAttention: the slot buffers must be contiguous (they are updated in place)")
     kernel[(b * hkv,)](*tensors, key, value, heavy, token, mask.contiguous(), before, keep, out, hkv, t,
                        mask.shape[1], cap, R=r, RV=rv, G=g, K=k, RULE=rule, SOFTCAP=float(softcap),
-                       BLOCK_G=group_block(g), BLOCK_R=1 << max(0, (max(r, rv) - 1).bit_length()),
+                       BLOCK_G=group_block(g), BLOCK_R=next_pow2(max(r, rv)),
                        BLOCK_S=block_s(g, max(r, rv), cap))
     return out, key, value, heavy, token

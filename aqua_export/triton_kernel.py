@@ -99,16 +99,20 @@ def jit_kernel():
     return _kernel(False)[0]
 
 
+def next_pow2(n: int) -> int:
+    """n rounded up to a power of two (Triton's block shapes)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def block_sizes(r: int, s: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_S): r padded to a power of two; S blocks sized so a program holds <= 8k elements."""
-    block_r = 1 << max(0, (r - 1).bit_length())
-    block_s = max(16, min(1 << max(0, (s - 1).bit_length()), 8192 // block_r))
-    return block_r, block_s
+    block_r = next_pow2(r)
+    return block_r, max(16, min(next_pow2(s), 8192 // block_r))
 
 
 def group_block(g: int) -> int:
     """BLOCK_G: the group's g query rows padded to a power of two (the group rule loads them together)."""
-    return 1 << max(0, (g - 1).bit_length())
+    return next_pow2(g)
 
 
 def topk_gather_dot(query_hat: torch.Tensor, key_cache: torch.Tensor, k: int, interpret: bool | None = None,

@@ -94,7 +94,7 @@ def test_folder_config_takes_allocated_widths(tmp_path):
 
 def test_corrupt_slice_costs_are_refused(tmp_path):
     model, proj = _tiny(tmp_path)
-    tensors = {f"layers.{i}.{k}": getattr(proj, k)[i] for i in range(3) for k in ("P", "P_v", "energy", "energy_v", "key_rms")}
+    tensors = proj.tensors()
     for extra, meta, needle in [
         ({"layers.0.slice_cost": torch.zeros(2, 2)}, {"slice_widths": "4,8"}, "missing for some layers"),
         ({f"layers.{i}.slice_cost": torch.zeros(2, 2) for i in range(3)}, {}, "without valid slice_widths"),

@@ -24,8 +24,7 @@ def proj_file(tmp_path_factory, smollm_projection):
     from aqua_export.calibrate import write
 
     path = tmp_path_factory.mktemp("lm-eval") / "proj.safetensors"
-    write(path, {f"layers.{i}.{k}": getattr(smollm_projection, k)[i] for i in range(30)
-                 for k in ("P", "P_v", "energy", "energy_v", "key_rms")}, smollm_projection.metadata)
+    write(path, smollm_projection.tensors(), smollm_projection.metadata)
     return path
 
 

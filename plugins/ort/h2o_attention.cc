@@ -35,7 +35,7 @@ using namespace aqua;
 
 constexpr int64_t kBlock = 256;  // positions per score block: the tile's scores stay in L1
 
-// max(1, ceil(ratio n)) with aqua_export/attention.py h2o_budget's slack (a float32 ratio keeps what its double does)
+// max(1, ceil(ratio n)) with aqua_export/h2o.py budget's slack (a float32 ratio keeps what its double does)
 int64_t budget(double ratio, int64_t n) {
   const double x = static_cast<double>(n);
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio * x - 1e-6 * x - 1e-9)));
