@@ -110,13 +110,14 @@ def measure_costs(model, tok, projection, texts: list[str], tokens: int = 1024, 
     windows = corpus.windows(corpus.tokenize(tok, corpus.read_texts(texts), tokens), seq_len)
     config = AquaConfig()
 
-    def logp(key_widths, value_widths):
+    def log_probs(key_widths, value_widths):
+        """Each window's next-token log-probabilities [T, V] (float64), one window at a time."""
         with torch.no_grad(), apply_aqua(model, projection, config, widths=key_widths, value_widths=value_widths):
-            return [torch.log_softmax(model(input_ids=w[None], use_cache=False).logits[0].double(), -1)
-                    for w in windows]
+            for w in windows:
+                yield torch.log_softmax(model(input_ids=w[None], use_cache=False).logits[0].double(), -1)
 
     full = (d,) * n
-    base = logp(full, full)
+    base = list(log_probs(full, full))  # kept: every cut is compared with it
     count = sum(b.shape[0] for b in base)
     out = {}
     bar = tqdm(total=2 * n * len(widths), desc="slice costs", unit="cut", disable=not progress)
@@ -125,8 +126,10 @@ def measure_costs(model, tok, projection, texts: list[str], tokens: int = 1024, 
         for side in (0, 1):
             for w in widths:
                 cut_widths = tuple(w if j == i else d for j in range(n))
-                cut = logp(*((cut_widths, full) if side == 0 else (full, cut_widths)))
-                cost[side].append(sum(float((b.exp() * (b - c)).sum()) for b, c in zip(base, cut)) / count)
+                cut = log_probs(*((cut_widths, full) if side == 0 else (full, cut_widths)))
+                # strict: the cut's generator runs to its end, leaving apply_aqua before the next cut enters it
+                kl = sum(float((b.exp() * (b - c)).sum()) for b, c in zip(base, cut, strict=True))
+                cost[side].append(kl / count)
                 bar.update(1)
         out[f"layers.{i}.slice_cost"] = torch.tensor(cost, dtype=torch.float32)
     bar.close()
