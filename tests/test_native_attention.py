@@ -14,9 +14,10 @@ KERNELS = ["function"] + (["native"] if NATIVE else [])
 MIN = float(torch.finfo(torch.float32).min)
 
 # (B, Hkv, g, T, r, L, C): decode at batch 1 with a long L (the kernel splits the positions over threads),
-# batched decode with a buffer larger than L, prefill (T > 1, causal), one query head per group, g = 4
+# batched decode with a buffer larger than L, prefill (T > 1, causal), one query head per group, g = 4, and
+# Llama-3's head_dim 128 (the float32 value product runs in passes of 64 columns)
 SHAPES = [(1, 2, 3, 1, 64, 3000, 3000), (3, 3, 3, 1, 32, 300, 517), (2, 2, 3, 7, 16, 40, 40), (2, 1, 1, 5, 8, 9, 12),
-          (1, 2, 4, 3, 64, 600, 700)]
+          (1, 2, 4, 3, 64, 600, 700), (2, 2, 4, 1, 128, 700, 800)]
 
 
 def _inputs(shape, dtype=torch.float32, seed=0, pad=True, rv=None):
@@ -57,8 +58,9 @@ def test_attention_equals_reference_float32(kernel, shape, rule, k_of_r):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("shape,rv", [((1, 2, 3, 1, 32, 3000, 3000), 48), ((2, 2, 3, 7, 16, 40, 40), 8)],
-                         ids=["decode-split-wider-v", "prefill-narrower-v"])
+@pytest.mark.parametrize("shape,rv", [((1, 2, 3, 1, 32, 3000, 3000), 48), ((2, 2, 3, 7, 16, 40, 40), 8),
+                                      ((2, 2, 3, 1, 64, 600, 600), 52), ((1, 2, 3, 2, 64, 300, 300), 100)],
+                         ids=["decode-split-wider-v", "prefill-narrower-v", "decode-v-52", "v-wider-than-64"])
 def test_values_of_their_own_width(kernel, shape, rv):
     """AQUA-Memory may cache V at its own width rv: out is rv wide (the split decode merges rv + 2 partials)."""
     q, kc, vc, length, mask = _inputs(shape, rv=rv)

@@ -99,7 +99,7 @@ inline void softmax_live(float* s, const int64_t* token, int64_t g, int64_t hw, 
     }
     float sum = 0.0f;
     for (int64_t i = 0; i < hw; ++i) {
-      x[i] = token[i] < 0 ? 0.0f : std::exp(x[i] - top);
+      x[i] = token[i] < 0 ? 0.0f : fast_exp(x[i] - top);
       sum += x[i];
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
