@@ -12,6 +12,10 @@ is a ratio measured in this run.
     ORT dense    q  --MatMul K--> Softmax --MatMul V--> out (standard ops, same layout)
     GQA          com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's op)
 
+AQUA-H2O rows: the H2OAttention node (native) in its steady state, a context of T tokens already evicted to
+budget(h, T) live slots (per slot: K^, V, heavy float32, token int64), one token in and one out per step, buffers
+bound as past and present (in place). Byte limit: (K + V) / (h (u K + V) + heavy + token).
+
 Selection rules: `head` (each query head its own top-k: magnitude / weighted) and `group` (one top-k per
 GQA group: group / group-weighted; the weighted rules reach the kernel as these two, rms(k^) folded into P).
 Byte limit: a step reads K and V (dense) or the union u of the group's selected rows of K^ plus V (AQUA):
@@ -45,6 +49,9 @@ G = HQ // HKV
 SETTINGS = [("head", 0.75), ("head", 0.5), ("head", 0.25), ("group", 0.75), ("group", 0.625), ("group", 0.5),
             ("group", 0.25)]
 RULE = {"head": 0, "group": 1}
+# (h2o_ratio, rule, k_ratio): AQUA-H2O settings whose perplexity is no worse than per-head magnitude at k 0.5
+# (benchmarks/quality.md, with the weighted rule these kernels run as `group`)
+H2O_SETTINGS = [(0.75, "group", 0.75), (0.875, "group", 0.625)]
 
 
 def _graph(kind: str):
@@ -144,6 +151,10 @@ def main() -> int:
                 "fused-dense": sess(attention_op_model(D))}
     for rule, ratio in SETTINGS:
         sessions[rule, ratio] = sess(attention_op_model(round(ratio * D), RULE[rule]))
+    from aqua_export import h2o
+
+    for h, rule, ratio in H2O_SETTINGS:
+        sessions["h2o", h, rule, ratio] = sess(h2o.op_model(round(ratio * D), RULE[rule], ratio=h))
     rng = np.random.default_rng(0)
     rows = []
     for t in contexts:
@@ -155,8 +166,11 @@ def main() -> int:
             feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
             fused = {**feed, "length": np.array([t], np.int64)}  # every slot filled
             fns = {name: (lambda s=s, fd=feed if name == "ort-dense" else fused: s.run(None, fd))
-                   for name, s in sessions.items() if name != "gqa"}
+                   for name, s in sessions.items() if name != "gqa" and name[0] != "h2o"}
             fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
+            for name in sessions:
+                if name[0] == "h2o":
+                    fns[name] = _h2o_runner(sessions[name], name[1], q, b, t, reps + 2, rng)
             med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
             for rule, ratio in SETTINGS:
                 k = round(ratio * D)
@@ -169,6 +183,17 @@ def main() -> int:
                              "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
                              "byte_limit": round(2.0 / (1.0 + u), 3)})
                 print(json.dumps(rows[-1]), flush=True)
+            for h, rule, ratio in H2O_SETTINGS:
+                k = round(ratio * D)
+                u = _union_fraction(q, k, rule)
+                aq = med["h2o", h, rule, ratio]
+                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k, "h2o_ratio": h,
+                             "union_fraction": round(u, 3), "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
+                             "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
+                             "gqa_over_aqua": round(med["gqa"] / aq, 3),
+                             "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
+                             "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + H2O_SLOT_EXTRA)), 3)})
+                print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": a.threads, "reps": reps, "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
@@ -176,6 +201,52 @@ def main() -> int:
             "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
     atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     return 0
+
+
+H2O_SLOT_EXTRA = (4 + 8) / (D * 4)  # heavy (float32) and token (int64) per slot, against one of K or V
+
+
+def _h2o_live(h: float, t: int) -> int:
+    """Live slots of a context of t tokens under H2O ratio h (evicted to its budget)."""
+    from aqua_export.h2o import budget
+
+    return int(budget(h, t))
+
+
+def _h2o_runner(sess, h: float, q, b: int, t: int, steps: int, rng):
+    """One decode step of H2OAttention after a context of t tokens (evicted to budget(h, t) live slots), in
+    buffers bound as past and present; every call is the next token (the mask grows by one)."""
+    import onnxruntime as ort
+
+    from aqua_export.h2o import INPUTS, OUTPUTS, slots_needed
+
+    n, cap = _h2o_live(h, t), slots_needed(h, t + steps + 1)
+    key = np.zeros((b, HKV, D, cap), np.float32)  # dim-major memory, bound as [B, Hkv, cap, r]
+    key[..., :n] = rng.standard_normal((b, HKV, D, n), dtype=np.float32)
+    value = np.zeros((b, HKV, cap, D), np.float32)
+    value[:, :, :n] = rng.standard_normal((b, HKV, n, D), dtype=np.float32)
+    heavy = np.zeros((b, HKV, cap), np.float32)
+    heavy[..., :n] = rng.random((b, HKV, n), dtype=np.float32)
+    token = np.full((b, HKV, cap), -1, np.int64)
+    token[..., :n] = np.arange(t - n, t)
+    io = sess.io_binding()
+    io.bind_cpu_input("query_hat", q)
+    io.bind_cpu_input("key_new", rng.standard_normal((b, HKV, 1, D), dtype=np.float32))
+    io.bind_cpu_input("value_new", rng.standard_normal((b, HKV, 1, D), dtype=np.float32))
+    io.bind_output("out")
+    for past, present, buf in zip(INPUTS[3:7], OUTPUTS[1:], (key.reshape(b, HKV, cap, D), value, heavy, token)):
+        v = ort.OrtValue.ortvalue_from_numpy(buf)
+        io.bind_ortvalue_input(past, v)
+        io.bind_ortvalue_output(present, v)
+    masks = [np.ones((b, t + 1 + i), np.int64) for i in range(steps + 1)]  # made before timing
+    state = {"i": 0}
+
+    def step():
+        io.bind_cpu_input("attention_mask", masks[state["i"]])
+        state["i"] += 1
+        sess.run_with_iobinding(io)
+
+    return step
 
 
 def _gqa_runner(sess, b: int, t: int, rng):

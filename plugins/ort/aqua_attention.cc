@@ -75,86 +75,6 @@ int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, 
   return nu;
 }
 
-// o[rr][0..r) += p[rr][i] * V[i][0..r) over the block's n positions, in column tiles of kCols whose NR x kCols
-// accumulators live in vector registers across the whole block (o is read and written once per block).
-constexpr int64_t kCols = 32;
-
-template <int NR, bool Full, typename T>
-void add_value_tile(const float* p, const T* __restrict v, int64_t n, int64_t r, int64_t nc, float* __restrict o) {
-  float acc[NR][kCols];
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int64_t c = 0; c < kCols; ++c) acc[rr][c] = Full || c < nc ? o[rr * kMaxWidth + c] : 0.0f;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const T* vr = v + i * r;
-    float vv[kCols];
-    for (int64_t c = 0; c < kCols; ++c) vv[c] = Full || c < nc ? load(vr, c) : 0.0f;
-    for (int rr = 0; rr < NR; ++rr) {
-      const float w = p[rr * kPos + i];
-      for (int64_t c = 0; c < kCols; ++c) acc[rr][c] += w * vv[c];
-    }
-  }
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int64_t c = 0; c < kCols; ++c) {
-      if (Full || c < nc) o[rr * kMaxWidth + c] = acc[rr][c];
-    }
-  }
-}
-
-// float32 with rv a multiple of 8: the same product in GCC/Clang vector registers, one pass over each V row for
-// up to 64 columns (rows of V are read whole, in order, with the row kAhead positions on prefetched: a pass per
-// column tile and no prefetch ran at half the machine's streaming bandwidth on 2 cores).
-constexpr int64_t kAhead = 16;
-
-template <int NR, int W>
-void add_value_vectors(const float* p, const float* __restrict v, int64_t n, int64_t r, float* __restrict o) {
-  f8 acc[NR][W];
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int w = 0; w < W; ++w) acc[rr][w] = load8(o + rr * kMaxWidth + 8 * w);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    for (int w = 0; w < W; w += 2) __builtin_prefetch(v + (i + kAhead) * r + 8 * w);
-    f8 vv[W];
-    for (int w = 0; w < W; ++w) vv[w] = load8(v + i * r + 8 * w);
-    for (int rr = 0; rr < NR; ++rr) {
-      const float pw = p[rr * kPos + i];
-      for (int w = 0; w < W; ++w) acc[rr][w] += pw * vv[w];
-    }
-  }
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int w = 0; w < W; ++w) store8(o + rr * kMaxWidth + 8 * w, acc[rr][w]);
-  }
-}
-
-template <int NR, typename T>
-void add_values(const float* p, const T* v, int64_t n, int64_t r, float* o) {
-  int64_t c0 = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8>(p, v + c0, n, r, o + c0);
-    if (c0 + 32 <= r) add_value_vectors<NR, 4>(p, v + c0, n, r, o + c0), c0 += 32;
-    for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1>(p, v + c0, n, r, o + c0);
-  }
-  for (; c0 < r; c0 += kCols) {
-    const int64_t nc = std::min(kCols, r - c0);
-    if (nc == kCols) {
-      add_value_tile<NR, true>(p, v + c0, n, r, nc, o + c0);
-    } else {
-      add_value_tile<NR, false>(p, v + c0, n, r, nc, o + c0);
-    }
-  }
-}
-
-template <typename T>
-void add_values_rows(int nr, const float* p, const T* v, int64_t n, int64_t r, float* o) {
-  switch (nr) {
-    case 1: add_values<1>(p, v, n, r, o); break;
-    case 2: add_values<2>(p, v, n, r, o); break;
-    case 3: add_values<3>(p, v, n, r, o); break;
-    default: add_values<4>(p, v, n, r, o); break;
-  }
-}
-
-constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
 
 // s[rr][0..n) -> e^(s - m') with the running max m and sum l of each row updated, o rescaled.
 inline void online_softmax(int nr, int64_t n, float softcap, const float* const* mrow, float* s, float* m, float* l,
@@ -232,7 +152,7 @@ void attention_task(void* data, size_t task_index) {
     if (!visible) continue;
     accumulate_rows(nr, key + s0, j.key_stride, uni.data(), nu, wbuf.data(), n, s, kPos);
     online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.rv);
-    add_values_rows(nr, s, value + s0 * j.rv, n, j.rv, o);
+    add_values_rows(nr, s, kPos, value + s0 * j.rv, n, j.rv, o, kMaxWidth);
   }
   for (int rr = 0; rr < nr; ++rr) {
     const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;

@@ -70,6 +70,8 @@ inline f8 load8(const float* p) {
 }
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
 
+constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
+
 // e^x in float32 for the softmax loops, within 2 ulp of expf for x in [-87, 88] and 0 below -87 (a masked
 // score), NaN kept. Written as plain arithmetic that GCC vectorises (a libm call per element cost more than
 // the whole key and value pass at decode): x = n ln2 + f with |f| <= ln2 / 2, e^f by its degree-7 Taylor
@@ -147,6 +149,88 @@ void accumulate_rows(int nr, const T* key, int64_t stride, const int32_t* uni, i
     case 2: accumulate<2>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
     case 3: accumulate<3>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
     default: accumulate<4>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+  }
+}
+
+// o[rr][0..r) += p[rr][i] * V[i][0..r) over n positions (V rows r apart; p rows p_pitch apart, o rows o_pitch
+// apart): the value product of AquaAttention and H2OAttention.
+//   float32, r a multiple of 8: GCC/Clang vector registers, one pass over each V row for up to 64 columns with the
+//     row kValueAhead positions on prefetched (a pass per column tile, without prefetch, ran at half the machine's
+//     streaming bandwidth on 2 cores);
+//   otherwise: column tiles of kCols with NR x kCols accumulators (o read and written once per call).
+constexpr int64_t kCols = 32;
+constexpr int64_t kValueAhead = 16;
+
+template <int NR, bool Full, typename T>
+void add_value_tile(const float* p, int64_t p_pitch, const T* __restrict v, int64_t n, int64_t r, int64_t nc,
+                    float* __restrict o, int64_t o_pitch) {
+  float acc[NR][kCols];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int64_t c = 0; c < kCols; ++c) acc[rr][c] = Full || c < nc ? o[rr * o_pitch + c] : 0.0f;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const T* vr = v + i * r;
+    float vv[kCols];
+    for (int64_t c = 0; c < kCols; ++c) vv[c] = Full || c < nc ? load(vr, c) : 0.0f;
+    for (int rr = 0; rr < NR; ++rr) {
+      const float w = p[rr * p_pitch + i];
+      for (int64_t c = 0; c < kCols; ++c) acc[rr][c] += w * vv[c];
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int64_t c = 0; c < kCols; ++c) {
+      if (Full || c < nc) o[rr * o_pitch + c] = acc[rr][c];
+    }
+  }
+}
+
+template <int NR, int W>
+void add_value_vectors(const float* p, int64_t p_pitch, const float* __restrict v, int64_t n, int64_t r,
+                       float* __restrict o, int64_t o_pitch) {
+  f8 acc[NR][W];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int w = 0; w < W; ++w) acc[rr][w] = load8(o + rr * o_pitch + 8 * w);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int w = 0; w < W; w += 2) __builtin_prefetch(v + (i + kValueAhead) * r + 8 * w);
+    f8 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = load8(v + i * r + 8 * w);
+    for (int rr = 0; rr < NR; ++rr) {
+      const float pw = p[rr * p_pitch + i];
+      for (int w = 0; w < W; ++w) acc[rr][w] += pw * vv[w];
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int w = 0; w < W; ++w) store8(o + rr * o_pitch + 8 * w, acc[rr][w]);
+  }
+}
+
+template <int NR, typename T>
+void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o, int64_t o_pitch) {
+  int64_t c0 = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
+    if (c0 + 32 <= r) add_value_vectors<NR, 4>(p, p_pitch, v + c0, n, r, o + c0, o_pitch), c0 += 32;
+    for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
+  }
+  for (; c0 < r; c0 += kCols) {
+    const int64_t nc = std::min(kCols, r - c0);
+    if (nc == kCols) {
+      add_value_tile<NR, true>(p, p_pitch, v + c0, n, r, nc, o + c0, o_pitch);
+    } else {
+      add_value_tile<NR, false>(p, p_pitch, v + c0, n, r, nc, o + c0, o_pitch);
+    }
+  }
+}
+
+template <typename T>
+void add_values_rows(int nr, const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o,
+                     int64_t o_pitch) {
+  switch (nr) {
+    case 1: add_values<1>(p, p_pitch, v, n, r, o, o_pitch); break;
+    case 2: add_values<2>(p, p_pitch, v, n, r, o, o_pitch); break;
+    case 3: add_values<3>(p, p_pitch, v, n, r, o, o_pitch); break;
+    default: add_values<4>(p, p_pitch, v, n, r, o, o_pitch); break;
   }
 }
 

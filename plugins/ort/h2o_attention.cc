@@ -87,22 +87,41 @@ void scores(const H2OJob<T>& j, const T* key, const float* q, const int64_t* idx
   }
 }
 
-// s[j * cap + i] -> softmax weights over the live slots (0 elsewhere; all 0 when none is live).
+// s[j * cap + i] -> softmax weights over the live slots (0 elsewhere; all 0 when none is live). Free slots are
+// set to -inf by a select (a stale score, whatever it holds, is dropped) and then leave exact zeros.
 inline void softmax_live(float* s, const int64_t* token, int64_t g, int64_t hw, int64_t cap, float softcap) {
   for (int64_t h = 0; h < g; ++h) {
     float* x = s + h * cap;
-    float top = -INFINITY;
-    for (int64_t i = 0; i < hw; ++i) {
-      if (token[i] < 0) continue;
-      if (softcap > 0.0f) x[i] = std::tanh(x[i] / softcap) * softcap;
-      top = std::max(top, x[i]);
+    if (softcap > 0.0f) {
+      for (int64_t i = 0; i < hw; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
     }
+    // kLanes partial maxima and sums: reductions the compiler vectorises (a single float sum is not reassociated)
+    float lane[kLanes];
+    std::fill(lane, lane + kLanes, -INFINITY);
+    int64_t i = 0;
+    for (; i + kLanes <= hw; i += kLanes) {
+      for (int e = 0; e < kLanes; ++e) {
+        x[i + e] = token[i + e] < 0 ? -INFINITY : x[i + e];
+        lane[e] = std::max(lane[e], x[i + e]);
+      }
+    }
+    for (; i < hw; ++i) x[i] = token[i] < 0 ? -INFINITY : x[i], lane[0] = std::max(lane[0], x[i]);
+    const float top = *std::max_element(lane, lane + kLanes);
+    if (top == -INFINITY) {  // nothing live
+      std::fill(x, x + hw, 0.0f);
+      continue;
+    }
+    std::fill(lane, lane + kLanes, 0.0f);
+    for (i = 0; i + kLanes <= hw; i += kLanes) {
+      for (int e = 0; e < kLanes; ++e) {
+        x[i + e] = fast_exp(x[i + e] - top);
+        lane[e] += x[i + e];
+      }
+    }
+    for (; i < hw; ++i) x[i] = fast_exp(x[i] - top), lane[0] += x[i];
     float sum = 0.0f;
-    for (int64_t i = 0; i < hw; ++i) {
-      x[i] = token[i] < 0 ? 0.0f : fast_exp(x[i] - top);
-      sum += x[i];
-    }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int e = 0; e < kLanes; ++e) sum += lane[e];
+    const float inv = 1.0f / sum;
     for (int64_t i = 0; i < hw; ++i) x[i] *= inv;
   }
 }
@@ -157,14 +176,13 @@ void h2o_task(void* data, size_t index) {
     select_group(q.data(), g, r, j.k, j.rule, idx.data());
     scores(j, key, q.data(), idx.data(), hw, s.data());
     softmax_live(s.data(), token, g, hw, cap, j.softcap);
+    // free slots weigh exactly 0 (their V rows hold zeros or an evicted token's values)
     std::fill(o.begin(), o.end(), 0.0f);
-    for (int64_t i = 0; i < hw; ++i) {
-      if (token[i] < 0) continue;
-      const T* vr = value + i * rv;
-      for (int64_t h = 0; h < g; ++h) {
-        const float w = s[h * cap + i];
-        float* oh = o.data() + h * rv;
-        for (int64_t c = 0; c < rv; ++c) oh[c] += w * load(vr, c);
+    for (int64_t h0 = 0; h0 < g; h0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, g - h0));
+      for (int64_t s0 = 0; s0 < hw; s0 += kBlock) {
+        add_values_rows(nr, s.data() + h0 * cap + s0, cap, value + s0 * rv, std::min(kBlock, hw - s0), rv,
+                        o.data() + h0 * rv, rv);
       }
     }
     for (int64_t h = 0; h < g; ++h) {
@@ -172,8 +190,7 @@ void h2o_task(void* data, size_t index) {
       for (int64_t c = 0; c < rv; ++c) store(dst, c, o[h * rv + c]);
     }
     if (real) {
-      for (int64_t i = 0; i < hw; ++i) {
-        if (token[i] < 0) continue;
+      for (int64_t i = 0; i < hw; ++i) {  // + 0 on free slots
         float w = 0.0f;
         for (int64_t h = 0; h < g; ++h) w += s[h * cap + i];
         heavy[i] += w;
