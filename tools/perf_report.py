@@ -44,11 +44,16 @@ def attention_section(data) -> list[str]:
            "(standard ops), GQA = ORT's GroupQueryAttention. Rule `head`: each query head its own top-k "
            "(magnitude / weighted); `group`: one top-k per GQA group (group / group-weighted). Byte limit = "
            "(K + V) / (u K + V) against a dense step, u = the share of K^'s rows read (the union of the group's "
-           "selections; k/d for `group`).", "",
-           "| T | batch | rule | k_ratio | union u | fused dense / AQUA | ORT dense / AQUA | GQA / AQUA | byte limit |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "selections; k/d for `group`). Rows with an h2o ratio h: AQUA-H2O, the `H2OAttention` node (native) in its "
+           "steady state (the context evicted to h of its tokens, one token in and one out per step, buffers "
+           "updated in place); its byte limit counts each live slot's heavy (float32) and token (int64). Perplexity "
+           "of each setting: `benchmarks/quality.md` (bytes table).", "",
+           "| T | batch | rule | k_ratio | h2o ratio | union u | fused dense / AQUA | ORT dense / AQUA | GQA / AQUA | "
+           "byte limit |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r['union_fraction']:.2f} | "
+        out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r.get('h2o_ratio', '-')} | "
+                   f"{r['union_fraction']:.2f} | "
                    f"**{r['fused_dense_over_aqua']:.2f}** | {r['ort_dense_over_aqua']:.2f} | {r['gqa_over_aqua']:.2f} | "
                    f"{r['byte_limit']:.2f} |")
     fused = {(r["T"], r["batch"]): r["ort_dense_over_fused_dense"] for r in data["rows"]}
@@ -153,6 +158,23 @@ def h2o_section(data) -> list[str]:
     return out
 
 
+def target_section(data) -> list[str]:
+    m = data["meta"]
+    out = ["", "## End to end at 8k, batch 8: the settings no worse than per-head magnitude at k 0.5 "
+           "(`tools/bench_decode.py --only target`)", "",
+           f"{m['model']}; {m['threads']} threads; one interleaved run, {m['rounds']} rounds, fresh process each, "
+           f"median of {m['steps']} decode steps with the context already in the cache (H2O: evicted to its budget), "
+           "past and present sharing one buffer. Settings: the cheapest ones of `benchmarks/quality.md`'s bytes table "
+           "whose perplexity is no worse than per-head magnitude at k 0.5 (with and without token eviction).", "",
+           "| context | batch | variant | tokens/s vs dense | decode memory vs dense |", "|---|---|---|---|---|"]
+    keyed = {r["variant"]: r for r in data["rows"]}
+    d = keyed["dense"]
+    for v, r in keyed.items():
+        out.append(f"| {r['context']} | {r['batch']} | {v} | **{r['tokens_per_s'] / d['tokens_per_s']:.2f}** | "
+                   f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f} |")
+    return out
+
+
 def capacity_section(data) -> list[str]:
     m = data["meta"]
     out = ["", "## A step's cost against the buffer's size (`tools/bench_decode.py --only capacity`)", "",
@@ -185,6 +207,9 @@ def main() -> int:
     h2o = _load("h2o.json")
     if h2o:
         lines += h2o_section(h2o)
+    tgt = _load("target.json")
+    if tgt:
+        lines += target_section(tgt)
     cap = _load("capacity.json")
     if cap:
         lines += capacity_section(cap)

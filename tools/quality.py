@@ -27,12 +27,15 @@ CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
-SECTIONS = ("selection", "memory", "h2o", "retention", "lmeval")
+SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
 # AQUA-Memory's allocations compared with uniform at k 0.9 ('measured' also works, after 2 L n forwards that
 # measure its costs: add it here to compare it too)
 ALLOCS = ("energy",)
 H2O = [(h, k) for h in (0.25, 0.5, 0.75) for k in (0.5, 0.75, 1.0)]
+# AQUA-H2O with the group-shared rule, for the bytes table: fewer tokens and fewer rows of K^ per step
+H2O_GROUP = [(0.75, 0.75), (0.875, 0.625), (0.75, 0.625)]
+H2O_SLOT_EXTRA = (4 + 8) / (64 * 4)  # heavy (float32) and token (int64) per slot, against one of K^ or V (d = 64)
 LM_EVAL = {"dense": AquaConfig(), "AQUA k 0.75": AquaConfig(k_ratio=0.75), "AQUA k 0.5": AquaConfig(k_ratio=0.5),
            "AQUA-Memory s 0.1, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.1),
            "AQUA-Memory s 0.25, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.25)}
@@ -202,6 +205,8 @@ def main() -> int:
              for a in ALLOCS}
     split = kv_split(model, tok, text, proj, a) if "memory" in sections else old.get("kv_split", {})
     h2o = {(h, k): run(AquaConfig(k_ratio=k, h2o_ratio=h), "h2o") for h, k in H2O}
+    h2o_group = {(h, k): run(AquaConfig(k_ratio=k, h2o_ratio=h, selection="group-weighted"), "h2o-group")
+                 for h, k in H2O_GROUP}
 
     if "retention" in sections or not (out / "retention.json").is_file():
         rep = evaluate.retention_report(model, tok, text, proj, tokens=4096, seq_len=a.seq_len, k_ratio=0.5)
@@ -255,8 +260,9 @@ def main() -> int:
     L.append("A decode step reads V and the rows of K^ its selections touch: per (layer, KV head, token) the union of "
              "the group's g = 3 selected coordinate sets, u of K^'s 64 rows (measured on the evaluation text's first "
              "4096 tokens; k/64 exactly for the group rules). Bytes = (u K + V) / (K + V) of a dense step, its byte "
-             "limit 1 / bytes. Sorted by bytes; **bold**: the cheapest setting whose perplexity is no worse than "
-             "per-head magnitude at k 0.5.\n")
+             "limit 1 / bytes. AQUA-H2O rows (`--sections h2o-group`) read h of the tokens' slots, each with its heavy "
+             "(float32) and token (int64): bytes = h (1 + u + 12 / 256) / 2. Sorted by bytes; **bold**: the cheapest "
+             "setting whose perplexity is no worse than per-head magnitude at k 0.5.\n")
     missing = [f"{s}/{k}" for k, s in grid if k < 1 and s != "static" and f"{s}/{k}" not in union]
     if missing:  # the union is measured by the selection section only
         L.append(f"Not measured yet for {len(missing)} setting(s): `tools/quality.py --sections selection` adds them.\n")
@@ -264,11 +270,15 @@ def main() -> int:
         L.append("| selection | k_ratio | union u | bytes vs dense | byte limit | perplexity |")
         L.append("|---|---|---|---|---|---|")
         bar = grid[(0.5, "magnitude")]
-        rows_b = sorted(((union[f"{s}/{k}"], s, k) for k, s in grid if k < 1 and s != "static"),
-                        key=lambda x: ((1 + x[0]) / 2, grid[(x[2], x[1])]))
-        best_b = next(((s, k) for u, s, k in rows_b if grid[(k, s)] <= bar), None)
-        for u, s, k in rows_b:
-            cells = [s, str(k), f"{u:.3f}", f"{(1 + u) / 2:.3f}", f"{2 / (1 + u):.2f}", f"{grid[(k, s)]:.4f}"]
+        # (bytes, selection label, k, union, perplexity); H2O rows read h of the tokens, heavy and token included
+        rows_b = [((1 + union[f"{s}/{k}"]) / 2, s, k, union[f"{s}/{k}"], grid[(k, s)]) for k, s in grid
+                  if k < 1 and s != "static"]
+        rows_b += [(h * (1 + k + H2O_SLOT_EXTRA) / 2, f"H2O {h} + group-weighted", k, k, p)
+                   for (h, k), p in h2o_group.items() if p is not None]
+        rows_b.sort(key=lambda x: (x[0], x[4]))
+        best_b = next(((s, k) for _, s, k, _, p in rows_b if p <= bar), None)
+        for b, s, k, u, p in rows_b:
+            cells = [s, str(k), f"{u:.3f}", f"{b:.3f}", f"{1 / b:.2f}", f"{p:.4f}"]
             if (s, k) == best_b:
                 cells = [f"**{c}**" for c in cells]
             L.append("| " + " | ".join(cells) + " |")
@@ -285,6 +295,12 @@ def main() -> int:
     L.append("|---|---|---|---|")
     for h in (0.25, 0.5, 0.75):
         L.append(f"| {h} | " + " | ".join(f"{h2o[(h, k)]:.4f}" for k in (0.5, 0.75, 1.0)) + " |")
+    if all(p is not None for p in h2o_group.values()):
+        L.append("\nWith the group-shared rule (`group-weighted`; one set of k of K^'s rows per KV group):\n")
+        L.append("| h2o_ratio (kept) | k_ratio | perplexity |")
+        L.append("|---|---|---|")
+        for (h, k), p in h2o_group.items():
+            L.append(f"| {h} | {k} | {p:.4f} |")
     L.append("\n## Information retention loss (k_ratio 0.5, 4096 evaluation tokens)\n")
     L.append("Mean over layers and query heads of E[1 - ||q^[I]||^2 / ||q^||^2] (definition in "
              "`aqua_export/evaluate.py`); offline P = calibrated on the other text, online P = on the evaluation "
