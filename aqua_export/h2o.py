@@ -30,6 +30,7 @@ NOT_T = {"past_heavy": "float", "past_token": "int64", "attention_mask": "int64"
 RANK = {"query_hat": 5, "out": 5, "past_heavy": 3, "past_token": 3, "present_heavy": 3, "present_token": 3,
         "attention_mask": 2}
 FREE = -1  # token of a free slot
+SLOT_EXTRA_BYTES = 4 + 8  # per slot and KV head beyond K^ and V: heavy (float32) and token (int64), NOT_T's types
 HIDDEN = float(torch.finfo(torch.float32).min)
 
 

@@ -192,7 +192,7 @@ def main() -> int:
                              "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
                              "gqa_over_aqua": round(med["gqa"] / aq, 3),
                              "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
-                             "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + H2O_SLOT_EXTRA)), 3)})
+                             "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + h2o.SLOT_EXTRA_BYTES / (D * 4))), 3)})
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,9 +201,6 @@ def main() -> int:
             "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
     atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     return 0
-
-
-H2O_SLOT_EXTRA = (4 + 8) / (D * 4)  # heavy (float32) and token (int64) per slot, against one of K or V
 
 
 def _h2o_live(h: float, t: int) -> int:

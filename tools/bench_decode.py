@@ -43,6 +43,7 @@ GENAI_RUNS = [(1024, 1, "genai", ["ort-genai", "dense"]),
               (8160, 8, "genai-io", ["ort-genai", "dense", "memory-s0.25-k0.75"])]
 H2O_RUNS = [(ctx, b) for ctx in (4096, 8160) for b in (1, 8)]  # decode; plus one prefill of H2O_PROMPT tokens
 H2O_PROMPT = 1024
+DECODE_VARIANTS = ("dense", "aqua-k0.75", "aqua-k0.5", "memory-s0.25-k0.75", "h2o-0.5-k0.75")  # decode.json's
 # issue 12's end-to-end claim: 8k context, batch 8, the settings whose perplexity is no worse than per-head
 # magnitude at k 0.5 (benchmarks/quality.md) against dense, in one interleaved run
 TARGET = (8160, 8, ["dense", "gw-k0.625", "h2o-0.75-gw-k0.75"])
@@ -150,7 +151,7 @@ def _capacity_rows(a) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="dense,aqua-k0.75,aqua-k0.5,memory-s0.25-k0.75,h2o-0.5-k0.75")
+    ap.add_argument("--variants", default=",".join(DECODE_VARIANTS))
     # 8k is 8160: the model has 8192 positions and the decode steps must stay inside them
     ap.add_argument("--contexts", default="1024,4096,8160")
     ap.add_argument("--batches", default="1,8")

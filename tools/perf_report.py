@@ -131,7 +131,7 @@ def genai_section(data) -> list[str]:
 
 
 def h2o_section(data) -> list[str]:
-    from aqua_export.h2o import slots_needed
+    from aqua_export.h2o import SLOT_EXTRA_BYTES, slots_needed
 
     m = data["meta"]
     out = ["", "## AQUA-H2O against dense (`tools/bench_decode.py --only h2o`)", "",
@@ -153,7 +153,7 @@ def h2o_section(data) -> list[str]:
         d, h = rs["dense"], rs["h2o-0.5-k0.75"]
         what = f"decode at {n}" if mode == "decode" else f"prefill of {n} tokens"
         mem = f"{h['decode_rss_mb'] / d['decode_rss_mb']:.2f}" if mode == "decode" else "-"
-        cache = f"{slots_needed(0.5, [n + 1]) * (512 + 12) / ((n + 1) * 512):.2f}" if mode == "decode" else "-"
+        cache = f"{slots_needed(0.5, [n + 1]) * (512 + SLOT_EXTRA_BYTES) / ((n + 1) * 512):.2f}" if mode == "decode" else "-"
         out.append(f"| {what} | {b} | **{h['tokens_per_s'] / d['tokens_per_s']:.2f}** | {mem} | {cache} |")
     return out
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from aqua_export import allocate, calibrate, corpus, evaluate, models  # noqa: E402
+from aqua_export.h2o import SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
 from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
 
@@ -35,7 +36,7 @@ ALLOCS = ("energy",)
 H2O = [(h, k) for h in (0.25, 0.5, 0.75) for k in (0.5, 0.75, 1.0)]
 # AQUA-H2O with the group-shared rule, for the bytes table: fewer tokens and fewer rows of K^ per step
 H2O_GROUP = [(0.75, 0.75), (0.875, 0.625), (0.75, 0.625)]
-H2O_SLOT_EXTRA = (4 + 8) / (64 * 4)  # heavy (float32) and token (int64) per slot, against one of K^ or V (d = 64)
+H2O_SLOT_EXTRA = SLOT_EXTRA_BYTES / (64 * 4)  # heavy and token per slot, against one of K^ or V (d = 64)
 LM_EVAL = {"dense": AquaConfig(), "AQUA k 0.75": AquaConfig(k_ratio=0.75), "AQUA k 0.5": AquaConfig(k_ratio=0.5),
            "AQUA-Memory s 0.1, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.1),
            "AQUA-Memory s 0.25, k 0.9": AquaConfig(k_ratio=0.9, slice_ratio=0.25)}

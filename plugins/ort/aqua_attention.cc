@@ -102,17 +102,7 @@ inline void online_softmax(int nr, int64_t n, float softcap, const float* const*
     if (alpha != 1.0f) {
       for (int64_t c = 0; c < r; ++c) o[rr * kMaxWidth + c] *= alpha;
     }
-    std::fill(lane, lane + kLanes, 0.0f);
-    for (i = 0; i + kLanes <= n; i += kLanes) {
-      for (int e = 0; e < kLanes; ++e) {
-        x[i + e] = fast_exp(x[i + e] - m_new);
-        lane[e] += x[i + e];
-      }
-    }
-    for (; i < n; ++i) x[i] = fast_exp(x[i] - m_new), lane[0] += x[i];
-    float sum = 0.0f;
-    for (int e = 0; e < kLanes; ++e) sum += lane[e];
-    l[rr] = l[rr] * alpha + sum;
+    l[rr] = l[rr] * alpha + exp_sum(x, n, m_new);
     m[rr] = m_new;
   }
 }

@@ -96,6 +96,23 @@ inline float fast_exp(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// x[0..n) -> e^(x - top) in place; returns their sum (kLanes partial sums: a reduction the compiler vectorises,
+// which a single float sum is not, as it may not reassociate). The softmax loops of both attention kernels.
+inline float exp_sum(float* x, int64_t n, float top) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int e = 0; e < kLanes; ++e) {
+      x[i + e] = fast_exp(x[i + e] - top);
+      lane[e] += x[i + e];
+    }
+  }
+  for (; i < n; ++i) x[i] = fast_exp(x[i] - top), lane[0] += x[i];
+  float sum = 0.0f;
+  for (int e = 0; e < kLanes; ++e) sum += lane[e];
+  return sum;
+}
+
 constexpr int kRows = 4;  // query rows accumulated together
 constexpr int64_t kLine = 16;        // elements per prefetch request (a 64-byte line of float32)
 constexpr int64_t kKeyAhead = 512;   // elements ahead on a key row that accumulate() prefetches

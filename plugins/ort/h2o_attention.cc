@@ -95,8 +95,7 @@ inline void softmax_live(float* s, const int64_t* token, int64_t g, int64_t hw, 
     if (softcap > 0.0f) {
       for (int64_t i = 0; i < hw; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
     }
-    // kLanes partial maxima and sums: reductions the compiler vectorises (a single float sum is not reassociated)
-    float lane[kLanes];
+    float lane[kLanes];  // partial maxima: see exp_sum
     std::fill(lane, lane + kLanes, -INFINITY);
     int64_t i = 0;
     for (; i + kLanes <= hw; i += kLanes) {
@@ -111,17 +110,7 @@ inline void softmax_live(float* s, const int64_t* token, int64_t g, int64_t hw, 
       std::fill(x, x + hw, 0.0f);
       continue;
     }
-    std::fill(lane, lane + kLanes, 0.0f);
-    for (i = 0; i + kLanes <= hw; i += kLanes) {
-      for (int e = 0; e < kLanes; ++e) {
-        x[i + e] = fast_exp(x[i + e] - top);
-        lane[e] += x[i + e];
-      }
-    }
-    for (; i < hw; ++i) x[i] = fast_exp(x[i] - top), lane[0] += x[i];
-    float sum = 0.0f;
-    for (int e = 0; e < kLanes; ++e) sum += lane[e];
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / exp_sum(x, hw, top);
     for (int64_t i = 0; i < hw; ++i) x[i] *= inv;
   }
 }
