@@ -3,17 +3,18 @@
 Per layer i, with g = H / Hkv, r the retained width and k the selected width (docs/design.md):
 
     x --RMSNorm--> h
-    h --q|k|v_proj as one MatMul, Split (scale folded into q)--> RoPE --MatMul P_q--> q^ [B,Hkv,g,T,r] -------------\
+    h --q|k|v_proj as one MatMul, Split (scale folded into q)--> RoPE --> q [B,Hkv,g,T,d], P_q [Hkv,d,r] ----------\
     h --k_proj--> RoPE --MatMul P_k--> [B,Hkv,T,r] --KeyCacheUpdate(past.key, L)--> present.key                    |
                                            present.key viewed [B,Hkv,r,C] (dim-major) -----------------------> AquaAttention
     h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --ValueCacheUpdate(past.value, L)--> present.value -------> (k, rule,
                                                                                               mask ---------> softcap)
-      <-- [B,Hkv,g,T,r]: softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
+      <-- [B,Hkv,g,T,r]: q^ = q P_q, softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
 P_q = P_k = P[:, :r] except under the weighted rules (export.selection_bases). TensorRT builds (whose plugin
-is TopKGatherDot) run TopKGatherDot, Softmax and ValueProduct as separate nodes instead. AQUA-H2O replaces the
-cache updates and AquaAttention by one node over the layer's slot buffers (h2o.py):
+is TopKGatherDot) run q --MatMul P_q--> q^, TopKGatherDot, Softmax and ValueProduct as separate nodes
+instead. AQUA-H2O replaces the cache updates and AquaAttention by one node over the layer's slot buffers
+(h2o.py), fed q^ by a MatMul P_q:
 
     q^, k^, v, past.{key, value, heavy, token}, attention_mask --H2OAttention(k, rule, softcap, ratio)-->
         [B,Hkv,g,T,r], present.{key, value, heavy, token}       (written in place when bound to the past)
@@ -84,6 +85,13 @@ class Plan:
         return self.contract.value_widths[i]
 
     h2o = property(lambda self: self.contract.h2o)
+
+    @property
+    def projects_query(self) -> bool:
+        """AquaAttention takes P_q and projects q itself: one node fewer per layer, and at short context that node
+        cost more than the attention saved (benchmarks/performance.md, break-even). Needs a rotary embedding
+        (otherwise P folds into W_Q), the fused node (TensorRT's separate nodes take q^) and no H2O."""
+        return not self.dense and self.fused and not self.h2o and self.rotary_dim > 0
 
     @property
     def g(self) -> int:
@@ -214,13 +222,17 @@ class DecoderGraph(Blocks):
             return self._attention_folded(i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo)
         q, k, v = self._rotary_qk(n, h, w, (wq, bq), (f32["k_proj"], f32.get("k_proj_bias")),
                                   (wv[keep_v], None if bv is None else bv[keep_v]), scaling, cos, sin)
+        proj = None
         if not p.dense:
             P_q, P_k = (b.to(torch.float32) for b in P)
-            q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_q[:, None])])
+            if p.projects_query:
+                proj = self.weight(f"{n}.P_q", P_q)  # [Hkv, d, r]: AquaAttention's sixth input
+            else:
+                q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_q[:, None])])
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, rv])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, rv]
-        return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io)
+        return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io, proj)
 
     def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, cos, sin):
         """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*rv]: one MatMul for all three. Without q/k
@@ -265,8 +277,9 @@ class DecoderGraph(Blocks):
                   perm=[0, 2, 1, 3])
         return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
 
-    def _attend(self, i, q, kh, v, wo, bo, mask, io):
-        """q^ [B,Hkv,g,T,r], k^ [B,Hkv,T,r], v [B,Hkv,T,rv] -> attention output [B,T,D]."""
+    def _attend(self, i, q, kh, v, wo, bo, mask, io, proj=None):
+        """q^ [B,Hkv,g,T,r] (or q [B,Hkv,g,T,d] with proj = P_q [Hkv,d,r]), k^ [B,Hkv,T,r], v [B,Hkv,T,rv]
+        -> attention output [B,T,D]."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         rv, attrs = p.rv(i), dict(self.op_attrs, k=p.k(i))
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
@@ -279,7 +292,8 @@ class DecoderGraph(Blocks):
             a = self._attend_separate(n, q, kc, vc, mask, io, attrs)
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
             kc, vc = self._cache(n, i, kh, v, io)
-            a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask], domain=self.domain,
+            a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask] + [proj] * (proj is not None),
+                      domain=self.domain,
                       softcap=float(p.attn_softcap or 0.0), **attrs)  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])

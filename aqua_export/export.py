@@ -53,9 +53,13 @@ def topk_gather_dot_reference(query_hat: torch.Tensor, key_cache: torch.Tensor, 
 
 
 def attention_reference(query_hat, key_cache, value_cache, total: int, mask, k: int, rule: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0, projection: torch.Tensor | None = None) -> torch.Tensor:
     """AquaAttention in PyTorch: query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache [B,Hkv,C,rv],
-    mask [B|1,1,1,T,total] float32 -> [B,Hkv,g,T,rv] = softmax(softcap(q^[I] . K^[I,:total]) + mask) @ V[:total]."""
+    mask [B|1,1,1,T,total] float32 -> [B,Hkv,g,T,rv] = softmax(softcap(q^[I] . K^[I,:total]) + mask) @ V[:total].
+    With ``projection`` P [Hkv, d, r] the first input is the query q [B,Hkv,g,T,d] and q^ = q P (the node's
+    optional sixth input)."""
+    if projection is not None:
+        query_hat = query_hat @ projection[:, None].to(query_hat.dtype)
     s = (_keep_selected(query_hat, k, rule) @ key_cache[..., :total].unsqueeze(2)).to(torch.float64)
     if softcap:
         s = torch.tanh(s / softcap) * softcap
@@ -94,7 +98,9 @@ def _register_schema() -> None:
         doc="out = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L], one pass over the cache; K^ dim-major",
         inputs=[OpSchema.FormalParameter("query_hat", "T"), OpSchema.FormalParameter("key_cache", "T"),
                 OpSchema.FormalParameter("value_cache", "T"), length,
-                OpSchema.FormalParameter("mask", "tensor(float)")],
+                OpSchema.FormalParameter("mask", "tensor(float)"),
+                OpSchema.FormalParameter("projection", "T", "P [Hkv, d, r]: input 0 is then q [B,Hkv,g,T,d], q^ = q P",
+                                         param_option=OpSchema.FormalParameterOption.Optional)],
         outputs=[OpSchema.FormalParameter("out", "T")],
         type_constraints=floats,
         attributes=[OpSchema.Attribute("k", OpSchema.AttrType.INT, "coordinates kept per query"),
@@ -196,16 +202,22 @@ def function_body(opset: int):
                            [H.make_opsetid("", opset)], attributes=["k", "rule", "plugin_namespace", "plugin_version"])
 
 
-def attention_body(opset: int):
+def attention_body(opset: int, projected: bool = False):
     """The portable body of AquaAttention (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
-        query_hat --selection--> q_selected --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask-->
-        Softmax --CastLike--> MatMul V[:L] --> out
+        (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
+        --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask--> Softmax --CastLike--> MatMul V[:L] --> out
+
+    An ONNX function cannot test whether an optional input is present, so a graph carries the body of the form
+    its nodes use: every AquaAttention node of one graph projects, or none does (decoder_graph.Plan).
     """
     from onnx import TensorProto
     from onnx import helper as H
 
-    nodes = _score_nodes("scores_t") + [
+    head = [H.make_node("Constant", [], ["axis_1"], value_ints=[1]),
+            H.make_node("Unsqueeze", ["projection", "axis_1"], ["projection_g"]),
+            H.make_node("MatMul", ["query", "projection_g"], ["query_hat"])] if projected else []
+    nodes = head + _score_nodes("scores_t") + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         _ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -221,8 +233,8 @@ def attention_body(opset: int):
         H.make_node("Unsqueeze", ["value_l", "axis_2"], ["value_g"]),
         H.make_node("MatMul", ["probs", "value_g"], ["out"]),
     ]
-    return H.make_function(DOMAIN, ATTENTION, ["query_hat", "key_cache", "value_cache", "total_length", "mask"],
-                           ["out"], nodes, [H.make_opsetid("", opset)],
+    inputs = ["query" if projected else "query_hat", "key_cache", "value_cache", "total_length", "mask"]
+    return H.make_function(DOMAIN, ATTENTION, inputs + ["projection"] * projected, ["out"], nodes, [H.make_opsetid("", opset)],
                            attributes=["k", "rule", "softcap", "plugin_namespace", "plugin_version"])
 
 
@@ -284,11 +296,12 @@ def value_product_body(opset: int):
     return H.make_function(DOMAIN, VALUE_PRODUCT, ["probs", "value_cache"], ["out"], n, [H.make_opsetid("", opset)])
 
 
-def function_bodies(opset: int) -> list:
-    """Every custom node's body: a runtime without the native library runs these."""
+def function_bodies(opset: int, projected: bool = False) -> list:
+    """Every custom node's body: a runtime without the native library runs these (projected: AquaAttention's
+    nodes take P, attention_body)."""
     from . import h2o
 
-    return [function_body(opset), attention_body(opset), cache_update_body(KEY_UPDATE, opset),
+    return [function_body(opset), attention_body(opset, projected), cache_update_body(KEY_UPDATE, opset),
             cache_update_body(VALUE_UPDATE, opset), value_product_body(opset), h2o.function_body(opset)]
 
 
@@ -310,23 +323,26 @@ def single_op_model(k: int, dtype: str = "float32", opset: int = 20, rule: int =
                         functions=[function_body(opset)], ir_version=10)
 
 
-def attention_op_model(k: int, rule: int = 0, softcap: float = 0.0, dtype: str = "float32", opset: int = 20):
-    """A one-node model: AquaAttention(q, kc, vc, length, mask) -> out with its function body (kernel tests and
-    benchmarks)."""
+def attention_op_model(k: int, rule: int = 0, softcap: float = 0.0, dtype: str = "float32", opset: int = 20,
+                       projected: bool = False):
+    """A one-node model: AquaAttention(q, kc, vc, length, mask[, P]) -> out with its function body (kernel tests
+    and benchmarks; projected: a sixth input ``P`` [Hkv, d, r], q is then the unprojected query)."""
     from onnx import TensorProto
     from onnx import helper as H
 
     _register_schema()
     et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
-    node = H.make_node(ATTENTION, ["q", "kc", "vc", "length", "mask"], ["out"], domain=DOMAIN, name=f"/op/{ATTENTION}",
+    names = ["q", "kc", "vc", "length", "mask"] + ["P"] * projected
+    node = H.make_node(ATTENTION, names, ["out"], domain=DOMAIN, name=f"/op/{ATTENTION}",
                        k=k, rule=rule, softcap=float(softcap), plugin_namespace=PLUGIN_NAMESPACE,
                        plugin_version=PLUGIN_VERSION)
     ins = [H.make_tensor_value_info("q", et, [None] * 5), H.make_tensor_value_info("kc", et, [None] * 4),
            H.make_tensor_value_info("vc", et, [None] * 4), H.make_tensor_value_info("length", TensorProto.INT64, [1]),
-           H.make_tensor_value_info("mask", TensorProto.FLOAT, [None] * 5)]
+           H.make_tensor_value_info("mask", TensorProto.FLOAT, [None] * 5)] + \
+        [H.make_tensor_value_info("P", et, [None] * 3)] * projected
     graph = H.make_graph([node], "aqua_attention", ins, [H.make_tensor_value_info("out", et, [None] * 5)])
     return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                        functions=[attention_body(opset)], ir_version=10)
+                        functions=[attention_body(opset, projected)], ir_version=10)
 
 
 def cache_op_model(op: str, dtype: str = "float32", opset: int = 20):
@@ -448,7 +464,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
         g.head(x, *arch.final_norm(model), head.weight.detach(), embed if tied else None)
         g.outputs()
-        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, function_bodies(OPSET), "aqua-export")
+        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, function_bodies(OPSET, plan.projects_query),
+                     "aqua-export")
     finally:
         store.close()
     if dtype == torch.float16:

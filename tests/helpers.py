@@ -92,3 +92,31 @@ def h2o_token_by_token(run, ins, cap: int):
         outs.append(res[0])
         past = res[1:]
     return torch.cat(outs, 3), past
+
+
+MIN = float(torch.finfo(torch.float32).min)
+
+
+def attention_inputs(shape, dtype=torch.float32, seed=0, pad=True, rv=None):
+    """AquaAttention's inputs (q, kc, vc, length, mask) for shape (B, Hkv, g, T, r, L, C): a tie in the first
+    query row, causal over the T new tokens, left padding of the later rows."""
+    b, hkv, g, t, r, length, cap = shape
+    rv = r if rv is None else rv
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv, g, t, r, generator=gen)
+    q[0, 0, 0, 0, : min(4, r)] = 1.5  # a tie: the lower index wins
+    kc = torch.randn(b, hkv, r, cap, generator=gen)
+    vc = torch.randn(b, hkv, cap, rv, generator=gen)
+    pos = torch.arange(length)
+    new = torch.arange(length - t, length)
+    ok = (pos[None, :] <= new[:, None]).expand(b, t, length).clone()  # causal over the new tokens
+    if pad and b > 1:
+        ok[1:, :, : length // 3] = False  # left padding of the later rows
+    mask = torch.where(ok, 0.0, MIN)[:, None, None]
+    return q.to(dtype), kc.to(dtype), vc.to(dtype), length, mask
+
+
+def random_projection(hkv, d, r, seed=1):
+    """P [Hkv, d, r]: the first r columns of a random orthogonal matrix per KV head."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0][..., :r].contiguous()

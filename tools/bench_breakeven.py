@@ -1,8 +1,8 @@
 """The seed paper's break-even: AQUA pays O(d^2) per head and step to project q (q^ = qP) and saves
 O(T (d - k)) in the scores, so it wins for T > d^2 / (d - k). Measured here in ONNX Runtime:
 
-    AQUA   q --MatMul P--> q^ --AquaAttention(k, group-shared selection)--> out    (native kernel)
-    dense  q --------------------AquaAttention(k = d)----------------------> out    (a dense folder's step)
+    AQUA   q, P --AquaAttention(k, group-shared selection, q^ = qP inside)--> out    (native kernel)
+    dense  q -----AquaAttention(k = d)---------------------------------------> out    (a dense folder's step)
 
 for T from 16 to 8192 (batch 1, the embedded model's 9 query / 3 KV heads, d = 64), interleaved
 medians: the same fused kernel on both sides, so the difference is the projection, the selection and
@@ -41,19 +41,14 @@ def _graph(k: int | None, P: np.ndarray):
     _register_schema()
     f = TensorProto.FLOAT
     nodes = [H.make_node("Shape", ["kc"], ["n"], start=3, end=4)]  # every slot filled
-    inits = []
-    q = "q"
-    if k is not None:
-        inits.append(numpy_helper.from_array(P[:, None], "P"))  # [Hkv, 1, d, d]
-        nodes.append(H.make_node("MatMul", ["q", "P"], ["q_hat"]))
-        q = "q_hat"
-    nodes.append(H.make_node(ATTENTION, [q, "kc", "v", "n", "mask"], ["out"], domain=DOMAIN, k=k or D, rule=1,
-                             softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
+    inits = [] if k is None else [numpy_helper.from_array(P, "P")]  # [Hkv, d, d], as decoder_graph passes P_q
+    nodes.append(H.make_node(ATTENTION, ["q", "kc", "v", "n", "mask"] + ["P"] * (k is not None), ["out"],
+                             domain=DOMAIN, k=k or D, rule=1, softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
     ins = [H.make_tensor_value_info("q", f, [1, HKV, G, 1, D]), H.make_tensor_value_info("kc", f, [1, HKV, D, "T"]),
            H.make_tensor_value_info("v", f, [1, HKV, "T", D]), H.make_tensor_value_info("mask", f, [1, 1, 1, 1, "T"])]
     g = H.make_graph(nodes, "breakeven", ins, [H.make_tensor_value_info("out", f, None)], initializer=inits)
     return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                        functions=[attention_body(20)], ir_version=10)
+                        functions=[attention_body(20, projected=k is not None)], ir_version=10)
 
 
 def crossover(ts: list[int], ratios: list[float]) -> int | None:

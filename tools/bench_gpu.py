@@ -9,6 +9,9 @@ T = 16k .. 128k cached tokens. For each T:
   aqua QK (k)    the Triton kernel: reads k of r rows of K^ per query row (+ q, + the scores it writes)
   dense SDPA     torch's scaled_dot_product_attention over K and V [B,Hkv,T,d] (GQA): the whole step
   aqua step (k)  Triton scores + softmax + probs @ V (unfused: the scores go through memory)
+  fused (k)      the Triton AquaAttention kernel (triton_attention.py): q^ = qP, group-shared selection, online
+                 softmax and the value product in one pass over K^'s selected rows and V; "fused dense" is the
+                 same kernel at k = d without P (the same-kernel baseline)
   h2o step (k)   the Triton H2OAttention kernel (triton_h2o.py) at h2o 0.5: T/2 + 1 slots, the most recent
                  T/2 tokens live, one token in, against dense SDPA over all T (the token buffer is restored
                  before each call; it is 1/64 of the K^ + V bytes)
@@ -91,10 +94,56 @@ def bench(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) ->
             return torch.matmul(s, v[:, :, None])
         t = med(step)
         out.append({"T": T, "variant": f"aqua step k={k} (unfused)", "bytes": kv_bytes * k // d + kv_bytes, "s": t})
+    out += bench_fused(T, q, kdm, v, ks, med)
     for o in out:
         o["GB/s"] = o["bytes"] / o["s"] / 1e9
         o["of copy bandwidth"] = o["bytes"] / o["s"] / bw
     return out
+
+
+def bench_fused(T: int, q, kdm, v, ks: list[int], med) -> list[dict]:
+    """The fused Triton AquaAttention step: dense (k = d, no P) and AQUA (P given, group rule) at each k."""
+    from aqua_export.triton_attention import aqua_attention
+
+    B, hkv, g, _, d = q.shape
+    es = q.element_size()
+    mask = torch.zeros(1, 1, 1, 1, T, device="cuda")
+    P = torch.linalg.qr(torch.randn(hkv, d, d, device="cuda"))[0].to(q.dtype)
+    kv_bytes = B * hkv * T * d * es
+    out = [{"T": T, "variant": "fused dense", "bytes": 2 * kv_bytes + 4 * T,
+            "s": med(lambda: aqua_attention(q, kdm, v, T, mask, d, 1))}]
+    for k in ks:
+        out.append({"T": T, "variant": f"fused k={k}", "bytes": kv_bytes * k // d + kv_bytes + 4 * T + P.numel() * es,
+                    "s": med(lambda: aqua_attention(q, kdm, v, T, mask, k, 1, projection=P))})
+    return out
+
+
+def check_fused() -> list[str]:
+    """The fused kernel on the GPU against the float64 reference, with and without P, float32 and float16."""
+    from aqua_export.export import attention_reference
+    from aqua_export.triton_attention import aqua_attention
+
+    lines = []
+    gen = torch.Generator().manual_seed(5)
+    for (b, hkv, g, t, d, L), k, dt, proj in [((2, 8, 4, 1, 128, 5003), 64, torch.float32, True),
+                                               ((1, 8, 4, 3, 128, 70001), 96, torch.float16, True),
+                                               ((3, 2, 3, 1, 64, 1000), 64, torch.float32, False)]:
+        q = torch.randn(b, hkv, g, t, d, generator=gen).to(dt)
+        kc = torch.randn(b, hkv, d, L, generator=gen).to(dt)
+        vc = torch.randn(b, hkv, L, d, generator=gen).to(dt)
+        mask = torch.zeros(1, 1, 1, t, L)
+        P = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0].to(dt) if proj else None
+        got = aqua_attention(q.cuda(), kc.cuda(), vc.cuda(), L, mask.cuda(), k, 1,
+                             projection=None if P is None else P.cuda()).double().cpu()
+        ref = attention_reference(q.double(), kc.double(), vc.double(), L, mask, k, 1,
+                                  projection=None if P is None else P.double())
+        rel = ((got - ref).norm() / ref.norm()).item()
+        ok = torch.isfinite(got).all().item() and rel < (1e-5 if dt == torch.float32 else 2e-3)
+        lines.append(f"check fused AquaAttention {dt} {(b, hkv, g, t, d, L)} k {k} P {proj}: relative error "
+                     f"{rel:.1e} {'ok' if ok else 'FAIL'}")
+        if not ok:
+            raise SystemExit("\n".join(lines))
+    return lines
 
 
 def check_h2o() -> list[str]:
@@ -167,21 +216,23 @@ def main() -> None:
     from aqua_export.triton_kernel import topk_gather_dot
 
     name = torch.cuda.get_device_name()
-    lines = check(topk_gather_dot, topk_gather_dot_reference) + check_h2o()
+    lines = check(topk_gather_dot, topk_gather_dot_reference) + check_fused() + check_h2o()
     bw = copy_bandwidth()
     rows = []
     for T in map(int, a.contexts.split(",")):
         rows += bench(T, a.batch, 8, 4, 128, [64, 96], bw)
         rows += bench_h2o(T, a.batch, 8, 4, 128, [64, 96], bw)
         torch.cuda.empty_cache()
-    md = [f"# GPU attention step: Triton TopKGatherDot vs dense ({name})", "",
+    md = [f"# GPU attention step: the Triton kernels vs dense ({name})", "",
           f"Written by `python tools/bench_gpu.py` on {name}; torch {torch.__version__}. Llama-3.1-8B attention "
           f"shapes at decode (Hkv 8, g 4, d 128, one query token), batch {a.batch}, float16. Median of "
           "triton.testing.do_bench. Bytes = the fewest each variant must move; the ceiling is a measured "
           f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write).", "", *[f"- {x}" for x in lines], "",
-          "| T | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense QK (h2o: vs dense SDPA) |", "|---|---|---|---|---|---|---|"]
+          "| T | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense QK (fused: vs fused dense; h2o: vs dense SDPA) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next(x for x in rows if x["T"] == r["T"] and x["variant"] == "dense QK")["s"]
+        if r["variant"].startswith("fused k"):  # the same kernel's dense run
+            base = next(x for x in rows if x["T"] == r["T"] and x["variant"] == "fused dense")["s"]
         if r["variant"].startswith("h2o"):
             base = next(x for x in rows if x["T"] == r["T"] and x["variant"].startswith("dense SDPA"))["s"]
         md.append(f"| {r['T']} | {r['variant']} | {r['s'] * 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['GB/s']:.0f} | "

@@ -5,6 +5,8 @@
 //   value_cache [B, Hkv, Cv, rv]     present.value (rv: V's width, r unless AQUA-Memory cuts K^ and V apart)
 //   total_length [1] int64           L <= C, Cv: the slots filled so far
 //   mask        [B|1, 1, 1, T, L]    float32, added to the scores (0 or float32 min)
+//   projection  [Hkv, d, r]          optional: query_hat is then the query q [B, Hkv, g, T, d] and q^ = q P,
+//                                    computed per token as its selection is (no MatMul node before this one)
 //     -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
 //   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap
 //
@@ -35,29 +37,63 @@ constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the 
 template <typename T>
 struct AttentionJob {
   const T* q;
+  const T* proj;  // P [Hkv, qw, r], or null: q is q^
   const T* key;
   const T* value;
   const float* mask;
   T* out;
   float* part;  // [tasks, kRows, rv + 2]: o, m, l of each row when the positions are split
-  int64_t heads, g, t, r, rv, k, rule, len, key_stride, value_slots, mask_batch_stride, tiles, splits, split_len;
+  int64_t heads, g, t, qw, r, rv, k, rule, len, key_stride, value_slots, mask_batch_stride, tiles, splits, split_len;
   float softcap;
 };
+
+// out[c0..c0 + 8W) = x[0..d) P[d][c0..c0 + 8W): W vector accumulators held in registers over the d rows of P.
+template <int W>
+void project_columns(const float* x, const float* P, int64_t d, int64_t r, float* out) {
+  f8 acc[W] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    for (int w = 0; w < W; ++w) acc[w] += x[i] * load8(P + i * r + 8 * w);
+  }
+  for (int w = 0; w < W; ++w) store8(out + 8 * w, acc[w]);
+}
+
+// out[0..r) = x[0..d) P[d][r], float32 accumulation: q^ of one query row (d^2 multiply-adds, the cost that
+// sets AQUA's break-even, so float32 keeps them in vector registers; other types take the plain loop).
+template <typename T>
+void project(const T* x, const T* P, int64_t d, int64_t r, float* __restrict out) {
+  int64_t c0 = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; c0 + 64 <= r; c0 += 64) project_columns<8>(x, P + c0, d, r, out + c0);
+    for (; c0 + 8 <= r; c0 += 8) project_columns<1>(x, P + c0, d, r, out + c0);
+  }
+  std::fill(out + c0, out + r, 0.0f);
+  for (int64_t i = 0; i < d; ++i) {
+    const float xi = load(x, i);
+    for (int64_t c = c0; c < r; ++c) out[c] += xi * load(P + i * r, c);
+  }
+}
 
 // The tile's rows (token-major: row rr is head j of token tt) and their selections laid out densely over r.
 template <typename T>
 int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, float* wbuf, int32_t* uni) {
-  std::vector<float> q(static_cast<size_t>(j.g * j.r));
-  std::vector<int64_t> idx(static_cast<size_t>(j.g * j.k));
-  std::vector<char> mark(static_cast<size_t>(j.r), 0);
+  static thread_local std::vector<float> q;  // scratch reused across tasks: no allocation per tile
+  static thread_local std::vector<int64_t> idx;
+  static thread_local std::vector<char> mark;
+  q.resize(static_cast<size_t>(j.g * j.r));
+  idx.resize(static_cast<size_t>(j.g * j.k));
+  mark.assign(static_cast<size_t>(j.r), 0);
   std::fill(wbuf, wbuf + kRows * j.r, 0.0f);
   int64_t loaded = -1;
   for (int rr = 0; rr < nr; ++rr) {
     const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
     if (tt != loaded) {
       for (int64_t hh = 0; hh < j.g; ++hh) {
-        const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.r;
-        for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
+        const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.qw;
+        if (j.proj == nullptr) {
+          for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
+        } else {
+          project(src, j.proj + (bh % j.heads) * j.qw * j.r, j.qw, j.r, q.data() + hh * j.r);
+        }
       }
       select_group(q.data(), j.g, j.r, j.k, j.rule, idx.data());
       loaded = tt;
@@ -114,9 +150,9 @@ void attention_task(void* data, size_t task_index) {
   const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
   const int64_t rows = j.g * j.t;
   const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - tile * kRows));
-  std::vector<float> wbuf(static_cast<size_t>(kRows * j.r));
-  std::vector<int32_t> uni(static_cast<size_t>(j.r));
-  const int64_t nu = select_tile(j, bh, tile, nr, wbuf.data(), uni.data());
+  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
+  static thread_local int32_t uni[kMaxWidth];
+  const int64_t nu = select_tile(j, bh, tile, nr, wbuf, uni);
 
   alignas(64) static thread_local float s[kRows * kPos];
   alignas(64) static thread_local float o[kRows * kMaxWidth];
@@ -140,7 +176,7 @@ void attention_task(void* data, size_t task_index) {
       for (int64_t i = 0; i < n && !visible; ++i) visible = mb[rr][i] > kHidden;
     }
     if (!visible) continue;
-    accumulate_rows(nr, key + s0, j.key_stride, uni.data(), nu, wbuf.data(), n, s, kPos);
+    accumulate_rows(nr, key + s0, j.key_stride, uni, nu, wbuf, n, s, kPos);
     online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.rv);
     add_values_rows(nr, s, kPos, value + s0 * j.rv, n, j.rv, o, kMaxWidth);
   }
@@ -209,8 +245,17 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: expected query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache "
                         "[B,Hkv,C,rv] and mask [B,1,1,T,L]", ORT_INVALID_ARGUMENT);
     }
-    const int64_t r = qs[4], rv = vs[3];
-    if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1] || ks[2] != r) {
+    const int64_t r = ks[2], rv = vs[3];
+    const OrtValue* p_value = ctx.GetInputCount() > 5 ? static_cast<const OrtValue*>(ctx.GetInput(5)) : nullptr;
+    Ort::ConstValue p_in{p_value};
+    if (p_value != nullptr) {
+      const auto ps = p_in.GetTensorTypeAndShapeInfo().GetShape();
+      if (ps.size() != 3 || ps[0] != qs[1] || ps[1] != qs[4] || ps[2] != r || qs[4] > kMaxWidth) {
+        ORT_CXX_API_THROW("AquaAttention: projection must be [Hkv, d, r] for a query [B, Hkv, g, T, d] (d <= 512) "
+                          "and key_cache [B, Hkv, r, C]", ORT_INVALID_ARGUMENT);
+      }
+    }
+    if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1] || (p_value == nullptr && qs[4] != r)) {
       ORT_CXX_API_THROW("AquaAttention: query_hat, key_cache and value_cache disagree on B, Hkv or r",
                         ORT_INVALID_ARGUMENT);
     }
@@ -233,8 +278,9 @@ struct AttentionKernel {
     }
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
     std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0);
-    AttentionJob<T> job{q_in.GetTensorData<T>(), k_in.GetTensorData<T>(), v_in.GetTensorData<T>(),
-                        m_in.GetTensorData<float>(), out.GetTensorMutableData<T>(), part.data(), qs[1], qs[2], qs[3], r, rv, k_,
+    AttentionJob<T> job{q_in.GetTensorData<T>(), p_value != nullptr ? p_in.GetTensorData<T>() : nullptr,
+                        k_in.GetTensorData<T>(), v_in.GetTensorData<T>(), m_in.GetTensorData<float>(),
+                        out.GetTensorMutableData<T>(), part.data(), qs[1], qs[2], qs[3], qs[4], r, rv, k_,
                         rule_, len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, tiles, splits, split_len, softcap_};
     ctx.ParallelFor(&attention_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
     if (splits > 1) ctx.ParallelFor(&merge_task<T>, static_cast<size_t>(bh * tiles), 0, &job);
@@ -245,7 +291,7 @@ struct AttentionKernel {
 };
 
 template <typename T>
-struct AttentionOp : CpuOp<AttentionOp<T>, AttentionKernel<T>, T, 5, 3, 4> {
+struct AttentionOp : CpuOp<AttentionOp<T>, AttentionKernel<T>, T, 6, 3, 4, 5> {
   const char* GetName() const { return "AquaAttention"; }
 };
 

@@ -25,11 +25,13 @@ inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t
 enum Rule : int64_t { kPerHead = 0, kGroup = 1, kStatic = 2 };
 
 // order[0..k) = the k largest score[] (ties -> lower index). Their order does not matter: callers lay
-// the weights out densely over r and walk the union of selections in index order.
+// the weights out densely over r and walk the union of selections in index order, so a linear-time partition
+// does (under this strict total order the set of the k first is unique; a partial sort cost a microsecond
+// per group at d = 64, as much as the attention itself at short context).
 inline void top_k(const float* score, int64_t r, int64_t k, int64_t* order) {
   std::iota(order, order + r, int64_t{0});
   if (k < r) {
-    std::partial_sort(order, order + k, order + r, [score](int64_t a, int64_t b) {
+    std::nth_element(order, order + k, order + r, [score](int64_t a, int64_t b) {
       return score[a] > score[b] || (score[a] == score[b] && a < b);
     });
   }
@@ -38,8 +40,10 @@ inline void top_k(const float* score, int64_t r, int64_t k, int64_t* order) {
 // The selections of the g query rows of one (batch, kv head, token): q [g][r] (float copies) ->
 // idx [g][k]. Per head: top-k |q_j|; group: one top-k of sum_j |q_j| shared by all g; static: 0..k-1.
 inline void select_group(const float* q, int64_t g, int64_t r, int64_t k, int64_t rule, int64_t* idx) {
-  std::vector<float> score(static_cast<size_t>(r));
-  std::vector<int64_t> order(static_cast<size_t>(r));
+  static thread_local std::vector<float> score;  // per-call scratch, reused: no allocation per token
+  static thread_local std::vector<int64_t> order;
+  score.resize(static_cast<size_t>(r));
+  order.resize(static_cast<size_t>(r));
   if (rule == kStatic || k == r) {
     for (int64_t j = 0; j < g; ++j) std::iota(idx + j * k, idx + (j + 1) * k, int64_t{0});
     return;
@@ -276,10 +280,15 @@ constexpr ONNXTensorElementDataType element_type() {
 }
 
 // What every op of the library declares alike: a CPU kernel of element type T (float or float16) with
-// NInputs inputs, input `LengthAt` an int64 total_length (none when out of range), input `FloatAt` float32
-// whatever T is (none when out of range), and one output of type T.
-template <typename Self, typename K, typename T, size_t NInputs, size_t LengthAt, size_t FloatAt = 99>
+// NInputs inputs of which the first NRequired must be given, input `LengthAt` an int64 total_length (none when
+// out of range), input `FloatAt` float32 whatever T is (none when out of range), and one output of type T.
+template <typename Self, typename K, typename T, size_t NInputs, size_t LengthAt, size_t FloatAt = 99,
+          size_t NRequired = NInputs>
 struct CpuOp : Ort::CustomOpBase<Self, K> {
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i < NRequired ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED
+                         : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL;
+  }
   void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new K(info); }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return NInputs; }
