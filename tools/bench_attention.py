@@ -7,7 +7,8 @@ Geometry: the embedded model's (9 query heads, 3 KV heads, d = 64). Each graph i
 same thread count, fed the same cache; times are medians of interleaved rounds and every figure reported
 is a ratio measured in this run.
 
-    AQUA         q^ --AquaAttention(k, rule)--> out        (K^ dim-major [B,Hkv,d,T], one pass, native)
+    AQUA         q, P --AquaAttention(k, rule)--> out     (q^ = qP inside; K^ dim-major [B,Hkv,d,T], one pass, native:
+                                                          the node as an AQUA folder runs it)
     fused dense  q  --AquaAttention(k = d)----> out        (what a dense folder of this project runs)
     ORT dense    q  --MatMul K--> Softmax --MatMul V--> out (standard ops, same layout)
     GQA          com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's op)
@@ -150,7 +151,7 @@ def main() -> int:
     sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function"),
                 "fused-dense": sess(attention_op_model(D))}
     for rule, ratio in SETTINGS:
-        sessions[rule, ratio] = sess(attention_op_model(round(ratio * D), RULE[rule]))
+        sessions[rule, ratio] = sess(attention_op_model(round(ratio * D), RULE[rule], projected=True))
     from aqua_export import h2o
 
     for h, rule, ratio in H2O_SETTINGS:
@@ -165,8 +166,11 @@ def main() -> int:
             q = (rng.standard_normal((b, HKV, G, 1, D)) * sd).astype(np.float32)
             feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
             fused = {**feed, "length": np.array([t], np.int64)}  # every slot filled
-            fns = {name: (lambda s=s, fd=feed if name == "ort-dense" else fused: s.run(None, fd))
-                   for name, s in sessions.items() if name != "gqa" and name[0] != "h2o"}
+            # the AQUA nodes take q = q^ P^T and P: the same q^, so the same selections
+            P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
+            projected = {**fused, "q": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32), "P": P}
+            fns = {name: (lambda s=s, fd=feed if name == "ort-dense" else fused if name == "fused-dense" else projected:
+                          s.run(None, fd)) for name, s in sessions.items() if name != "gqa" and name[0] != "h2o"}
             fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
             for name in sessions:
                 if name[0] == "h2o":

@@ -92,7 +92,9 @@ def main() -> int:
              "dense_over_aqua_by_T": dict(zip(map(str, CONTEXTS), [round(x, 3) for x in ratios[k]]))} for k in ks]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": a.threads, "reps": a.reps, "batch": 1, "selection": "group (rule 1)", "geometry": {"heads": HKV * G, "kv_heads": HKV, "head_dim": D}}
+    meta = {"threads": a.threads, "reps": a.reps, "batch": 1, "selection": "group (rule 1)",
+            "projection": "AquaAttention's sixth input (q^ = qP inside the node)",
+            "geometry": {"heads": HKV * G, "kv_heads": HKV, "head_dim": D}}
     atomic_write_bytes(out / "breakeven.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     for r in rows:
         print(json.dumps(r))

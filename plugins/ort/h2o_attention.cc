@@ -115,13 +115,18 @@ inline void softmax_live(float* s, const int64_t* token, int64_t g, int64_t hw, 
   }
 }
 
-// The live slot to free: smallest heavy among the slots outside the n_recent most recent real tokens,
-// ties -> the later token. -1 if there is none.
-inline int64_t victim(const float* heavy, const int64_t* token, const int64_t* before, int64_t hw, int64_t n,
-                      int64_t n_recent) {
+// heavy[i] += sum over the g rows of w[h][i] (+ 0 on free slots), and in the same pass over the slots, when
+// token is given, the live slot to free: smallest (updated) heavy among the slots outside the n_recent most
+// recent real tokens, ties -> the later token; -1 if there is none (or no token given). One pass instead of
+// two: at decode the per-slot state is read once per step beside K^ and V.
+inline int64_t accumulate_and_pick(const float* w, int64_t g, int64_t cap, float* heavy, const int64_t* token,
+                                   const int64_t* before, int64_t hw, int64_t n, int64_t n_recent) {
   int64_t best = -1;
   for (int64_t i = 0; i < hw; ++i) {
-    if (token[i] < 0 || n - before[token[i]] <= n_recent) continue;
+    float sum = 0.0f;
+    for (int64_t h = 0; h < g; ++h) sum += w[h * cap + i];
+    heavy[i] += sum;
+    if (token == nullptr || token[i] < 0 || n - before[token[i]] <= n_recent) continue;
     if (best < 0 || heavy[i] < heavy[best] || (heavy[i] == heavy[best] && token[i] > token[best])) best = i;
   }
   return best;
@@ -145,7 +150,8 @@ void h2o_task(void* data, size_t index) {
   int64_t n = before[first];
   std::vector<float> q(static_cast<size_t>(g * r)), o(static_cast<size_t>(g * rv));
   std::vector<int64_t> idx(static_cast<size_t>(g * j.k));
-  std::vector<float> s(static_cast<size_t>(g * cap));
+  static thread_local std::vector<float> s;  // [g][cap] scores: reused across tasks, entries past hw never read
+  s.resize(static_cast<size_t>(g * cap));
   for (int64_t tt = 0; tt < j.t; ++tt) {
     const int64_t pos = first + tt;
     const bool real = mask[pos] != 0;
@@ -179,16 +185,13 @@ void h2o_task(void* data, size_t index) {
       for (int64_t c = 0; c < rv; ++c) store(dst, c, o[h * rv + c]);
     }
     if (real) {
-      for (int64_t i = 0; i < hw; ++i) {  // + 0 on free slots
-        float w = 0.0f;
-        for (int64_t h = 0; h < g; ++h) w += s[h * cap + i];
-        heavy[i] += w;
-      }
       ++n;
       const int64_t keep = budget(j.ratio, n);
       if (live > keep) {
-        const int64_t v = victim(heavy, token, before, hw, n, keep / 2);
+        const int64_t v = accumulate_and_pick(s.data(), g, cap, heavy, token, before, hw, n, keep / 2);
         if (v >= 0) token[v] = -1, --live;
+      } else {
+        accumulate_and_pick(s.data(), g, cap, heavy, nullptr, before, hw, n, keep / 2);
       }
     }
   }
