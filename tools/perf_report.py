@@ -39,7 +39,7 @@ def attention_section(data) -> list[str]:
     out = ["## Attention step (one decode step, ONNX Runtime, `tools/bench_attention.py`)", "",
            f"{m['geometry']['heads']} query heads, {m['geometry']['kv_heads']} KV heads, d = {m['geometry']['head_dim']}; "
            f"{m['threads']} intra-op threads; medians of up to {m['reps']} interleaved rounds; {m['queries']} queries. "
-           "AQUA = the fused `AquaAttention` node (native kernel). `X / AQUA` > 1 means AQUA is faster than X: "
+           "AQUA = the fused `AquaAttention` node (native kernel) given q and P, as folders run it (q^ = qP inside the node). `X / AQUA` > 1 means AQUA is faster than X: "
            "fused dense = the same node at k = d (what a dense folder runs), ORT dense = MatMul, Softmax, MatMul "
            "(standard ops), GQA = ORT's GroupQueryAttention. Rule `head`: each query head its own top-k "
            "(magnitude / weighted); `group`: one top-k per GQA group (group / group-weighted). Byte limit = "
