@@ -26,7 +26,6 @@ import torch
 from .triton_kernel import group_block, next_pow2, triton_for
 
 _KERNELS: dict[bool, object] = {}
-HIDDEN = -1e37  # a mask entry at or below this hides the position (plugins/ort/aqua_attention.cc kHidden)
 PROGRAMS_WANTED = 264  # (sequence, KV head, token) programs times splits: two waves of an H100's 132 SMs
 
 
@@ -89,7 +88,7 @@ def _kernel(interpret: bool):
                 s = s0 + tl.arange(0, BLOCK_S)
                 in_s = (s < L) & (s < p0 + SPLIT_LEN)
                 mk = tl.load(mrow + s, mask=in_s, other=float("-inf"))
-                vis = in_s & (mk > -1e37)
+                vis = in_s & (mk > -1e37)  # the CPU kernel's kHidden
                 kb = tl.load(key + c[:, None] * C + s[None, :], mask=rows[:, None] & vis[None, :], other=0.0)
                 sc = tl.sum(qs[:, :, None] * kb.to(tl.float32)[None, :, :], axis=1)
                 if SOFTCAP > 0.0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at both ends
@@ -158,12 +157,13 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     width = max(r, rv)
     block = block_s(g, width)
     n = splits or split_count(b * hkv * t, total, block)
-    split_len = -(-(-(-total // n)) // block) * block  # ceil(total / n) rounded up to whole blocks
+    per_split = -(-total // n)
+    split_len = -(-per_split // block) * block  # whole blocks
     n = -(-total // split_len)
     o = torch.empty(b * hkv * t * n, g, rv, dtype=torch.float32, device=query.device)
     ml = torch.empty(b * hkv * t * n, g, 2, dtype=torch.float32, device=query.device)
     q = query.contiguous()
-    p = (projection if projection is not None else q).to(q.dtype).contiguous()
+    p = (projection if projection is not None else q).to(q.dtype).contiguous()  # q: a pointer PROJECT never reads
     kc, vc = key_cache.to(q.dtype).contiguous(), value_cache.to(q.dtype).contiguous()
     mk = mask.to(torch.float32).contiguous()
     kernel[(b * hkv * t, n)](q, p, kc, vc, mk, o, ml, hkv, t, total, cap, n, split_len,
@@ -174,11 +174,9 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     # merge the splits: [b*hkv*t, n, g, ...] -> out
     o = o.view(b * hkv * t, n, g, rv)
     m, l = ml.view(b * hkv * t, n, g, 2).unbind(-1)
-    live = l > 0
-    top = torch.where(live, m, torch.full_like(m, float("-inf"))).amax(1, keepdim=True)
-    w = torch.where(live, torch.exp(m - torch.where(live.any(1, keepdim=True), top, torch.zeros_like(top))),
-                    torch.zeros_like(m))
+    live = l > 0  # a split that saw no visible position has o = 0, l = 0
+    top = torch.where(live, m, float("-inf")).amax(1, keepdim=True)
+    w = torch.where(live, torch.exp(m - torch.where(torch.isfinite(top), top, 0.0)), 0.0)
     den = (l * w).sum(1)
-    res = (o * w[..., None]).sum(1) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
-    res = torch.where((den > 0)[..., None], res, torch.zeros_like(res))
+    res = (o * w[..., None]).sum(1) / torch.where(den > 0, den, 1.0)[..., None]  # hidden rows: 0 / 1
     return res.view(b, hkv, t, g, rv).transpose(2, 3).to(query.dtype)

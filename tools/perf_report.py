@@ -65,26 +65,18 @@ def attention_section(data) -> list[str]:
 def breakeven_section(data) -> list[str]:
     m = data["meta"]
     out = ["", "## Break-even T > d^2 / (d - k) (`tools/bench_breakeven.py`)", "",
-           (f"Batch {m['batch']}, AQUA step (AquaAttention given P: q^ = qP inside the node, the {m['selection']} "
-            "selection) vs the dense step (AquaAttention at k = d, no projection); " if "projection" in m else
-            f"Batch {m['batch']}, AQUA step (q^ = qP as a MatMul node, then AquaAttention with the {m['selection']} "
-            "selection) vs the dense step (AquaAttention at k = d, no projection); " if "selection" in m else
-            f"Batch {m['batch']}. **Measured before the fused node existed** (q^ = qP, TopKGatherDot, Softmax, MatMul V "
-            "against MatMul, Softmax, MatMul; rerun `tools/bench_breakeven.py` for the fused node); ")
+           f"Batch {m['batch']}, AQUA step (AquaAttention given P: q^ = qP inside the node, the {m['selection']} "
+           "selection) vs the dense step (AquaAttention at k = d, no projection); "
            + f"{m['threads']} threads, medians of up to {m['reps']} interleaved rounds.", "",
            "| k_ratio | k | predicted T | measured crossover T | dense / AQUA at 16 / 256 / 1024 / 8192 |", "|---|---|---|---|---|"]
     for r in data["rows"]:
         by = r["dense_over_aqua_by_T"]
         pts = " / ".join(f"{by.get(str(t), float('nan')):.2f}" for t in (16, 256, 1024, 8192))
         out.append(f"| {r['k_ratio']:.2f} | {r['k']} | {r['predicted_T']:.0f} | {r['measured_crossover_T']} | {pts} |")
-    if "projection" in m:
-        out += ["", "The prediction counts FLOPs: d^2 for q^ = qP against T (d - k) saved in the scores. The node "
-                "projects in vector registers on L1-resident data and selects by a linear-time partition, so at "
-                "small T the two steps are within a few percent of each other and the crossover is where AQUA "
-                "stays ahead from then on (ratios near 1 at small T are within run noise)."]
-    else:
-        out += ["", "The prediction counts FLOPs; on a CPU at small T the fixed cost of the extra MatMul node for P "
-                "and of the selection moves the measured crossover."]
+    out += ["", "The prediction counts FLOPs: d^2 for q^ = qP against T (d - k) saved in the scores. The node "
+            "projects in vector registers on L1-resident data and selects by a linear-time partition, so at "
+            "small T the two steps are within a few percent of each other and the crossover is where AQUA "
+            "stays ahead from then on (ratios near 1 at small T are within run noise)."]
     return out
 
 

@@ -111,7 +111,6 @@ int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, 
   return nu;
 }
 
-
 // s[rr][0..n) -> e^(s - m') with the running max m and sum l of each row updated, o rescaled.
 inline void online_softmax(int nr, int64_t n, float softcap, const float* const* mrow, float* s, float* m, float* l,
                            float* o, int64_t r) {

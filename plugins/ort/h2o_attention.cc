@@ -187,12 +187,9 @@ void h2o_task(void* data, size_t index) {
     if (real) {
       ++n;
       const int64_t keep = budget(j.ratio, n);
-      if (live > keep) {
-        const int64_t v = accumulate_and_pick(s.data(), g, cap, heavy, token, before, hw, n, keep / 2);
-        if (v >= 0) token[v] = -1, --live;
-      } else {
-        accumulate_and_pick(s.data(), g, cap, heavy, nullptr, before, hw, n, keep / 2);
-      }
+      const int64_t v = accumulate_and_pick(s.data(), g, cap, heavy, live > keep ? token : nullptr, before, hw, n,
+                                            keep / 2);
+      if (v >= 0) token[v] = -1, --live;
     }
   }
 }
