@@ -30,7 +30,6 @@ namespace {
 using namespace aqua;
 
 constexpr int64_t kPos = 256;        // positions per block: the tile's scores stay in L1
-constexpr int64_t kMaxWidth = 512;   // r
 constexpr int64_t kTasksWanted = 16; // split the positions when fewer (batch, kv head, tile) tasks exist
 constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the position
 
@@ -104,11 +103,7 @@ int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, 
       mark[c] = 1;
     }
   }
-  int64_t nu = 0;
-  for (int64_t c = 0; c < j.r; ++c) {
-    if (mark[c]) uni[nu++] = static_cast<int32_t>(c);
-  }
-  return nu;
+  return union_of(mark.data(), j.r, uni);
 }
 
 // s[rr][0..n) -> e^(s - m') with the running max m and sum l of each row updated, o rescaled.

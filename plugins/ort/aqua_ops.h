@@ -6,6 +6,7 @@
 #include <onnxruntime_cxx_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -118,6 +119,17 @@ inline float exp_sum(float* x, int64_t n, float top) {
 }
 
 constexpr int kRows = 4;  // query rows accumulated together
+constexpr int64_t kMaxWidth = 512;  // the widest K^ / V row the attention kernels take (r, rv)
+
+// uni[0..nu) = the coordinates c < r with mark[c] set, ascending (the union of a tile's selections, which
+// accumulate() walks); returns nu.
+inline int64_t union_of(const char* mark, int64_t r, int32_t* uni) {
+  int64_t nu = 0;
+  for (int64_t c = 0; c < r; ++c) {
+    if (mark[c]) uni[nu++] = static_cast<int32_t>(c);
+  }
+  return nu;
+}
 constexpr int64_t kLine = 16;        // elements per prefetch request (a 64-byte line of float32)
 constexpr int64_t kKeyAhead = 512;   // elements ahead on a key row that accumulate() prefetches
 

@@ -19,6 +19,8 @@
 //
 //   real token? write k^, v to the first free slot s; token[s] = position, heavy[s] = 0
 //   scores over the live slots (selection, softcap), softmax, out = w @ V        (w: [g, live slots])
+//       one pass by blocks of kBlock slots, online softmax as AquaAttention's: per block K^[union of I, block]
+//       -> s (kept, [g, slots]) -> m, l, o rescaled -> o += e^(s - m_block) V[block]; w = s e^(m_block - m) / l
 //   real token? heavy += sum over the group of w; n += 1; budget = max(1, ceil(ratio * n))
 //               live > budget: free the slot with the smallest heavy among those outside the floor(budget / 2)
 //               most recent real tokens (ties: the later token goes)
@@ -53,83 +55,128 @@ struct H2OJob {
   const int64_t* mask;  // [B, L]
   const int64_t* before;  // [B, L + 1]: real tokens at positions < p
   T* out;                 // [B, Hkv, g, T, rv]
+  std::atomic<bool>* foreign;  // set by a task whose row holds a state this op cannot have left (row untouched)
   int64_t heads, g, t, r, rv, k, rule, len, cap;
   double ratio;
   float softcap;
 };
 
-// The g rows' scores over slots [0, hw): s[j * cap + i] (un-normalised), by tiles of up to kRows rows that
-// walk the union of their selections once per block of slots.
-template <typename T>
-void scores(const H2OJob<T>& j, const T* key, const float* q, const int64_t* idx, int64_t hw, float* s) {
-  std::vector<float> wbuf(static_cast<size_t>(kRows * j.r));
-  std::vector<int32_t> uni(static_cast<size_t>(j.r));
-  std::vector<char> mark(static_cast<size_t>(j.r));
-  for (int64_t j0 = 0; j0 < j.g; j0 += kRows) {
-    const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - j0));
-    std::fill(wbuf.begin(), wbuf.end(), 0.0f);
-    std::fill(mark.begin(), mark.end(), 0);
-    for (int rr = 0; rr < nr; ++rr) {
-      for (int64_t i = 0; i < j.k; ++i) {
-        const int64_t c = idx[(j0 + rr) * j.k + i];
-        wbuf[c * kRows + rr] = q[(j0 + rr) * j.r + c];
-        mark[c] = 1;
-      }
-    }
-    int64_t nu = 0;
-    for (int64_t c = 0; c < j.r; ++c) {
-      if (mark[c]) uni[nu++] = static_cast<int32_t>(c);
-    }
-    for (int64_t s0 = 0; s0 < hw; s0 += kBlock) {
-      accumulate_rows(nr, key + s0, j.cap, uni.data(), nu, wbuf.data(), std::min(kBlock, hw - s0),
-                      s + j0 * j.cap + s0, j.cap);
+// The query rows j0..j0 + nr of a group: their weights dense over r (wbuf[c * kRows + rr], 0 where row rr did
+// not select c) and the union of their selections; returns its size. q [g][r], idx [g][k].
+inline int64_t tile_weights(const float* q, const int64_t* idx, int64_t r, int64_t k, int64_t j0, int nr,
+                            float* wbuf, int32_t* uni) {
+  static thread_local std::vector<char> mark;
+  mark.assign(static_cast<size_t>(r), 0);
+  std::fill(wbuf, wbuf + kRows * r, 0.0f);
+  for (int rr = 0; rr < nr; ++rr) {
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t c = idx[(j0 + rr) * k + i];
+      wbuf[c * kRows + rr] = q[(j0 + rr) * r + c];
+      mark[c] = 1;
     }
   }
+  return union_of(mark.data(), r, uni);
 }
 
-// s[j * cap + i] -> softmax weights over the live slots (0 elsewhere; all 0 when none is live). Free slots are
-// set to -inf by a select (a stale score, whatever it holds, is dropped) and then leave exact zeros.
-inline void softmax_live(float* s, const int64_t* token, int64_t g, int64_t hw, int64_t cap, float softcap) {
-  for (int64_t h = 0; h < g; ++h) {
-    float* x = s + h * cap;
+// One block of n slots for nr rows, x[rr * pitch + i] their scores -> e^(s - bm[rr]), free slots (on[i] = 0)
+// exactly 0 whatever score they held (a select, not an added -inf: a stale inf stays out); the running max m
+// and sum l of each row updated and its o [rv] rescaled (online softmax). The block has a live slot.
+inline void block_softmax(int nr, float* x, int64_t pitch, const int32_t* on, int64_t n, float softcap, float* m,
+                          float* l, float* o, int64_t rv, float* bm) {
+  for (int rr = 0; rr < nr; ++rr) {
+    float* xr = x + rr * pitch;
     if (softcap > 0.0f) {
-      for (int64_t i = 0; i < hw; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
+      for (int64_t i = 0; i < n; ++i) xr[i] = std::tanh(xr[i] / softcap) * softcap;
     }
     float lane[kLanes];  // partial maxima: see exp_sum
     std::fill(lane, lane + kLanes, -INFINITY);
     int64_t i = 0;
-    for (; i + kLanes <= hw; i += kLanes) {
+    for (; i + kLanes <= n; i += kLanes) {
       for (int e = 0; e < kLanes; ++e) {
-        x[i + e] = token[i + e] < 0 ? -INFINITY : x[i + e];
-        lane[e] = std::max(lane[e], x[i + e]);
+        xr[i + e] = on[i + e] ? xr[i + e] : -INFINITY;
+        lane[e] = std::max(lane[e], xr[i + e]);
       }
     }
-    for (; i < hw; ++i) x[i] = token[i] < 0 ? -INFINITY : x[i], lane[0] = std::max(lane[0], x[i]);
-    const float top = *std::max_element(lane, lane + kLanes);
-    if (top == -INFINITY) {  // nothing live
-      std::fill(x, x + hw, 0.0f);
-      continue;
+    for (; i < n; ++i) xr[i] = on[i] ? xr[i] : -INFINITY, lane[0] = std::max(lane[0], xr[i]);
+    const float m_new = std::max(m[rr], *std::max_element(lane, lane + kLanes));
+    const float alpha = std::exp(m[rr] - m_new);  // 0 while nothing was live (m = -inf, o and l 0)
+    if (alpha != 1.0f) {
+      for (int64_t c = 0; c < rv; ++c) o[rr * rv + c] *= alpha;
     }
-    const float inv = 1.0f / exp_sum(x, hw, top);
-    for (int64_t i = 0; i < hw; ++i) x[i] *= inv;
+    l[rr] = l[rr] * alpha + exp_sum(xr, n, m_new);
+    m[rr] = bm[rr] = m_new;
   }
 }
 
-// heavy[i] += sum over the g rows of w[h][i] (+ 0 on free slots), and in the same pass over the slots, when
-// token is given, the live slot to free: smallest (updated) heavy among the slots outside the n_recent most
-// recent real tokens, ties -> the later token; -1 if there is none (or no token given). One pass instead of
-// two: at decode the per-slot state is read once per step beside K^ and V.
-inline int64_t accumulate_and_pick(const float* w, int64_t g, int64_t cap, float* heavy, const int64_t* token,
-                                   const int64_t* before, int64_t hw, int64_t n, int64_t n_recent) {
-  int64_t best = -1;
-  for (int64_t i = 0; i < hw; ++i) {
-    float sum = 0.0f;
-    for (int64_t h = 0; h < g; ++h) sum += w[h * cap + i];
-    heavy[i] += sum;
-    if (token == nullptr || token[i] < 0 || n - before[token[i]] <= n_recent) continue;
-    if (best < 0 || heavy[i] < heavy[best] || (heavy[i] == heavy[best] && token[i] > token[best])) best = i;
+// heavy[i] += the group's summed softmax weights sum_h x[h][i] f[h][block of i] (x as block_softmax left it,
+// f [g][blocks] = e^(bm - m) / l), and in the same pass, when pick: the live slot to free, the smallest (updated)
+// heavy among the slots whose token is before position `recent` (outside the most recent real tokens kept),
+// ties -> the later token; -1 if none. One pass: at decode the per-slot state is read once per step beside K^
+// and V; the choice is branch-free (recent tokens sit in scattered slots once evictions began).
+inline int64_t accumulate_and_pick(const float* x, const float* f, int64_t g, int64_t cap, int64_t blocks,
+                                   float* heavy, const int64_t* token, int64_t hw, bool pick, int64_t recent) {
+  int64_t best = -1, best_token = -1;
+  float best_heavy = INFINITY;
+  for (int64_t blk = 0; blk < blocks && blk * kBlock < hw; ++blk) {
+    const int64_t i0 = blk * kBlock, i1 = std::min(hw, i0 + kBlock);
+    for (int64_t h = 0; h < g; ++h) {
+      const float w = f[h * blocks + blk];
+      const float* xr = x + h * cap;
+      if (w == 0.0f) continue;  // a row with nothing live in the block (or none at all): its weights are 0
+      for (int64_t i = i0; i < i1; ++i) heavy[i] += xr[i] * w;
+    }
+    if (!pick) continue;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t tk = token[i];
+      const float hv = heavy[i];
+      const bool better = tk >= 0 && tk < recent && (hv < best_heavy || (hv == best_heavy && tk > best_token));
+      best = better ? i : best;
+      best_heavy = better ? hv : best_heavy;
+      best_token = better ? tk : best_token;
+    }
   }
   return best;
+}
+
+// The g rows of token tt over slots [0, hw): out (normalised), and in s [g][cap] / f [g][blocks] what
+// accumulate_and_pick turns into the softmax weights. One pass over K^ and V by blocks of kBlock slots per tile
+// of up to kRows rows (at decode, the GQA group): the block's scores are still in L1 when they meet V.
+template <typename T>
+void attend_token(const H2OJob<T>& j, int64_t bh, int64_t tt, const T* key, const T* value, const int64_t* token,
+                  int64_t hw, const float* q, const int64_t* idx, float* s, float* f, float* o) {
+  const int64_t g = j.g, cap = j.cap, rv = j.rv, blocks = (cap + kBlock - 1) / kBlock;
+  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
+  static thread_local int32_t uni[kMaxWidth];
+  static thread_local int32_t on[kBlock];  // the block's live slots (1) and free ones (0)
+  std::fill(o, o + g * rv, 0.0f);
+  for (int64_t h0 = 0; h0 < g; h0 += kRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRows, g - h0));
+    const int64_t nu = tile_weights(q, idx, j.r, j.k, h0, nr, wbuf, uni);
+    float m[kRows], l[kRows], bm[kRows];
+    std::fill(m, m + kRows, -INFINITY), std::fill(l, l + kRows, 0.0f);
+    float* ot = o + h0 * rv;
+    for (int64_t blk = 0; blk * kBlock < hw; ++blk) {
+      const int64_t s0 = blk * kBlock, n = std::min(kBlock, hw - s0);
+      int32_t any = 0;
+      for (int64_t i = 0; i < n; ++i) on[i] = token[s0 + i] >= 0, any |= on[i];
+      if (!any) {  // nothing live: no K^ or V read, weights 0
+        for (int rr = 0; rr < nr; ++rr) f[(h0 + rr) * blocks + blk] = -INFINITY;
+        continue;
+      }
+      float* x = s + h0 * cap + s0;
+      accumulate_rows(nr, key + s0, cap, uni, nu, wbuf, n, x, cap);
+      block_softmax(nr, x, cap, on, n, j.softcap, m, l, ot, rv, bm);
+      for (int rr = 0; rr < nr; ++rr) f[(h0 + rr) * blocks + blk] = bm[rr];
+      add_values_rows(nr, x, cap, value + s0 * rv, n, rv, ot, rv);
+    }
+    for (int rr = 0; rr < nr; ++rr) {
+      const float inv = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;  // 0: no live slot, the row outputs zeros
+      float* fr = f + (h0 + rr) * blocks;
+      for (int64_t blk = 0; blk * kBlock < hw; ++blk) fr[blk] = inv > 0.0f ? std::exp(fr[blk] - m[rr]) * inv : 0.0f;
+      T* dst = j.out + ((bh * g + h0 + rr) * j.t + tt) * rv;
+      for (int64_t c = 0; c < rv; ++c) store(dst, c, ot[rr * rv + c] * inv);
+    }
+  }
 }
 
 template <typename T>
@@ -142,22 +189,31 @@ void h2o_task(void* data, size_t index) {
   int64_t* token = j.token + bh * cap;
   const int64_t* mask = j.mask + b * j.len;
   const int64_t* before = j.before + b * (j.len + 1);
-  int64_t live = 0, hw = 0;
-  for (int64_t i = 0; i < cap; ++i) {
-    if (token[i] >= 0) ++live, hw = i + 1;
-  }
   const int64_t first = j.len - j.t;
   int64_t n = before[first];
-  std::vector<float> q(static_cast<size_t>(g * r)), o(static_cast<size_t>(g * rv));
-  std::vector<int64_t> idx(static_cast<size_t>(g * j.k));
-  static thread_local std::vector<float> s;  // [g][cap] scores: reused across tasks, entries past hw never read
-  s.resize(static_cast<size_t>(g * cap));
+  // what the slot search relies on: at most budget(n) live slots, all holding tokens before the new ones
+  // (live slots, one past the last live one, the first free one: branch-free, the compiler's reductions)
+  int64_t live = 0, hw = 0, free_from = cap, ahead = 0;
+  for (int64_t i = 0; i < cap; ++i) {
+    const int64_t tk = token[i], on = tk >= 0;
+    live += on, ahead |= tk >= first;
+    hw = std::max(hw, on ? i + 1 : 0);
+    free_from = std::min(free_from, on ? cap : i);
+  }
+  if (ahead || live > std::min(n, budget(j.ratio, n))) {
+    j.foreign->store(true);
+    return;
+  }
+  static thread_local std::vector<float> q, o, s, f;  // scratch reused across tasks
+  static thread_local std::vector<int64_t> idx;
+  q.resize(static_cast<size_t>(g * r)), o.resize(static_cast<size_t>(g * rv)), s.resize(static_cast<size_t>(g * cap));
+  f.resize(static_cast<size_t>(g * ((cap + kBlock - 1) / kBlock))), idx.resize(static_cast<size_t>(g * j.k));
   for (int64_t tt = 0; tt < j.t; ++tt) {
     const int64_t pos = first + tt;
     const bool real = mask[pos] != 0;
     if (real) {
-      int64_t slot = 0;
-      while (token[slot] >= 0) ++slot;  // a free slot exists: cap >= need
+      while (token[free_from] >= 0) ++free_from;  // the first free slot (one exists: cap >= need)
+      const int64_t slot = free_from;
       const T* kn = j.key_new + (bh * j.t + tt) * r;
       const T* vn = j.value_new + (bh * j.t + tt) * rv;
       for (int64_t c = 0; c < r; ++c) key[c * cap + slot] = kn[c];
@@ -169,27 +225,15 @@ void h2o_task(void* data, size_t index) {
       for (int64_t c = 0; c < r; ++c) q[h * r + c] = load(src, c);
     }
     select_group(q.data(), g, r, j.k, j.rule, idx.data());
-    scores(j, key, q.data(), idx.data(), hw, s.data());
-    softmax_live(s.data(), token, g, hw, cap, j.softcap);
-    // free slots weigh exactly 0 (their V rows hold zeros or an evicted token's values)
-    std::fill(o.begin(), o.end(), 0.0f);
-    for (int64_t h0 = 0; h0 < g; h0 += kRows) {
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, g - h0));
-      for (int64_t s0 = 0; s0 < hw; s0 += kBlock) {
-        add_values_rows(nr, s.data() + h0 * cap + s0, cap, value + s0 * rv, std::min(kBlock, hw - s0), rv,
-                        o.data() + h0 * rv, rv);
-      }
-    }
-    for (int64_t h = 0; h < g; ++h) {
-      T* dst = j.out + ((bh * g + h) * j.t + tt) * rv;
-      for (int64_t c = 0; c < rv; ++c) store(dst, c, o[h * rv + c]);
-    }
+    attend_token(j, bh, tt, key, value, token, hw, q.data(), idx.data(), s.data(), f.data(), o.data());
     if (real) {
       ++n;
       const int64_t keep = budget(j.ratio, n);
-      const int64_t v = accumulate_and_pick(s.data(), g, cap, heavy, live > keep ? token : nullptr, before, hw, n,
-                                            keep / 2);
-      if (v >= 0) token[v] = -1, --live;
+      // outside the keep / 2 most recent real tokens: positions before the first p with before[p] >= n - keep / 2
+      const int64_t recent = std::lower_bound(before, before + j.len + 1, n - keep / 2) - before;
+      const int64_t v = accumulate_and_pick(s.data(), f.data(), g, cap, (cap + kBlock - 1) / kBlock, heavy, token, hw,
+                                            live > keep, recent);
+      if (v >= 0) token[v] = -1, --live, free_from = std::min(free_from, v);
     }
   }
 }
@@ -240,8 +284,8 @@ struct H2OKernel {
       ORT_CXX_API_THROW("H2OAttention: the inputs disagree on B, Hkv, T, r or the slots C, or attention_mask is "
                         "shorter than the new tokens", ORT_INVALID_ARGUMENT);
     }
-    if (k_ < 1 || k_ > r || rule_ < kPerHead || rule_ > kStatic || !(ratio_ > 0.0f && ratio_ <= 1.0f)) {
-      ORT_CXX_API_THROW("H2OAttention: k must be in [1, r], rule in {0, 1, 2}, ratio in (0, 1]", ORT_INVALID_ARGUMENT);
+    if (k_ < 1 || k_ > r || r > kMaxWidth || rule_ < kPerHead || rule_ > kStatic || !(ratio_ > 0.0f && ratio_ <= 1.0f)) {
+      ORT_CXX_API_THROW("H2OAttention: k must be in [1, r], r <= 512, rule in {0, 1, 2}, ratio in (0, 1]", ORT_INVALID_ARGUMENT);
     }
     const int64_t* mask = m_in.GetTensorData<int64_t>();
     std::vector<int64_t> before(static_cast<size_t>(b * (len + 1)));
@@ -267,26 +311,16 @@ struct H2OKernel {
     widen(v_in.GetTensorData<T>(), value, rows, c, cap, rv);
     widen(h_in.GetTensorData<float>(), heavy, rows, c, cap, 1);
     widen(t_in.GetTensorData<int64_t>(), token, rows, c, cap, 1, int64_t{-1});
-    // what the slot search relies on: a row holds at most budget(n) live tokens, all before the new ones
-    const int64_t first = len - t;
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t n = before[(i / hkv) * (len + 1) + first];
-      int64_t live = 0;
-      for (int64_t sl = 0; sl < cap; ++sl) {
-        const int64_t tk = token[i * cap + sl];
-        if (tk >= first) live = cap;  // a slot claims a position not yet seen
-        live += tk >= 0;
-      }
-      if (live > std::min(n, budget(ratio_, n))) {
-        ORT_CXX_API_THROW("H2OAttention: past_token holds more live slots than the eviction budget allows, or "
-                          "tokens not yet seen: the cache is not this graph's state", ORT_INVALID_ARGUMENT);
-      }
-    }
     if (rows * t == 0) return;
+    std::atomic<bool> foreign{false};
     H2OJob<T> job{q_in.GetTensorData<T>(), kn_in.GetTensorData<T>(), vn_in.GetTensorData<T>(), key, value, heavy,
-                  token, mask, before.data(), out.GetTensorMutableData<T>(), hkv, g, t, r, rv, k_, rule_, len, cap,
-                  static_cast<double>(ratio_), softcap_};
+                  token, mask, before.data(), out.GetTensorMutableData<T>(), &foreign, hkv, g, t, r, rv, k_, rule_, len,
+                  cap, static_cast<double>(ratio_), softcap_};
     ctx.ParallelFor(&h2o_task<T>, static_cast<size_t>(rows), 0, &job);
+    if (foreign.load()) {
+      ORT_CXX_API_THROW("H2OAttention: past_token holds more live slots than the eviction budget allows, or "
+                        "tokens not yet seen: the cache is not this graph's state", ORT_INVALID_ARGUMENT);
+    }
   }
 
   int64_t k_, rule_;

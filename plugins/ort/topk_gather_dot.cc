@@ -115,10 +115,7 @@ void score_block(void* data, size_t task) {
         mark[static_cast<size_t>(idx[t])] = 1;
       }
     }
-    int64_t nu = 0;
-    for (int64_t c = 0; c < j.r; ++c) {
-      if (mark[static_cast<size_t>(c)]) uni[static_cast<size_t>(nu++)] = static_cast<int32_t>(c);
-    }
+    const int64_t nu = union_of(mark.data(), j.r, uni.data());
     accumulate_rows(nr, key, j.stride, uni.data(), nu, wbuf.data(), n, &acc[0][0], kBlock);
     for (int rr = 0; rr < nr; ++rr) {
       T* out = j.out + (row0 + rr) * j.s + s0;
