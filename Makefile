@@ -20,7 +20,7 @@ $(BIN)/aqua-export: pyproject.toml
 
 # The native ONNX Runtime kernel for TopKGatherDot. The C API headers are not in the onnxruntime
 # wheel: fetch_headers.sh takes them from Debian's libonnxruntime-dev at build time (never vendored).
-$(NATIVE): plugins/ort/topk_gather_dot.cc plugins/ort/aqua_attention.cc plugins/ort/h2o_attention.cc plugins/ort/aqua_ops.h plugins/ort/CMakeLists.txt plugins/ort/fetch_headers.sh
+$(NATIVE): plugins/ort/topk_gather_dot.cc plugins/ort/aqua_attention.cc plugins/ort/h2o_attention.cc plugins/ort/h2o_rows.h plugins/ort/aqua_ops.h plugins/ort/CMakeLists.txt plugins/ort/fetch_headers.sh
 	bash plugins/ort/fetch_headers.sh build/ort-headers
 	cmake -S plugins/ort -B build/ort -DORT_INCLUDE_DIR=$(CURDIR)/build/ort-headers > /dev/null
 	cmake --build build/ort > /dev/null

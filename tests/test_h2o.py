@@ -103,6 +103,30 @@ def test_continuing_from_a_past(tmp_path, kernel):
     _check(sess.run(None, _feed(nxt)), h2o.reference(*nxt, k=8, ratio=0.5), 1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_over_a_long_scattered_past(tmp_path, kernel):
+    """Decode at batch 1 over 1,024 slots (the native kernel splits each row's slots over tasks there): live slots
+    scattered with holes and a wholly free block; the first step exceeds the budget (a slot is evicted), the second
+    does not."""
+    b, hkv, cap, r, n = 1, 2, 1024, 16, 1001  # n real tokens seen; ratio 0.5 keeps 501 and a new one evicts
+    gen = torch.Generator().manual_seed(3)
+    token = torch.full((b, hkv, cap), -1, dtype=torch.int64)
+    for h in range(hkv):
+        slots = torch.cat([torch.arange(0, 256), torch.arange(512, cap)])  # slots 256..511 stay free
+        slots = slots[torch.randperm(len(slots), generator=gen)[:501]]
+        token[0, h, slots] = torch.randperm(n, generator=gen)[:501].sort().values
+    live = token >= 0
+    past = [torch.randn(b, hkv, cap, r, generator=gen) * live[..., None], torch.randn(b, hkv, cap, r, generator=gen),
+            torch.rand(b, hkv, cap, generator=gen) * live, token]
+    sess = _session(tmp_path, kernel, k=6, rule=1, ratio=0.5)
+    for step in range(2):
+        ins = h2o_inputs(b, hkv, 3, 1, r, np.ones((b, n + 1 + step), np.int64), past=past, seed=step)
+        got = sess.run(None, _feed(ins))
+        _check(got, h2o.reference(*ins, k=6, rule=1, ratio=0.5), 1e-5)
+        assert ((got[4] >= 0).sum(-1) == [501, 502][step]).all()  # one in and one out, then the budget grows
+        past = [torch.from_numpy(a) for a in got[1:]]
+
+
 def test_native_updates_bound_buffers_in_place(tmp_path):
     """Buffers with room for the new tokens, bound as both past and present, are written where they are."""
     import onnxruntime as ort
