@@ -88,10 +88,11 @@ class Plan:
 
     @property
     def projects_query(self) -> bool:
-        """AquaAttention takes P_q and projects q itself: one node fewer per layer, and at short context that node
-        cost more than the attention saved (benchmarks/performance.md, break-even). Needs a rotary embedding
-        (otherwise P folds into W_Q), the fused node (TensorRT's separate nodes take q^) and no H2O."""
-        return not self.dense and self.fused and not self.h2o and self.rotary_dim > 0
+        """The attention node (AquaAttention or H2OAttention) takes P_q and projects q itself: one node fewer per
+        layer, and at short context that node cost more than the attention saved (benchmarks/performance.md,
+        break-even). Needs a rotary embedding (otherwise P folds into W_Q) and the fused node (TensorRT's
+        separate nodes take q^)."""
+        return not self.dense and self.fused and self.rotary_dim > 0
 
     @property
     def g(self) -> int:
@@ -284,7 +285,8 @@ class DecoderGraph(Blocks):
         rv, attrs = p.rv(i), dict(self.op_attrs, k=p.k(i))
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
             ct = self.contract
-            a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK],
+            a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK]
+                      + [proj] * (proj is not None),
                       domain=self.domain, outputs=[f"{n}/{H2O}/out"] + [ct.present(i, kind) for kind in ct.kinds],
                       softcap=float(p.attn_softcap or 0.0), ratio=float(p.h2o_ratio), **attrs)[0]
         elif not p.fused:

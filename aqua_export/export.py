@@ -209,7 +209,7 @@ def attention_body(opset: int, projected: bool = False):
         --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask--> Softmax --CastLike--> MatMul V[:L] --> out
 
     An ONNX function cannot test whether an optional input is present, so a graph carries the body of the form
-    its nodes use: every AquaAttention node of one graph projects, or none does (decoder_graph.Plan).
+    its nodes use: every attention node of one graph projects, or none does (decoder_graph.Plan).
     """
     from onnx import TensorProto
     from onnx import helper as H
@@ -297,12 +297,12 @@ def value_product_body(opset: int):
 
 
 def function_bodies(opset: int, projected: bool = False) -> list:
-    """Every custom node's body: a runtime without the native library runs these (projected: AquaAttention's
-    nodes take P, attention_body)."""
+    """Every custom node's body: a runtime without the native library runs these (projected: the attention nodes,
+    AquaAttention or H2OAttention, take P; attention_body)."""
     from . import h2o
 
     return [function_body(opset), attention_body(opset, projected), cache_update_body(KEY_UPDATE, opset),
-            cache_update_body(VALUE_UPDATE, opset), value_product_body(opset), h2o.function_body(opset)]
+            cache_update_body(VALUE_UPDATE, opset), value_product_body(opset), h2o.function_body(opset, projected)]
 
 
 def single_op_model(k: int, dtype: str = "float32", opset: int = 20, rule: int = 0):

@@ -23,12 +23,13 @@ from .contract import DOMAIN
 OP = "H2OAttention"
 INPUTS = ("query_hat", "key_new", "value_new", "past_key", "past_value", "past_heavy", "past_token", "attention_mask")
 OUTPUTS = ("out", "present_key", "present_value", "present_heavy", "present_token")
+PROJECTION = "projection"  # optional ninth input, as AquaAttention's (export.attention_body)
 ATTRIBUTES = ("k", "rule", "softcap", "ratio", "plugin_namespace", "plugin_version")
 # element type of the I/O that is not the float type T, and rank of each name (the others are [B, Hkv, ., r])
 NOT_T = {"past_heavy": "float", "past_token": "int64", "attention_mask": "int64", "present_heavy": "float",
          "present_token": "int64"}
-RANK = {"query_hat": 5, "out": 5, "past_heavy": 3, "past_token": 3, "present_heavy": 3, "present_token": 3,
-        "attention_mask": 2}
+RANK = {"query_hat": 5, "out": 5, "projection": 3, "past_heavy": 3, "past_token": 3, "present_heavy": 3,
+        "present_token": 3, "attention_mask": 2}
 FREE = -1  # token of a free slot
 SLOT_EXTRA_BYTES = 4 + 8  # per slot and KV head beyond K^ and V: heavy (float32) and token (int64), NOT_T's types
 HIDDEN = float(torch.finfo(torch.float32).min)
@@ -80,11 +81,15 @@ def eviction_flips(visible, acc, budget, own, forced, real) -> tuple[int, int, f
 # --------------------------------------------------------------------------------------------
 
 def reference(q, key_new, value_new, past_key, past_value, past_heavy, past_token, mask, k: int, rule: int = 0,
-              softcap: float = 0.0, ratio: float = 0.5):
+              softcap: float = 0.0, ratio: float = 0.5, projection=None):
     """The op in PyTorch, float64 arithmetic (tests). Shapes as the node's (module docstring of
-    plugins/ort/h2o_attention.cc); returns (out, present_key, present_value, present_heavy, present_token)."""
+    plugins/ort/h2o_attention.cc); returns (out, present_key, present_value, present_heavy, present_token).
+    With ``projection`` P [Hkv, d, r] the first input is the query q [B,Hkv,g,T,d] and q^ = q P."""
     from .export import _keep_selected
 
+    dt = q.dtype
+    if projection is not None:
+        q = q.double() @ projection.double()[:, None]
     b, hkv, g, t, r = q.shape
     rv = value_new.shape[-1]  # V's width (r unless AQUA-Memory cuts K^ and V apart)
     c = past_key.shape[2]
@@ -129,7 +134,6 @@ def reference(q, key_new, value_new, past_key, past_value, past_heavy, past_toke
                         cand = (live & ~recent).nonzero().flatten().tolist()
                         v = min(cand, key=lambda i: (float(heavy[bb, h, i]), -int(tok[i])))
                         tok[v] = FREE
-    dt = q.dtype
     return (out.to(dt), kr.to(dt).reshape(b, hkv, cap, r), vv.to(dt), heavy.float(), token)
 
 
@@ -151,7 +155,9 @@ def register_schema() -> None:
     onnx.defs.register_schema(OpSchema(
         OP, DOMAIN, 1,
         doc="AQUA-H2O attention over fixed-capacity slots with heavy-hitter eviction, one new token at a time",
-        inputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in INPUTS],
+        inputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in INPUTS] + [OpSchema.FormalParameter(
+            PROJECTION, "T", "P [Hkv, d, r]: input 0 is then q [B,Hkv,g,T,d], q^ = q P",
+            param_option=OpSchema.FormalParameterOption.Optional)],
         outputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in OUTPUTS],
         type_constraints=floats,
         attributes=[A("k", OpSchema.AttrType.INT, "coordinates kept per query"),
@@ -285,11 +291,12 @@ def _step_graph():
     return graph
 
 
-def function_body(opset: int):
+def function_body(opset: int, projected: bool = False):
     """The portable body of H2OAttention (copies every slot buffer once per new token: slower than the native
-    kernel, which updates them in place, but any ONNX Runtime runs it).
+    kernel, which updates them in place, but any ONNX Runtime runs it). projected: the form whose nodes take P
+    (export.attention_body says why a graph carries one form).
 
-        query_hat --selection (k, rule)--> q_sel
+        (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection (k, rule)--> q_sel
         past_* --widen to C' slots (keys as their dim-major [B,H,r,C] view)--> Loop over the T new tokens
         (_step_graph) --> out [T,B,H,g,r] --Transpose--> [B,H,g,T,r]; present_* (keys back to [B,H,C',r])
     """
@@ -300,7 +307,9 @@ def function_body(opset: int):
 
     I64, D = TensorProto.INT64, TensorProto.DOUBLE
     n = H.make_node
-    nodes = _selection_nodes() + [
+    head = [_const("h_ax1p", [1]), n("Unsqueeze", [PROJECTION, "h_ax1p"], ["projection_g"]),
+            n("MatMul", ["query", "projection_g"], ["query_hat"])] if projected else []
+    nodes = head + _selection_nodes() + [
         _ref_constant("cap", "softcap", "value_float"), _ref_constant("ratio", "ratio", "value_float"),
         _const("h_ax1", [1]), _const("h_one", 1), _const("h_eps", 1e-9, D), _const("h_slack", 1e-6, D), _const("h_zeros6", [0] * 6),
         _const("h_zeros5", [0] * 5), _const("h_zeros7", [0] * 7), _const("h_zeros1", [0]),
@@ -343,13 +352,16 @@ def function_body(opset: int):
         n("Concat", ["bh", "cap_1d", "h_r"], ["key_shape"], axis=0),
         n("Reshape", ["K_f", "key_shape"], ["present_key"], allowzero=1),
     ]
-    return H.make_function(DOMAIN, OP, list(INPUTS), list(OUTPUTS), nodes, [H.make_opsetid("", opset)],
+    inputs = ["query" if projected else INPUTS[0]] + list(INPUTS[1:]) + [PROJECTION] * projected
+    return H.make_function(DOMAIN, OP, inputs, list(OUTPUTS), nodes, [H.make_opsetid("", opset)],
                            attributes=list(ATTRIBUTES))
 
 
-def op_model(k: int, rule: int = 0, softcap: float = 0.0, ratio: float = 0.5, dtype: str = "float32", opset: int = 20):
+def op_model(k: int, rule: int = 0, softcap: float = 0.0, ratio: float = 0.5, dtype: str = "float32", opset: int = 20,
+             projected: bool = False):
     """A one-node model of H2OAttention with its function body (kernel tests and benchmarks); inputs and
-    outputs are named as the node's."""
+    outputs are named as the node's (projected: a ninth input ``projection`` [Hkv, d, r], and query_hat is the
+    unprojected query)."""
     from onnx import TensorProto
     from onnx import helper as H
 
@@ -358,11 +370,12 @@ def op_model(k: int, rule: int = 0, softcap: float = 0.0, ratio: float = 0.5, dt
     _register_schema()
     et = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
     kinds = {n: {"float": TensorProto.FLOAT, "int64": TensorProto.INT64}[t] for n, t in NOT_T.items()}
-    node = H.make_node(OP, list(INPUTS), list(OUTPUTS), domain=DOMAIN, name=f"/op/{OP}", k=k, rule=rule,
+    inputs = list(INPUTS) + [PROJECTION] * projected
+    node = H.make_node(OP, inputs, list(OUTPUTS), domain=DOMAIN, name=f"/op/{OP}", k=k, rule=rule,
                        softcap=float(softcap), ratio=float(ratio), plugin_namespace=PLUGIN_NAMESPACE,
                        plugin_version=PLUGIN_VERSION)
     vi = H.make_tensor_value_info
-    graph = H.make_graph([node], "h2o_attention", [vi(x, kinds.get(x, et), [None] * RANK.get(x, 4)) for x in INPUTS],
+    graph = H.make_graph([node], "h2o_attention", [vi(x, kinds.get(x, et), [None] * RANK.get(x, 4)) for x in inputs],
                          [vi(x, kinds.get(x, et), [None] * RANK.get(x, 4)) for x in OUTPUTS])
     return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, 1)],
-                        functions=[function_body(opset)], ir_version=10)
+                        functions=[function_body(opset, projected)], ir_version=10)

@@ -2,6 +2,7 @@
 fixed-capacity slot buffers updated in place, for the PyTorch host.
 
     query_hat [B, Hkv, g, T, r]  key_new [B, Hkv, T, r]  value_new [B, Hkv, T, rv]  attention_mask [B, L]
+    (or the query q [B, Hkv, g, T, d] and projection P [Hkv, d, r]: q^ = q P, on the host)
     key [B, Hkv, r, C] (dim-major K^)  value [B, Hkv, C, rv]  heavy [B, Hkv, C] f32  token [B, Hkv, C] i64  (in place)
         -> out [B, Hkv, g, T, rv]
 
@@ -182,10 +183,18 @@ def check_state(token: torch.Tensor, before: torch.Tensor, first: int, ratio: fl
 
 
 def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_token, mask, k: int, rule: int = 0,
-                  softcap: float = 0.0, ratio: float = 0.5, interpret: bool | None = None):
+                  softcap: float = 0.0, ratio: float = 0.5, interpret: bool | None = None, projection=None):
     """The node on the GPU (or in the interpreter): shapes and outputs as h2o.reference's, (out, present_key
     [B, Hkv, C', r] holding dim-major K^, present_value, present_heavy, present_token). When the past already
-    has C' slots, present is past: the buffers are updated in place."""
+    has C' slots, present is past: the buffers are updated in place. projection P [Hkv, d, r]: q is the query
+    [B, Hkv, g, T, d] and q^ = q P, one float32 batched matmul before the kernel (a [B, Hkv, g, T, r] tensor,
+    small beside the slots the kernel reads)."""
+    dt = q.dtype
+    if projection is not None:
+        if projection.dim() != 3 or tuple(projection.shape[:2]) != (q.shape[1], q.shape[-1]):
+            raise ValueError(f"H2OAttention: projection must be [Hkv, d, r] for a query of shape {tuple(q.shape)}, "
+                             f"got {tuple(projection.shape)}")
+        q = q.float() @ projection.float()[:, None]
     b, hkv, g, t, r = q.shape
     c, rv = past_key.shape[2], value_new.shape[-1]
     if key_new.shape != (b, hkv, t, r) or value_new.shape != (b, hkv, t, rv) or past_key.shape != (b, hkv, c, r) \
@@ -204,17 +213,17 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
     cap = max(c, h2o.slots_needed(ratio, before[:, -1].cpu().numpy()))
     key, value, heavy, token = past_key, past_value, past_heavy, past_token
     if cap > c:  # widen: keys are dim-major, so the r rows of each head grow from c to cap slots
-        key = torch.zeros(b, hkv, r, cap, dtype=q.dtype, device=q.device)
+        key = torch.zeros(b, hkv, r, cap, dtype=dt, device=q.device)
         key[..., :c] = past_key.reshape(b, hkv, r, c)
         key = key.reshape(b, hkv, cap, r)
         value = torch.cat([past_value, past_value.new_zeros(b, hkv, cap - c, rv)], 2)
         heavy = torch.cat([past_heavy, past_heavy.new_zeros(b, hkv, cap - c)], 2)
         token = torch.cat([past_token, past_token.new_full((b, hkv, cap - c), h2o.FREE)], 2)
-    out = q.new_empty(b, hkv, g, t, rv)
+    out = q.new_empty(b, hkv, g, t, rv, dtype=dt)
     if b * hkv * t == 0:
         return out, key, value, heavy, token
     kernel, _ = _kernel(interpret)
-    tensors = [x.contiguous() for x in (q, key_new.to(q.dtype), value_new.to(q.dtype))]
+    tensors = [x.contiguous() for x in (q, key_new.to(dt), value_new.to(dt))]
     for x in (key, value, heavy, token):
         if not x.is_contiguous():
             raise ValueError("H2OAttention: the slot buffers must be contiguous (they are updated in place)")

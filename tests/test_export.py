@@ -55,6 +55,11 @@ def test_graph_contract(exported, cfg, kv):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"k": k, "rule": RULES[cfg.selection], "plugin_namespace": PLUGIN_NAMESPACE.encode(),
                          "plugin_version": PLUGIN_VERSION.encode(), "softcap": 0.0, **({"ratio": 0.5} if h2o else {})}
+    # the attention node takes P_q and projects q itself (no q MatMulP node); a dense graph has no P at all
+    projected = not cfg.is_dense
+    assert all(len(n.input) == (8 if h2o else 5) + projected for n in nodes)
+    assert all(n.input[-1].endswith(".P_q") == projected for n in nodes)
+    assert not [n.name for n in proto.graph.node if n.name.endswith("/q/MatMulP")]
     assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op) for op in OPS]
     used = {H2O} if h2o else {KEY_UPDATE, VALUE_UPDATE, ATTENTION}
     assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == used

@@ -11,7 +11,7 @@ import torch
 
 from aqua_export import attention, h2o
 from aqua_export.runtime import make_session, native_library
-from helpers import H2O_MASKS, h2o_inputs, h2o_token_by_token
+from helpers import H2O_MASKS, h2o_inputs, h2o_token_by_token, random_projection
 
 KERNELS = ["function", "native"]
 
@@ -125,6 +125,42 @@ def test_decode_over_a_long_scattered_past(tmp_path, kernel):
         _check(got, h2o.reference(*ins, k=6, rule=1, ratio=0.5), 1e-5)
         assert ((got[4] >= 0).sum(-1) == [501, 502][step]).all()  # one in and one out, then the budget grows
         past = [torch.from_numpy(a) for a in got[1:]]
+
+
+def _projected(ins, d, seed=2):
+    """ins with q [B,Hkv,g,T,d] in place of q^ and P [Hkv, d, r] (r = the keys' width; r < d: a sliced P)."""
+    b, hkv, g, t, r = ins[0].shape
+    q = torch.randn(b, hkv, g, t, d, generator=torch.Generator().manual_seed(seed)).to(ins[0].dtype)
+    return [q] + ins[1:], random_projection(hkv, d, r).to(ins[0].dtype)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rule,d", [(0, 16), (1, 16), (1, 24)])
+def test_the_node_projects_the_query(tmp_path, kernel, rule, d):
+    """With the optional ninth input P [Hkv, d, r] the node takes q and computes q^ = q P itself (decode and a
+    prompt, padded rows), equal to the reference given q and P."""
+    m = H2O_MASKS["padded"]
+    ins, P = _projected(h2o_inputs(2, 2, 3, 24, 16, m), d)
+    sess = _session(tmp_path, kernel, k=6, rule=rule, ratio=0.5, projected=True)
+    got = sess.run(None, {**_feed(ins), h2o.PROJECTION: P.numpy()})
+    want = h2o.reference(*ins, k=6, rule=rule, ratio=0.5, projection=P)
+    _check(got, want, 1e-5)
+    unprojected = h2o.reference(*[ins[0][..., :16]] + ins[1:], k=6, rule=rule, ratio=0.5)
+    assert np.abs(got[0] - unprojected[0].numpy()).max() > 1e-2  # P was applied: the test can fail
+    ins16, P16 = _projected(h2o_inputs(2, 2, 3, 24, 16, m, dtype=torch.float16), d)
+    got = _session(tmp_path, kernel, k=6, rule=rule, ratio=0.5, dtype="float16", projected=True).run(
+        None, {**_feed(ins16), h2o.PROJECTION: P16.numpy()})
+    want = h2o.reference(*ins16, k=6, rule=rule, ratio=0.5, projection=P16)
+    assert np.abs(got[0].astype(np.float64) - want[0].double().numpy()).max() <= 2e-2
+
+
+def test_native_rejects_a_projection_of_the_wrong_shape(tmp_path):
+    m = H2O_MASKS["padded"]
+    ins, _ = _projected(h2o_inputs(2, 2, 3, 24, 16, m), 16)
+    sess = _session(tmp_path, "native", k=6, ratio=0.5, projected=True)
+    for bad in (random_projection(3, 16, 16), random_projection(2, 24, 16), random_projection(2, 16, 8)):  # Hkv, d, r
+        with pytest.raises(Exception, match="projection must be"):
+            sess.run(None, {**_feed(ins), h2o.PROJECTION: bad.numpy()})
 
 
 def test_native_updates_bound_buffers_in_place(tmp_path):

@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with `pi
 
 from aqua_export import h2o  # noqa: E402
 from aqua_export.triton_h2o import block_s, h2o_attention  # noqa: E402
-from helpers import H2O_MASKS, h2o_inputs, h2o_token_by_token  # noqa: E402
+from helpers import H2O_MASKS, h2o_inputs, h2o_token_by_token, random_projection  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -115,3 +115,17 @@ def test_triton_h2o_refuses_bad_input():
     bad = h2o_inputs(1, 2, 3, 1, 16, torch.ones(1, 13, dtype=torch.int64), past=past)
     with pytest.raises(ValueError, match="not this graph's state"):
         h2o_attention(*bad, k=8)
+
+
+@pytest.mark.parametrize("d", [16, 24])
+def test_triton_h2o_projects_the_query(d):
+    """projection P [Hkv, d, r]: q [B,Hkv,g,T,d] projected (q^ = q P) before the kernel; against the reference
+    given q and P, and a projection of the wrong shape refused."""
+    m = H2O_MASKS["padded"]
+    ins = h2o_inputs(2, 2, 3, 24, 16, m)
+    ins[0] = torch.randn(2, 2, 3, 24, d, generator=torch.Generator().manual_seed(2))
+    P = random_projection(2, d, 16)
+    got = _run(ins, k=6, rule=1, ratio=0.5, projection=P.to(DEV))
+    _check(got, h2o.reference(*ins, k=6, rule=1, ratio=0.5, projection=P), 1e-5)
+    with pytest.raises(ValueError, match="projection must be"):
+        _run(ins, k=6, ratio=0.5, projection=random_projection(3, d, 16).to(DEV))

@@ -13,9 +13,9 @@ is a ratio measured in this run.
     ORT dense    q  --MatMul K--> Softmax --MatMul V--> out (standard ops, same layout)
     GQA          com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's op)
 
-AQUA-H2O rows: the H2OAttention node (native) in its steady state, a context of T tokens already evicted to
-budget(h, T) live slots (per slot: K^, V, heavy float32, token int64), one token in and one out per step, buffers
-bound as past and present (in place). Byte limit: (K + V) / (h (u K + V) + heavy + token).
+AQUA-H2O rows: the H2OAttention node (native, given q and P as folders run it) in its steady state, a context of T
+tokens already evicted to budget(h, T) live slots (per slot: K^, V, heavy float32, token int64), one token in and
+one out per step, buffers bound as past and present (in place). Byte limit: (K + V) / (h (u K + V) + heavy + token).
 
 Selection rules: `head` (each query head its own top-k: magnitude / weighted) and `group` (one top-k per
 GQA group: group / group-weighted; the weighted rules reach the kernel as these two, rms(k^) folded into P).
@@ -155,7 +155,7 @@ def main() -> int:
     from aqua_export import h2o
 
     for h, rule, ratio in H2O_SETTINGS:
-        sessions["h2o", h, rule, ratio] = sess(h2o.op_model(round(ratio * D), RULE[rule], ratio=h))
+        sessions["h2o", h, rule, ratio] = sess(h2o.op_model(round(ratio * D), RULE[rule], ratio=h, projected=True))
     rng = np.random.default_rng(0)
     rows = []
     for t in contexts:
@@ -174,7 +174,7 @@ def main() -> int:
             fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
             for name in sessions:
                 if name[0] == "h2o":
-                    fns[name] = _h2o_runner(sessions[name], name[1], q, b, t, reps + 2, rng)
+                    fns[name] = _h2o_runner(sessions[name], name[1], projected["q"], P, b, t, reps + 2, rng)
             med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
             for rule, ratio in SETTINGS:
                 k = round(ratio * D)
@@ -214,11 +214,13 @@ def _h2o_live(h: float, t: int) -> int:
     return int(budget(h, t))
 
 
-def _h2o_runner(sess, h: float, q, b: int, t: int, steps: int, rng):
-    """One decode step of H2OAttention after a context of t tokens (evicted to budget(h, t) live slots), in
-    buffers bound as past and present; every call is the next token (the mask grows by one)."""
+def _h2o_runner(sess, h: float, q, P, b: int, t: int, steps: int, rng):
+    """One decode step of H2OAttention given q and P (the node as folders run it) after a context of t tokens
+    (evicted to budget(h, t) live slots), in buffers bound as past and present; every call is the next token
+    (the mask grows by one)."""
     import onnxruntime as ort
 
+    from aqua_export import h2o
     from aqua_export.h2o import INPUTS, OUTPUTS, slots_needed
 
     n, cap = _h2o_live(h, t), slots_needed(h, t + steps + 1)
@@ -232,6 +234,7 @@ def _h2o_runner(sess, h: float, q, b: int, t: int, steps: int, rng):
     token[..., :n] = np.arange(t - n, t)
     io = sess.io_binding()
     io.bind_cpu_input("query_hat", q)
+    io.bind_cpu_input(h2o.PROJECTION, P)
     io.bind_cpu_input("key_new", rng.standard_normal((b, HKV, 1, D), dtype=np.float32))
     io.bind_cpu_input("value_new", rng.standard_normal((b, HKV, 1, D), dtype=np.float32))
     io.bind_output("out")

@@ -46,32 +46,6 @@ struct AttentionJob {
   float softcap;
 };
 
-// out[c0..c0 + 8W) = x[0..d) P[d][c0..c0 + 8W): W vector accumulators held in registers over the d rows of P.
-template <int W>
-void project_columns(const float* x, const float* P, int64_t d, int64_t r, float* out) {
-  f8 acc[W] = {};
-  for (int64_t i = 0; i < d; ++i) {
-    for (int w = 0; w < W; ++w) acc[w] += x[i] * load8(P + i * r + 8 * w);
-  }
-  for (int w = 0; w < W; ++w) store8(out + 8 * w, acc[w]);
-}
-
-// out[0..r) = x[0..d) P[d][r], float32 accumulation: q^ of one query row (d^2 multiply-adds, the cost that
-// sets AQUA's break-even, so float32 keeps them in vector registers; other types take the plain loop).
-template <typename T>
-void project(const T* x, const T* P, int64_t d, int64_t r, float* __restrict out) {
-  int64_t c0 = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    for (; c0 + 64 <= r; c0 += 64) project_columns<8>(x, P + c0, d, r, out + c0);
-    for (; c0 + 8 <= r; c0 += 8) project_columns<1>(x, P + c0, d, r, out + c0);
-  }
-  std::fill(out + c0, out + r, 0.0f);
-  for (int64_t i = 0; i < d; ++i) {
-    const float xi = load(x, i);
-    for (int64_t c = c0; c < r; ++c) out[c] += xi * load(P + i * r, c);
-  }
-}
-
 // The tile's rows (token-major: row rr is head j of token tt) and their selections laid out densely over r.
 template <typename T>
 int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, float* wbuf, int32_t* uni) {

@@ -9,6 +9,8 @@
 //   past_heavy   [B, Hkv, C] f32     accumulated attention of each slot (the heavy-hitter statistic)
 //   past_token   [B, Hkv, C] i64     which token (0-based, padding counted) a slot holds; -1: free
 //   attention_mask [B, L] i64        every token so far, the T new ones last (0 = padding)
+//   projection  [Hkv, d, r]          optional: query_hat is then the query q [B, Hkv, g, T, d] and q^ = q P,
+//                                    computed per token as its selection is (as AquaAttention's)
 //     -> out [B, Hkv, g, T, rv], present_key / _value / _heavy / _token of C' = max(C, need) slots
 //   attributes: k, rule, softcap (as AquaAttention), ratio (share of a sequence's real tokens kept)
 //
@@ -76,10 +78,19 @@ struct H2OKernel {
                         "key / value [B,Hkv,C,r|rv], heavy / token [B,Hkv,C] and attention_mask [B,L]",
                         ORT_INVALID_ARGUMENT);
     }
-    const int64_t b = qs[0], hkv = qs[1], g = qs[2], t = qs[3], r = qs[4], rv = vns[3], c = ks[2], len = ms[1];
+    const int64_t b = qs[0], hkv = qs[1], g = qs[2], t = qs[3], qw = qs[4], r = kns[3], rv = vns[3], c = ks[2],
+                  len = ms[1];
+    const OrtValue* p_value = ctx.GetInputCount() > 8 ? static_cast<const OrtValue*>(ctx.GetInput(8)) : nullptr;
+    Ort::ConstValue p_in{p_value};
+    if (p_value != nullptr && (p_in.GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{hkv, qw, r} ||
+                               qw > kMaxWidth)) {
+      ORT_CXX_API_THROW("H2OAttention: projection must be [Hkv, d, r] for a query [B, Hkv, g, T, d] (d <= 512) and "
+                        "key_new [B, Hkv, T, r]", ORT_INVALID_ARGUMENT);
+    }
     const std::vector<int64_t> new_shape{b, hkv, t, r}, state{b, hkv, c};
     if (kns != new_shape || vns != std::vector<int64_t>{b, hkv, t, rv} || ks != std::vector<int64_t>{b, hkv, c, r} ||
-        vs != std::vector<int64_t>{b, hkv, c, rv} || rv < 1 || hs != state || ts != state || ms[0] != b || len < t) {
+        vs != std::vector<int64_t>{b, hkv, c, rv} || rv < 1 || hs != state || ts != state || ms[0] != b || len < t ||
+        (p_value == nullptr && qw != r)) {
       ORT_CXX_API_THROW("H2OAttention: the inputs disagree on B, Hkv, T, r or the slots C, or attention_mask is "
                         "shorter than the new tokens", ORT_INVALID_ARGUMENT);
     }
@@ -115,8 +126,8 @@ struct H2OKernel {
     const int64_t blocks = (cap + kBlock - 1) / kBlock;
     // decode with fewer rows than kTasksWanted: each row's blocks split over tasks (at least one block each)
     const int64_t splits = t == 1 ? std::min(blocks, (kTasksWanted + rows - 1) / rows) : 1;
-    H2OJob<T> job{q_in.GetTensorData<T>(), kn_in.GetTensorData<T>(), vn_in.GetTensorData<T>(), key, value, heavy,
-                  token, mask, before.data(), out.GetTensorMutableData<T>(), &foreign, hkv, g, t, r, rv, k_, rule_, len,
+    H2OJob<T> job{q_in.GetTensorData<T>(), p_value == nullptr ? nullptr : p_in.GetTensorData<T>(), kn_in.GetTensorData<T>(), vn_in.GetTensorData<T>(), key, value, heavy,
+                  token, mask, before.data(), out.GetTensorMutableData<T>(), &foreign, hkv, g, t, qw, r, rv, k_, rule_, len,
                   cap, blocks, static_cast<double>(ratio_), softcap_, splits, (blocks + splits - 1) / splits};
     if (splits == 1) {
       ctx.ParallelFor(&h2o_task<T>, static_cast<size_t>(rows), 0, &job);
@@ -148,10 +159,14 @@ struct H2OOp : Ort::CustomOpBase<H2OOp<T>, H2OKernel<T>> {
   void* CreateKernel(const OrtApi& /*api*/, const OrtKernelInfo* info) const { return new H2OKernel<T>(info); }
   const char* GetName() const { return "H2OAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 8; }
+  size_t GetInputTypeCount() const { return 9; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {  // projection: optional
+    return i < 8 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED
+                 : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL;
+  }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    if (i >= 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (i == 6 || i == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     return element_type<T>();
   }
   size_t GetOutputTypeCount() const { return 5; }

@@ -103,6 +103,7 @@ struct Row {
 template <typename T>
 struct H2OJob {
   const T* q;
+  const T* proj;  // P [Hkv, qw, r], or null: q is q^
   const T* key_new;
   const T* value_new;
   T* key;      // [B, Hkv, r, C]
@@ -113,7 +114,7 @@ struct H2OJob {
   const int64_t* before;  // [B, L + 1]: real tokens at positions < p
   T* out;                 // [B, Hkv, g, T, rv]
   std::atomic<bool>* foreign;  // set by a task whose row holds a state this op cannot have left (row untouched)
-  int64_t heads, g, t, r, rv, k, rule, len, cap, blocks;  // blocks: of kBlock slots in cap
+  int64_t heads, g, t, qw, r, rv, k, rule, len, cap, blocks;  // blocks: of kBlock slots in cap
   double ratio;
   float softcap;
   // split decode (split_len blocks per task) keeps each row's state between its passes: Row, q [g][r],
@@ -139,8 +140,8 @@ bool open_row(const H2OJob<T>& j, int64_t bh, Row& w) {
   return !ahead && w.live <= std::min(w.n, budget(j.ratio, w.n));
 }
 
-// Token tt of row bh: written to the first free slot when real; its g query rows loaded (q [g][r]) and their
-// selections made (idx [g][k]).
+// Token tt of row bh: written to the first free slot when real; its g query rows loaded, or projected (q^ = q P),
+// into q [g][r] and their selections made (idx [g][k]).
 template <typename T>
 void take_token(const H2OJob<T>& j, int64_t bh, int64_t tt, Row& w, float* q, int64_t* idx) {
   const int64_t cap = j.cap, r = j.r, rv = j.rv, pos = j.len - j.t + tt;
@@ -157,8 +158,12 @@ void take_token(const H2OJob<T>& j, int64_t bh, int64_t tt, Row& w, float* q, in
     token[slot] = pos, j.heavy[bh * cap + slot] = 0.0f, ++w.live, w.hw = std::max(w.hw, slot + 1);
   }
   for (int64_t h = 0; h < j.g; ++h) {
-    const T* src = j.q + ((bh * j.g + h) * j.t + tt) * r;
-    for (int64_t c = 0; c < r; ++c) q[h * r + c] = load(src, c);
+    const T* src = j.q + ((bh * j.g + h) * j.t + tt) * j.qw;
+    if (j.proj == nullptr) {
+      for (int64_t c = 0; c < r; ++c) q[h * r + c] = load(src, c);
+    } else {
+      project(src, j.proj + (bh % j.heads) * j.qw * r, j.qw, r, q + h * r);
+    }
   }
   select_group(q, j.g, r, j.k, j.rule, idx);
 }
