@@ -44,7 +44,7 @@ def attention_section(data) -> list[str]:
            "(standard ops), GQA = ORT's GroupQueryAttention. Rule `head`: each query head its own top-k "
            "(magnitude / weighted); `group`: one top-k per GQA group (group / group-weighted). Byte limit = "
            "(K + V) / (u K + V) against a dense step, u = the share of K^'s rows read (the union of the group's "
-           "selections; k/d for `group`). Rows with an h2o ratio h: AQUA-H2O, the `H2OAttention` node (native) in its "
+           "selections; k/d for `group`). Rows with an h2o ratio h: AQUA-H2O, the `H2OAttention` node (native, given q and P) in its "
            "steady state (the context evicted to h of its tokens, one token in and one out per step, buffers "
            "updated in place); its byte limit counts each live slot's heavy (float32) and token (int64). Perplexity "
            "of each setting: `benchmarks/quality.md` (bytes table).", "",
