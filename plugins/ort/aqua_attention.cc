@@ -99,15 +99,7 @@ inline void online_softmax(int nr, int64_t n, float softcap, const float* const*
       }
     }
     for (; i < n; ++i) x[i] += mk[i], lane[0] = std::max(lane[0], x[i]);
-    float top = lane[0];
-    for (int e = 1; e < kLanes; ++e) top = std::max(top, lane[e]);
-    const float m_new = std::max(m[rr], top);
-    const float alpha = std::exp(m[rr] - m_new);  // 0 on the first block (m = -inf)
-    if (alpha != 1.0f) {
-      for (int64_t c = 0; c < r; ++c) o[rr * kMaxWidth + c] *= alpha;
-    }
-    l[rr] = l[rr] * alpha + exp_sum(x, n, m_new);
-    m[rr] = m_new;
+    online_block(x, n, *std::max_element(lane, lane + kLanes), m[rr], l[rr], o + rr * kMaxWidth, r);
   }
 }
 

@@ -145,6 +145,19 @@ inline void project(const T* x, const T* P, int64_t d, int64_t r, float* __restr
   }
 }
 
+// One block of one query row in an online softmax: x[0..n) (its masked scores, top their max) -> e^(x - m')
+// with m' = max(m, top); l and the row's output o[0..rv) rescaled by e^(m - m') (0 while m = -inf: nothing
+// seen yet, o and l 0), l += the block's sum, m = m'. AquaAttention's and H2OAttention's blocks alike.
+inline void online_block(float* x, int64_t n, float top, float& m, float& l, float* o, int64_t rv) {
+  const float m_new = std::max(m, top);
+  const float alpha = std::exp(m - m_new);
+  if (alpha != 1.0f) {
+    for (int64_t c = 0; c < rv; ++c) o[c] *= alpha;
+  }
+  l = l * alpha + exp_sum(x, n, m_new);
+  m = m_new;
+}
+
 constexpr int kRows = 4;  // query rows accumulated together
 constexpr int64_t kMaxWidth = 512;  // the widest K^ / V row the attention kernels take (r, rv)
 

@@ -52,13 +52,8 @@ inline void block_softmax(int nr, float* x, int64_t pitch, const int32_t* on, in
       }
     }
     for (; i < n; ++i) xr[i] = on[i] ? xr[i] : -INFINITY, lane[0] = std::max(lane[0], xr[i]);
-    const float m_new = std::max(m[rr], *std::max_element(lane, lane + kLanes));
-    const float alpha = std::exp(m[rr] - m_new);  // 0 while nothing was live (m = -inf, o and l 0)
-    if (alpha != 1.0f) {
-      for (int64_t c = 0; c < rv; ++c) o[rr * rv + c] *= alpha;
-    }
-    l[rr] = l[rr] * alpha + exp_sum(xr, n, m_new);
-    m[rr] = bm[rr] = m_new;
+    online_block(xr, n, *std::max_element(lane, lane + kLanes), m[rr], l[rr], o + rr * rv, rv);
+    bm[rr] = m[rr];
   }
 }
 
