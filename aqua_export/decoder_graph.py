@@ -14,9 +14,9 @@ Per layer i, with g = H / Hkv, r the retained width and k the selected width (do
 P_q = P_k = P[:, :r] except under the weighted rules (export.selection_bases). TensorRT builds (whose plugin
 is TopKGatherDot) run q --MatMul P_q--> q^, TopKGatherDot, Softmax and ValueProduct as separate nodes
 instead. AQUA-H2O replaces the cache updates and AquaAttention by one node over the layer's slot buffers
-(h2o.py), fed q^ by a MatMul P_q:
+(h2o.py), given q and P_q as AquaAttention is:
 
-    q^, k^, v, past.{key, value, heavy, token}, attention_mask --H2OAttention(k, rule, softcap, ratio)-->
+    q, k^, v, past.{key, value, heavy, token}, attention_mask, P_q --H2OAttention(k, rule, softcap, ratio)-->
         [B,Hkv,g,T,r], present.{key, value, heavy, token}       (written in place when bound to the past)
 
 What the families change (archs/): q/k RMSNorms before RoPE (the scale then folds into q_norm), partial
@@ -227,7 +227,7 @@ class DecoderGraph(Blocks):
         if not p.dense:
             P_q, P_k = (b.to(torch.float32) for b in P)
             if p.projects_query:
-                proj = self.weight(f"{n}.P_q", P_q)  # [Hkv, d, r]: AquaAttention's sixth input
+                proj = self.weight(f"{n}.P_q", P_q)  # [Hkv, d, r]: the attention node's last input
             else:
                 q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_q[:, None])])
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])

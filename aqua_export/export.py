@@ -18,6 +18,8 @@ from .config import AquaConfig, ConfigError
 from .contract import DOMAIN, Contract
 from .models import architecture_of, attention_geometry
 
+PROJECTION = "projection"  # the attention nodes' optional last input: P [Hkv, d, r], input 0 then being q
+
 OP_TYPE = "TopKGatherDot"
 ATTENTION = "AquaAttention"
 KEY_UPDATE, VALUE_UPDATE = "KeyCacheUpdate", "ValueCacheUpdate"
@@ -99,7 +101,7 @@ def _register_schema() -> None:
         inputs=[OpSchema.FormalParameter("query_hat", "T"), OpSchema.FormalParameter("key_cache", "T"),
                 OpSchema.FormalParameter("value_cache", "T"), length,
                 OpSchema.FormalParameter("mask", "tensor(float)"),
-                OpSchema.FormalParameter("projection", "T", "P [Hkv, d, r]: input 0 is then q [B,Hkv,g,T,d], q^ = q P",
+                OpSchema.FormalParameter(PROJECTION, "T", "P [Hkv, d, r]: input 0 is then q [B,Hkv,g,T,d], q^ = q P",
                                          param_option=OpSchema.FormalParameterOption.Optional)],
         outputs=[OpSchema.FormalParameter("out", "T")],
         type_constraints=floats,
@@ -202,6 +204,16 @@ def function_body(opset: int):
                            [H.make_opsetid("", opset)], attributes=["k", "rule", "plugin_namespace", "plugin_version"])
 
 
+def projection_nodes() -> list:
+    """query [B,Hkv,g,T,d], projection P [Hkv,d,r] -> query_hat = q P: the head of both attention bodies' projected
+    form (attention_body, h2o.function_body)."""
+    from onnx import helper as H
+
+    return [H.make_node("Constant", [], ["proj_axis_1"], value_ints=[1]),
+            H.make_node("Unsqueeze", [PROJECTION, "proj_axis_1"], ["projection_g"]),
+            H.make_node("MatMul", ["query", "projection_g"], ["query_hat"])]
+
+
 def attention_body(opset: int, projected: bool = False):
     """The portable body of AquaAttention (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
@@ -214,10 +226,7 @@ def attention_body(opset: int, projected: bool = False):
     from onnx import TensorProto
     from onnx import helper as H
 
-    head = [H.make_node("Constant", [], ["axis_1"], value_ints=[1]),
-            H.make_node("Unsqueeze", ["projection", "axis_1"], ["projection_g"]),
-            H.make_node("MatMul", ["query", "projection_g"], ["query_hat"])] if projected else []
-    nodes = head + _score_nodes("scores_t") + [
+    nodes = projection_nodes() * projected + _score_nodes("scores_t") + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         _ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -234,7 +243,7 @@ def attention_body(opset: int, projected: bool = False):
         H.make_node("MatMul", ["probs", "value_g"], ["out"]),
     ]
     inputs = ["query" if projected else "query_hat", "key_cache", "value_cache", "total_length", "mask"]
-    return H.make_function(DOMAIN, ATTENTION, inputs + ["projection"] * projected, ["out"], nodes, [H.make_opsetid("", opset)],
+    return H.make_function(DOMAIN, ATTENTION, inputs + [PROJECTION] * projected, ["out"], nodes, [H.make_opsetid("", opset)],
                            attributes=["k", "rule", "softcap", "plugin_namespace", "plugin_version"])
 
 

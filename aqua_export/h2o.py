@@ -19,16 +19,16 @@ import numpy as np
 import torch
 
 from .contract import DOMAIN
+from .export import PROJECTION  # the optional ninth input, named as AquaAttention's
 
 OP = "H2OAttention"
 INPUTS = ("query_hat", "key_new", "value_new", "past_key", "past_value", "past_heavy", "past_token", "attention_mask")
 OUTPUTS = ("out", "present_key", "present_value", "present_heavy", "present_token")
-PROJECTION = "projection"  # optional ninth input, as AquaAttention's (export.attention_body)
 ATTRIBUTES = ("k", "rule", "softcap", "ratio", "plugin_namespace", "plugin_version")
 # element type of the I/O that is not the float type T, and rank of each name (the others are [B, Hkv, ., r])
 NOT_T = {"past_heavy": "float", "past_token": "int64", "attention_mask": "int64", "present_heavy": "float",
          "present_token": "int64"}
-RANK = {"query_hat": 5, "out": 5, "projection": 3, "past_heavy": 3, "past_token": 3, "present_heavy": 3,
+RANK = {"query_hat": 5, "out": 5, PROJECTION: 3, "past_heavy": 3, "past_token": 3, "present_heavy": 3,
         "present_token": 3, "attention_mask": 2}
 FREE = -1  # token of a free slot
 SLOT_EXTRA_BYTES = 4 + 8  # per slot and KV head beyond K^ and V: heavy (float32) and token (int64), NOT_T's types
@@ -303,13 +303,11 @@ def function_body(opset: int, projected: bool = False):
     from onnx import TensorProto
     from onnx import helper as H
 
-    from .export import _ref_constant, _selection_nodes
+    from .export import _ref_constant, _selection_nodes, projection_nodes
 
     I64, D = TensorProto.INT64, TensorProto.DOUBLE
     n = H.make_node
-    head = [_const("h_ax1p", [1]), n("Unsqueeze", [PROJECTION, "h_ax1p"], ["projection_g"]),
-            n("MatMul", ["query", "projection_g"], ["query_hat"])] if projected else []
-    nodes = head + _selection_nodes() + [
+    nodes = projection_nodes() * projected + _selection_nodes() + [
         _ref_constant("cap", "softcap", "value_float"), _ref_constant("ratio", "ratio", "value_float"),
         _const("h_ax1", [1]), _const("h_one", 1), _const("h_eps", 1e-9, D), _const("h_slack", 1e-6, D), _const("h_zeros6", [0] * 6),
         _const("h_zeros5", [0] * 5), _const("h_zeros7", [0] * 7), _const("h_zeros1", [0]),
