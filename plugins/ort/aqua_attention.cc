@@ -161,22 +161,11 @@ void merge_task(void* data, size_t index) {
   const int64_t tile = static_cast<int64_t>(index) % j.tiles, bh = static_cast<int64_t>(index) / j.tiles;
   const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g * j.t - tile * kRows));
   const int64_t rv = j.rv;
-  std::vector<float> acc(static_cast<size_t>(rv));
+  float acc[kMaxWidth];
   for (int rr = 0; rr < nr; ++rr) {
-    const float* first = j.part + ((static_cast<int64_t>(index) * j.splits) * kRows + rr) * (rv + 2);
-    const int64_t step = kRows * (rv + 2);
-    float top = -INFINITY, den = 0.0f;
-    for (int64_t sp = 0; sp < j.splits; ++sp) {
-      if (first[sp * step + rv + 1] > 0.0f) top = std::max(top, first[sp * step + rv]);
-    }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t sp = 0; sp < j.splits; ++sp) {
-      const float* p = first + sp * step;
-      if (!(p[rv + 1] > 0.0f)) continue;
-      const float w = std::exp(p[rv] - top);
-      den += p[rv + 1] * w;
-      for (int64_t c = 0; c < rv; ++c) acc[c] += p[c] * w;
-    }
+    float top, den;
+    merge_splits(j.part + ((static_cast<int64_t>(index) * j.splits) * kRows + rr) * (rv + 2), kRows * (rv + 2),
+                 j.splits, rv, acc, top, den);
     const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
     T* dst = j.out + ((bh * j.g + h) * j.t + tt) * rv;
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;

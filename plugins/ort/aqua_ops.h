@@ -7,7 +7,6 @@
 #include <onnxruntime_cxx_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -156,6 +155,24 @@ inline void online_block(float* x, int64_t n, float top, float& m, float& l, flo
   }
   l = l * alpha + exp_sum(x, n, m_new);
   m = m_new;
+}
+
+// One query row's partial softmax states from the splits of its positions merged: records [o[rv], m, l] at
+// first + i step (i < splits) -> o[rv] = sum o_i e^(m_i - M) (unnormalised), l = sum l_i e^(m_i - M), m = M; a
+// split that saw nothing (l = 0) counts nothing (m -inf, l 0 when none did). Both attention kernels' merge.
+inline void merge_splits(const float* first, int64_t step, int64_t splits, int64_t rv, float* o, float& m, float& l) {
+  m = -INFINITY, l = 0.0f;
+  for (int64_t i = 0; i < splits; ++i) {
+    if (first[i * step + rv + 1] > 0.0f) m = std::max(m, first[i * step + rv]);
+  }
+  std::fill(o, o + rv, 0.0f);
+  for (int64_t i = 0; i < splits; ++i) {
+    const float* p = first + i * step;
+    if (!(p[rv + 1] > 0.0f)) continue;
+    const float w = std::exp(p[rv] - m);
+    l += p[rv + 1] * w;
+    for (int64_t c = 0; c < rv; ++c) o[c] += p[c] * w;
+  }
 }
 
 constexpr int kRows = 4;  // query rows accumulated together

@@ -3,6 +3,8 @@
 // and then accounted (heavy update, eviction); decode with few rows splits a row's slots over tasks.
 #pragma once
 
+#include <atomic>
+
 #include "aqua_ops.h"
 
 namespace aqua::h2o {
@@ -32,11 +34,11 @@ inline int64_t tile_weights(const float* q, const int64_t* idx, int64_t r, int64
   return union_of(mark.data(), r, uni);
 }
 
-// One block of n slots for nr rows, x[rr * pitch + i] their scores -> e^(s - bm[rr]), free slots (on[i] = 0)
+// One block of n slots for nr rows, x[rr * pitch + i] their scores -> e^(s - m'[rr]), free slots (on[i] = 0)
 // exactly 0 whatever score they held (a select, not an added -inf: a stale inf stays out); the running max m
 // and sum l of each row updated and its o [rv] rescaled (online softmax). The block has a live slot.
 inline void block_softmax(int nr, float* x, int64_t pitch, const int32_t* on, int64_t n, float softcap, float* m,
-                          float* l, float* o, int64_t rv, float* bm) {
+                          float* l, float* o, int64_t rv) {
   for (int rr = 0; rr < nr; ++rr) {
     float* xr = x + rr * pitch;
     if (softcap > 0.0f) {
@@ -53,7 +55,6 @@ inline void block_softmax(int nr, float* x, int64_t pitch, const int32_t* on, in
     }
     for (; i < n; ++i) xr[i] = on[i] ? xr[i] : -INFINITY, lane[0] = std::max(lane[0], xr[i]);
     online_block(xr, n, *std::max_element(lane, lane + kLanes), m[rr], l[rr], o + rr * rv, rv);
-    bm[rr] = m[rr];
   }
 }
 
@@ -164,8 +165,8 @@ void take_token(const H2OJob<T>& j, int64_t bh, int64_t tt, Row& w, float* q, in
 }
 
 // Query rows h0..h0 + nr of row bh's current token over the blocks [b0, b1) of its slots: the online-softmax
-// state m, l, o [nr][rv] (o unnormalised) carried on; per block, e^(x - bm) into s [g][cap] and bm into
-// f [g][blocks] (-inf: no live slot). Per block K^[union of I, block] -> x (L1) -> softmax -> x V[block]:
+// state m, l, o [nr][rv] (o unnormalised) carried on; per block, e^(x - bm) into s [g][cap] and bm (the running
+// max after it) into f [g][blocks] (-inf: no live slot). Per block K^[union of I, block] -> x (L1) -> softmax -> x V[block]:
 // the block's scores are still in L1 when they meet V.
 template <typename T>
 void attend_blocks(const H2OJob<T>& j, int64_t bh, const Row& w, int64_t h0, int nr, const float* q,
@@ -181,7 +182,6 @@ void attend_blocks(const H2OJob<T>& j, int64_t bh, const Row& w, int64_t h0, int
   // apart, the step ran 5% slower); copied to s for the heavy update
   alignas(64) static thread_local float xb[kRows * kBlock];
   const int64_t nu = tile_weights(q, idx, j.r, j.k, h0, nr, wbuf, uni);
-  float bm[kRows];
   for (int64_t blk = b0; blk < b1 && blk * kBlock < w.hw; ++blk) {
     const int64_t s0 = blk * kBlock, n = std::min(kBlock, w.hw - s0);
     int32_t any = 0;
@@ -191,10 +191,10 @@ void attend_blocks(const H2OJob<T>& j, int64_t bh, const Row& w, int64_t h0, int
       continue;
     }
     accumulate_rows(nr, key + s0, cap, uni, nu, wbuf, n, xb, kBlock);
-    block_softmax(nr, xb, kBlock, on, n, j.softcap, m, l, o, rv, bm);
+    block_softmax(nr, xb, kBlock, on, n, j.softcap, m, l, o, rv);
     add_values_rows(nr, xb, kBlock, value + s0 * rv, n, rv, o, rv);
     for (int rr = 0; rr < nr; ++rr) {
-      f[(h0 + rr) * j.blocks + blk] = bm[rr];
+      f[(h0 + rr) * j.blocks + blk] = m[rr];  // the max the block's e^(x - m) are relative to
       std::memcpy(s + (h0 + rr) * cap + s0, xb + rr * kBlock, sizeof(float) * n);
     }
   }
@@ -300,17 +300,8 @@ void split_merge(void* data, size_t index) {
   float* f = j.f_rows + bh * j.g * j.blocks;
   float o[kMaxWidth];
   for (int64_t h = 0; h < j.g; ++h) {
-    const float* p = j.part + (bh * j.splits * j.g + h) * (rv + 2);  // split i at p + i g (rv + 2)
-    const int64_t step = j.g * (rv + 2);
-    float m = -INFINITY, l = 0.0f;
-    for (int64_t i = 0; i < j.splits; ++i) m = std::max(m, p[i * step + rv]);
-    std::fill(o, o + rv, 0.0f);
-    for (int64_t i = 0; i < j.splits && m > -INFINITY; ++i) {
-      const float* pi = p + i * step;
-      const float a = pi[rv] > -INFINITY ? std::exp(pi[rv] - m) : 0.0f;
-      l += pi[rv + 1] * a;
-      for (int64_t c = 0; c < rv; ++c) o[c] += pi[c] * a;
-    }
+    float m, l;  // split i of query row h at part + ((bh splits + i) g + h) (rv + 2)
+    merge_splits(j.part + (bh * j.splits * j.g + h) * (rv + 2), j.g * (rv + 2), j.splits, rv, o, m, l);
     finish_row(j, bh, 0, h, w, m, l, o, f);
   }
   account(j, bh, w, j.s_rows + bh * j.g * j.cap, f);
