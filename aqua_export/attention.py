@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -187,6 +188,20 @@ class AquaCache(Cache):
 # Attention function
 # --------------------------------------------------------------------------------------------
 
+class Probe(Protocol):
+    """An instrument passed to ``apply_aqua(probe=...)`` (the parity harness's): it sees each choice the reference
+    makes and may replace it by another implementation's, so two implementations can be compared under one
+    choice. Without a probe the reference runs on its own choices."""
+
+    def select(self, st: "LayerAqua", qh: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """qh [B, Hkv, g, T, r]; own: the rule's indices [B, Hkv, g, T, k] -> the indices to score with."""
+
+    def evict(self, st: "LayerAqua", layer: "AquaLayerCache", token: int, visible, acc, budget, own, hidden,
+              real) -> torch.Tensor:
+        """One token's H2O decision (token: its index in the sequence). visible / own / hidden [B, Hkv, S] bool
+        (own: the slots the keep rule keeps), acc [B, Hkv, S], budget [B], real [B] -> the slots kept."""
+
+
 @dataclass(eq=False)
 class LayerAqua:
     """Per-layer state attached to the attention module while AQUA is applied."""
@@ -199,13 +214,9 @@ class LayerAqua:
     key_rms: torch.Tensor  # [Hkv, r]
     h2o_ratio: float
     rv: int | None = None  # V's cached width when it differs from K^'s r (allocated AQUA-Memory)
+    index: int = 0  # the layer's index
+    probe: "Probe | None" = field(default=None, repr=False)  # apply_aqua's probe (parity), or None
     fresh: tuple | None = field(default=None, repr=False)
-    # parity harness: indices chosen by another implementation, and how often ours differ from them
-    forced: torch.Tensor | None = field(default=None, repr=False)
-    flips: list = field(default_factory=list, repr=False)
-    # the same for H2O eviction: per token index, live tokens [B, Hkv, index + 1] chosen elsewhere
-    forced_keep: list | None = field(default=None, repr=False)
-    evict_flips: list = field(default_factory=list, repr=False)
 
     @property
     def value_width(self) -> int:
@@ -236,10 +247,12 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
             raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
         kh, v = key @ P_r[None], value[..., : st.value_width]
     s = kh.shape[2]
-    forced, st.forced = st.forced, None
-    if forced is not None:
-        _record_flips(st, qh, forced)
-    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=forced) * scaling
+    idx = None
+    if st.k < st.r:
+        idx = select_indices(qh, st.k, st.selection, st.key_rms)
+        if st.probe is not None:
+            idx = st.probe.select(st, qh, idx)
+    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=idx) * scaling
     softcap = kwargs.get("softcap")
     if softcap:  # Gemma 2: tanh soft-capping of the scores, before the mask
         scores = torch.tanh(scores / softcap) * softcap
@@ -275,18 +288,6 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
     return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
 
 
-def _record_flips(st: LayerAqua, qh: torch.Tensor, forced: torch.Tensor) -> None:
-    """Rows whose own selection differs from ``forced``, with the relative gap between the k-th and
-    (k+1)-th largest selection score of each such row (a float near-tie has a gap near rounding error)."""
-    if st.k >= st.r:
-        return
-    own = select_indices(qh, st.k, st.selection, st.key_rms)
-    differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)
-    mags = selection_score(qh, st.selection, st.key_rms).sort(-1, descending=True).values.expand(qh.shape)
-    gap = (mags[..., st.k - 1] - mags[..., st.k]) / mags[..., st.k - 1].clamp_min(1e-30)
-    st.flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
-
-
 def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is_real, v):
     """Token-by-token attention with H2O eviction. scores [B, Hkv, g, Tq, S], allowed [B, Hkv, Tq, S]."""
     b, hkv, g, tq, s = scores.shape
@@ -308,8 +309,8 @@ def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is
         n_real = n_real + real.to(torch.int64)
         budget = h2o_budget(st.h2o_ratio, n_real)
         kept = h2o_keep(vis, acc, budget) | ~allowed[:, :, t]
-        if st.forced_keep is not None and layer is not None:
-            kept = _forced_eviction(st, layer, t - tq, vis, acc, budget, kept, ~allowed[:, :, t], real)
+        if st.probe is not None and layer is not None:
+            kept = st.probe.evict(st, layer, layer.seen + t - tq, vis, acc, budget, kept, ~allowed[:, :, t], real)
         keep = torch.where(real[:, None, None], keep & kept, keep)
     if layer is not None:
         layer.valid &= keep
@@ -317,20 +318,6 @@ def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is
         layer.n_real = n_real
         layer.compact()
     return torch.stack(outs, dim=3)
-
-
-def _forced_eviction(st: LayerAqua, layer: AquaLayerCache, offset: int, vis, acc, budget, own, hidden, real):
-    """Replace this token's eviction by the one another implementation made (parity harness) and
-    record where ours differs. offset: this token's index minus the layer's token count."""
-    from .h2o import eviction_flips
-
-    index = layer.seen + offset
-    live = torch.from_numpy(st.forced_keep[index])  # [B, Hkv, index + 1]
-    slot_pos = layer.pos.clamp_max(index)  # slots of later tokens in this chunk are hidden, kept anyway
-    forced = torch.gather(live, 2, slot_pos) | hidden
-    st.evict_flips.append(eviction_flips(vis.numpy(), acc.numpy(), budget.numpy(), own.numpy(), forced.numpy(),
-                                         real.numpy()))
-    return forced
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +333,7 @@ def _register() -> None:
 
 
 def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
-                 value_widths: tuple | None = None) -> list[LayerAqua]:
+                 value_widths: tuple | None = None, probe: Probe | None = None) -> list[LayerAqua]:
     """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
     allocate.layer_widths; value_widths alone defaults to widths)."""
     from .allocate import layer_widths
@@ -361,7 +348,8 @@ def layer_states(model, projection: Projection, config: AquaConfig, widths: tupl
         rv = None if value_widths is None else value_widths[i]
         states.append(LayerAqua(
             P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
-            key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv,
+            key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv, index=i,
+            probe=probe,
         ))
     return states
 
@@ -383,16 +371,17 @@ class AquaSession:
 
 @contextlib.contextmanager
 def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
-               value_widths: tuple | None = None):
+               value_widths: tuple | None = None, probe: Probe | None = None):
     """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
-    cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths)."""
+    cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths); probe: an
+    instrument that sees (and may replace) each selection and eviction (Probe)."""
     arch = architecture_of(model.config)
     projection.check_model(model)
     if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
         raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not supported (a window and "
                           "an eviction budget over the same slots disagree on what is kept): drop --h2o-ratio")
     _register()
-    states = layer_states(model, projection, config, widths, value_widths)
+    states = layer_states(model, projection, config, widths, value_widths, probe)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
     saved = []

@@ -54,26 +54,26 @@ def slots_needed(ratio: float, n_real) -> int:
     return int(np.minimum(n, budget(ratio, n) + 1).max(initial=0))
 
 
-def eviction_flips(visible, acc, budget, own, forced, real) -> tuple[int, int, float]:
-    """(decisions, decisions where ``own`` differs from ``forced``, largest relative gap at the heavy-hitter
-    boundary among those): a float near-tie of two accumulators has a gap near rounding error. visible, own,
-    forced [B, Hkv, S] bool, acc [B, Hkv, S], budget [B], real [B] (the parity harness's eviction replay)."""
-    visible, acc, own, forced = (np.asarray(x) for x in (visible, acc, own, forced))
-    real = np.asarray(real, bool)
-    differ = ((own != forced) & visible).any(-1) & real[:, None]
-    gap = 0.0
-    if differ.any():
-        n_recent = np.asarray(budget) // 2
-        for b, h in zip(*np.nonzero(differ)):
-            from_end = np.cumsum(visible[b, h][::-1])[::-1] - 1
-            cand = visible[b, h] & ~(from_end < n_recent[b])
-            vals = np.sort(acc[b, h][cand].astype(np.float64))[::-1]
-            n_heavy = int(budget[b] - n_recent[b])
-            if 0 < n_heavy < len(vals):
-                gap = max(gap, float((vals[n_heavy - 1] - vals[n_heavy]) / max(abs(vals[n_heavy - 1]), 1e-30)))
-            else:
-                gap = float("inf")  # not a boundary question: a real disagreement
-    return int(real.sum()) * visible.shape[1], int(differ.sum()), gap
+def heavy_margin(visible, acc, budget) -> tuple[np.ndarray, np.ndarray]:
+    """(boundary, gap), each [B, Hkv]: the accumulator of the last heavy hitter the keep rule keeps (the n_heavy-th
+    largest among the visible slots outside the floor(budget / 2) most recent), and its relative margin over the
+    next one, (a_n - a_n+1) / |a_n|; a float near-tie has a margin near rounding error. Where no slot competes
+    for the last place (nothing to evict, or no heavy hitter kept) boundary is nan and gap inf. visible [B, Hkv, S]
+    bool, acc [B, Hkv, S], budget [B] (the parity harness's eviction replay)."""
+    visible, acc = np.asarray(visible, bool), np.asarray(acc, np.float64)
+    budget = np.asarray(budget, np.int64)
+    n_recent, n_heavy = (budget // 2)[:, None, None], (budget - budget // 2)[:, None]
+    from_end = np.cumsum(visible[..., ::-1], -1)[..., ::-1] - 1
+    cand = visible & ~(from_end < n_recent)
+    vals = -np.sort(np.where(cand, -acc, np.inf), -1)  # descending, -inf past the candidates
+    s = vals.shape[-1]
+    vals = np.concatenate([vals, np.full(vals.shape[:-1] + (2,), -np.inf)], -1)
+    at = np.broadcast_to(np.clip(n_heavy - 1, 0, s)[..., None], vals.shape[:-1] + (1,))
+    kth = np.take_along_axis(vals, at, -1)[..., 0]
+    nxt = np.take_along_axis(vals, at + 1, -1)[..., 0]
+    ok = (n_heavy > 0) & np.isfinite(kth) & np.isfinite(nxt)
+    gap = np.where(ok, (kth - np.where(ok, nxt, 0.0)) / np.maximum(np.abs(np.where(ok, kth, 1.0)), 1e-30), np.inf)
+    return np.where(ok, kth, np.nan), gap
 
 
 # --------------------------------------------------------------------------------------------

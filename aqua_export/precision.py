@@ -1,10 +1,14 @@
-"""Float32 arithmetic over weights kept in the checkpoint's own dtype (bfloat16 / float16).
+"""Arithmetic in one float type over weights kept in the checkpoint's own dtype (bfloat16 / float16 / float32).
 
 A bfloat16 checkpoint loaded as float32 doubles its memory; kept as bfloat16 it computes in bfloat16,
-which is imprecise and, on CPUs without bfloat16 instructions, slow. ``float32_compute(model)`` keeps
-the weights as they are and gives each decoder layer float32 copies of its own weights only while that
-layer runs, so memory holds the checkpoint plus one layer in float32. bfloat16 -> float32 is exact, so
-calibration and the reference compute exactly what a float32 load would.
+which is imprecise and, on CPUs without bfloat16 instructions, slow. ``computing_in(model, dtype)`` keeps
+the weights as they are and gives each decoder layer copies of its own weights in ``dtype`` only while that
+layer runs, so memory holds the checkpoint plus one layer in ``dtype``. bfloat16 -> float32 -> float64 are
+exact, so calibration and the reference compute exactly what a load in that type would.
+
+    float32_compute(model)               calibration, the parity reference, slice costs
+    computing_in(model, torch.float64)   parity's exact answer: float32's own rounding error is measured
+                                         against it, and every gate's bound is set above that error
 """
 
 from __future__ import annotations
@@ -13,41 +17,77 @@ import contextlib
 
 import torch
 
+# vocabulary rows of the output layer computed at a time in a wider type than the weights are stored in: a
+# whole float64 copy of Llama-3.1-8B's head would be 4 GiB, a chunk is a few MiB
+HEAD_ROWS = 8192
+
 
 def storage_dtype(model) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
+def _widen_during_forward(mod, dtype: torch.dtype, handles: list) -> None:
+    """mod's parameters are ``dtype`` copies while it runs, put back after (pre/post forward hooks)."""
+
+    def widen(m, args):
+        m._aqua_stash = [(p, p.data) for p in m.parameters()]
+        for p, data in m._aqua_stash:
+            p.data = data.to(dtype)
+
+    def restore(m, args, out):
+        for p, data in m._aqua_stash:
+            p.data = data
+        del m._aqua_stash
+
+    handles += [mod.register_forward_pre_hook(widen), mod.register_forward_hook(restore)]
+
+
+def _chunked_head(head, dtype: torch.dtype):
+    """A forward for the output layer in ``dtype`` that widens HEAD_ROWS vocabulary rows of its weight at a time."""
+
+    def forward(x):
+        w, b = head.weight, head.bias
+        parts = []
+        for v0 in range(0, w.shape[0], HEAD_ROWS):
+            y = x.to(dtype) @ w[v0:v0 + HEAD_ROWS].to(dtype).T
+            parts.append(y if b is None else y + b[v0:v0 + HEAD_ROWS].to(dtype))
+        return torch.cat(parts, -1)
+
+    return forward
+
+
 @contextlib.contextmanager
-def float32_compute(model):
-    """Inside the block ``model`` computes in float32 (embeddings' output cast up, each decoder layer, the
-    final norm and the LM head upcast while they run). A float32 model is left alone. Undone on exit."""
-    if storage_dtype(model) == torch.float32:
+def computing_in(model, dtype: torch.dtype):
+    """Inside the block ``model`` computes in ``dtype`` (embeddings' output cast, each decoder layer and the final
+    norm widened while they run, the output layer by chunks of its vocabulary). Nothing is changed when the
+    weights are already stored in ``dtype``. Undone on exit."""
+    if storage_dtype(model) == dtype:
         yield model
         return
-    handles = []
-
-    def upcast(mod, args, kwargs=None):
-        mod._aqua_stash = [(p, p.data) for p in mod.parameters()]
-        for p, data in mod._aqua_stash:
-            p.data = data.to(torch.float32)
-
-    def restore(mod, args, out):
-        for p, data in mod._aqua_stash:
-            p.data = data
-        del mod._aqua_stash
-
     from .models import architecture_of
 
     arch = architecture_of(model.config)
+    handles: list = []
     for emb in (arch.embeddings(model), arch.position_embeddings(model)):
         if emb is not None:
-            handles.append(emb.register_forward_hook(lambda mod, args, out: out.to(torch.float32)))
-    for mod in [*arch.layers(model), arch.final_norm_module(model), model.get_output_embeddings()]:
-        handles.append(mod.register_forward_pre_hook(upcast))
-        handles.append(mod.register_forward_hook(restore))
+            handles.append(emb.register_forward_hook(lambda mod, args, out: out.to(dtype)))
+    for mod in [*arch.layers(model), arch.final_norm_module(model)]:
+        _widen_during_forward(mod, dtype, handles)
+    head = model.get_output_embeddings()
+    head.forward = _chunked_head(head, dtype)  # an instance attribute over the class's forward, deleted on exit
+    experts = getattr(model.config, "_experts_implementation", None)
+    if dtype == torch.float64 and experts not in (None, "eager"):
+        model.set_experts_implementation("eager")  # torch's grouped GEMM (MoE experts) takes no float64
     try:
         yield model
     finally:
+        if dtype == torch.float64 and experts not in (None, "eager"):
+            model.set_experts_implementation(experts)
+        del head.forward
         for h in handles:
             h.remove()
+
+
+def float32_compute(model):
+    """computing_in(model, torch.float32): a float32 model is left alone."""
+    return computing_in(model, torch.float32)

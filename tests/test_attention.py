@@ -211,15 +211,24 @@ def test_projection_from_another_model_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_model_dense_parity_and_greedy(smollm, smollm_projection):
+    """At k = r the reference is HF's model through an orthogonal P: both float32 forwards are compared with HF's
+    float64 forward of each prompt (unpadded: HF's float64 left-padded rows are NaN), within max(1e-4, 3 x HF's
+    own float32 error there), as parity does. Greedy generation is identical (its smallest top-2 margin here,
+    1.2e-2, is 200x the logits' float32 error)."""
+    from aqua_export.precision import computing_in
+
     model, tok = smollm
     enc = tok(["The capital of France is", "def fibonacci(n):\n    "], return_tensors="pt", padding=True,
               padding_side="left")
+    real = enc["attention_mask"].bool()
     with torch.no_grad():
         ref = model(**enc).logits
         ref_gen = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        with computing_in(model, torch.float64):
+            exact = torch.cat([model(input_ids=ids[m][None]).logits[0] for ids, m in zip(enc["input_ids"], real)])
         with apply_aqua(model, smollm_projection, AquaConfig()) as aqua:
             out = model(**enc).logits
             gen = aqua.generate(**enc, max_new_tokens=32, do_sample=False)
-    real = enc["attention_mask"].bool()
-    assert (out - ref)[real].abs().max() <= 1e-4
+    bound = max(1e-4, 3 * (ref[real] - exact).abs().max().item())
+    assert (out[real] - exact).abs().max() <= bound
     assert torch.equal(gen, ref_gen)

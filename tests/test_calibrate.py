@@ -193,3 +193,27 @@ def test_bfloat16_checkpoint_calibrates_like_its_float32_load(tmp_path):
         with float32_compute(m16):
             assert m16(input_ids=ids).logits.dtype == torch.float32
     assert storage_dtype(m16) == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmoe"])
+def test_float64_compute_equals_a_float64_copy(arch, monkeypatch):
+    """computing_in(model, float64) widens one layer at a time (the output layer by vocabulary chunks, a MoE's experts
+    without torch's grouped GEMM, which takes no float64): the logits of a float64 copy of the model, and the model
+    is as before afterwards."""
+    import copy
+
+    from aqua_export import precision
+
+    monkeypatch.setattr(precision, "HEAD_ROWS", 50)  # 128 vocabulary rows: three chunks
+    m = models.tiny_model(arch)
+    experts = m.config._experts_implementation
+    exact = copy.deepcopy(m).double()
+    exact.set_experts_implementation("eager")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        with precision.computing_in(m, torch.float64):
+            got = m(input_ids=ids).logits
+        want = exact(input_ids=ids).logits
+        assert got.dtype == torch.float64 and (got - want).abs().max() <= 1e-12
+        assert m(input_ids=ids).logits.dtype == torch.float32 and precision.storage_dtype(m) == torch.float32
+    assert m.config._experts_implementation == experts

@@ -45,7 +45,8 @@ def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
 def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     """A replay log that keeps the wrong tokens must show up as differing decisions that are not near-ties."""
     from aqua_export.attention import apply_aqua
-    from aqua_export.parity import _flip_summary, _ort_trace, _torch_trace
+    from aqua_export.parity import _ort_trace, _torch_trace
+    from aqua_export.parity_probe import ReplayProbe
 
     m, proj, cfg, proto, path = h2o_export
     lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg))
@@ -60,12 +61,10 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
             n = live.sum(-1, keepdims=True)
             bad.append(np.arange(live.shape[-1])[None, None, :] < n)
         wrong.append(bad)
-    with apply_aqua(m, proj, cfg) as aqua:
-        for i, st in enumerate(aqua.states):
-            st.forced_keep = [entry[i] for entry in wrong]
-        _torch_trace(m, ids, toks, aqua.new_cache(), aqua.states)
-        flips = [f for st in aqua.states for f in st.evict_flips]
-    s = _flip_summary(flips, {"near_tie": 1e-4})
+    probe = ReplayProbe(evictions=wrong)
+    with apply_aqua(m, proj, cfg, probe=probe) as aqua:
+        _torch_trace(m, ids, toks, aqua.new_cache(), probe)
+    s = probe.eviction_summary(None, 1e-4)
     assert s["decisions_differing"] > 0 and not s["pass"]
 
 
