@@ -46,8 +46,7 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
     if prefill and runtime != "aqua":
         raise ConfigError("--prefill is measured in this project's runtime only: use --runtime aqua")
     for f in folders:
-        if not (Path(f) / ("genai_config.json" if runtime != "aqua" else "aqua_config.json")).is_file():
-            raise ConfigError(f"{f} is not a folder the {runtime} runtime loads: build it with aqua-export")
+        _check_folder(Path(f), runtime, (prefill or context) + (0 if prefill else steps + 2))
     times: dict = {f: [] for f in folders}
     rss: dict = {f: [] for f in folders}
     for _ in range(rounds):
@@ -67,6 +66,27 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
         res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch * (prefill or 1) / med,
                              "decode_rss_mb": max(rss[f])}
     return res
+
+
+def _check_folder(folder: Path, runtime: str, tokens: int) -> None:
+    """The folder loads in ``runtime`` and its model's context holds ``tokens``, or one line saying why not."""
+    from .folder import FolderConfig
+
+    if runtime == "aqua" or not (folder / "genai_config.json").is_file():
+        cfg = FolderConfig.from_folder(folder)  # not a built folder: one line naming the fix
+        if runtime != "aqua":
+            cfg.contract.genai_io()  # H2O or per-layer widths: one line naming --runtime aqua
+            raise ConfigError(f"{folder} has no genai_config.json: rebuild it with this aqua-export")
+        context = cfg.context_length
+    else:
+        try:
+            context = json.loads((folder / "genai_config.json").read_text())["model"]["context_length"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ConfigError(f"{folder}/genai_config.json is damaged: rebuild the folder") from None
+        context = context if isinstance(context, int) else None
+    if context is not None and tokens > context:
+        raise ConfigError(f"{tokens} tokens (context, plus the timed steps) are past {folder}'s model context of "
+                          f"{context}: lower --context (or --prefill)")
 
 
 def table(res: dict) -> str:

@@ -21,15 +21,16 @@ import torch
 
 from . import __version__, allocate, calibrate, models
 from .config import AquaConfig, ConfigError
-from .folder import CONFIG_FILE, FolderConfig, Geometry
+from .folder import FolderConfig, Geometry
 from .meter import StageMeter, stage_bar
-from .safetensors_io import check_writable_parent
+from .outputs import atomic_write_bytes, check_free_space, check_writable, claim
 
 STAGES = 5
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 LAYOUT = {"key": "declared [batch, kv_heads, slots, r]; memory K^ = RoPE(k) @ P[:, :r] dim-major [batch, kv_heads, "
-                  "r, slots]: selecting coordinate c reads one contiguous row, so TopKGatherDot reads k/r of the K cache",
+                  "r, slots]: selecting coordinate c reads one contiguous row, so the attention node reads k/r of "
+                  "the K cache",
           "value": "[batch, kv_heads, slots, r] in P_v's basis (folded into W_V / W_O)",
           "update": "new tokens at slots total-sequence..total-1; a buffer shared by past and present (onnxruntime-"
                     "genai's past_present_share_buffer, `aqua-export run`) is written in place"}
@@ -59,18 +60,33 @@ def _stage(i: int, text: str, total: int = STAGES) -> None:
 
 
 def check_out_dir(out: Path, force: bool) -> None:
-    """Never replace what this tool did not build: an existing non-empty --out must be a built folder (it
-    has aqua_config.json) and --force must be given."""
-    check_writable_parent(out)
+    """Never replace what this tool did not write: an existing non-empty --out must be a folder a build finished
+    (its aqua_config.json lists the files it wrote), hold nothing else, and --force must be given."""
+    check_writable(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder: choose another path")
-    if out.is_dir() and any(out.iterdir()):
-        if not (out / CONFIG_FILE).is_file():
-            raise ConfigError(f"--out {out} is a folder with other files in it (not one this tool built): "
-                              "choose a new or empty folder")
-        if not force:
-            raise ConfigError(f"--out {out} holds a built folder already: pass --force to replace it, or choose "
-                              "another --out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        cfg = FolderConfig.from_folder(out)
+        if cfg.files is None:
+            raise ConfigError("no files manifest")
+    except ConfigError:
+        raise ConfigError(f"--out {out} is a folder with files this tool did not write (not one a build of this "
+                          "aqua-export finished): choose a new or empty folder") from None
+    foreign = cfg.foreign_files(out)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(f"--out {out} holds files this tool did not write ({shown}): move them out or choose "
+                          "another --out (nothing is replaced)")
+    if not force:
+        raise ConfigError(f"--out {out} holds a built folder already: pass --force to replace it, or choose "
+                          "another --out")
+
+
+def _estimated_bytes(model, dtype: str) -> int:
+    """What a folder of ``model`` in ``dtype`` holds, about: its weights (plus a projection and a tokenizer, small)."""
+    return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -117,12 +133,19 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     projection = calibrate.load_projection(projection_path) if projection_path else None
     out_dir = Path(out) if out else default_out(models.short_name(model_spec), config, o)
     check_out_dir(out_dir, o.force)
+    with claim(out_dir):  # a second build to the same --out fails now, not by replacing this one's folder
+        check_out_dir(out_dir, o.force)  # what it holds may have changed before the claim
+        return _build(model_spec, config, projection, projection_path, calib_texts, calib_tokens, out_dir, o)
+
+
+def _build(model_spec, config, projection, projection_path, calib_texts, calib_tokens, out_dir: Path,
+           o: BuildOptions) -> Path:
     meter = StageMeter()
     total = STAGES + (o.backend == "tensorrt")
-
     _stage(1, f"loading {model_spec}", total)
     meter.start("load")
     model, tok = models.load(model_spec, dtype="auto")  # the checkpoint's own dtype: no float32 copy
+    check_free_space(out_dir.parent, _estimated_bytes(model, o.dtype), f"the folder {out_dir}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
@@ -158,8 +181,9 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
             meter.start("tensorrt")
             build_engine(tmp, *o.trt_limits)
         meter.stop()
-        dataclasses.replace(cfg, info={**cfg.info, "resources": meter.report()}).write(tmp)
         _stage(total, f"writing {out_dir}", total)
+        dataclasses.replace(cfg, info={**cfg.info, "resources": meter.report()}).seal(tmp)
+        check_out_dir(out_dir, force=True)  # still nothing of a user's in it
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,7 +247,7 @@ def _parity(tmp: Path, cfg: FolderConfig, tok, projection, config: AquaConfig, o
     res = run_parity(tmp / "model.onnx", cfg, tok, projection, config, lambda: models.load(model_spec, dtype="auto")[0],
                      prompt_tokens=o.parity_prompt, steps=o.parity_steps, dtype=o.dtype, kernel=default_kernel(o.dtype),
                      progress=lambda text: print(f"      ... {text}", flush=True))
-    (tmp / "parity.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+    atomic_write_bytes(tmp / "parity.json", json.dumps(res, indent=1, sort_keys=True).encode())
     for line in summary_lines(res):
         print(f"      {line}")
     if not res["pass"]:

@@ -157,7 +157,8 @@ def projection_tensors(mom: Moments) -> dict[str, torch.Tensor]:
     return out
 
 
-def generated_token_stream(model, tok, n_tokens: int, seed: int, batch: int = 8) -> torch.Tensor:
+def generated_token_stream(model, tok, n_tokens: int, seed: int, batch: int = 8, progress: bool = False
+                           ) -> torch.Tensor:
     """Text the model writes itself from fixed prompts and a fixed seed: a corpus that needs no dataset."""
     prompts = [
         "The history of", "In mathematics,", "Once upon a time", "The following program",
@@ -175,7 +176,7 @@ def generated_token_stream(model, tok, n_tokens: int, seed: int, batch: int = 8)
     cur_ids, cur_mask = ids, mask
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
-        for _ in range(per):
+        for _ in _progress(per, "generating calibration text", progress, unit="step"):
             r = model(input_ids=cur_ids, attention_mask=cur_mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = r.past_key_values
             probs = torch.softmax(r.logits[:, -1, :].float(), dim=-1)
@@ -273,7 +274,7 @@ def _calibrate(model, tok, texts, tokens, seq_len, seed, batch, progress, group)
         ids = corpus.tokenize(tok, text, tokens)
         desc, digest = corpus.describe(texts), corpus.sha256_text(text)
     else:
-        ids = generated_token_stream(model, tok, tokens, seed) if rank == 0 else None
+        ids = generated_token_stream(model, tok, tokens, seed, progress=progress) if rank == 0 else None
         if world > 1:  # sampling may round differently per process: every rank takes rank 0's text
             import torch.distributed as dist
 
@@ -305,10 +306,11 @@ def _calibrate(model, tok, texts, tokens, seq_len, seed, batch, progress, group)
     return tensors, meta
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool, unit: str = "win"):
+    """A bar of ``total`` units; iterating it yields range(total) and advances the bar."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="win", disable=not enabled)
+    return tqdm(range(total), total=total, desc=desc, unit=unit, disable=not enabled)
 
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -344,6 +346,19 @@ class Projection:
                 f"projection was calibrated on another model (differs in {', '.join(diff)}): "
                 "recalibrate with `aqua-export calibrate --model ...` on this model"
             )
+
+
+def is_projection(path: str | Path) -> bool:
+    """Whether ``path`` is a projection artifact this tool wrote (its safetensors header alone is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return False
+    return meta.get("format_version") == FORMAT_VERSION and "fingerprint" in meta and \
+        meta.get("tool", "").startswith("aqua-export")
 
 
 def load_projection(path: str | Path) -> Projection:

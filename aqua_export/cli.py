@@ -1,19 +1,20 @@
-"""Command line.
+"""Command line: the parsers and ``main`` (what each subcommand does: commands.py).
 
     aqua-export --model M --k-ratio R [...]        build a ready-to-serve folder (the main job)
-    aqua-export {calibrate,eval,lm-eval,retention,run,bench,parity} ...
+    aqua-export {calibrate,eval,lm-eval,retention,run,bench,parity,check} ...
 
-Every bad input ends in one line on stderr, ``aqua-export: error: ...``, and exit code 2.
+Every bad input ends in one line on stderr, ``aqua-export: error: ...``, and exit code 2; so does an operating
+system refusal (a full disk, a read-only folder); Ctrl-C ends in one line and exit code 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import errno
 import sys
-from pathlib import Path
 
-from .config import AquaConfig, ConfigError
+from . import commands
+from .config import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,217 +58,10 @@ def _window_args(p, tokens: int, what: str):
                                                             "(default %(default)s)")
 
 
-def _config(a) -> AquaConfig:
-    return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
-                      slice_alloc=a.slice_alloc)
-
-
-def _check_out_file(path: str) -> Path:
-    """Fail before any work if the output cannot be written (the write itself is atomic)."""
-    from .safetensors_io import check_writable_parent
-
-    out = Path(path)
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder: give a file path")
-    check_writable_parent(out)
-    return out
-
-
-def _process_group():
-    """Under torchrun (WORLD_SIZE > 1): join the job's process group, NCCL when this rank has a GPU, else gloo."""
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.group.WORLD
-
-
-def cmd_calibrate(a) -> int:
-    from . import calibrate, models
-
-    out = _check_out_file(a.out)
-    max_memory = models.parse_max_memory(a.max_memory)
-    if max_memory and not a.device_map:
-        raise ConfigError("--max-memory needs --device-map (e.g. --device-map auto)")
-    group = _process_group()
-    import tempfile
-
-    offload = tempfile.TemporaryDirectory(prefix="aqua-offload-") if a.device_map else None
-    try:
-        # the checkpoint's own dtype (computed in float32 layer by layer), or float32 where accelerate places it
-        import torch
-
-        model, tok = models.load(a.model, dtype=torch.float32 if a.device_map else "auto", device_map=a.device_map,
-                                 max_memory=max_memory, offload_folder=offload.name if offload else None)
-        if group is not None:
-            import torch
-
-            if torch.cuda.is_available():
-                model.to(f"cuda:{torch.cuda.current_device()}")
-        res = calibrate.calibrate(model, tok, texts=a.text or None, tokens=a.tokens, seq_len=a.seq_len,
-                                  seed=a.seed, progress=not a.quiet, group=group)
-        if res is not None:  # rank 0 (or the only process) writes
-            tensors, meta = res
-            calibrate.write(out, tensors, meta)
-            if a.slice_costs:
-                from .allocate import add_costs
-
-                add_costs(model, tok, calibrate.load_projection(out), out, a.text or ["builtin:python-reference"],
-                          progress=not a.quiet)
-            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']}{', slice costs' if a.slice_costs else ''})")
-    finally:
-        if group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-        if offload is not None:
-            offload.cleanup()
-    return 0
-
-
-def cmd_eval(a) -> int:
-    from . import calibrate, corpus, evaluate, models
-
-    cfg = _config(a)
-    projection = calibrate.load_projection(a.projection) if a.projection else None
-    text = corpus.read_text(a.text)
-    model, tok = models.load(a.model)
-    res = evaluate.perplexity(model, tok, text, tokens=a.tokens, seq_len=a.seq_len, projection=projection,
-                              config=cfg, progress=not a.json)
-    res["model"] = a.model
-    res["text"] = a.text
-    if a.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(f"perplexity {res['perplexity']:.4f} over {res['predicted_tokens']} predicted tokens "
-              f"({res['windows']} windows of {a.seq_len}) with {cfg.to_json()}")
-    return 0
-
-
-def cmd_lm_eval(a) -> int:
-    from .lm_eval_model import AquaLM, evaluate
-
-    with AquaLM(model=a.model, folder=a.folder, projection=a.projection, k_ratio=a.k_ratio, slice_ratio=a.slice_ratio,
-                h2o_ratio=a.h2o_ratio, selection=a.selection, slice_alloc=a.slice_alloc, threads=a.threads,
-                kernel=a.kernel, batch_size=a.batch_size) as lm:
-        res = evaluate(lm, [t for t in a.tasks.split(",") if t], a.include_path, a.limit)
-    if a.json:
-        print(json.dumps({"results": res["results"], "config": lm.aqua_config.to_dict(), "model": a.model,
-                          "folder": a.folder, "limit": a.limit}, sort_keys=True, default=float))
-    else:
-        from lm_eval.utils import make_table
-
-        print(make_table(res))
-    return 0
-
-
-def cmd_retention(a) -> int:
-    from . import calibrate, corpus, evaluate, models
-    from .safetensors_io import atomic_write_bytes
-
-    AquaConfig(k_ratio=a.k_ratio)
-    projection = calibrate.load_projection(a.projection)
-    text = corpus.read_text(a.text)
-    model, tok = models.load(a.model)
-    projection.check_model(model)
-    rep = evaluate.retention_report(model, tok, text, projection, tokens=a.tokens, seq_len=a.seq_len, k_ratio=a.k_ratio)
-    out = Path(a.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: retention writes a folder (retention.json, retention.png); "
-                          "give a folder path")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "retention.json", json.dumps(rep, indent=1, sort_keys=True).encode())
-    tmp_png = out / ".retention.png.tmp.png"
-    evaluate.plot_retention(rep, tmp_png)
-    tmp_png.replace(out / "retention.png")
-    for k, v in rep["mean"].items():
-        print(f"{k:20s} mean retention loss {v:.4f}")
-    print(f"wrote {out / 'retention.json'} and {out / 'retention.png'}")
-    return 0
-
-
-def cmd_run(a) -> int:
-    from .backends import open_lm
-    from .runtime import SamplingConfig, encode_prompts, load_tokenizer
-
-    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
-                              top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    if a.backend == "tensorrt" and a.runtime != "aqua":
-        raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
-    lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
-                 share_buffer=a.kv_buffer == "shared")
-    tok = load_tokenizer(a.folder)
-    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.context_length,
-                               max_new_tokens=a.max_new_tokens)
-    if a.backend == "tensorrt":
-        from .backends.tensorrt import check_request
-
-        check_request(lm.session.profiles, ids.shape[0], ids.shape[1], a.max_new_tokens)
-    eos = tok.eos_token_id
-    if len(a.prompt) == 1:
-        shown = [""]
-        got: list[int] = []
-
-        def stream(step, nxt):
-            got.append(int(nxt[0]))
-            text = tok.decode(got, skip_special_tokens=True)
-            sys.stdout.write(text[len(shown[0]):])
-            sys.stdout.flush()
-            shown[0] = text
-
-        lm.generate(ids, mask, sampling, eos_token_id=eos, on_token=stream)
-        print()
-    else:
-        out = lm.generate(ids, mask, sampling, eos_token_id=eos)
-        for p, row in zip(a.prompt, out):
-            print(f"--- {p!r}\n{tok.decode(row, skip_special_tokens=True)}")
-    return 0
-
-
-def cmd_bench(a) -> int:
-    from .bench import bench, table
-
-    res = bench(a.folders, context=a.context, batch=a.batch, runtime=a.runtime, steps=a.steps, rounds=a.rounds,
-                threads=a.threads, capacity=a.capacity, prefill=a.prefill)
-    print(json.dumps(res, sort_keys=True) if a.json else table(res))
-    return 0
-
-
-def cmd_parity(a) -> int:
-    from . import calibrate, models
-    from .folder import FolderConfig
-    from .parity import run_parity
-    from .runtime import default_kernel, load_tokenizer
-
-    cfg = FolderConfig.from_folder(a.folder)
-    kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg.dtype)
-    path = Path(a.folder) / "model.onnx"
-    if not path.is_file():
-        raise ConfigError(f"{a.folder} has no model.onnx: rebuild the folder")
-    proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
-    # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
-    res = run_parity(path, cfg, load_tokenizer(a.folder), proj, cfg.aqua,
-                     lambda: models.load(cfg.model, dtype="auto")[0], steps=a.steps, dtype=cfg.dtype, kernel=kernel,
-                     progress=None if a.json else lambda text: print(f"... {text}", flush=True))
-    if a.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        from .parity import summary_lines
-
-        print("\n".join(summary_lines(res)))
-    return 0 if res["pass"] else 1
-
-
 def build_arg_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="aqua-export", description="Build a ready-to-serve AQUA model folder: calibrate "
                                  "(or reuse a projection), export ONNX, check parity, write the folder atomically. "
-                                 "Subcommands: calibrate, eval, retention, run, parity (aqua-export --help lists them).")
+                                 f"Subcommands: {', '.join(SUBCOMMANDS)} (aqua-export --help lists them).")
     _model_arg(ap)
     _config_args(ap)
     ap.add_argument("--projection", help="reuse this calibrated projection (.safetensors) instead of calibrating")
@@ -277,7 +71,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", help="output folder (default engines/<model>-k<R>, plus a suffix per non-default setting: "
                                   "-s<S> -h<H> -<selection> -<dtype> -tensorrt); an existing non-empty "
                                   "folder is refused")
-    ap.add_argument("--force", action="store_true", help="replace --out when it is a folder this tool built")
+    ap.add_argument("--force", action="store_true", help="replace --out when it is a folder this tool built and holds "
+                                                        "nothing else (a user's file in it: refused)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                     help="weights, activations and KV cache of the export (default %(default)s)")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
@@ -288,8 +83,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trt-max-prompt", type=int, default=1024,
                     help="TensorRT profiles: longest prompt in tokens (default %(default)s)")
     ap.add_argument("--external-data", action="store_true",
-                    help="write the weights to model.onnx.data beside model.onnx whatever the model's size (they go "
-                         "there anyway past ONNX's 2 GB protobuf limit)")
+                    help="write the weights to model.onnx.data beside model.onnx whatever the model's size (above "
+                         "512 MiB they go there anyway: past 2 GB protobuf cannot hold them)")
     ap.add_argument("--parity-steps", type=int, default=64, help="greedy decode steps of the parity check, >= 1 "
                                                                 "(default %(default)s)")
     ap.add_argument("--parity-prompt-tokens", type=int, default=256,
@@ -305,10 +100,13 @@ def build_main(argv: list[str]) -> int:
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
                         trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force)
-    out = build(a.model, _config(a), projection_path=a.projection, calib_texts=a.calib_text,
+    out = build(a.model, commands.config_of(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
     return 0
+
+
+SUBCOMMANDS = ("calibrate", "eval", "lm-eval", "retention", "run", "bench", "parity", "check")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "text the model generates itself from --seed")
     _window_args(p, 16384, "calibrate on")
     p.add_argument("--seed", type=int, default=0, help="seed of the self-generated text (default %(default)s)")
-    p.add_argument("--out", required=True, help="the projection file to write (.safetensors)")
+    p.add_argument("--out", required=True, help="the projection file to write (.safetensors); an existing file is "
+                                                "refused unless it is a projection this tool wrote and --force is given")
+    p.add_argument("--force", action="store_true", help="replace --out when it is a projection this tool wrote")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device-map", help="accelerate placement for a model larger than one device: auto (GPUs, then "
                                         "CPU, then disk), cpu, or a device; data-parallel: run under torchrun")
@@ -332,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slice-costs", action="store_true",
                    help="also measure each layer's cost of slicing its K^ and its V (for --slice-alloc measured): 12 "
                         "cuts per layer, a 1,024-token forward each, on --text (default builtin:python-reference)")
-    p.set_defaults(fn=cmd_calibrate)
+    p.set_defaults(fn=commands.cmd_calibrate)
 
     p = sub.add_parser("eval", help="perplexity with or without AQUA")
     _model_arg(p)
@@ -341,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="text to evaluate: file or builtin:NAME")
     _window_args(p, 8192, "evaluate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(fn=cmd_eval)
+    p.set_defaults(fn=commands.cmd_eval)
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on the PyTorch reference or a built folder")
     src = p.add_mutually_exclusive_group(required=True)
@@ -361,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
                    help="with --folder: the native kernels (auto: when built) or the function bodies")
     p.add_argument("--json", action="store_true", help="print one JSON object (lm_eval's results per task)")
-    p.set_defaults(fn=cmd_lm_eval)
+    p.set_defaults(fn=commands.cmd_lm_eval)
 
     p = sub.add_parser("retention", help="information retention loss per layer/head, JSON + PNG")
     _model_arg(p)
@@ -370,35 +170,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-ratio", type=float, default=0.5, help="k_ratio whose retention is measured, in (0, 1] "
                                                               "(default %(default)s)")
     _window_args(p, 4096, "measure on")
-    p.add_argument("--out", required=True, help="output folder (retention.json, retention.png)")
-    p.set_defaults(fn=cmd_retention)
+    p.add_argument("--out", required=True, help="output folder (retention.json, retention.png); existing ones are "
+                                                "refused unless this tool wrote them and --force is given")
+    p.add_argument("--force", action="store_true", help="replace a retention report this tool wrote in --out")
+    p.set_defaults(fn=commands.cmd_retention)
 
     p = sub.add_parser("run", help="generate with ONNX Runtime from a built folder")
     p.add_argument("folder", help="a folder built by aqua-export")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, >= 0 (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, >= 1 (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0..vocabulary; 0 = all "
+                                                        "(default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                    help="onnx: ONNX Runtime; tensorrt: the folder's model.engine (default %(default)s)")
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
-                   help="TopKGatherDot: the native C++ kernel (auto: when built) or the model's function body")
+                   help="what runs the custom nodes (AquaAttention, H2OAttention, the cache updates): the native C++ "
+                        "kernels (auto: when built and the folder is float32) or the graph's function bodies")
     p.add_argument("--runtime", default="aqua", choices=["aqua", "genai"],
                    help="aqua: this project's ONNX Runtime loop (every variant); genai: onnxruntime-genai (not "
                         "AQUA-H2O folders) (default %(default)s)")
     p.add_argument("--kv-buffer", default="shared", choices=["shared", "concat"],
                    help="shared: past and present one buffer written in place (genai's past_present_share_buffer); "
                         "concat: a new present each step (default %(default)s)")
-    p.set_defaults(fn=cmd_run)
+    p.set_defaults(fn=commands.cmd_run)
 
     p = sub.add_parser("bench", help="decode tokens/s and decode memory of built folders, measured interleaved")
     p.add_argument("folders", nargs="+", help="folders built by aqua-export (or by onnxruntime-genai's builder, "
                                               "with --runtime genai)")
-    p.add_argument("--context", type=int, default=1024, help="tokens already in the cache (default %(default)s)")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in the cache, within the model's context "
+                                                            "(default %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default %(default)s)")
     p.add_argument("--runtime", default="aqua", choices=["aqua", "genai", "genai-io"],
                    help="aqua: this project's loop, the context written into the cache; genai: onnxruntime-genai, "
@@ -412,15 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=0, help="time whole prompts of this many tokens from an empty "
                    "cache instead of decode steps (runtime aqua; 0 = decode) (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(fn=cmd_bench)
+    p.set_defaults(fn=commands.cmd_bench)
 
     p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
     p.add_argument("folder", help="a folder built by aqua-export")
     p.add_argument("--steps", type=int, default=64, help="greedy decode steps, >= 1 (default %(default)s)")
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
-                   help="what runs TopKGatherDot: the native kernel, the function body, or auto (default %(default)s)")
+                   help="what runs the custom nodes: the native kernels, the function bodies, or auto (default "
+                        "%(default)s)")
     p.add_argument("--json", action="store_true", help="print parity.json's content as one JSON object")
-    p.set_defaults(fn=cmd_parity)
+    p.set_defaults(fn=commands.cmd_parity)
+
+    p = sub.add_parser("check", help="verify a built folder: every file the build wrote, of its size and SHA-256")
+    p.add_argument("folder", help="a folder built by aqua-export")
+    p.set_defaults(fn=commands.cmd_check)
     return ap
 
 
@@ -442,12 +252,38 @@ def main(argv: list[str] | None = None) -> int:
         a = build_parser().parse_args(argv)
         return a.fn(a)
     except ConfigError as e:
+        _end_progress_bars()
         print(f"aqua-export: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in REFUSALS:
+            raise
+        _end_progress_bars()
+        where = f": {e.filename}" if e.filename else ""
+        print(f"aqua-export: error: {e.strerror or e}{where}: {REFUSALS[e.errno]} (nothing was left half-written)",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
+        _end_progress_bars()
         # every stage writes to a temporary path and renames at the end: an interrupt leaves nothing behind
         print("aqua-export: interrupted (nothing was written)", file=sys.stderr)
         return 130
+
+
+# what the operating system refused, and the fix (every output is written to a temporary path and renamed, so a
+# refusal mid-way leaves nothing behind)
+REFUSALS = {errno.ENOSPC: "free some space or choose another --out", errno.EDQUOT: "free some of your quota or "
+            "choose another --out", errno.EROFS: "choose a path on a writable file system",
+            errno.EACCES: "choose a path you can write (or read)", errno.EPERM: "choose a path you can write"}
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars still drawn: one left open would redraw (or, closing at exit, erase) the line that
+    the error or interrupt message is printed on."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

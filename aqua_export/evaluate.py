@@ -15,6 +15,7 @@ for 'magnitude' (I = top-k |q^|) and 'static' (I = first k) selection, with P ca
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 
 import torch
@@ -23,6 +24,7 @@ from . import corpus
 from .attention import apply_aqua, select_indices
 from .calibrate import Moments, Projection, projection_tensors, recording
 from .config import AquaConfig, ConfigError
+from .outputs import atomic_write_bytes
 
 
 def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
@@ -31,9 +33,18 @@ def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
     return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item(), ids.numel() - 1
 
 
+def check_windows(tokens: int, seq_len: int) -> None:
+    """--tokens and --seq-len that make at least one window with a token to predict, or one line naming them."""
+    if tokens < 2:
+        raise ConfigError(f"--tokens {tokens} leaves nothing to predict: give 2 or more")
+    if seq_len < 2:
+        raise ConfigError(f"--seq-len {seq_len} leaves nothing to predict: give 2 or more")
+
+
 def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: Projection | None = None,
                config: AquaConfig | None = None, progress: bool = False) -> dict:
     config = config or AquaConfig()
+    check_windows(tokens, seq_len)
     ids = corpus.tokenize(tok, text, tokens)
     ws = corpus.windows(ids, seq_len)
     if not ws:
@@ -141,5 +152,7 @@ def plot_retention(report: dict, path) -> None:
     ax.legend()
     fig.suptitle(f"Information retention loss, k_ratio={report['k_ratio']} ({report['tokens']} tokens)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    atomic_write_bytes(path, png.getvalue())

@@ -137,5 +137,13 @@ def evaluate(lm: AquaLM, tasks: list[str], include_path: str | None = None, limi
     if unknown:
         raise ConfigError(f"unknown lm-eval task(s) {', '.join(unknown)}: use aqua_local, one of {', '.join(LOCAL_TASKS)}, "
                           "an lm_eval task, or a YAML under --include-path")
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples,
-                           bootstrap_iters=0)
+    if limit is not None and not limit > 0:
+        raise ConfigError(f"--limit {limit:g} is not a number of items: give a count >= 1, or a share in (0, 1)")
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples,
+                               bootstrap_iters=0)
+    except ConnectionError as e:  # datasets' own "Couldn't reach ... on the Hub", offline or not
+        raise ConfigError(f"lm-eval task(s) {', '.join(tasks)} need their datasets from the Hugging Face hub, which "
+                          f"this machine cannot reach ({str(e).splitlines()[0][:120]}): on a connected machine, load "
+                          "them once into the Hugging Face cache (HF_HOME) and copy it here; or use --tasks aqua_local, "
+                          "which needs no network") from None

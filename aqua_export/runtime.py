@@ -5,6 +5,7 @@ onnxruntime is imported here and only here (plus parity), when a session is made
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +29,20 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 0:
-            raise ConfigError("--max-new-tokens must be >= 0")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens {self.max_new_tokens} generates nothing: give 1 or more")
         if not self.temperature > 0:
             raise ConfigError("--temperature must be > 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError("--top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k} is negative: give 0 (all tokens) or a count of tokens")
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """top_k counts tokens of this vocabulary (0: all of them)."""
+        if self.top_k > vocab:
+            raise ConfigError(f"--top-k {self.top_k} exceeds the model's vocabulary of {vocab} tokens: give 0 (all) "
+                              f"up to {vocab}")
 
 
 def providers() -> list[str]:
@@ -48,13 +57,15 @@ NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the
 
 
 def native_library() -> Path | None:
-    """The built native TopKGatherDot kernel (plugins/ort, built by `make setup`), or None."""
-    import os
-
+    """The built native kernels of the custom nodes (plugins/ort, built by `make setup`), or None."""
     env = os.environ.get(NATIVE_ENV)
     if env:
         if not Path(env).is_file():
             raise ConfigError(f"${NATIVE_ENV}={env} does not exist: unset it or run `make plugin`")
+        with open(env, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise ConfigError(f"${NATIVE_ENV}={env} is not a shared library: unset it or point it at a "
+                                  "libaqua_ort.so built by `make plugin`")
         return Path(env)
     lib = Path(__file__).parent / "_native" / "libaqua_ort.so"
     return lib if lib.is_file() else None
@@ -92,9 +103,14 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     lib = native_library() if kernel != "function" else None
     if kernel == "native" and lib is None:
-        raise ConfigError("the native TopKGatherDot kernel is not built: run `make plugin` (or use kernel='function')")
+        raise ConfigError("the native kernels are not built: run `make plugin` (or use kernel='function')")
     if lib is not None:
-        so.register_custom_ops_library(str(lib))
+        try:
+            so.register_custom_ops_library(str(lib))
+        except Exception as e:  # ORT's own exception types: a library for another CPU or ONNX Runtime
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"ONNX Runtime cannot load the native kernels {lib} ({first}): rebuild them with `make "
+                              "plugin`, or run with --kernel function") from None
     src = model if isinstance(model, bytes) else str(model)
     try:
         return ort.InferenceSession(src, sess_options=so, providers=providers(),
@@ -129,6 +145,7 @@ class OrtLM:
         self.h2o_ratio = cfg.aqua.h2o_ratio
         self.h2o = self.contract.h2o
         self.shared = cache == "shared"
+        self.folder = None  # set by from_folder: named in error lines
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + len(self.contract.kinds) * self.layers
         self.last_extra: list[list[np.ndarray]] = []  # outputs beyond the contract (debug graphs), per forward
@@ -153,12 +170,12 @@ class OrtLM:
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared") -> "OrtLM":
         cfg = FolderConfig.from_folder(folder)
-        path = Path(folder) / "model.onnx"
-        if not path.is_file():
-            raise ConfigError(f"{folder} has no model.onnx: rebuild the folder")
+        cfg.verify(folder)  # every file the build wrote, of its size (`aqua-export check` compares checksums too)
         if kernel == "auto":
             kernel = default_kernel(cfg.dtype)
-        return cls(make_session(path, threads, kernel), cfg, cache)
+        lm = cls(make_session(Path(folder) / "model.onnx", threads, kernel), cfg, cache)
+        lm.folder = Path(folder)
+        return lm
 
     def empty_past(self, batch: int, log: list | None = None):
         """Nothing seen yet: a SharedCache (an H2OCache for H2O graphs; log: see H2OCache), or for the concat
@@ -230,6 +247,7 @@ class OrtLM:
         done = np.zeros(b, dtype=bool)
         out = []
         for step in range(sampling.max_new_tokens):
+            check_finite(logits[:, -1, :], self.folder)
             if on_logits is not None:
                 on_logits(step, logits[:, -1, :])
             nxt = emit(pick(logits[:, -1, :], sampling, rng), done, eos_token_id, step, out, on_token)
@@ -238,6 +256,15 @@ class OrtLM:
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
             logits, past = self.step(nxt[:, None], mask, past)
         return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)
+
+
+def check_finite(logits: np.ndarray, folder) -> None:
+    """Logits a token is picked from must be numbers: NaN or inf means damaged weights (a folder whose data file
+    was overwritten keeps its size), or a float16 folder whose activations overflowed. Shared by every runtime."""
+    if not np.isfinite(logits).all():
+        raise ConfigError(f"the model in {folder or 'this folder'} computed logits that are not numbers (NaN or inf): "
+                          f"its weights are damaged (see `aqua-export check {folder or 'FOLDER'}`), or a float16 "
+                          "folder overflowed: rebuild the folder")
 
 
 def emit(nxt: np.ndarray, done: np.ndarray, eos: int | None, step: int, out: list, on_token) -> np.ndarray:
@@ -293,10 +320,17 @@ def load_tokenizer(folder: str | Path):
 def encode_prompts(tok, prompts: list[str], chat: bool = False, context: int | None = None,
                    max_new_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded ids and mask, the batch layout onnxruntime-genai uses (so both runtimes compute the same
-    arithmetic; the graph takes positions from the mask, so either side works); an empty prompt (without --chat) or one that cannot fit the model's context
-    with the tokens to generate is refused before anything is allocated for it."""
+    arithmetic; the graph takes positions from the mask, so either side works). Refused before anything is
+    allocated: an empty prompt (without --chat), one that is not UTF-8 text, one that cannot fit the model's context
+    with the tokens to generate."""
     if not chat and any(not p for p in prompts):
         raise ConfigError("--prompt is empty: give some text (or --chat, which wraps it in the chat template)")
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:  # the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)
+            raise ConfigError(f"--prompt is not UTF-8 text (an undecodable byte at character {e.start}): give it in "
+                              "UTF-8") from None
     if chat:
         if not getattr(tok, "chat_template", None):
             raise ConfigError("--chat needs a tokenizer with a chat template; this model has none")
@@ -310,3 +344,30 @@ def encode_prompts(tok, prompts: list[str], chat: bool = False, context: int | N
         raise ConfigError(f"the prompt is {ids.shape[1]} tokens and {max_new_tokens} more are asked, past the model's "
                           f"context of {context}: shorten the prompt or lower --max-new-tokens")
     return ids, enc["attention_mask"].astype(np.int64)
+
+
+class TextStream:
+    """One sequence's generated tokens printed as they come (``stream(step, ids)``; ``close()`` at the end). A
+    token may end inside a character: byte-level tokenizers split emoji and CJK characters into byte pieces, and
+    decoding a prefix that stops mid-character gives U+FFFD. Such text is held back until the character is whole,
+    so the printed text equals the decoded generation (whenever decoding is prefix-stable, as byte-level BPE is)."""
+
+    def __init__(self, tok, out):
+        self.tok, self.out, self.ids, self.shown = tok, out, [], ""
+
+    def __call__(self, step: int, nxt: np.ndarray) -> None:
+        self.ids.append(int(nxt[0]))
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self._show(text)
+
+    def close(self) -> None:
+        self._show(self.tok.decode(self.ids, skip_special_tokens=True))  # whatever is left, a cut character too
+
+    def _show(self, text: str) -> None:
+        # a later token can change how earlier ones decode (a tokenizer's clean-up of spaces): print from the
+        # first character that differs from what is shown (what was printed before that stays printed)
+        common = len(os.path.commonprefix([text, self.shown]))
+        self.out.write(text[common:])
+        self.out.flush()
+        self.shown = text

@@ -22,7 +22,7 @@ def tiny_folders(tmp_path_factory):
         d = tmp / f"k{cfg.k_ratio}-s{cfg.slice_ratio}-h{cfg.h2o_ratio}"
         d.mkdir()
         export_onnx(m, proj, cfg, d / "model.onnx")
-        folder_cfg(m, cfg).write(d)
+        folder_cfg(m, cfg).seal(d)
         out.append(d)
     return out
 
@@ -43,7 +43,7 @@ def test_bench_measures_every_folder(tiny_folders, capsys):
 
 def test_bench_refuses_what_it_cannot_measure(tiny_folders, tmp_path, capsys):
     assert main(["bench", str(tmp_path), "--context", "8"]) == 2
-    assert "is not a folder the aqua runtime loads" in capsys.readouterr().err
+    assert "is not an aqua-export folder (no aqua_config.json)" in capsys.readouterr().err
     assert main(["bench", str(tiny_folders[0]), "--context", "0"]) == 2
     assert "--context, --batch, --steps and --rounds must be >= 1" in capsys.readouterr().err
 

@@ -28,7 +28,7 @@ def folders(smollm, smollm_projection, tmp_path_factory):
     out = {}
     for name, cfg in SETTINGS.items():
         d = tmp_path_factory.mktemp(name)
-        _export(model, tok, smollm_projection, cfg, BuildOptions(), d, "llama")
+        _export(model, tok, smollm_projection, cfg, BuildOptions(), d, "llama").seal(d)
         out[name] = d
     return out
 
@@ -73,7 +73,7 @@ def test_damaged_genai_config_is_one_line(tmp_path, text):
     from aqua_export.folder import FolderConfig, Geometry
 
     FolderConfig(model="llama", aqua=AquaConfig(), geometry=Geometry(2, 4, 2, 16, 64),
-                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(16, 16), value_widths=(16, 16), vocab=100)).write(tmp_path)
+                 contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(16, 16), value_widths=(16, 16), vocab=100)).seal(tmp_path)
     with pytest.raises(ConfigError, match="has no genai_config.json: rebuild the folder") as e:
         GenaiLM(tmp_path)
     assert "\n" not in str(e.value)

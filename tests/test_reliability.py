@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,7 @@ def folder(tmp_path_factory):
     ckpt = saved_checkpoint(tmp / "ckpt", max_position_embeddings=64)
     out = tmp / "built"
     assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--calib-text", "builtin:gpl-3", "--calib-tokens", "256",
-                 "--parity-prompt-tokens", "32", "--parity-steps", "2", "--out", str(out)]) == 0
+                 "--parity-prompt-tokens", "32", "--parity-steps", "2", "--out", str(out), "--external-data"]) == 0
     return out
 
 
@@ -56,15 +57,43 @@ def test_empty_prompt(folder, capsys):
     _one_line_error(capsys, "--prompt is empty")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "random"])
-def test_corrupt_model_file(copy, capsys, damage):
+@pytest.mark.parametrize("damage,needle", [("truncate", "is damaged: model.onnx has"),
+                                           ("random", "cannot be loaded by ONNX Runtime")])
+def test_corrupt_model_file(copy, capsys, damage, needle):
+    """A shorter model.onnx is named by its size before ONNX Runtime sees it; one of the right size but random
+    bytes by ONNX Runtime's refusal (run), or its checksum (parity, check)."""
     m = copy / "model.onnx"
     data = m.read_bytes()
-    m.write_bytes(data[: len(data) // 3] if damage == "truncate" else random.Random(0).randbytes(5000))
+    m.write_bytes(data[: len(data) // 3] if damage == "truncate" else random.Random(0).randbytes(len(data)))
     assert main(["run", str(copy), "--prompt", "Hi"]) == 2
-    _one_line_error(capsys, "cannot be loaded by ONNX Runtime")
-    assert main(["parity", str(copy), "--steps", "1"]) == 2
-    _one_line_error(capsys, "cannot be loaded by ONNX Runtime")
+    _one_line_error(capsys, needle)
+    for cmd in (["parity", str(copy), "--steps", "1"], ["check", str(copy)]):
+        assert main(cmd) == 2
+        _one_line_error(capsys, "is damaged: model.onnx")
+
+
+def test_overwritten_weights_are_named_by_check_parity_and_run(copy, capsys):
+    """200 bytes of model.onnx.data overwritten (the file keeps its size): `check` and `parity` name the file by its
+    checksum, and `run` refuses the NaN logits in one line instead of printing nothing."""
+    import onnx
+
+    m = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+    w = next(t for t in m.graph.initializer if "layers.0" in t.name and t.data_location == onnx.TensorProto.EXTERNAL)
+    offset = int(next(e.value for e in w.external_data if e.key == "offset"))
+    with open(copy / "model.onnx.data", "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * 200)  # float32 NaNs
+    for cmd in (["check", str(copy)], ["parity", str(copy), "--steps", "1"]):
+        assert main(cmd) == 2
+        _one_line_error(capsys, "is damaged: model.onnx.data differs from what the build wrote")
+    assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
+    _one_line_error(capsys, "computed logits that are not numbers")
+
+
+def test_check_says_what_it_verified(folder, capsys):
+    assert main(["check", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "each as the build wrote it (SHA-256)" in out and "model.onnx.data" not in out
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -100,31 +129,195 @@ def test_fuzz_every_file_of_the_folder(folder, tmp_path, capsys):
     """Random bytes, truncation and JSON mutations of each file `run` reads: exit 0 (a harmless change) or one
     error line; never a traceback."""
     rng = random.Random(1)
-    files = ["model.onnx", "aqua_config.json", "tokenizer.json", "tokenizer_config.json"]
-    for i in range(16):
+    files = ["model.onnx", "model.onnx.data", "aqua_config.json", "tokenizer.json", "tokenizer_config.json"]
+    for i in range(20):
         dst = tmp_path / f"z{i}"
         shutil.copytree(folder, dst)
-        f = dst / files[i % len(files)]
-        data = f.read_bytes()
-        kind = i // len(files)
-        if kind == 0:
-            f.write_bytes(rng.randbytes(len(data) // 2 + 1))
-        elif kind == 1:
-            f.write_bytes(data[: rng.randrange(1, max(2, len(data)))])
-        elif kind == 2 and f.suffix == ".json":
-            obj = json.loads(data)
-            if isinstance(obj, dict) and obj:
-                key = rng.choice(sorted(obj))
-                obj[key] = rng.choice([None, -1, "x", [], {}, 1e309])
-            f.write_text(json.dumps(obj))
-        else:
-            f.unlink()
+        _damage(dst / files[i % len(files)], i // len(files), rng)
         rc = main(["run", str(dst), "--prompt", "Hi", "--max-new-tokens", "2"])
-        if rc != 0:
-            assert rc == 2, (f, kind)
-            _one_line_error(capsys)
+        _zero_or_one_line(rc, capsys, (files[i % len(files)], i // len(files)))
+
+
+def _damage(f: Path, kind: int, rng) -> None:
+    """One of four damages to a file: random bytes, a truncation, a JSON field set to nonsense, deletion."""
+    data = f.read_bytes()
+    if kind == 0:
+        f.write_bytes(rng.randbytes(min(len(data) // 2 + 1, 1 << 20)))
+    elif kind == 1:
+        f.write_bytes(data[: rng.randrange(1, max(2, len(data)))])
+    elif kind == 2 and f.suffix == ".json":
+        obj = json.loads(data)
+        if isinstance(obj, dict) and obj:
+            obj[rng.choice(sorted(obj))] = rng.choice([None, -1, "x", [], {}, 1e309])
+        f.write_text(json.dumps(obj))
+    else:
+        f.unlink()
+
+
+def _zero_or_one_line(rc, capsys, what):
+    if rc != 0:
+        assert rc == 2, what
+        _one_line_error(capsys)
+    else:
+        capsys.readouterr()
+
+
+def test_fuzz_the_model_inputs(tmp_path, capsys):
+    """The same damages to each file of a checkpoint given as --model: exit 0 or one error line, never a traceback."""
+    rng = random.Random(2)
+    ckpt = saved_checkpoint(tmp_path / "ckpt", max_position_embeddings=64)
+    files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    for i in range(12):
+        dst = tmp_path / f"m{i}"
+        shutil.copytree(ckpt, dst)
+        _damage(dst / files[i % len(files)], i // len(files), rng)
+        rc = main(["calibrate", "--model", str(dst), "--text", "builtin:gpl-3", "--tokens", "64", "--seq-len", "32",
+                   "--quiet", "--out", str(tmp_path / f"p{i}.safetensors")])
+        _zero_or_one_line(rc, capsys, (files[i % len(files)], i // len(files)))
+
+
+@pytest.mark.slow
+def test_fuzz_the_conversion_cache(tmp_path, monkeypatch, capsys):
+    """The same damages to the embedded model's converted copy in $AQUA_CACHE: 0 or one line naming the folder."""
+    from aqua_export import models
+
+    real = models.resolve("llama")[0]
+    rng = random.Random(3)
+    files = ["config.json", "model.safetensors", "tokenizer.json"]
+    for i in range(6):
+        monkeypatch.setenv("AQUA_CACHE", str(tmp_path / f"c{i}"))
+        cached = tmp_path / f"c{i}" / "models" / models.EMBEDDED_FOLDER
+        shutil.copytree(real, cached)
+        _damage(cached / files[i % len(files)], i // len(files), rng)
+        rc = main(["eval", "--model", "llama", "--text", "builtin:gpl-3", "--tokens", "16"])
+        _zero_or_one_line(rc, capsys, (files[i % len(files)], i // len(files)))
+        shutil.rmtree(tmp_path / f"c{i}")
+
+
+@pytest.mark.parametrize("name", ["AQUA_ORT_KERNEL", "AQUA_CACHE"])
+def test_fuzz_the_environment(folder, tmp_path, monkeypatch, capsys, name):
+    """The variables the tool reads, set to a text file, a folder, a missing path, a path under a file: 0 or one
+    line."""
+    note = tmp_path / "note.txt"
+    note.write_text("x")
+    for value in (str(note), str(tmp_path), str(tmp_path / "missing"), str(note / "under"), " "):
+        monkeypatch.setenv(name, value)
+        rc = main(["run", str(folder), "--prompt", "Hi", "--max-new-tokens", "2"])
+        _zero_or_one_line(rc, capsys, value)
+
+
+def _as_a_terminal_shows(text: str) -> list[str]:
+    """The lines a terminal would show for ``text``: a carriage return moves back to the line's start, and what
+    follows overwrites it (how progress bars redraw, and erase themselves)."""
+    lines, line, col = [], [], 0
+    for ch in text:
+        if ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        elif ch == "\r":
+            col = 0
         else:
-            capsys.readouterr()
+            line[col:col + 1] = [ch]
+            col += 1
+    lines.append("".join(line).rstrip())
+    return [x for x in lines if x]
+
+
+def _interrupt(args, ready, tmp_path):
+    """Start aqua-export, send SIGINT once ``ready(stdout, stderr)`` holds, return (exit code, stderr)."""
+    import threading
+
+    p = subprocess.Popen([sys.executable, "-m", "aqua_export", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    seen = {"out": "", "err": ""}
+
+    def pump(stream, key):
+        for ch in iter(lambda: stream.read(1), ""):
+            seen[key] += ch
+
+    threads = [threading.Thread(target=pump, args=(s, k), daemon=True) for s, k in ((p.stdout, "out"), (p.stderr, "err"))]
+    for t in threads:
+        t.start()
+    t0 = time.time()
+    while not ready(seen["out"], seen["err"]) and p.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=60)
+    for t in threads:
+        t.join(timeout=10)
+    return rc, seen["err"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_calibration_and_parity_is_one_visible_line(tmp_path, smollm_projection):
+    """Interrupted inside calibration and inside parity, the last line a terminal shows is ours, not erased by the
+    progress bar it interrupted; exit 130, nothing written."""
+    from aqua_export.calibrate import write
+
+    proj = tmp_path / "proj.safetensors"
+    write(proj, smollm_projection.tensors(), smollm_projection.metadata)
+    runs = [(["calibrate", "--model", "llama", "--text", "builtin:python-reference", "--out", str(tmp_path / "p.safetensors")],
+             lambda out, err: "calibrate:" in err),
+            (["--model", "llama", "--k-ratio", "0.5", "--projection", str(proj), "--out", str(tmp_path / "o")],
+             lambda out, err: "ONNX Runtime, the folder's graph" in out)]
+    for args, ready in runs:
+        rc, err = _interrupt(args, ready, tmp_path)
+        shown = _as_a_terminal_shows(err)
+        assert rc == 130 and shown[-1] == "aqua-export: interrupted (nothing was written)", err
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj.safetensors"]
+
+
+NON_ASCII = "Héllo 🌍🚀 — 你好, naïve café ✓"
+
+
+def test_a_stream_holds_back_cut_characters(folder):
+    """Byte-level tokens cut emoji and CJK characters in pieces (a prefix decodes to U+FFFD): streamed token by token,
+    the text printed equals the whole decode, and no piece printed is a cut character."""
+    import io
+
+    import numpy as np
+
+    from aqua_export.runtime import TextStream, load_tokenizer
+
+    tok = load_tokenizer(folder)
+    ids = tok(NON_ASCII, add_special_tokens=False)["input_ids"]
+    assert any(tok.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))  # cuts happen
+    writes = []
+
+    class Out(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return super().write(text)
+
+    out = Out()
+    stream = TextStream(tok, out)
+    for i, t in enumerate(ids):
+        stream(i, np.array([t]))
+    stream.close()
+    assert out.getvalue() == NON_ASCII and not any("\ufffd" in w for w in writes)
+
+
+@pytest.mark.parametrize("runtime", ["aqua", "genai"])
+def test_non_ascii_round_trips_single_and_batch(folder, capsys, runtime):
+    """A non-ASCII prompt in both runtimes: one prompt streams exactly the decoded generation, and a batch prints
+    each row's decoded generation under its prompt."""
+    from aqua_export.backends import open_lm
+    from aqua_export.runtime import SamplingConfig, encode_prompts, load_tokenizer
+
+    tok = load_tokenizer(folder)
+    prompts = [NON_ASCII, "你好 🌍"]
+    lm = open_lm(folder, runtime)
+    want = []
+    for batch in ([prompts[0]], prompts):
+        ids, mask = encode_prompts(tok, batch)
+        gen = lm.generate(ids, mask, SamplingConfig(max_new_tokens=16), eos_token_id=tok.eos_token_id)
+        want.append([tok.decode(row, skip_special_tokens=True) for row in gen])
+    assert main(["run", str(folder), "--prompt", prompts[0], "--max-new-tokens", "16", "--runtime", runtime]) == 0
+    assert capsys.readouterr().out == want[0][0] + "\n"
+    args = ["run", str(folder), "--max-new-tokens", "16", "--runtime", runtime]
+    assert main(args + [x for p in prompts for x in ("--prompt", p)]) == 0
+    assert capsys.readouterr().out == "".join(f"--- {p!r}\n{text}\n" for p, text in zip(prompts, want[1]))
 
 
 def test_retention_out_is_a_file(tmp_path, capsys):

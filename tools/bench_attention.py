@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
+from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
 HQ, HKV, D = 9, 3, 64
 G = HQ // HKV

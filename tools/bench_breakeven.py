@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_attention import D, G, HKV, _interleaved_medians  # noqa: E402
 
-from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
+from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
 CONTEXTS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
+from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
 from aqua_export.bench import bench  # noqa: E402
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from aqua_export import allocate, calibrate, corpus, evaluate, models  # noqa: E402
 from aqua_export.h2o import SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
-from aqua_export.safetensors_io import atomic_write_bytes  # noqa: E402
+from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
 CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)

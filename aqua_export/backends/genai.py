@@ -28,8 +28,8 @@ import numpy as np
 
 from ..config import ConfigError
 from ..folder import FolderConfig
-from ..runtime import emit
-from ..safetensors_io import atomic_write_bytes
+from ..runtime import check_finite, emit
+from ..outputs import atomic_write_bytes
 
 GENAI_CONFIG = "genai_config.json"
 NATIVE_NAME = "libaqua_ort.so"
@@ -98,7 +98,8 @@ class GenaiLM:
     def __init__(self, folder: str | Path, share_buffer: bool = True, threads: int = 0):
         self.cfg = FolderConfig.from_folder(folder)
         self.cfg.contract.genai_io()  # H2O, or K^ / V widths per layer: one line naming --runtime aqua
-        folder = Path(folder)
+        self.cfg.verify(folder)  # every file the build wrote, of its size
+        folder = self.folder = Path(folder)
         if not (folder / GENAI_CONFIG).is_file():
             raise ConfigError(f"{folder} has no {GENAI_CONFIG}: rebuild the folder with this aqua-export")
         import onnxruntime_genai as og
@@ -136,8 +137,11 @@ class GenaiLM:
         for step in range(sampling.max_new_tokens):
             if gen.is_done():
                 break
-            if on_logits is not None:  # the logits the next token is picked from (genai runs the model eagerly:
-                on_logits(step, np.asarray(gen.get_logits()).reshape(b, -1))  # after append / generate)
+            # the logits the next token is picked from (genai runs the model eagerly: after append / generate)
+            logits = np.asarray(gen.get_logits()).reshape(b, -1)
+            check_finite(logits, self.folder)
+            if on_logits is not None:
+                on_logits(step, logits)
             gen.generate_next_token()
             emit(np.asarray(gen.get_next_tokens()).astype(np.int64), done, eos_token_id, step, out, on_token)
             if eos_token_id is not None and done.all():

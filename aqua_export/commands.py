@@ -1,0 +1,241 @@
+"""What each subcommand does, given its parsed arguments (cli.py holds the parsers). Each returns an exit code;
+bad input raises ConfigError, which cli.main turns into one ``aqua-export: error: ...`` line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .config import AquaConfig, ConfigError
+
+
+def config_of(a) -> AquaConfig:
+    return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
+                      slice_alloc=a.slice_alloc)
+
+
+def _process_group():
+    """Under torchrun (WORLD_SIZE > 1): join the job's process group, NCCL when this rank has a GPU, else gloo."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.group.WORLD
+
+
+def cmd_calibrate(a) -> int:
+    from . import calibrate, models
+    from .outputs import check_writable, refuse_foreign
+
+    out = Path(a.out)
+    check_writable(out)
+    refuse_foreign(out, calibrate.is_projection, a.force)
+    max_memory = models.parse_max_memory(a.max_memory)
+    if max_memory and not a.device_map:
+        raise ConfigError("--max-memory needs --device-map (e.g. --device-map auto)")
+    group = _process_group()
+    import tempfile
+
+    offload = tempfile.TemporaryDirectory(prefix="aqua-offload-") if a.device_map else None
+    try:
+        # the checkpoint's own dtype (computed in float32 layer by layer), or float32 where accelerate places it
+        import torch
+
+        model, tok = models.load(a.model, dtype=torch.float32 if a.device_map else "auto", device_map=a.device_map,
+                                 max_memory=max_memory, offload_folder=offload.name if offload else None)
+        if group is not None and torch.cuda.is_available():
+            model.to(f"cuda:{torch.cuda.current_device()}")
+        res = calibrate.calibrate(model, tok, texts=a.text or None, tokens=a.tokens, seq_len=a.seq_len,
+                                  seed=a.seed, progress=not a.quiet, group=group)
+        if res is not None:  # rank 0 (or the only process) writes
+            tensors, meta = res
+            calibrate.write(out, tensors, meta)
+            if a.slice_costs:
+                from .allocate import add_costs
+
+                add_costs(model, tok, calibrate.load_projection(out), out, a.text or ["builtin:python-reference"],
+                          progress=not a.quiet)
+            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']}{', slice costs' if a.slice_costs else ''})")
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        if offload is not None:
+            offload.cleanup()
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from . import calibrate, corpus, evaluate, models
+
+    cfg = config_of(a)
+    evaluate.check_windows(a.tokens, a.seq_len)
+    projection = calibrate.load_projection(a.projection) if a.projection else None
+    if projection is None and not cfg.is_dense:
+        raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
+                          "(make one with `aqua-export calibrate`)")
+    text = corpus.read_text(a.text)
+    model, tok = models.load(a.model)
+    res = evaluate.perplexity(model, tok, text, tokens=a.tokens, seq_len=a.seq_len, projection=projection,
+                              config=cfg, progress=not a.json)
+    res["model"] = a.model
+    res["text"] = a.text
+    if a.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(f"perplexity {res['perplexity']:.4f} over {res['predicted_tokens']} predicted tokens "
+              f"({res['windows']} windows of {a.seq_len}) with {cfg.to_json()}")
+    return 0
+
+
+def cmd_lm_eval(a) -> int:
+    tasks = [t for t in a.tasks.split(",") if t]
+    if a.limit is not None and not a.limit > 0:
+        raise ConfigError(f"--limit {a.limit:g} is not a number of items: give a count >= 1, or a share in (0, 1)")
+    if a.model and not a.projection and not config_of(a).is_dense:
+        raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
+                          "with --model (make one with `aqua-export calibrate`)")
+    _offline_unless_reachable(tasks)
+    from .lm_eval_model import AquaLM, evaluate
+
+    with AquaLM(model=a.model, folder=a.folder, projection=a.projection, k_ratio=a.k_ratio, slice_ratio=a.slice_ratio,
+                h2o_ratio=a.h2o_ratio, selection=a.selection, slice_alloc=a.slice_alloc, threads=a.threads,
+                kernel=a.kernel, batch_size=a.batch_size) as lm:
+        res = evaluate(lm, tasks, a.include_path, a.limit)
+    if a.json:
+        print(json.dumps({"results": res["results"], "config": lm.aqua_config.to_dict(), "model": a.model,
+                          "folder": a.folder, "limit": a.limit}, sort_keys=True, default=float))
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(res))
+    return 0
+
+
+def _offline_unless_reachable(tasks: list[str]) -> None:
+    """Tasks from the Hugging Face hub, and a hub this machine cannot reach: datasets and the hub client go
+    offline before they load (a cached dataset still loads; a missing one fails at once instead of after 30 s of
+    retries, with lm_eval_model.evaluate's one line saying what to do)."""
+    import socket
+
+    if all(t.startswith("aqua_") for t in tasks):
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+RETENTION_FILES = ("retention.json", "retention.png")
+
+
+def _is_retention_report(path: Path) -> bool:
+    try:
+        return set(json.loads(path.read_text())) == {"k_ratio", "tokens", "loss", "mean"}
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def cmd_retention(a) -> int:
+    from . import calibrate, corpus, evaluate, models
+    from .outputs import atomic_write_bytes, check_writable, refuse_foreign
+
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: retention writes a folder (retention.json, retention.png); "
+                          "give a folder path")
+    check_writable(out / RETENTION_FILES[0])
+    ours = _is_retention_report(out / RETENTION_FILES[0])  # the PNG is ours when the report beside it is
+    for name in RETENTION_FILES:
+        refuse_foreign(out / name, lambda p: ours, a.force)
+    AquaConfig(k_ratio=a.k_ratio)
+    evaluate.check_windows(a.tokens, a.seq_len)
+    projection = calibrate.load_projection(a.projection)
+    text = corpus.read_text(a.text)
+    model, tok = models.load(a.model)
+    projection.check_model(model)
+    rep = evaluate.retention_report(model, tok, text, projection, tokens=a.tokens, seq_len=a.seq_len, k_ratio=a.k_ratio)
+    atomic_write_bytes(out / "retention.json", json.dumps(rep, indent=1, sort_keys=True).encode())
+    evaluate.plot_retention(rep, out / "retention.png")
+    for k, v in rep["mean"].items():
+        print(f"{k:20s} mean retention loss {v:.4f}")
+    print(f"wrote {out / 'retention.json'} and {out / 'retention.png'}")
+    return 0
+
+
+def cmd_run(a) -> int:
+    from .backends import open_lm
+    from .runtime import SamplingConfig, TextStream, encode_prompts, load_tokenizer
+
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
+                              top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    if a.backend == "tensorrt" and a.runtime != "aqua":
+        raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
+    lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
+                 share_buffer=a.kv_buffer == "shared")
+    sampling.check_vocabulary(lm.cfg.contract.vocab)
+    tok = load_tokenizer(a.folder)
+    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.context_length,
+                               max_new_tokens=a.max_new_tokens)
+    if a.backend == "tensorrt":
+        from .backends.tensorrt import check_request
+
+        check_request(lm.session.profiles, ids.shape[0], ids.shape[1], a.max_new_tokens)
+    eos = tok.eos_token_id
+    if len(a.prompt) == 1:
+        stream = TextStream(tok, sys.stdout)
+        lm.generate(ids, mask, sampling, eos_token_id=eos, on_token=stream)
+        stream.close()
+        print()
+    else:
+        out = lm.generate(ids, mask, sampling, eos_token_id=eos)
+        for p, row in zip(a.prompt, out):
+            print(f"--- {p!r}\n{tok.decode(row, skip_special_tokens=True)}")
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import bench, table
+
+    res = bench(a.folders, context=a.context, batch=a.batch, runtime=a.runtime, steps=a.steps, rounds=a.rounds,
+                threads=a.threads, capacity=a.capacity, prefill=a.prefill)
+    print(json.dumps(res, sort_keys=True) if a.json else table(res))
+    return 0
+
+
+def cmd_parity(a) -> int:
+    from . import calibrate, models
+    from .folder import FolderConfig
+    from .parity import run_parity, summary_lines
+    from .runtime import default_kernel, load_tokenizer
+
+    cfg = FolderConfig.from_folder(a.folder)
+    cfg.verify(a.folder, checksums=True)  # damaged weights are named here, not left to fail a gate
+    kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg.dtype)
+    path = Path(a.folder) / "model.onnx"
+    proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
+    # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
+    res = run_parity(path, cfg, load_tokenizer(a.folder), proj, cfg.aqua,
+                     lambda: models.load(cfg.model, dtype="auto")[0], steps=a.steps, dtype=cfg.dtype, kernel=kernel,
+                     progress=None if a.json else lambda text: print(f"... {text}", flush=True))
+    print(json.dumps(res, sort_keys=True) if a.json else "\n".join(summary_lines(res)))
+    return 0 if res["pass"] else 1
+
+
+def cmd_check(a) -> int:
+    from .folder import FolderConfig
+
+    cfg = FolderConfig.from_folder(a.folder)
+    size = cfg.verify(a.folder, checksums=True)
+    foreign = cfg.foreign_files(a.folder)
+    extra = f"; it also holds {', '.join(foreign)}, which the build did not write" if foreign else ""
+    print(f"{a.folder}: {len(cfg.files)} files, {size / 2**30:.2f} GiB, each as the build wrote it (SHA-256){extra}")
+    return 0
