@@ -1,7 +1,7 @@
 """The PyTorch reference of AQUA attention, registered through transformers' attention interface.
 
 Nothing happens on import. ``apply_aqua(model, projection, config)`` is a context manager that
-registers the ``aqua`` attention function, attaches per-layer state, folds P_v into W_V / W_O for
+registers the ``aqua`` attention function, attaches per-layer state, projects values by P_v for
 AQUA-Memory, and undoes all of it on exit.
 
 Per layer, per query head of KV group h (docs/design.md, The operator), with r the retained width, k selected:
@@ -28,7 +28,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .calibrate import Projection
 from .config import AquaConfig, ConfigError
-from .fold import fold_output, fold_value
 from .h2o import budget as h2o_budget  # the keep rule's budget, defined with the H2OAttention node
 from .models import architecture_of, attention_geometry
 
@@ -135,7 +134,7 @@ class AquaLayerCache(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         st = self.state
         kh = key_states @ st.P_r[None].to(key_states.dtype)
-        vh = value_states[..., : st.value_width]
+        vh = st.values_in(value_states)
         t = key_states.shape[2]
         self.keys = torch.cat([self.keys, kh], dim=-2)
         self.values = torch.cat([self.values, vh], dim=-2)
@@ -214,6 +213,7 @@ class LayerAqua:
     key_rms: torch.Tensor  # [Hkv, r]
     h2o_ratio: float
     rv: int | None = None  # V's cached width when it differs from K^'s r (allocated AQUA-Memory)
+    P_v_r: torch.Tensor | None = None  # [Hkv, d, rv]: values are cached in P_v's basis, sliced, when rv < d
     index: int = 0  # the layer's index
     probe: "Probe | None" = field(default=None, repr=False)  # apply_aqua's probe (parity), or None
     fresh: tuple | None = field(default=None, repr=False)
@@ -221,6 +221,11 @@ class LayerAqua:
     @property
     def value_width(self) -> int:
         return self.r if self.rv is None else self.rv
+
+    def values_in(self, v: torch.Tensor) -> torch.Tensor:
+        """v [B, Hkv, S, d] -> the cached values: in P_v's basis, sliced to rv, when slicing (the export folds P_v
+        into W_V and W_O instead: the same arithmetic, and the model's weights stay as they are here)."""
+        return v if self.P_v_r is None else v @ self.P_v_r[None].to(v.dtype)
 
 
 def _take_layer_cache(st: LayerAqua, key: torch.Tensor) -> AquaLayerCache | None:
@@ -245,7 +250,7 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
     else:
         if st.h2o_ratio < 1.0 and key.shape[2] > tq:
             raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
-        kh, v = key @ P_r[None], value[..., : st.value_width]
+        kh, v = key @ P_r[None], st.values_in(value)
     s = kh.shape[2]
     idx = None
     if st.k < st.r:
@@ -283,8 +288,8 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
         neg = torch.finfo(scores.dtype).min
         w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
         out = w.to(v.dtype) @ v[:, :, None]  # [B, Hkv, g, Tq, r]
-    if st.value_width < d:
-        out = torch.nn.functional.pad(out, (0, d - st.value_width))
+    if st.P_v_r is not None:  # back from P_v's sliced basis into the model's, where o_proj takes it
+        out = out @ st.P_v_r.transpose(-1, -2)[None, :, None].to(out.dtype)
     return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
 
 
@@ -346,9 +351,11 @@ def layer_states(model, projection: Projection, config: AquaConfig, widths: tupl
     for i, r in enumerate(widths):
         k = config.selected_of(r)
         rv = None if value_widths is None else value_widths[i]
+        vw = r if rv is None else rv
         states.append(LayerAqua(
             P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
             key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv, index=i,
+            P_v_r=projection.P_v[i][:, :, :vw].contiguous() if vw < d else None,
             probe=probe,
         ))
     return states
@@ -384,33 +391,13 @@ def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple 
     states = layer_states(model, projection, config, widths, value_widths, probe)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
-    saved = []
-    g = model.config.num_attention_heads // attention_geometry(model)["kv_heads"]
     try:
-        with torch.no_grad():
-            for layer, a, st, pv in zip(arch.layers(model), attns, states, projection.P_v):
-                a._aqua = st
-                if st.value_width < st.d:
-                    v_proj, o_proj = arch.value_output(layer)
-                    saved.append((v_proj, o_proj, v_proj.weight.detach().clone(),
-                                  None if v_proj.bias is None else v_proj.bias.detach().clone(),
-                                  o_proj.weight.detach().clone()))
-                    # folded in float32 whatever the storage dtype, then stored in it
-                    w, bias = fold_value(v_proj.weight.float(), None if v_proj.bias is None else v_proj.bias.float(), pv)
-                    v_proj.weight.copy_(w)
-                    if bias is not None:
-                        v_proj.bias.copy_(bias)
-                    o_proj.weight.copy_(fold_output(o_proj.weight.float(), pv, g))
+        for a, st in zip(attns, states):
+            a._aqua = st
         model.set_attn_implementation(IMPL)
         yield AquaSession(model, config, states)
     finally:
         model.set_attn_implementation(previous)
-        with torch.no_grad():
-            for v_proj, o_proj, w, bias, o in saved:
-                v_proj.weight.copy_(w)
-                if bias is not None:
-                    v_proj.bias.copy_(bias)
-                o_proj.weight.copy_(o)
         for a in attns:
             if hasattr(a, "_aqua"):
                 del a._aqua

@@ -13,7 +13,8 @@ Runtimes:
     genai-io the folder's graph driven in ONNX Runtime exactly as onnxruntime-genai drives it on CPU (one
             [B, Hkv, max_length, head_size] buffer bound as past and present, attention_mask [B, total]),
             the context written into the buffer directly: for contexts whose prefill genai cannot fit
-"decode memory" is the largest resident set right after a decode step.
+"decode memory" is the largest resident set right after a decode step; "peak" the process's high-water mark
+(VmHWM: loading, prefill and decode).
 
 With prefill N (runtime aqua), each timed step is instead a whole prompt of N random tokens from an
 empty cache (AQUA-H2O included: its prompt is one forward that evicts inside the graph).
@@ -49,6 +50,7 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
         _check_folder(Path(f), runtime, (prefill or context) + (0 if prefill else steps + 2))
     times: dict = {f: [] for f in folders}
     rss: dict = {f: [] for f in folders}
+    peak: dict = {f: [] for f in folders}
     for _ in range(rounds):
         for f in folders:
             out = subprocess.run([sys.executable, "-m", "aqua_export.bench", f, str(context), str(batch), runtime,
@@ -59,12 +61,13 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
             one = json.loads(out.stdout.strip().splitlines()[-1])
             times[f] += one["step_s"]
             rss[f].append(one["decode_rss_mb"])
+            peak[f].append(one["peak_rss_mb"])
     res = {"context": context, "batch": batch, "runtime": runtime, "steps": steps, "rounds": rounds,
            "threads": threads, "capacity": capacity, "prefill": prefill, "folders": {}}
     for f in folders:
         med = statistics.median(times[f])
         res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch * (prefill or 1) / med,
-                             "decode_rss_mb": max(rss[f])}
+                             "decode_rss_mb": max(rss[f]), "peak_rss_mb": max(peak[f])}
     return res
 
 
@@ -94,10 +97,11 @@ def table(res: dict) -> str:
     what = f"prefill of {res['prefill']} tokens" if res.get("prefill") else f"context {res['context']}"
     lines = [f"{what}, batch {res['batch']}, runtime {res['runtime']}, {res['threads']} threads, "
              f"{res['rounds']} rounds x {res['steps']} steps",
-             "| folder | tokens/s | vs first | decode memory (MB) | vs first |", "|---|---|---|---|---|"]
+             "| folder | tokens/s | vs first | decode memory (MB) | vs first | peak (MB) |", "|---|---|---|---|---|---|"]
     for f, r in res["folders"].items():
         lines.append(f"| {f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
-                     f"{r['decode_rss_mb']:.0f} | {r['decode_rss_mb'] / first['decode_rss_mb']:.2f}x |")
+                     f"{r['decode_rss_mb']:.0f} | {r['decode_rss_mb'] / first['decode_rss_mb']:.2f}x | "
+                     f"{r['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
 
 
@@ -112,11 +116,16 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
     from .h2o import budget
     from .runtime import OrtLM
 
-    lm = OrtLM.from_folder(folder, threads)
+    lm = OrtLM.from_folder(folder, threads, serving=(batch, max(capacity, context + steps + 2)))
     ct = lm.contract
     past = lm.empty_past(batch)
     mask = np.ones((batch, context + steps + 2), np.int64)
@@ -145,7 +154,7 @@ def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
 def _aqua_prefiller(folder, prompt, batch, threads, rng):
     from .runtime import OrtLM
 
-    lm = OrtLM.from_folder(folder, threads)
+    lm = OrtLM.from_folder(folder, threads, serving=(batch, prompt))
     vocab = lm.contract.vocab
 
     def step():
@@ -175,38 +184,26 @@ def _genai_stepper(folder, context, batch, threads, rng, steps, capacity):
 def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
     import onnxruntime as ort
 
-    folder = Path(folder)
-    gc = json.loads((folder / "genai_config.json").read_text())["model"]
-    dec, vocab = gc["decoder"], gc["vocab_size"]
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    lib = dec.get("session_options", {}).get("custom_ops_library")
-    if lib:
-        so.register_custom_ops_library(str(folder / lib))
-    sess = ort.InferenceSession(str(folder / dec["filename"]), so, providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    io_in, io_out = dec["inputs"], dec["outputs"]
-    shape = (batch, dec["num_key_value_heads"], max(capacity, context + steps + 4), dec["head_size"])
-    bufs = []
-    for i in range(dec["num_hidden_layers"]):
-        for kind in ("key", "value"):
-            bufs.append((io_in[f"past_{kind}_names"] % i, io_out[f"present_{kind}_names"] % i,
-                         ort.OrtValue.ortvalue_from_numpy(rng.standard_normal(shape, dtype=np.float32))))
+    from .backends.genai import GenaiGraph
+
+    g = GenaiGraph(folder, threads)
+    shape = (batch, g.dec["num_key_value_heads"], max(capacity, context + steps + 4), g.dec["head_size"])
+    bufs = [(past, present, ort.OrtValue.ortvalue_from_numpy(rng.standard_normal(shape, dtype=np.float32)))
+            for kind in ("key", "value") for past, present in g.buffers(kind)]
     state = {"pos": context}
 
     def step():
         p = state["pos"]
-        io = sess.io_binding()
-        io.bind_cpu_input(io_in["input_ids"], rng.integers(3, min(1000, vocab), (batch, 1)).astype(np.int64))
-        io.bind_cpu_input(io_in["attention_mask"], np.ones((batch, p + 1), np.int64))
-        if "position_ids" in names:
+        io = g.session.io_binding()
+        io.bind_cpu_input(g.io_in["input_ids"], rng.integers(3, min(1000, g.vocab), (batch, 1)).astype(np.int64))
+        io.bind_cpu_input(g.io_in["attention_mask"], np.ones((batch, p + 1), np.int64))
+        if "position_ids" in g.names:
             io.bind_cpu_input("position_ids", np.full((batch, 1), p, np.int64))
         for past, present, buf in bufs:
             io.bind_ortvalue_input(past, buf)
             io.bind_ortvalue_output(present, buf)
-        io.bind_output(io_out["logits"])
-        sess.run_with_iobinding(io)
+        io.bind_output(g.io_out["logits"])
+        g.session.run_with_iobinding(io)
         state["pos"] = p + 1
 
     return step
@@ -227,7 +224,7 @@ def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int,
         step()
         times.append(time.perf_counter() - t)
         rss.append(_rss_mb())
-    return {"step_s": times, "decode_rss_mb": max(rss)}
+    return {"step_s": times, "decode_rss_mb": max(rss), "peak_rss_mb": _peak_rss_mb()}
 
 
 if __name__ == "__main__":

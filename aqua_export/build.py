@@ -24,9 +24,13 @@ from .config import AquaConfig, ConfigError
 from .folder import FolderConfig, Geometry
 from .meter import StageMeter, stage_bar
 from .outputs import atomic_write_bytes, check_free_space, check_writable, claim
+from .quantize import WeightFormat
 
 STAGES = 5
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+WEIGHT_CHOICES = ("{fmt.name} blocks of {fmt.block} ({zero}) for every linear layer after the folds, the MoE experts "
+                  "(QMoE) and the output layer (MatMulNBits, accuracy_level {fmt.accuracy_level}), and the embedding "
+                  "(GatherBlockQuantized); norms, biases, the projections P and a MoE router stay float32")
 
 LAYOUT = {"key": "declared [batch, kv_heads, slots, r]; memory K^ = RoPE(k) @ P[:, :r] dim-major [batch, kv_heads, "
                   "r, slots]: selecting coordinate c reads one contiguous row, so the attention node reads k/r of "
@@ -50,6 +54,8 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-{config.slice_alloc}"
     if o.dtype != "float32":
         name += f"-{o.dtype}"
+    if o.weights.quantized:
+        name += f"-{o.weights.name}"
     if o.backend != "onnx":
         name += f"-{o.backend}"
     return Path("engines") / name
@@ -84,9 +90,13 @@ def check_out_dir(out: Path, force: bool) -> None:
                           "another --out")
 
 
-def _estimated_bytes(model, dtype: str) -> int:
-    """What a folder of ``model`` in ``dtype`` holds, about: its weights (plus a projection and a tokenizer, small)."""
-    return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
+def _estimated_bytes(model, o: "BuildOptions") -> int:
+    """What a folder of ``model`` built with ``o`` holds, about: its weights (plus a projection and a tokenizer, small);
+    quantized: bits / 8 per weight plus a float32 scale per block."""
+    params = sum(p.numel() for p in model.parameters())
+    if o.weights.quantized:
+        return int(params * (o.weights.bits / 8 + 4 / o.weights.block))
+    return params * DTYPES[o.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,7 @@ class BuildOptions:
     parity_prompt: int = 256
     trt_limits: tuple[int, int, int] = (8, 4096, 1024)
     force: bool = False  # replace an existing --out that this tool built
+    weights: WeightFormat = WeightFormat()  # the linear layers' storage: float (dtype) or int4 / int8 blocks
 
 
 def _check(o: BuildOptions, config: AquaConfig) -> None:
@@ -116,6 +127,9 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
         raise ConfigError(f"unknown --backend {o.backend!r}: use onnx or tensorrt")
     if o.dtype not in DTYPES:
         raise ConfigError(f"unknown --dtype {o.dtype!r}: use {' or '.join(DTYPES)}")
+    if o.weights.quantized and (o.dtype != "float32" or o.backend != "onnx"):
+        raise ConfigError(f"--weights {o.weights.name} is ONNX Runtime's MatMulNBits with float32 activations: build "
+                          "it with --dtype float32 --backend onnx (float16 is the GPU format: drop --weights)")
 
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
@@ -145,7 +159,7 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
     _stage(1, f"loading {model_spec}", total)
     meter.start("load")
     model, tok = models.load(model_spec, dtype="auto")  # the checkpoint's own dtype: no float32 copy
-    check_free_space(out_dir.parent, _estimated_bytes(model, o.dtype), f"the folder {out_dir}")
+    check_free_space(out_dir.parent, _estimated_bytes(model, o), f"the folder {out_dir}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
@@ -201,7 +215,7 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
                         external_data=o.external_data, progress=lambda i, n: bar.update(1),
-                        fused=o.backend != "tensorrt")
+                        fused=o.backend != "tensorrt", weights=o.weights)
     bar.close()
     tok.save_pretrained(tmp)
     import onnx
@@ -231,9 +245,13 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
         info["h2o"] = ("eviction inside the graph (H2OAttention, fixed-capacity slots updated in place): keep "
                        "ceil(ratio*n) per sequence and KV head, floor(half) the most recent, the rest by accumulated "
                        "attention; a prompt is one forward, evicting as token-by-token decoding does")
-    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract_for(model, config, DTYPES[o.dtype], projection),
+    if o.weights.quantized:
+        zero = "symmetric" if o.weights.symmetric else "with zero points"
+        info["weights"] += f"; {WEIGHT_CHOICES.format(fmt=o.weights, zero=zero)}"
+    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo),
+                       contract=contract_for(model, config, DTYPES[o.dtype], projection),
                        context_length=getattr(model.config, "max_position_embeddings", None),
-                       fingerprint=models.fingerprint(model), info=info)
+                       fingerprint=models.fingerprint(model), info=info, weights=o.weights)
     # written now for stages that read the folder (TensorRT); rewritten at the end with the resources used
     cfg.write(tmp)
     genai.write_files(tmp, cfg, model.config, getattr(model, "generation_config", None), tok)

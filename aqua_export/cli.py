@@ -75,6 +75,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                                         "nothing else (a user's file in it: refused)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                     help="weights, activations and KV cache of the export (default %(default)s)")
+    ap.add_argument("--weights", default="float", choices=["float", "int4", "int8"],
+                    help="the linear layers, MoE experts, output layer and embedding: float (--dtype), or int4 / int8 "
+                         "blocks (ONNX Runtime's MatMulNBits, QMoE, GatherBlockQuantized; float32 activations), what CPU "
+                         "deployments serve (default %(default)s)")
+    ap.add_argument("--weight-block", type=int, default=32, choices=[16, 32, 64, 128],
+                    help="weights per quantization block along the inputs (default %(default)s)")
+    ap.add_argument("--weight-zero-points", action="store_true",
+                    help="quantize each block between its min and max with a zero point (default: symmetric, no zero "
+                         "points, as onnxruntime-genai's builder)")
+    ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 4],
+                    help="ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes the activations to int8 per block "
+                         "(the fast CPU path; onnxruntime-genai's builder's default), 0 / 1 keep them float32 "
+                         "(default %(default)s)")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                     help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
     ap.add_argument("--trt-max-batch", type=int, default=8, help="TensorRT profiles: largest batch (default %(default)s)")
@@ -96,10 +109,15 @@ def build_main(argv: list[str]) -> int:
     a = build_arg_parser().parse_args(argv)
     from .build import BuildOptions, build
 
+    from .quantize import WeightFormat
+
+    weights = WeightFormat(bits=None if a.weights == "float" else int(a.weights[3:]), block=a.weight_block,
+                           symmetric=not a.weight_zero_points, accuracy_level=a.accuracy_level)
     opts = BuildOptions(dtype=a.dtype, backend=a.backend,
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
-                        trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force)
+                        trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force,
+                        weights=weights)
     out = build(a.model, commands.config_of(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
@@ -134,12 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "cuts per layer, a 1,024-token forward each, on --text (default builtin:python-reference)")
     p.set_defaults(fn=commands.cmd_calibrate)
 
-    p = sub.add_parser("eval", help="perplexity with or without AQUA")
-    _model_arg(p)
+    p = sub.add_parser("eval", help="perplexity with or without AQUA, of the PyTorch reference or a built folder")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="HF model id (org/name), local HF folder, .gguf file, or 'llama' (the embedded "
+                                     "SmolLM2-135M-Instruct; the default): the PyTorch reference, AQUA applied with "
+                                     "--projection and the settings below")
+    src.add_argument("--folder", help="a built folder run by ONNX Runtime (its own settings and weights), this tool's "
+                                      "or onnxruntime-genai's model builder's")
     p.add_argument("--projection", help="projection file (needed unless dense: --k-ratio 1, no slicing or eviction)")
     _config_args(p)
     p.add_argument("--text", required=True, help="text to evaluate: file or builtin:NAME")
     _window_args(p, 8192, "evaluate")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --folder; 0 = all "
+                                                          "(default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=commands.cmd_eval)
 

@@ -77,6 +77,18 @@ def cmd_eval(a) -> int:
 
     cfg = config_of(a)
     evaluate.check_windows(a.tokens, a.seq_len)
+    if a.folder:
+        if a.model or a.projection or cfg != AquaConfig():
+            raise ConfigError("a folder carries its own model and AQUA settings: drop --model / --projection / "
+                              "--k-ratio / --slice-ratio / --h2o-ratio / --selection with --folder")
+        res = evaluate.folder_perplexity(a.folder, corpus.read_text(a.text), tokens=a.tokens, seq_len=a.seq_len,
+                                         threads=a.threads, progress=not a.json)
+        res["text"] = a.text
+        print(json.dumps(res, sort_keys=True) if a.json else
+              f"perplexity {res['perplexity']:.4f} over {res['predicted_tokens']} predicted tokens ({res['windows']} "
+              f"windows of {a.seq_len}) of the folder {a.folder} ({res['runtime']})")
+        return 0
+    a.model = a.model or "llama"
     projection = calibrate.load_projection(a.projection) if a.projection else None
     if projection is None and not cfg.is_dense:
         raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
@@ -173,18 +185,20 @@ def cmd_retention(a) -> int:
 
 def cmd_run(a) -> int:
     from .backends import open_lm
+    from .folder import FolderConfig
     from .runtime import SamplingConfig, TextStream, encode_prompts, load_tokenizer
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     if a.backend == "tensorrt" and a.runtime != "aqua":
         raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
-    lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
-                 share_buffer=a.kv_buffer == "shared")
-    sampling.check_vocabulary(lm.cfg.contract.vocab)
+    cfg = FolderConfig.from_folder(a.folder)
+    cfg.verify(a.folder)  # a damaged folder is named before anything else
+    sampling.check_vocabulary(cfg.contract.vocab)
     tok = load_tokenizer(a.folder)
-    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=lm.cfg.context_length,
-                               max_new_tokens=a.max_new_tokens)
+    ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=cfg.context_length, max_new_tokens=a.max_new_tokens)
+    lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
+                 share_buffer=a.kv_buffer == "shared", serving=(ids.shape[0], ids.shape[1] + a.max_new_tokens))
     if a.backend == "tensorrt":
         from .backends.tensorrt import check_request
 

@@ -153,6 +153,14 @@ class Contract:
         return {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.inputs()}
 
     # ---------------------------------------------------------------- the cache
+    def cache_bytes(self, batch: int, slots: int) -> int:
+        """Bytes of every layer's buffers for ``batch`` sequences of ``slots`` slots each."""
+        elem = 2 if self.dtype == "float16" else 4
+        per_slot = sum(w + rv for w, rv in zip(self.widths, self.value_widths)) * elem
+        if self.h2o:
+            per_slot += self.layers * (4 + 8)  # heavy (float32) and token (int64) per slot
+        return batch * self.kv_heads * slots * per_slot
+
     def empty_buffer(self, kind: str, batch: int, slots: int, layer: int):
         """A fresh buffer of ``kind`` for ``layer`` (numpy): zeros, a token buffer all free."""
         import numpy as np

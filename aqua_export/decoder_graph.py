@@ -43,9 +43,10 @@ from onnx import TensorProto
 from .contract import DOMAIN, Contract
 from .export import ATTENTION, KEY_UPDATE, OP_TYPE, VALUE_PRODUCT, VALUE_UPDATE
 from .h2o import OP as H2O
-from .fold import fold_output, fold_scale_into_query, fold_value
+from .fold import attention_projections
 from .graph_blocks import Blocks, stack
 from .onnx_builder import GraphBuilder, onnx_type
+from .quantize import WeightFormat
 
 F32 = TensorProto.FLOAT
 
@@ -66,8 +67,11 @@ class Plan:
     act: str = "silu"  # gated MLP activation: silu or gelu_tanh
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the mask
     final_softcap: float | None = None  # logits -> tanh(logits / c) * c
-    fused: bool = True  # AquaAttention; False: TopKGatherDot, Softmax, ValueProduct (TensorRT's plugin)
+    fused: bool = True  # ONNX Runtime: AquaAttention and its fused contrib ops (RotaryEmbedding, SkipSimplified-
+    #                     LayerNormalization); False: TensorRT's nodes (TopKGatherDot, Softmax, ValueProduct) and standard ops
+    positions: int = 4096  # the rotary tables' positions (the model's context)
     h2o_ratio: float = 1.0  # AQUA-H2O (contract.h2o): one H2OAttention node per layer keeps this share of tokens
+    weights: WeightFormat = WeightFormat()  # the linear layers' (and embedding's) storage: float, or int4 / int8 blocks
 
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
@@ -139,16 +143,25 @@ class DecoderGraph(Blocks):
         for t in self.contract.outputs():
             self.gb.output(t.name, types.get(t.dtype, self.p.elem), list(t.shape))
 
-    def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple[str, str]:
-        """cos, sin [B, 1, T, rotary_dim] in the model dtype: angles position * inv_freq in float32, as HF computes
-        them; one pair per distinct rotary embedding (Gemma 3's local and global ones)."""
+    def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple:
+        """What _rope rotates with, one per distinct rotary embedding (Gemma 3's local and global ones). ONNX Runtime
+        builds: cos / sin tables [positions, rotary_dim / 2] made here the way HF computes them (angles position *
+        inv_freq in float32, times the attention scaling) and the position ids, for its RotaryEmbedding op;
+        otherwise cos, sin [B, 1, T, rotary_dim] computed in the graph."""
         key = (tuple(inv_freq.tolist()), scale)
         if key not in self._rotary:
-            self._rotary[key] = self._make_rotary(position_ids, inv_freq, scale,
-                                                  "/model/rotary_emb" + (f"_{len(self._rotary)}" if self._rotary else ""))
+            n = "/model/rotary_emb" + (f"_{len(self._rotary)}" if self._rotary else "")
+            self._rotary[key] = self._rotary_tables(position_ids, inv_freq, scale, n) if self.p.fused else \
+                self._make_rotary(position_ids, inv_freq, scale, n)
         return self._rotary[key]
 
-    def _make_rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float, n: str) -> tuple[str, str]:
+    def _rotary_tables(self, position_ids: str, inv_freq: torch.Tensor, scale: float, n: str) -> tuple:
+        angles = torch.arange(self.p.positions, dtype=torch.float32)[:, None] * inv_freq.to(torch.float32)[None]
+        cos, sin = (self.gb.weight(f"{n}.{fn}_cache", (getattr(angles, fn)() * scale).to(self.p.dtype))
+                    for fn in ("cos", "sin"))
+        return "tables", position_ids, cos, sin
+
+    def _make_rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float, n: str) -> tuple:
         gb, c = self.gb, self.gb.const
         pos = gb.op(f"{n}/Cast", "Cast", [gb.op(f"{n}/Unsqueeze", "Unsqueeze", [position_ids, c([-1])])], to=F32)
         freqs = gb.op(f"{n}/Mul", "Mul", [pos, gb.weight(f"{n}.inv_freq", inv_freq.to(torch.float32))])
@@ -161,7 +174,7 @@ class DecoderGraph(Blocks):
             if self.p.dtype != torch.float32:
                 t = gb.op(f"{n}/{fn}/Cast", "Cast", [t], to=self.p.elem)
             out.append(gb.op(f"{n}/{fn}/Unsqueeze", "Unsqueeze", [t, c([1])]))
-        return out[0], out[1]
+        return "inline", out[0], out[1]
 
     def mask(self, io: dict, window: int | None = None) -> str:
         """Additive float32 mask [B, 1, 1, T, L]: key j is visible to query t iff j <= qpos[t] = L - T + t and
@@ -189,53 +202,47 @@ class DecoderGraph(Blocks):
         return self._masks[window]
 
     # ---------------------------------------------------------------- per layer
-    def layer(self, i: int, x: str, w: dict, P: tuple, P_v: torch.Tensor, scaling: float, cos: str, sin: str,
-              mask: str, io: dict) -> str:
-        """w: the layer's weights as HF names them (see decoder_weights); P = (query basis, key basis), each
-        [Hkv, d, r] (export.selection_bases); P_v [Hkv, d, d].
-        Returns x after the layer (its present.{i}.* outputs are named nodes)."""
+    def layer(self, i: int, stream: tuple, w: dict, P: tuple, P_v: torch.Tensor, scaling: float, rope: tuple | None,
+              mask: str, io: dict) -> tuple[str, str]:
+        """stream = (x, pending): the residual stream and the last block's output, added by this layer's first norm
+        (Blocks._add_norm). w: the layer's weights as HF names them (see decoder_weights); P = (query basis, key
+        basis), each [Hkv, d, r] (export.selection_bases); P_v [Hkv, d, d].
+        Returns the stream after the layer, its MLP output pending (its present.{i}.* outputs are named nodes)."""
         n = f"/model/layers.{i}"
-        h = self._norm(f"{n}/input_layernorm", x, w["input_layernorm"], w.get("input_layernorm_bias"))
-        attn = self._attention(i, h, w, P, P_v, scaling, cos, sin, mask, io)
+        h, x = self._add_norm(f"{n}/input_layernorm", stream, w["input_layernorm"], w.get("input_layernorm_bias"))
+        attn = self._attention(i, h, w, P, P_v, scaling, rope, mask, io)
         if "attn_out_norm" in w:  # Gemma: the block's output is normalised before the residual add
             attn = self._rmsnorm(f"{n}/attn_out_norm", attn, w["attn_out_norm"])
-        x = self.gb.op(f"{n}/attn/residual", "Add", [x, attn])
-        h = self._norm(f"{n}/post_attention_layernorm", x, w["post_attention_layernorm"], w.get("post_attention_layernorm_bias"))
+        h, x = self._add_norm(f"{n}/post_attention_layernorm", (x, attn), w["post_attention_layernorm"],
+                              w.get("post_attention_layernorm_bias"))
         down = self._moe(f"{n}/mlp", h, w) if "router" in w else \
             self._plain_mlp(f"{n}/mlp", h, w) if "fc" in w else self._gated_mlp(f"{n}/mlp", h, w)
         if "mlp_out_norm" in w:
             down = self._rmsnorm(f"{n}/mlp_out_norm", down, w["mlp_out_norm"])
-        return self.gb.op(f"{n}/mlp/residual", "Add", [x, down])
+        return x, down
 
-    def _attention(self, i, h, w, P, P_v, scaling, cos, sin, mask, io):
+    def _attention(self, i, h, w, P, P_v, scaling, rope, mask, io):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        d, g, hkv, rv = p.head_dim, p.g, p.kv_heads, p.rv(i)
-        f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items()
-               if k.startswith(("q_proj", "k_proj", "v_proj", "o_proj"))}
-        # the attention scale goes into W_Q, or into q_norm's weight when a norm follows W_Q (it would undo it)
-        wq, bq = (f32["q_proj"], f32.get("q_proj_bias")) if "q_norm" in w else \
-            fold_scale_into_query(f32["q_proj"], f32.get("q_proj_bias"), scaling)
-        wv, bv = fold_value(f32["v_proj"], f32.get("v_proj_bias"), P_v)
-        keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :rv].reshape(-1)
-        wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(p.heads * d).reshape(p.heads, d)[:, :rv].reshape(-1)]
-
+        hkv, rv = p.kv_heads, p.rv(i)
+        proj = attention_projections(w, P, P_v, scaling, p.heads, rv, rotary=bool(p.rotary_dim))
+        wo, bo = proj["o"][0], w.get("o_proj_bias")
+        bo = None if bo is None else bo.to(torch.float32)
         if not p.rotary_dim:
-            return self._attention_folded(i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo)
-        q, k, v = self._rotary_qk(n, h, w, (wq, bq), (f32["k_proj"], f32.get("k_proj_bias")),
-                                  (wv[keep_v], None if bv is None else bv[keep_v]), scaling, cos, sin)
-        proj = None
+            return self._attention_folded(i, h, proj, mask, io, wo, bo)
+        q, k, v = self._rotary_qk(n, h, w, proj["q"], proj["k"], proj["v"], scaling, rope)
+        pq = None
         if not p.dense:
             P_q, P_k = (b.to(torch.float32) for b in P)
             if p.projects_query:
-                proj = self.weight(f"{n}.P_q", P_q)  # [Hkv, d, r]: the attention node's last input
+                pq = self.weight(f"{n}.P_q", P_q)  # [Hkv, d, r]: the attention node's last input
             else:
                 q = gb.op(f"{n}/q/MatMulP", "MatMul", [q, self.weight(f"{n}.P_q", P_q[:, None])])
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, rv])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, rv]
-        return self._attend(i, q, k, v, wo, f32.get("o_proj_bias"), mask, io, proj)
+        return self._attend(i, q, k, v, wo, bo, mask, io, pq)
 
-    def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, cos, sin):
+    def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, rope):
         """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*rv]: one MatMul for all three. Without q/k
         norms q and k are rotated together (one RoPE over H + Hkv heads: fewer nodes, and decode is per-node
         bound at short context)."""
@@ -244,7 +251,8 @@ class DecoderGraph(Blocks):
         if "q_norm" not in w and "k_norm" not in w:
             qk, v = self._linears(f"{n}/qkv_proj", h, [stack([qp, kp]), vp])
             qk = gb.op(f"{n}/qk/Reshape", "Reshape", [qk, c([0, 0, p.heads + hkv, d])])
-            qk = self._rope(f"{n}/qk_rope", gb.op(f"{n}/qk/Transpose", "Transpose", [qk], perm=[0, 2, 1, 3]), cos, sin)
+            qk = self._rope(f"{n}/qk_rope", gb.op(f"{n}/qk/Transpose", "Transpose", [qk], perm=[0, 2, 1, 3]), rope,
+                            p.heads + hkv)
             q, k = gb.op(f"{n}/qk/SplitHeads", "Split", [qk, c([p.heads, hkv])], n_out=2, axis=1)
             return gb.op(f"{n}/q/Reshape5", "Reshape", [q, c([0, hkv, g, -1, d])]), k, v
         # q/k RMSNorm before RoPE, per head (Qwen3: weight [d]) or over the whole projection (OLMoE): a norm
@@ -252,31 +260,26 @@ class DecoderGraph(Blocks):
         q, k, v = self._linears(f"{n}/qkv_proj", h, [qp, kp, vp])
         q = self._qk_norm(f"{n}/q_norm", q, p.heads, None if "q_norm" not in w else w["q_norm"].float() * scaling)
         q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
-        q = gb.op(f"{n}/q/Reshape5", "Reshape", [self._rope(f"{n}/q_rope", q, cos, sin), c([0, hkv, g, -1, d])])
+        q = gb.op(f"{n}/q/Reshape5", "Reshape", [self._rope(f"{n}/q_rope", q, rope, p.heads), c([0, hkv, g, -1, d])])
         k = self._qk_norm(f"{n}/k_norm", k, hkv, w.get("k_norm"))
         k = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])
-        return q, self._rope(f"{n}/k_rope", k, cos, sin), v
+        return q, self._rope(f"{n}/k_rope", k, rope, hkv), v
 
-    def _attention_folded(self, i, h, wq, bq, f32, P, P_v, mask, io, wv, bv, keep_v, wo):
-        """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds): q^ and k^
-        come out of the projections, r wide, and the graph has no projection MatMul at all."""
+    def _attention_folded(self, i, h, proj, mask, io, wo, bo):
+        """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds;
+        fold.attention_projections): q^ and k^ come out of the projections, r wide, and the graph has no projection
+        MatMul at all."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
-        hkv, g, d, r = p.kv_heads, p.g, p.head_dim, p.r(i)
-        P_q, P_k = (b.to(torch.float32) for b in P)  # [Hkv, d, r]
-        wq_h = torch.einsum("kdr,kgdD->kgrD", P_q, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
-        bq_h = None if bq is None else torch.einsum("kdr,kgd->kgr", P_q, bq.reshape(hkv, g, d)).reshape(-1)
-        wk_h = torch.einsum("kdr,kdD->krD", P_k, f32["k_proj"].reshape(hkv, d, -1)).reshape(hkv * r, -1)
-        bk = f32.get("k_proj_bias")
-        bk_h = None if bk is None else torch.einsum("kdr,kd->kr", P_k, bk.reshape(hkv, d)).reshape(-1)
-        q = gb.op(f"{n}/q/Reshape", "Reshape", [self._linear(f"{n}/q_proj", h, wq_h, bq_h), c([0, 0, p.heads, r])])
+        hkv, g, r = p.kv_heads, p.g, p.r(i)
+        q = gb.op(f"{n}/q/Reshape", "Reshape", [self._linear(f"{n}/q_proj", h, *proj["q"]), c([0, 0, p.heads, r])])
         q = gb.op(f"{n}/q/Transpose", "Transpose", [q], perm=[0, 2, 1, 3])
         q = gb.op(f"{n}/q/Reshape5", "Reshape", [q, c([0, hkv, g, -1, r])])
-        k = gb.op(f"{n}/k/Reshape", "Reshape", [self._linear(f"{n}/k_proj", h, wk_h, bk_h), c([0, 0, hkv, r])])
+        k = gb.op(f"{n}/k/Reshape", "Reshape", [self._linear(f"{n}/k_proj", h, *proj["k"]), c([0, 0, hkv, r])])
         kh = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])  # [B, Hkv, T, r]
-        v = self._linear(f"{n}/v_proj", h, wv[keep_v], None if bv is None else bv[keep_v])
+        v = self._linear(f"{n}/v_proj", h, *proj["v"])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, p.rv(i)])])],
                   perm=[0, 2, 1, 3])
-        return self._attend(i, q, kh, v, wo, f32.get("o_proj_bias"), mask, io)
+        return self._attend(i, q, kh, v, wo, bo, mask, io)
 
     def _attend(self, i, q, kh, v, wo, bo, mask, io, proj=None):
         """q^ [B,Hkv,g,T,r] (or q [B,Hkv,g,T,d] with proj = P_q [Hkv,d,r]), k^ [B,Hkv,T,r], v [B,Hkv,T,rv]
@@ -335,16 +338,16 @@ class DecoderGraph(Blocks):
         return kr, vc
 
     # ---------------------------------------------------------------- head
-    def head(self, x: str, norm_w: torch.Tensor, norm_b: torch.Tensor | None, lm_head: torch.Tensor,
+    def head(self, stream: tuple, norm_w: torch.Tensor, norm_b: torch.Tensor | None, lm_head: torch.Tensor,
              tied_to: str | None) -> None:
-        """logits = norm(x) @ W_lm^T. Tied embeddings reuse the embedding table through Gemm(transB)."""
+        """logits = norm(x + pending) @ W_lm^T. Tied float embeddings reuse the embedding table through Gemm(transB);
+        quantized weights give the output layer its own MatMulNBits blocks (of the same table when tied)."""
         gb, c = self.gb, self.gb.const
-        h = self._norm("/model/norm", x, norm_w, norm_b)
+        h, _ = self._add_norm("/model/norm", stream, norm_w, norm_b)
         cap = self.p.final_softcap
         out = None if cap else ["logits"]
-        if tied_to is None:
-            wt = self.weight("lm_head.weight", lm_head.t())
-            y = gb.op("/lm_head/MatMul", "MatMul", [h, wt], outputs=out)
+        if tied_to is None or self.p.weights.quantized:
+            y = self._linear("/lm_head", h, lm_head, None, outputs=out)
         else:
             flat = gb.op("/lm_head/Flatten", "Reshape", [h, c([-1, self.p.hidden])])
             y = gb.op("/lm_head/Gemm", "Gemm", [flat, tied_to], transB=1)

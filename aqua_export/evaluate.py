@@ -18,6 +18,7 @@ import contextlib
 import io
 import math
 
+import numpy as np
 import torch
 
 from . import corpus
@@ -61,6 +62,42 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
             total, count = total + s, count + n
     return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": int(sum(w.numel() for w in ws)),
             "predicted_tokens": count, "windows": len(ws), "seq_len": seq_len, "config": config.to_dict()}
+
+
+def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: int = 0,
+                      progress: bool = False) -> dict:
+    """Perplexity of a built folder run by ONNX Runtime (the same windows as ``perplexity``): this tool's folders
+    through their graph contract (runtime.OrtLM, the native kernels when built), a folder of onnxruntime-genai's
+    model builder through its genai_config.json (backends.genai.GenaiGraph), so two exports of one checkpoint
+    compare on the same text."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .folder import CONFIG_FILE
+    from .runtime import load_tokenizer
+
+    check_windows(tokens, seq_len)
+    folder = Path(folder)
+    if (folder / CONFIG_FILE).is_file():
+        from .runtime import OrtLM
+
+        lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len))
+        logits_of, runtime = (lambda w: lm.step(w[None], np.ones((1, w.size), np.int64), lm.empty_past(1))[0][0]), "aqua"
+    else:
+        from .backends.genai import GenaiGraph
+
+        g = GenaiGraph(folder, threads)
+        logits_of, runtime = (lambda w: g.logits(w[None])[0]), "genai graph"
+    ws = corpus.windows(corpus.tokenize(load_tokenizer(folder), text, tokens), seq_len)
+    total, count = 0.0, 0
+    for w in tqdm(ws, desc="eval", unit="win", disable=not progress):
+        ids = w.numpy()
+        logits = torch.from_numpy(np.asarray(logits_of(ids), np.float64))
+        total += torch.nn.functional.cross_entropy(logits[:-1], w[1:], reduction="sum").item()
+        count += ids.size - 1
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": int(sum(w.numel() for w in ws)),
+            "predicted_tokens": count, "windows": len(ws), "seq_len": seq_len, "folder": str(folder), "runtime": runtime}
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from .calibrate import Projection
 from .config import AquaConfig, ConfigError
 from .contract import DOMAIN, Contract
 from .models import architecture_of, attention_geometry
+from .quantize import WeightFormat
 
 PROJECTION = "projection"  # the attention nodes' optional last input: P [Hkv, d, r], input 0 then being q
 
@@ -392,10 +393,25 @@ def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: Aqua
     return P_r * w, P_r / w
 
 
-def check_exportable(model, projection: Projection, config: AquaConfig) -> None:
+def layer_bases(projection: Projection, config: AquaConfig, contract: Contract, i: int, head_dim: int) -> tuple:
+    """((query basis, key basis), P_v) that layer i of an export folds in: the calibrated ones, or the identity when
+    nothing is selected or sliced (at k = r without slicing P and P_v cancel exactly, so the dense graph has no
+    projection MatMul and its weights are the checkpoint's)."""
+    ct = contract
+    if ct.selected == ct.widths == ct.value_widths == (head_dim,) * ct.layers:
+        eye = torch.eye(head_dim).expand(ct.kv_heads, head_dim, head_dim)
+        return (eye, eye), eye
+    return selection_bases(projection.P[i], projection.key_rms[i], ct.widths[i], config), projection.P_v[i]
+
+
+def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat()) -> None:
     """Refuse, in one line each, what the export cannot represent."""
     arch = architecture_of(model.config)
     projection.check_model(model)
+    if weights.bits == 8 and "router" in arch.layer_weights(arch.layers(model)[0]):
+        raise ConfigError("--weights int8 with mixture-of-experts layers: ONNX Runtime's QMoE has no float32-activation "
+                          "kernel for 8-bit experts, so parity could not test the export apart from its int8 "
+                          "activations: use --weights int4")
     if config.h2o_ratio < 1 and any(arch.window(model.config, i) for i in range(model.config.num_hidden_layers)):
         raise ConfigError(f"AQUA-H2O with {arch.model_type}'s sliding-window layers is not exported (its slots hold "
                           "tokens in no order a window can be measured in): drop --h2o-ratio")
@@ -415,16 +431,20 @@ def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, 
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
-                external_data: bool | None = None, progress=None, fused: bool = True):
+                external_data: bool | None = None, progress=None, fused: bool = True,
+                weights: WeightFormat = WeightFormat()):
     """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
     weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
     fused: attention as one AquaAttention node (False: separate nodes, what TensorRT's plugin takes).
+    weights: how the linear layers, the experts, the output layer and the embedding are stored (quantize.py;
+    norms, biases, the projections and a MoE router stay in ``dtype``).
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
     from .decoder_graph import DecoderGraph, Plan
+    from .graph_blocks import MS
     from .onnx_builder import EXTERNAL_ABOVE, GraphBuilder, TensorStore, save_graph
 
-    check_exportable(model, projection, config)
+    check_exportable(model, projection, config, weights)
     _register_schema()
     path = Path(path)
     geo = attention_geometry(model)
@@ -437,7 +457,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
-                final_softcap=arch.final_softcap(cfg), fused=fused, h2o_ratio=config.h2o_ratio)
+                final_softcap=arch.final_softcap(cfg), fused=fused, h2o_ratio=config.h2o_ratio, weights=weights,
+                positions=int(getattr(cfg, "max_position_embeddings", None) or 4096))
     params = sum(t.numel() for t in model.parameters())
     if external_data is None:
         external_data = params * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
@@ -449,8 +470,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                                     "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION})
         io = g.inputs()
         et = arch.embeddings(model)
-        embed = g.weight("model.embed_tokens.weight", et.weight.detach())
-        x = gb.op("/model/embed_tokens/Gather", "Gather", [embed, io["input_ids"]])
+        x = g.embed(io["input_ids"], et.weight.detach())  # the residual stream; (stream, pending) after a layer
         if getattr(et, "embed_scale", None) is not None:  # Gemma's scaled embeddings (in the model dtype, as HF)
             x = gb.op("/model/embed_tokens/Scale", "Mul", [x, gb.const(float(et.embed_scale), dtype)])
         wpe = arch.position_embeddings(model)
@@ -458,23 +478,21 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
             pos = g.weight("model.embed_positions.weight", wpe.weight.detach())
             x = gb.op("/model/embed_positions/Add", "Add",
                       [x, gb.op("/model/embed_positions/Gather", "Gather", [pos, io["position_ids"]])])
-        eye = torch.eye(d).expand(geo["kv_heads"], d, d)
-        cos = sin = None
+        stream = (x, None)
         for i, layer in enumerate(arch.layers(model)):
-            P, P_v = ((eye, eye), eye) if plan.dense else \
-                (selection_bases(projection.P[i], projection.key_rms[i], ct.widths[i], config), projection.P_v[i])
-            if arch.has_rotary:
-                cos, sin = g.rotary(io["position_ids"], *arch.rotary(model, i))
+            P, P_v = layer_bases(projection, config, ct, i, d)
+            rope = g.rotary(io["position_ids"], *arch.rotary(model, i)) if arch.has_rotary else None
             mask = None if ct.h2o else g.mask(io, arch.window(cfg, i))  # H2OAttention masks by its slots
-            x = g.layer(i, x, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, cos, sin, mask, io)
+            stream = g.layer(i, stream, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, rope, mask,
+                             io)
             if progress is not None:
                 progress(i + 1, plan.layers)
         head = model.get_output_embeddings()
         tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
-        g.head(x, *arch.final_norm(model), head.weight.detach(), embed if tied else None)
+        g.head(stream, *arch.final_norm(model), head.weight.detach(), "model.embed_tokens.weight" if tied else None)
         g.outputs()
-        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION}, function_bodies(OPSET, plan.projects_query),
-                     "aqua-export")
+        m = gb.model("aqua_decoder", {"": OPSET, DOMAIN: OPSET_VERSION, MS: 1},
+                     function_bodies(OPSET, plan.projects_query), "aqua-export")
     finally:
         store.close()
     if dtype == torch.float16:

@@ -35,3 +35,32 @@ def fold_output(weight: torch.Tensor, p_v: torch.Tensor, group: int) -> torch.Te
 def fold_scale_into_query(weight: torch.Tensor, bias: torch.Tensor | None, scale: float):
     """W_Q [H*d, D] -> scale * W_Q: RoPE is linear, so scaling before or after it is the same."""
     return weight * scale, (bias * scale if bias is not None else None)
+
+
+def attention_projections(w: dict, P: tuple, P_v: torch.Tensor, scaling: float, heads: int, rv: int,
+                          rotary: bool) -> dict:
+    """A layer's attention projections as the export's linear layers compute them, in float32:
+    {"q" | "k" | "v": (W [out, D], b or None), "o": (W_O' [D, heads * rv], None)}.
+
+    w: the layer's tensors by role (Adapter.layer_weights); P = (P_q, P_k) [Hkv, d, r] (export.selection_bases);
+    P_v [Hkv, d, d]. The attention scale goes into W_Q, or into q_norm's weight when a norm follows W_Q (it would
+    undo it: decoder_graph applies it there); v is P_v^T v sliced to rv per KV head, W_O takes those inputs; without
+    a rotary embedding P_q / P_k fold into W_Q / W_K too (q^, k^ come out of the projections, r wide)."""
+    f32 = {k: (None if v is None else v.to(torch.float32)) for k, v in w.items()
+           if k.startswith(("q_proj", "k_proj", "v_proj", "o_proj"))}
+    hkv, d, _ = P_v.shape
+    g = heads // hkv
+    wq, bq = (f32["q_proj"], f32.get("q_proj_bias")) if "q_norm" in w else \
+        fold_scale_into_query(f32["q_proj"], f32.get("q_proj_bias"), scaling)
+    wk, bk = f32["k_proj"], f32.get("k_proj_bias")
+    wv, bv = fold_value(f32["v_proj"], f32.get("v_proj_bias"), P_v)
+    keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :rv].reshape(-1)
+    wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(heads * d).reshape(heads, d)[:, :rv].reshape(-1)]
+    if not rotary:
+        P_q, P_k = (b.to(torch.float32) for b in P)
+        r = P_q.shape[-1]
+        bq = None if bq is None else torch.einsum("kdr,kgd->kgr", P_q, bq.reshape(hkv, g, d)).reshape(-1)
+        wq = torch.einsum("kdr,kgdD->kgrD", P_q, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
+        bk = None if bk is None else torch.einsum("kdr,kd->kr", P_k, bk.reshape(hkv, d)).reshape(-1)
+        wk = torch.einsum("kdr,kdD->krD", P_k, wk.reshape(hkv, d, -1)).reshape(hkv * r, -1)
+    return {"q": (wq, bq), "k": (wk, bk), "v": (wv[keep_v], None if bv is None else bv[keep_v]), "o": (wo, None)}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .config import AquaConfig, ConfigError, reject_unknown
 from .contract import Contract
+from .quantize import WeightFormat
 
 CONFIG_FILE = "aqua_config.json"
 FORMAT_VERSION = 3  # 3: the files manifest
@@ -56,6 +57,7 @@ class FolderConfig:
     fingerprint: dict | None = None
     info: dict = field(default_factory=dict)
     files: dict | None = None  # {name: {"bytes": n, "sha256": hex}} of every file the build wrote but this one
+    weights: WeightFormat = WeightFormat()  # float (the contract's dtype) or int4 / int8 blocks (quantize.py)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -68,6 +70,8 @@ class FolderConfig:
             _positive("context_length", self.context_length)
         if self.files is not None:
             _check_files(self.files)
+        if self.weights.quantized and self.contract.dtype != "float32":
+            raise ConfigError(f"{self.weights.name} weights are exported with float32 activations, not {self.contract.dtype}")
         g, c, a = self.geometry, self.contract, self.aqua
         if (c.layers, c.kv_heads) != (g.layers, g.kv_heads):
             raise ConfigError(f"contract ({c.layers} layers, {c.kv_heads} KV heads) disagrees with the geometry "
@@ -88,7 +92,7 @@ class FolderConfig:
         return {"format_version": self.format_version, "model": self.model, "aqua": self.aqua.to_dict(),
                 "geometry": dataclasses.asdict(self.geometry), "contract": self.contract.to_dict(),
                 "context_length": self.context_length, "fingerprint": self.fingerprint, "info": self.info,
-                "files": self.files}
+                "files": self.files, "weights": self.weights.to_dict()}
 
     @classmethod
     def from_dict(cls, d) -> "FolderConfig":
@@ -108,7 +112,8 @@ class FolderConfig:
             raise ConfigError("info must be an object")
         return cls(model=d.get("model"), aqua=AquaConfig.from_dict(d["aqua"]), geometry=geometry,
                    contract=Contract.from_dict(d["contract"]), context_length=d.get("context_length"),
-                   fingerprint=d.get("fingerprint"), info=d.get("info", {}), files=d.get("files"))
+                   fingerprint=d.get("fingerprint"), info=d.get("info", {}), files=d.get("files"),
+                   weights=WeightFormat.from_dict(d.get("weights", WeightFormat().to_dict())))
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "FolderConfig":

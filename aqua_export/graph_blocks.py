@@ -1,5 +1,7 @@
 """Building blocks of the decoder graph that do not depend on the attention: weights in the export dtype,
-linear layers, norms, the rotary rotation, MLPs (gated, plain, routed experts) and soft-capping.
+linear layers (float MatMul, or ONNX Runtime's MatMulNBits over quantize.py's blocks), the embedding (Gather or
+GatherBlockQuantized), norms, the rotary rotation, MLPs (gated, plain, routed experts: ONNX Runtime's MoE / QMoE,
+only the chosen experts run) and soft-capping.
 
 Mixed into DecoderGraph, which provides ``gb`` (the GraphBuilder), ``p`` (the Plan) and ``cast``.
 """
@@ -10,8 +12,10 @@ import torch
 from onnx import TensorProto
 
 from .config import ConfigError
+from .quantize import check_shape, quantize
 
 F32 = TensorProto.FLOAT
+MS = "com.microsoft"  # ONNX Runtime's contrib ops: MatMulNBits, GatherBlockQuantized, MoE, QMoE
 
 
 def stack(parts: list) -> tuple:
@@ -37,13 +41,43 @@ class Blocks:
             self.cast["below_float16_normal_range"] += int(((a > 0) & (a < 6.103515625e-05)).sum())
         return self.gb.weight(name, t.to(self.p.dtype))
 
-    def _linear(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None) -> str:
-        """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype."""
+    def _linear(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None, outputs: list | None = None) -> str:
+        """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype; with quantized
+        weights (Plan.weights) one MatMulNBits node over W's blocks, the bias its sixth input."""
+        if self.p.weights.quantized:
+            fmt = self.p.weights
+            ins = self._quantized(name, w)
+            if b is not None:
+                ins += [""] * (4 - len(ins)) + [self.weight(f"{name}.bias", b)]  # inputs 3, 4: zero points, g_idx
+            y = self.gb.op(f"{name}/MatMulNBits", "MatMulNBits", [x] + ins, domain=MS, outputs=outputs, K=w.shape[1],
+                           N=w.shape[0], bits=fmt.bits, block_size=fmt.block, accuracy_level=fmt.accuracy_level)
+            return y[0] if outputs else y
         wt = self.weight(f"{name}.weight", w.t())
-        y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt])
+        y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt], outputs=None if b is not None else outputs)
         if b is not None:
-            y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)])
-        return y
+            y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)], outputs=outputs)
+        return y[0] if isinstance(y, list) else y
+
+    def _quantized(self, name: str, w: torch.Tensor, shape: tuple | None = None) -> list[str]:
+        """W [..., N, K] -> the names of its packed blocks, scales and (asymmetric) zero points (quantize.py), the
+        packed blocks in ``shape`` when given (GatherBlockQuantized and QMoE take them flat per row)."""
+        fmt = self.p.weights
+        check_shape(w.shape[-1], fmt, name)
+        packed, scales, zero = quantize(w, fmt)
+        out = [self.gb.weight(f"{name}.qweight", packed if shape is None else packed.reshape(shape)),
+               self.gb.weight(f"{name}.scales", scales)]
+        return out + ([] if zero is None else [self.gb.weight(f"{name}.zero_points", zero)])
+
+    def embed(self, ids: str, table: torch.Tensor) -> str:
+        """input_ids [B, T] -> rows of the embedding table [V, D]: Gather, or with quantized weights
+        GatherBlockQuantized over the table's blocks along D (the same format as the linear layers)."""
+        if not self.p.weights.quantized:
+            return self.gb.op("/model/embed_tokens/Gather", "Gather", [self.weight("model.embed_tokens.weight", table),
+                                                                    ids])
+        fmt = self.p.weights
+        ins = self._quantized("model.embed_tokens", table, (table.shape[0], -1))
+        return self.gb.op("/model/embed_tokens/GatherBlockQuantized", "GatherBlockQuantized", [ins[0], ids] + ins[1:],
+                          domain=MS, bits=fmt.bits, block_size=fmt.block, gather_axis=0, quantize_axis=1)
 
     def _linears(self, name: str, x: str, parts: list) -> list[str]:
         """[x @ W_i^T (+ b_i) for (W_i, b_i) in parts] as one MatMul over the stacked weights, split back: at
@@ -51,6 +85,22 @@ class Blocks:
         y = self._linear(name, x, *stack(parts))
         return self.gb.op(f"{name}/Split", "Split", [y, self.gb.const([wi.shape[0] for wi, _ in parts])],
                           n_out=len(parts), axis=-1)
+
+    def _add_norm(self, name: str, stream: tuple, w: torch.Tensor, b: torch.Tensor | None = None) -> tuple[str, str]:
+        """stream = (x, pending): the residual stream and a block output not yet added to it (None: nothing) ->
+        (norm(x + pending), x + pending). ONNX Runtime builds add and normalise in one node
+        (SkipSimplifiedLayerNormalization, SkipLayerNormalization with a bias), others Add, then _norm."""
+        x, pending = stream
+        if pending is None:
+            return self._norm(name, x, w, b), x
+        if not self.p.fused:
+            x = self.gb.op(f"{name}/residual", "Add", [x, pending])
+            return self._norm(name, x, w, b), x
+        op = "SkipSimplifiedLayerNormalization" if b is None else "SkipLayerNormalization"
+        ins = [x, pending, self.weight(f"{name}.weight", w)] + ([self.weight(f"{name}.bias", b)] if b is not None else [])
+        outs = [f"{name}/{op}/output_0", "", "", f"{name}/{op}/output_3"]  # normalised, (mean), (1/std), the sum
+        self.gb.op(f"{name}/{op}", op, ins, domain=MS, outputs=outs, epsilon=self.p.eps)
+        return outs[0], outs[3]
 
     def _norm(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None = None) -> str:
         """RMSNorm, or LayerNorm when the family's norms have a bias (GPT-2), statistics in float32."""
@@ -73,10 +123,17 @@ class Blocks:
             y = gb.op(f"{name}/CastBack", "Cast", [y], to=self.p.elem)
         return gb.op(f"{name}/Mul", "Mul", [y, self.weight(f"{name}.weight", w)])
 
-    def _rope(self, name: str, x: str, cos: str, sin: str) -> str:
+    def _rope(self, name: str, x: str, rope: tuple, heads: int) -> str:
         """x [B, heads, T, d]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], on the first
-        rotary_dim coordinates (all of them unless the family rotates part of each head: partial rotary)."""
+        rotary_dim coordinates (all of them unless the family rotates part of each head: partial rotary). rope:
+        DecoderGraph.rotary's: ONNX Runtime's RotaryEmbedding over the tables (one node), or in standard ops."""
         gb, c, d, rd = self.gb, self.gb.const, self.p.head_dim, self.p.rotary_dim
+        if rope[0] == "tables":
+            _, pos, cos_cache, sin_cache = rope
+            partial = {"rotary_embedding_dim": rd, "num_heads": heads} if rd < d else {}
+            return gb.op(f"{name}/RotaryEmbedding", "RotaryEmbedding", [x, pos, cos_cache, sin_cache], domain=MS,
+                         interleaved=0, **partial)
+        _, cos, sin = rope
         rest = None
         if rd < d:
             x, rest = gb.op(f"{name}/SplitRotary", "Split", [x, c([rd, d - rd])], n_out=2, axis=-1)
@@ -101,37 +158,37 @@ class Blocks:
         return self._linear(f"{n}/proj", a, w["proj"], w.get("proj_bias"))
 
     def _moe(self, n: str, h: str, w: dict) -> str:
-        """Top-k routed experts with standard ops: the router's softmax (float32), TopK, the chosen probabilities
-        scattered into a dense [B, T, E] weight; every expert runs on every token (batched MatMul over E) and
-        the outputs are summed with those weights. Exact, at E / top_k times the routed MLP's arithmetic.
+        """Top-k routed experts, only the chosen ones run per token: ONNX Runtime's MoE op (QMoE with quantized
+        weights) on the router's logits. Its SwiGLU takes gate and up rows interleaved (the CPU kernel's only
+        layout); QMoE renormalises over the top k unless given the softmax weights, which the unrenormalised rule
+        (OLMoE's norm_topk_prob false) passes as router_weights.
 
-            h --router--> Softmax --TopK(k)--> ScatterElements --> w [B,E,T,1]
-            h [B,1,T,H] --MatMul gate_up [E,H,2I]--> Split --> silu(gate) * up --MatMul down [E,I,H]--> * w --> Sum_E
+            h [B,T,H] --router (float)--> logits --Reshape [BT,E]--> MoE(h, logits, gate|up interleaved, down; k)
+                       (QMoE: + Softmax(logits) as router_weights when the top-k weights are not renormalised)
         """
         gb, c, p = self.gb, self.gb.const, self.p
-        logits = self._linear(f"{n}/router", h, w["router"], None)
-        if p.dtype != torch.float32:
-            logits = gb.op(f"{n}/router/Cast", "Cast", [logits], to=F32)
-        probs = gb.op(f"{n}/router/Softmax", "Softmax", [logits], axis=-1)
-        top_v, top_i = gb.op(f"{n}/router/TopK", "TopK", [probs, c([int(w["top_k"])])], n_out=2, axis=-1, largest=1,
-                             sorted=1)
-        if w["norm_topk_prob"]:
-            top_v = gb.op(f"{n}/router/Renorm", "Div", [top_v, gb.op(f"{n}/router/SumTop", "ReduceSum", [top_v, c([-1])],
-                                                                      keepdims=1)])
-        dense = gb.op(f"{n}/router/Zeros", "Mul", [probs, c(0.0, torch.float32)])
-        dense = gb.op(f"{n}/router/Scatter", "ScatterElements", [dense, top_i, top_v], axis=-1)  # [B, T, E]
-        if p.dtype != torch.float32:
-            dense = gb.op(f"{n}/router/CastBack", "Cast", [dense], to=p.elem)
-        route = gb.op(f"{n}/router/Unsqueeze", "Unsqueeze", [gb.op(f"{n}/router/Transpose", "Transpose", [dense],
-                                                                    perm=[0, 2, 1]), c([-1])])  # [B, E, T, 1]
-        gu = self.weight(f"{n}/experts.gate_up", w["experts_gate_up"].transpose(1, 2))  # [E, H, 2I]
-        down = self.weight(f"{n}/experts.down", w["experts_down"].transpose(1, 2))  # [E, I, H]
-        inter = w["experts_down"].shape[-1]
-        y = gb.op(f"{n}/experts/MatMulGateUp", "MatMul", [gb.op(f"{n}/experts/Unsqueeze", "Unsqueeze", [h, c([1])]), gu])
-        gate, up = gb.op(f"{n}/experts/Split", "Split", [y, c([inter, inter])], n_out=2, axis=-1)
-        a = gb.op(f"{n}/experts/Mul", "Mul", [self._silu(f"{n}/experts/act", gate), up])
-        y = gb.op(f"{n}/experts/Weighted", "Mul", [gb.op(f"{n}/experts/MatMulDown", "MatMul", [a, down]), route])
-        return gb.op(f"{n}/experts/Sum", "ReduceSum", [y, c([1])], keepdims=0)
+        logits = gb.op(f"{n}/router/MatMul", "MatMul", [h, self.weight(f"{n}/router.weight", w["router"].t())])
+        e = w["router"].shape[0]
+        logits = gb.op(f"{n}/router/Reshape", "Reshape", [logits, c([-1, e])])
+        gate_up, down = w["experts_gate_up"], w["experts_down"]  # [E, 2I, H] gate rows first, [E, H, I]
+        inter = down.shape[-1]
+        fc1 = torch.stack([gate_up[:, :inter], gate_up[:, inter:]], 2).reshape(gate_up.shape)  # g0, u0, g1, u1, ...
+        attrs = dict(k=int(w["top_k"]), activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,
+                     activation_beta=0.0)
+        if not p.weights.quantized:
+            return gb.op(f"{n}/experts/MoE", "MoE", [h, logits, self.weight(f"{n}/experts.fc1", fc1), "",
+                                                     self.weight(f"{n}/experts.fc2", down)], domain=MS,
+                         normalize_routing_weights=int(bool(w["norm_topk_prob"])), **attrs)
+        fmt = p.weights
+        w1 = self._quantized(f"{n}/experts.fc1", fc1, (e, fc1.shape[1], -1))
+        w2 = self._quantized(f"{n}/experts.fc2", down, (e, down.shape[1], -1))
+        zeros = [w1[2], w2[2]] if len(w1) > 2 else ["", ""]
+        weights = "" if w["norm_topk_prob"] else gb.op(f"{n}/router/Softmax", "Softmax", [logits], axis=-1)
+        ins = [h, logits, w1[0], w1[1], "", w2[0], w2[1], "", "", "", ""] + zeros + ["", weights]  # no fc3
+        while not ins[-1]:
+            ins.pop()
+        return gb.op(f"{n}/experts/QMoE", "QMoE", ins, domain=MS, expert_weight_bits=fmt.bits, block_size=fmt.block,
+                     accuracy_level=fmt.accuracy_level, normalize_routing_weights=0, **attrs)
 
     def _softcap(self, n: str, x: str, cap: float) -> str:
         c = self.gb.const

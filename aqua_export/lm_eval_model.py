@@ -95,7 +95,11 @@ class AquaLM(HFLM):
                 raise ConfigError("a folder carries its own AQUA settings: drop projection / k_ratio / slice_ratio / "
                                   "h2o_ratio / selection / slice_alloc with folder=")
             tok = load_tokenizer(folder)
-            net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel), tok, folder)
+            from .folder import FolderConfig
+
+            context = FolderConfig.from_folder(folder).context_length or 4096
+            serving = (int(batch_size) if str(batch_size).isdigit() else 1, int(max_length or context))
+            net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
             config = _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc)

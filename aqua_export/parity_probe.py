@@ -15,7 +15,7 @@ import torch
 from .attention import selection_score
 from .h2o import heavy_margin
 
-NOISE_FACTOR = 3.0  # a bound is at least this many times the float32 error it measures (parity.py)
+NOISE_FACTOR = 5.0  # a bound is at least this many times the reference's float32 error (parity.py says why 5)
 
 
 class ReplayProbe:

@@ -26,13 +26,16 @@ def storage_dtype(model) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-def _widen_during_forward(mod, dtype: torch.dtype, handles: list) -> None:
-    """mod's parameters are ``dtype`` copies while it runs, put back after (pre/post forward hooks)."""
+def _widen_during_forward(mod, dtype: torch.dtype, handles: list, after=None) -> None:
+    """mod's parameters are ``dtype`` copies while it runs, put back after (pre/post forward hooks); after(mod), when
+    given, then edits those copies (never the model's own tensors)."""
 
     def widen(m, args):
         m._aqua_stash = [(p, p.data) for p in m.parameters()]
         for p, data in m._aqua_stash:
-            p.data = data.to(dtype)
+            p.data = data.to(dtype, copy=after is not None)
+        if after is not None:
+            after(m)
 
     def restore(m, args, out):
         for p, data in m._aqua_stash:
@@ -42,39 +45,66 @@ def _widen_during_forward(mod, dtype: torch.dtype, handles: list) -> None:
     handles += [mod.register_forward_pre_hook(widen), mod.register_forward_hook(restore)]
 
 
-def _chunked_head(head, dtype: torch.dtype):
-    """A forward for the output layer in ``dtype`` that widens HEAD_ROWS vocabulary rows of its weight at a time."""
+def _chunked_head(head, dtype: torch.dtype, weights=None):
+    """A forward for the output layer in ``dtype`` that widens HEAD_ROWS vocabulary rows of its weight at a time
+    (weights: those rows as a quantized folder computes with them)."""
 
     def forward(x):
         w, b = head.weight, head.bias
         parts = []
         for v0 in range(0, w.shape[0], HEAD_ROWS):
-            y = x.to(dtype) @ w[v0:v0 + HEAD_ROWS].to(dtype).T
-            parts.append(y if b is None else y + b[v0:v0 + HEAD_ROWS].to(dtype))
+            rows = slice(v0, v0 + HEAD_ROWS)
+            y = x.to(dtype) @ (w[rows] if weights is None else weights.rows(w, rows)).to(dtype).T
+            parts.append(y if b is None else y + b[rows].to(dtype))
         return torch.cat(parts, -1)
 
     return forward
 
 
+def _embedding_rows(emb, dtype: torch.dtype, weights):
+    """A forward for the embedding that looks up rows as a quantized folder computes with them, in ``dtype`` (with
+    Gemma's scale, which the export also applies after the lookup)."""
+
+    def forward(ids):
+        out = weights.rows(emb.weight, ids).to(dtype)
+        scale = getattr(emb, "embed_scale", None)
+        return out if scale is None else out * torch.as_tensor(scale).to(dtype)
+
+    return forward
+
+
 @contextlib.contextmanager
-def computing_in(model, dtype: torch.dtype):
+def computing_in(model, dtype: torch.dtype, weights=None):
     """Inside the block ``model`` computes in ``dtype`` (embeddings' output cast, each decoder layer and the final
     norm widened while they run, the output layer by chunks of its vocabulary). Nothing is changed when the
-    weights are already stored in ``dtype``. Undone on exit."""
-    if storage_dtype(model) == dtype:
+    weights are already stored in ``dtype`` and no ``weights`` are given. weights (exported_weights.ExportedWeights):
+    the linear layers, experts, output layer and embedding compute with the weights a quantized folder holds.
+    Undone on exit."""
+    if storage_dtype(model) == dtype and weights is None:
         yield model
         return
     from .models import architecture_of
 
     arch = architecture_of(model.config)
     handles: list = []
-    for emb in (arch.embeddings(model), arch.position_embeddings(model)):
-        if emb is not None:
-            handles.append(emb.register_forward_hook(lambda mod, args, out: out.to(dtype)))
-    for mod in [*arch.layers(model), arch.final_norm_module(model)]:
-        _widen_during_forward(mod, dtype, handles)
+    emb, wpe = arch.embeddings(model), arch.position_embeddings(model)
+    if weights is not None:
+        emb.forward = _embedding_rows(emb, dtype, weights)
+    for e in (emb, wpe):
+        if e is not None:
+            handles.append(e.register_forward_hook(lambda mod, args, out: out.to(dtype)))
+    def exported(i):  # the layer's weights as the folder holds them, written into its widened copies
+        def write(m):
+            views = arch.layer_weights(m)
+            for role, t in weights.layer(i, m).items():
+                views[role].copy_(t.to(dtype))
+        return write
+
+    for i, mod in enumerate(arch.layers(model)):
+        _widen_during_forward(mod, dtype, handles, None if weights is None else exported(i))
+    _widen_during_forward(arch.final_norm_module(model), dtype, handles)
     head = model.get_output_embeddings()
-    head.forward = _chunked_head(head, dtype)  # an instance attribute over the class's forward, deleted on exit
+    head.forward = _chunked_head(head, dtype, weights)  # an instance attribute over the class's forward, deleted on exit
     experts = getattr(model.config, "_experts_implementation", None)
     if dtype == torch.float64 and experts not in (None, "eager"):
         model.set_experts_implementation("eager")  # torch's grouped GEMM (MoE experts) takes no float64
@@ -84,6 +114,8 @@ def computing_in(model, dtype: torch.dtype):
         if dtype == torch.float64 and experts not in (None, "eager"):
             model.set_experts_implementation(experts)
         del head.forward
+        if weights is not None:
+            del emb.forward
         for h in handles:
             h.remove()
 

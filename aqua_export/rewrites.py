@@ -4,6 +4,7 @@ that it shares model.onnx.data, opened by path, removed after):
     float32_weight_casts   float16 folders: explicit per-node weight casts (no float32 copy of the weights)
     set_k(k)               every attention node scores k coordinates and evicts nothing (the graph at k = r)
     selection_outputs      the attention nodes inlined, each layer's TopK indices exposed as graph outputs
+    float_activations      quantized folders: MatMulNBits / QMoE with float32 activations (accuracy_level 0)
 """
 
 from __future__ import annotations
@@ -108,4 +109,16 @@ def selection_outputs(m):
     m = onnx.inliner.inline_local_functions(m)
     for n in (x for x in m.graph.node if x.op_type == "TopK" and x.name not in own):
         m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
+    return m
+
+
+def float_activations(m):
+    """The graph with every quantized MatMul and expert op computing its activations in float32 (accuracy_level 0):
+    the folder's int8 activations (level 4) round the input of each quantized MatMul per block, which is the
+    weight format's choice, not the export's; parity gates the export without it and reports it apart."""
+    for n in m.graph.node:
+        if n.domain == "com.microsoft" and n.op_type in ("MatMulNBits", "QMoE"):
+            for a in n.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
     return m

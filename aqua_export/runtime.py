@@ -71,6 +71,32 @@ def native_library() -> Path | None:
     return lib if lib.is_file() else None
 
 
+def available_memory() -> int:
+    """Bytes the kernel says a new process can take now without swapping (/proc/meminfo's MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def check_serving(cfg: FolderConfig, folder, batch: int, slots: int) -> None:
+    """Before a folder is loaded to serve ``batch`` sequences of up to ``slots`` tokens: a float16 folder needs a GPU
+    (ONNX Runtime's CPU provider keeps a float32 copy of every float16 weight it multiplies: twice the folder), and
+    the weights plus the cache must fit the memory available now; otherwise one line with the numbers."""
+    if cfg.dtype == "float16" and "CUDAExecutionProvider" not in providers():
+        raise ConfigError(f"{folder} is float16, the GPU format: on a CPU ONNX Runtime keeps a float32 copy of every "
+                          "float16 weight (twice the folder in memory, no faster); serve a build with --weights int4 "
+                          "(or --dtype float32) on CPU")
+    weights = sum(rec["bytes"] for name, rec in (cfg.files or {}).items() if name.startswith("model.onnx"))
+    cache = cfg.contract.cache_bytes(batch, slots)
+    free = available_memory()
+    if weights + cache > free:
+        raise ConfigError(f"{folder} needs {weights / 2**30:.2f} GiB of weights and {cache / 2**30:.2f} GiB of cache for "
+                          f"{batch} x {slots} tokens, and {free / 2**30:.2f} GiB of memory is available: serve fewer or "
+                          "shorter sequences, or a smaller folder (--weights int4)")
+
+
 def default_kernel(dtype: str) -> str:
     """"native" for float32 models when the native kernel is built, else "function". float16: ONNX Runtime's
     CPU provider runs the body's MatMul in float32 behind inserted casts and keeps the scores in float32 into
@@ -168,9 +194,13 @@ class OrtLM:
                               "in the graph): rebuild the folder")
 
     @classmethod
-    def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared") -> "OrtLM":
+    def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared",
+                    serving: tuple[int, int] | None = None) -> "OrtLM":
+        """serving: (batch, tokens) the caller will run, checked against the memory before loading (check_serving;
+        default: one sequence of the model's context)."""
         cfg = FolderConfig.from_folder(folder)
         cfg.verify(folder)  # every file the build wrote, of its size (`aqua-export check` compares checksums too)
+        check_serving(cfg, folder, *(serving or (1, cfg.context_length or 4096)))
         if kernel == "auto":
             kernel = default_kernel(cfg.dtype)
         lm = cls(make_session(Path(folder) / "model.onnx", threads, kernel), cfg, cache)

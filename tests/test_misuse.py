@@ -207,7 +207,7 @@ def test_a_kernel_library_that_is_not_one(folders, tmp_path, monkeypatch, capsys
     fake = tmp_path / "libaqua_ort.so"
     fake.write_text("not a library")
     monkeypatch.setenv("AQUA_ORT_KERNEL", str(fake))
-    assert main(["run", str(folders["plain"]), "--prompt", "Hi"]) == 2
+    assert main(["run", str(folders["plain"]), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     one_line(capsys, "is not a shared library")
 
 

@@ -65,7 +65,7 @@ def test_corrupt_model_file(copy, capsys, damage, needle):
     m = copy / "model.onnx"
     data = m.read_bytes()
     m.write_bytes(data[: len(data) // 3] if damage == "truncate" else random.Random(0).randbytes(len(data)))
-    assert main(["run", str(copy), "--prompt", "Hi"]) == 2
+    assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     _one_line_error(capsys, needle)
     for cmd in (["parity", str(copy), "--steps", "1"], ["check", str(copy)]):
         assert main(cmd) == 2
@@ -121,7 +121,7 @@ def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
     for key in ("widths", "selected", "value_widths"):
         c["contract"][key].append(c["contract"][key][-1])
     f.write_text(json.dumps(c))
-    assert main(["run", str(copy), "--prompt", "Hi"]) == 2
+    assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     _one_line_error(capsys, "does not match its model.onnx")
 
 

@@ -26,17 +26,18 @@ class LM(Protocol):
 
 
 def open_lm(folder: str | Path, runtime: str = "aqua", threads: int = 0, kernel: str = "auto",
-            share_buffer: bool = True) -> LM:
+            share_buffer: bool = True, serving: tuple[int, int] | None = None) -> LM:
+    """serving: (batch, tokens) the caller will run: checked against the memory before anything loads."""
     from ..config import ConfigError
 
     if runtime == "aqua":
         from ..runtime import OrtLM
 
-        return OrtLM.from_folder(folder, threads, kernel, cache="shared" if share_buffer else "concat")
+        return OrtLM.from_folder(folder, threads, kernel, cache="shared" if share_buffer else "concat", serving=serving)
     if runtime == "genai":
         from .genai import GenaiLM
 
-        return GenaiLM(folder, share_buffer=share_buffer, threads=threads)
+        return GenaiLM(folder, share_buffer=share_buffer, threads=threads, serving=serving)
     if runtime == "tensorrt":
         from .tensorrt import engine_lm
 

@@ -95,10 +95,14 @@ def to_right_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad: int
 class GenaiLM:
     """A built folder run by onnxruntime-genai (og.Model / og.Generator)."""
 
-    def __init__(self, folder: str | Path, share_buffer: bool = True, threads: int = 0):
+    def __init__(self, folder: str | Path, share_buffer: bool = True, threads: int = 0,
+                 serving: tuple[int, int] | None = None):
+        from ..runtime import check_serving
+
         self.cfg = FolderConfig.from_folder(folder)
         self.cfg.contract.genai_io()  # H2O, or K^ / V widths per layer: one line naming --runtime aqua
         self.cfg.verify(folder)  # every file the build wrote, of its size
+        check_serving(self.cfg, folder, *(serving or (1, self.cfg.context_length or 4096)))
         folder = self.folder = Path(folder)
         if not (folder / GENAI_CONFIG).is_file():
             raise ConfigError(f"{folder} has no {GENAI_CONFIG}: rebuild the folder with this aqua-export")
@@ -147,3 +151,48 @@ class GenaiLM:
             if eos_token_id is not None and done.all():
                 break
         return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)
+
+
+class GenaiGraph:
+    """Any onnxruntime-genai decoder folder (this project's or genai's own model builder's) driven in ONNX Runtime
+    with genai's CPU I/O, read from its genai_config.json: input_ids, attention_mask [B, total], position_ids when
+    the graph declares them, and the past / present buffers by their name templates. For what genai itself cannot do
+    here: a prefill of windows (perplexity), and a decode step over a context written straight into the buffers."""
+
+    def __init__(self, folder: str | Path, threads: int = 0):
+        import onnxruntime as ort
+
+        folder = Path(folder)
+        try:
+            gc = json.loads((folder / GENAI_CONFIG).read_text())["model"]
+            self.dec, self.vocab = gc["decoder"], gc["vocab_size"]
+            self.io_in, self.io_out = self.dec["inputs"], self.dec["outputs"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{folder} is not an onnxruntime-genai folder ({type(e).__name__} reading its "
+                              f"{GENAI_CONFIG}): give a folder this tool or genai's model builder wrote") from None
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        so.log_severity_level = 3
+        lib = self.dec.get("session_options", {}).get("custom_ops_library")
+        if lib:
+            so.register_custom_ops_library(str(folder / lib))
+        self.session = ort.InferenceSession(str(folder / self.dec["filename"]), so, providers=["CPUExecutionProvider"])
+        self.names = {i.name for i in self.session.get_inputs()}
+
+    def buffers(self, kind: str):
+        """(past name, present name) of each layer's ``kind`` buffer (key, value)."""
+        return [(self.io_in[f"past_{kind}_names"] % i, self.io_out[f"present_{kind}_names"] % i)
+                for i in range(self.dec["num_hidden_layers"])]
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """ids [B, T] from an empty cache -> logits [B, T, V]."""
+        b, t = ids.shape
+        feed = {self.io_in["input_ids"]: ids.astype(np.int64), self.io_in["attention_mask"]: np.ones((b, t), np.int64)}
+        if "position_ids" in self.names:
+            feed["position_ids"] = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+        empty = np.zeros((b, self.dec["num_key_value_heads"], 0, self.dec["head_size"]), np.float32)
+        for kind in ("key", "value"):
+            feed.update({past: empty for past, _ in self.buffers(kind)})
+        out = self.session.run([self.io_out["logits"]], feed)[0]
+        return out.reshape(b, t, -1)
