@@ -1,4 +1,4 @@
-"""How a build's cost grows with model size: random-weight Llama-shaped checkpoints (bfloat16 on disk),
+"""How a build's cost grows with model size: random-weight checkpoints of real shapes (bfloat16 on disk),
 built into float16 folders, peak RSS and time per stage and the folder's size. Writes benchmarks/scale.md.
 
     python tools/scale.py [--sizes 135M,0.5B,1.1B] [--work DIR]      (not run in CI: minutes to an hour)
@@ -22,40 +22,63 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
-# name: (hidden, layers, heads, kv_heads, intermediate, vocab, tied, extra config)
+# name: (HF architecture, its config).  Llama's vocabulary is SmolLM2's unless the model's own is the point.
+_LLAMA = dict(bos_token_id=1, eos_token_id=2)
 SHAPES = {
-    "135M": (576, 30, 9, 3, 1536, 49152, True, {}),  # SmolLM2-135M
-    "0.5B": (1024, 24, 16, 4, 5632, 49152, True, {}),
-    "1.1B": (2048, 22, 32, 4, 5632, 49152, False, {}),  # TinyLlama-1.1B's layers, SmolLM2's vocabulary
-    "8B": (4096, 32, 32, 8, 14336, 128256, False,  # Llama-3.1-8B exactly
-           {"rope_theta": 500000.0, "max_position_embeddings": 131072,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}}),
+    "135M": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, **_LLAMA)),  # SmolLM2
+    "0.5B": ("llama", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                           intermediate_size=5632, vocab_size=49152, tie_word_embeddings=True, **_LLAMA)),
+    "1.1B": ("llama", dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                           intermediate_size=5632, vocab_size=49152, tie_word_embeddings=False, **_LLAMA)),  # TinyLlama
+    "8B": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, **_LLAMA,  # Llama-3.1-8B
+                         rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "OLMoE-1B-7B": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                                  intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                                  vocab_size=50304, tie_word_embeddings=False, max_position_embeddings=4096,
+                                  bos_token_id=1, eos_token_id=2)),  # OLMoE-1B-7B-0924
 }
 SHARD_BYTES = 2 * 10**9
 DEFAULT_ARGS = ("--k-ratio 0.75 --dtype float16 --calib-text builtin:gpl-3 --calib-tokens 2048 "
                 "--parity-prompt-tokens 128 --parity-steps 16")
 
 
+def _hub_tensors(name: str, shape) -> list:
+    """(name, shape) as the hub's checkpoints store a parameter: transformers fuses each MoE layer's experts into
+    one [E, ...] parameter when it loads, the released checkpoints keep one matrix per expert."""
+    if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]
+        base, (e, two_i, h) = name[:-len("gate_up_proj")], shape
+        return [(f"{base}{j}.{w}.weight", (two_i // 2, h)) for j in range(e) for w in ("gate_proj", "up_proj")]
+    if name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+        base, (e, h, i) = name[:-len("down_proj")], shape
+        return [(f"{base}{j}.down_proj.weight", (h, i)) for j in range(e)]
+    return [(name, tuple(shape))]
+
+
 def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
-    """A random-weight LlamaForCausalLM of SHAPES[name] in bfloat16 safetensors shards; returns its parameter count.
+    """A random-weight checkpoint of SHAPES[name] in bfloat16 safetensors shards; returns its parameter count.
 
     Weights N(0, 0.02) as HF initialises them (norms 1), except the output layer, scaled so that logits
     spread like a trained model's: random-init logits are within float16 rounding of each other."""
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from aqua_export import models
 
-    hidden, layers, heads, kv, inter, vocab, tied, extra = SHAPES[name]
-    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                      intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied, torch_dtype="bfloat16",
-                      bos_token_id=1, eos_token_id=2, **extra)
+    arch, kwargs = SHAPES[name]
+    cfg = AutoConfig.for_model(arch, torch_dtype="bfloat16", **kwargs)
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in LlamaForCausalLM(cfg).state_dict().items()}
+        meta = AutoModelForCausalLM.from_config(cfg)
+    cfg.architectures = [type(meta).__name__]  # as a hub config names it (genai's builder dispatches on it)
+    shapes = [t for n, p in meta.state_dict().items() for t in _hub_tensors(n, p.shape)]
+    tied, hidden = cfg.tie_word_embeddings, cfg.hidden_size
     if tied:
-        shapes.pop("lm_head.weight", None)
+        shapes = [(n, s) for n, s in shapes if n != "lm_head.weight"]
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -72,7 +95,7 @@ def write_checkpoint(folder: Path, name: str, seed: int = 0) -> int:
             shard, size = {}, 0
 
     params = 0
-    for n, shape in shapes.items():
+    for n, shape in shapes:
         t = torch.ones(shape) if n.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
         if n == "lm_head.weight" or (tied and n == "model.embed_tokens.weight"):
             # logits spread like a trained model's (std ~5, not ~0.5): top-1 is not decided by float16 rounding
@@ -118,7 +141,7 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="rewrite benchmarks/scale.md from the JSON")
     a = ap.parse_args()
     if a.report_only:
-        write_report(json.loads(Path(a.json).read_text()), ROOT / "benchmarks" / "scale.md")
+        write_report(Path(a.json))
         return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -137,13 +160,17 @@ def main() -> None:
         shutil.rmtree(work / f"engine-{name}", ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
         Path(a.json).write_text(json.dumps(results, indent=1, sort_keys=True))
-    write_report(results, ROOT / "benchmarks" / "scale.md")
+    write_report(Path(a.json))
 
 
-def write_report(results: dict, path: Path) -> None:
+def write_report(build_json: Path = ROOT / "benchmarks" / "scale.json") -> None:
+    """benchmarks/scale.md: the build half from build_json, the serving half from tools/serving.py's JSON."""
+    from serving import report_lines
+
+    results = json.loads(build_json.read_text()) if build_json.exists() else {}
     stages = ["load", "calibrate", "export", "parity"]
-    md = ["# Build cost against model size", "",
-          "Written by `python tools/scale.py` (random-weight Llama-shaped checkpoints, bfloat16 on disk, built on "
+    md = ["# Building and serving against model size", "",
+          "## Building", "", "Written by `python tools/scale.py` (random-weight Llama-shaped checkpoints, bfloat16 on disk, built on "
           "this project's 2-core, 24 GiB CPU machine into float16 folders). Per stage: seconds / peak RSS in GiB "
           "(VmHWM reset at each stage start; it counts the mapped pages of the checkpoint and of model.onnx.data, which "
           "the kernel can drop and re-read under pressure). Target: peak <= 1.5 x disk + 3 GiB.", "",
@@ -173,7 +200,8 @@ def write_report(results: dict, path: Path) -> None:
            "", "Parity: float16 ORT vs the float32 PyTorch reference, max |dlogit| prefill / decode under ORT's selection "
            "(gate 0.5), and top-1 agreement with each side selecting on its own (gate 0.95 counting float16 "
            "near-ties). A failed build's figures are in its log (build/scale/engine-NAME.log)."]
-    path.write_text("\n".join(md) + "\n")
+    md += ["", *report_lines()]
+    (ROOT / "benchmarks" / "scale.md").write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

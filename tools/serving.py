@@ -1,0 +1,254 @@
+"""Serving at the sizes people deploy: random-weight checkpoints of the paper's model shapes (bfloat16, made in code)
+built with the used-by setting (--k-ratio 0.75) and int4 weights, then decoded at context 4096, batch 1: the build's
+peak memory, the serving peak RSS and tokens/s in this project's runtime and in onnxruntime-genai, against
+onnxruntime-genai's own model builder's int4 export of the same checkpoint in the same run (where the builder fits
+this machine). An OLMoE shape is also decoded through the all-experts form of the same int4 weights (every expert on
+every token, as this project's graph computed MoE layers before QMoE). The int4 quality section compares perplexities
+of the embedded trained model's folders (ours and the builder's int4, the float32 folder) on one text.
+
+    python tools/serving.py [--shapes 1.1B,8B,OLMoE-1B-7B] [--context 4096] [--work build/serving]
+    python tools/serving.py --quality                 # the embedded model's int4 perplexities only
+    python tools/serving.py --report-only             # rewrite benchmarks/scale.md from the JSON
+
+Writes benchmarks/serving.json; tools/scale.py renders it (with the build half) into benchmarks/scale.md. Not CI:
+hours on 2 cores. Each build, export and measurement runs in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+BUILD_ARGS = ["--k-ratio", "0.75", "--weights", "int4", "--calib-text", "builtin:gpl-3", "--calib-tokens", "2048",
+              "--parity-prompt-tokens", "128", "--parity-steps", "16"]
+JSON = ROOT / "benchmarks" / "serving.json"
+
+
+def run(cmd: list[str], log: Path) -> dict:
+    """cmd in its own process, output to ``log``: exit code, seconds and the process tree's peak RSS (GiB)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+    return {"rc": os.waitstatus_to_exitcode(status), "seconds": round(time.perf_counter() - t0, 1),
+            "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2), "log": str(log)}
+
+
+def build_ours(ckpt: Path, out: Path) -> dict:
+    res = run([sys.executable, "-m", "aqua_export", "--model", str(ckpt), "--out", str(out), "--force", *BUILD_ARGS],
+              out.parent / f"{out.name}.log")
+    if res["rc"] == 0:
+        cfg = json.loads((out / "aqua_config.json").read_text())
+        par = json.loads((out / "parity.json").read_text())
+        stages = {k: v for k, v in cfg["info"]["resources"].items() if isinstance(v, dict)}
+        res.update(stages=stages, parity_pass=par["pass"], parity_failed=par.get("failed", []),
+                   weights_bytes=sum(r["bytes"] for n, r in cfg["files"].items() if n.startswith("model.onnx")))
+    return res
+
+
+def build_genai(ckpt: Path, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    res = run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", "int4",
+               "-e", "cpu", "-c", str(out.parent / "builder-cache")], out.parent / f"{out.name}.log")
+    shutil.rmtree(out.parent / "builder-cache", ignore_errors=True)
+    if res["rc"] == 0:
+        res["weights_bytes"] = sum(p.stat().st_size for p in out.glob("model.onnx*"))
+    return res
+
+
+def bench(folders: list[Path], runtime: str, context: int, steps: int, rounds: int) -> dict:
+    from aqua_export.bench import bench as measure
+
+    return measure([str(f) for f in folders], context=context, batch=1, runtime=runtime, steps=steps, rounds=rounds)
+
+
+def cache_bytes(folder: Path, tokens: int) -> int:
+    """The KV cache of one sequence of ``tokens`` for a folder of this project or of genai's builder."""
+    if (folder / "aqua_config.json").is_file():
+        from aqua_export.folder import FolderConfig
+
+        return FolderConfig.from_folder(folder).contract.cache_bytes(1, tokens)
+    dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    return 2 * dec["num_hidden_layers"] * dec["num_key_value_heads"] * dec["head_size"] * tokens * 4
+
+
+def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int) -> dict:
+    from moe_dense import all_experts_folder
+    from scale import write_checkpoint
+
+    ckpt = work / f"ckpt-{name}"
+    params = write_checkpoint(ckpt, name)
+    disk = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    res = {"params": params, "disk_bytes": disk}
+    print(f"{name}: {params / 1e9:.2f}B parameters, {disk / 2**30:.2f} GiB", flush=True)
+    ours, theirs = work / f"aqua-{name}", work / f"genai-{name}"
+    res["build"] = build_ours(ckpt, ours)
+    print(f"  build: rc {res['build']['rc']} in {res['build']['seconds']} s", flush=True)
+    res["builder"] = build_genai(ckpt, theirs)
+    if res["builder"]["rc"]:
+        res["builder"]["why"] = Path(res["builder"]["log"]).read_text(errors="replace").strip().splitlines()[-1][-200:]
+    print(f"  genai builder: rc {res['builder']['rc']} in {res['builder']['seconds']} s", flush=True)
+    tokens = context + steps + 4
+    if res["build"]["rc"] == 0:
+        folders = [ours] + ([theirs] if res["builder"]["rc"] == 0 else [])
+        res["cache_bytes"] = {str(f): cache_bytes(f, tokens) for f in folders}
+        res["genai"] = bench(folders, "genai", context, steps, rounds)
+        print(f"  genai: {json.dumps(res['genai']['folders'])}", flush=True)
+        mine = [ours]
+        if "OLMoE" in name:
+            dense = work / f"all-experts-{name}"
+            all_experts_folder(ours, dense)
+            mine.append(dense)
+            res["all_experts_weights_bytes"] = sum(p.stat().st_size for p in dense.glob("*.data"))
+        res["aqua"] = bench(mine, "aqua", context, steps, rounds)
+        print(f"  aqua: {json.dumps(res['aqua']['folders'])}", flush=True)
+    for p in (ckpt, ours, theirs, work / f"all-experts-{name}"):
+        shutil.rmtree(p, ignore_errors=True)
+    return res
+
+
+def quality(work: Path) -> dict:
+    """The embedded trained model: our dense int4 folder (block 32, symmetric) against the builder's int4 of the same
+    checkpoint, both against our float32 folder, and our int4 at the used-by k 0.75, on builtin:gpl-3."""
+    from aqua_export import models
+
+    ckpt = models.resolve("llama")[0]
+    common = ["--calib-text", "builtin:python-reference", "--parity-steps", "8"]
+    ours = {"aqua float32": [], "aqua int4": ["--weights", "int4"],
+            "aqua int4, k 0.75": ["--weights", "int4", "--k-ratio", "0.75"]}
+    folders = {name: work / f"q-{i}" for i, name in enumerate([*ours, "genai builder int4"])}
+    for name, extra in ours.items():
+        run([sys.executable, "-m", "aqua_export", "--model", "llama", "--out", str(folders[name]), "--force", *common,
+             *extra], folders[name].with_suffix(".log"))
+    build_genai(Path(ckpt), folders["genai builder int4"])
+    out = {}
+    for name, folder in folders.items():
+        r = subprocess.run([sys.executable, "-m", "aqua_export", "eval", "--folder", str(folder), "--text",
+                            "builtin:gpl-3", "--tokens", "8192", "--seq-len", "512", "--json"], capture_output=True,
+                           text=True)
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-300:]}
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1.1B,8B,OLMoE-1B-7B")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--work", default=str(ROOT / "build" / "serving"))
+    ap.add_argument("--quality", action="store_true", help="only the embedded model's int4 perplexities")
+    ap.add_argument("--report-only", action="store_true")
+    a = ap.parse_args()
+    from scale import write_report
+
+    results = json.loads(JSON.read_text()) if JSON.exists() else {}
+    if not a.report_only:
+        work = Path(a.work)
+        work.mkdir(parents=True, exist_ok=True)
+        if a.quality:
+            results["quality"] = quality(work)
+        else:
+            results.setdefault("shapes", {})
+            for name in a.shapes.split(","):
+                results["shapes"][name] = {**serve_shape(name, work, a.context, a.steps, a.rounds),
+                                           "context": a.context, "build_args": " ".join(BUILD_ARGS)}
+                JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
+        JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
+    write_report()
+
+
+# --------------------------------------------------------------------------------------------
+# the serving half of benchmarks/scale.md
+# --------------------------------------------------------------------------------------------
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def _build_rows(shapes: dict) -> list[str]:
+    md = ["| shape | parameters | checkpoint (GiB) | our build: s / peak (GiB) | target (GiB) | parity | "
+          "int4 weights (GiB) | genai builder int4: s / peak (GiB) | its weights (GiB) |", "|---" * 9 + "|"]
+    for name, r in shapes.items():
+        b, g = r["build"], r["builder"]
+        ours = (f"{b['seconds']:.0f} / {max(s['peak_rss_gib'] for s in b['stages'].values()):.1f}"
+                if b["rc"] == 0 else f"failed (rc {b['rc']})")
+        parity = ("pass" if b.get("parity_pass") else f"FAIL ({', '.join(b.get('parity_failed', []))})") \
+            if b["rc"] == 0 else "-"
+        theirs = f"{g['seconds']:.0f} / {g['peak_rss_gib']:.1f}" if g["rc"] == 0 else f"cannot: {g.get('why', '')}"
+        md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {_gib(r['disk_bytes'])} | {ours} | "
+                  f"{1.5 * r['disk_bytes'] / 2**30 + 3:.1f} | {parity} | {_gib(b.get('weights_bytes', 0))} | {theirs} | "
+                  f"{_gib(g['weights_bytes']) if g['rc'] == 0 else '-'} |")
+    return md
+
+
+def _decode_rows(shapes: dict) -> list[str]:
+    md = ["| shape | runtime | folder | tokens/s | vs builder int4 (same runtime) | vs all experts | serve peak (GiB) | "
+          "bound: 1.3 x weights + cache + 1 (GiB) |", "|---" * 8 + "|"]
+    for name, r in shapes.items():
+        weights = {"aqua": r["build"].get("weights_bytes", 0), "genai": r["builder"].get("weights_bytes", 0),
+                   "all": r.get("all_experts_weights_bytes", 0)}
+        for runtime in ("genai", "aqua"):
+            folders = r.get(runtime, {}).get("folders", {})
+            base = {k: v for k, v in folders.items() if "/genai-" in k}
+            dense = {k: v for k, v in folders.items() if "/all-experts-" in k}
+            for f, m in folders.items():
+                kind = "genai" if "/genai-" in f else "all" if "/all-experts-" in f else "aqua"
+                label = {"genai": "genai builder int4", "all": "ours, all experts", "aqua": "ours int4 k 0.75"}[kind]
+                cache = r.get("cache_bytes", {}).get(f, r.get("cache_bytes", {}).get(f.replace("/all-experts-", "/aqua-"), 0))
+                vs_b = f"{m['tokens_per_s'] / next(iter(base.values()))['tokens_per_s']:.2f}x" if base else "-"
+                vs_d = f"{m['tokens_per_s'] / next(iter(dense.values()))['tokens_per_s']:.2f}x" if dense else "-"
+                bound = 1.3 * weights[kind] + cache + 2**30
+                md.append(f"| {name} | {runtime} | {label} | {m['tokens_per_s']:.2f} | {vs_b} | {vs_d} | "
+                          f"{m['peak_rss_mb'] / 1024:.2f} | {bound / 2**30:.2f} |")
+    return md
+
+
+def report_lines() -> list[str]:
+    """Markdown for benchmarks/scale.md from benchmarks/serving.json (empty when it is absent)."""
+    if not JSON.exists():
+        return []
+    results = json.loads(JSON.read_text())
+    shapes = results.get("shapes", {})
+    md = ["## Serving", "",
+          "Written by `python tools/serving.py`: random-weight checkpoints of the paper's shapes (bfloat16, made in code: "
+          "tools/scale.py's SHAPES), built with `aqua-export --model DIR " + " ".join(BUILD_ARGS) + "` and by "
+          "onnxruntime-genai's model builder (`-p int4 -e cpu`, block 32, accuracy level 4) in the same run, then "
+          "decoded at context " + str(next(iter(shapes.values()), {}).get("context", 4096)) + ", batch 1 on this "
+          "2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
+          "real prompt prefilled through onnxruntime-genai; aqua: written into the cache). Build peak: the largest "
+          "stage's VmHWM; serve peak: the bench process's VmHWM (loading, context and decode).", "",
+          *_build_rows(shapes), "", *_decode_rows(shapes)]
+    if "quality" in results:
+        q = results["quality"]
+        ref = q.get("aqua float32", {}).get("perplexity")
+        md += ["", "### Int4 quality (the embedded trained model)", "",
+               "`python tools/serving.py --quality`: perplexity through `aqua-export eval --folder` on builtin:gpl-3 "
+               "(8,192 tokens, windows of 512) of folders built from the embedded SmolLM2-135M-Instruct: ours dense "
+               "(k 1) float32 and int4 (block 32, symmetric, accuracy level 4), ours int4 at k 0.75, and "
+               "onnxruntime-genai's builder int4 (block 32, accuracy level 4) of the same checkpoint.", "",
+               "| folder | perplexity | vs genai builder int4 | vs float32 |", "|---|---|---|---|"]
+        base = q.get("genai builder int4", {}).get("perplexity")
+        for name, r in q.items():
+            if "perplexity" not in r:
+                md.append(f"| {name} | failed: {r.get('error', '')[-120:]} | - | - |")
+                continue
+            p = r["perplexity"]
+            md.append(f"| {name} | {p:.4f} | {f'{p / base - 1:+.2%}' if base else '-'} | "
+                      f"{f'{p / ref - 1:+.2%}' if ref else '-'} |")
+    return md
+
+
+if __name__ == "__main__":
+    main()
