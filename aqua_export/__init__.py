@@ -1,8 +1,17 @@
-"""aqua-export: AQUA attention (Attention via QUery mAgnitudes) for Hugging Face decoder LLMs.
+"""aqua-export: AQUA attention (Attention via QUery mAgnitudes) for Hugging Face decoder LLMs, exported to ONNX and
+served by ONNX Runtime, onnxruntime-genai and TensorRT.
 
-Pipeline stages, one module each: ``models`` (registry + loading), ``calibrate`` (P from
-second moments), ``fold`` (exact weight folds), ``attention`` (the PyTorch reference),
-``evaluate`` (perplexity, retention), ``cli``.
+The pipeline, each stage pointing down only (docs/design.md, Where each thing lives):
+
+    models, archs/      loading any supported checkpoint; one adapter per decoder family
+    calibrate           P from the second moments of the post-RoPE queries and keys -> projection (the artifact)
+    reference/          the PyTorch AQUA (apply_aqua), the precision a model computes in
+    export/             the graph contract and the ONNX decoder built from the weights
+    ops/                the custom nodes and the rules every implementation mirrors
+    kernels/            the Triton kernels (the C++ ones: plugins/ort)
+    runtime/            serving a built folder (ONNX Runtime, onnxruntime-genai, TensorRT)
+    parity/             a folder against the reference and HF, bounds from measured noise
+    build, evaluate, bench, lm_eval_model, cli / commands
 """
 
 __version__ = "0.1.0"

@@ -19,25 +19,31 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, allocate, calibrate, models
+from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
-from .folder import FolderConfig, Geometry
+from .export.exporter import contract_for, export_onnx
 from .meter import StageMeter, stage_bar
+from .ops.catalogue import OPS
+from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from .outputs import atomic_write_bytes, check_free_space, check_writable, claim
+from .parity.harness import run_parity
+from .parity.report import summary_lines
+from .projection import load_projection
+from .projection import write as write_projection
 from .quantize import WeightFormat
+from .runtime import genai
+from .runtime.folder import FolderConfig, Geometry
+from .runtime.session import default_kernel
+from .runtime.tensorrt import build_engine
+from .runtime.tensorrt_plugin import require_tensorrt
+from .slice_costs import add_costs
 
 STAGES = 5
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in FLOAT_TYPES}  # --dtype name -> torch dtype
 WEIGHT_CHOICES = ("{fmt.name} blocks of {fmt.block} ({zero}) for every linear layer after the folds, the MoE experts "
                   "(QMoE) and the output layer (MatMulNBits, accuracy_level {fmt.accuracy_level}), and the embedding "
                   "(GatherBlockQuantized); norms, biases, the projections P and a MoE router stay float32")
 
-LAYOUT = {"key": "declared [batch, kv_heads, slots, r]; memory K^ = RoPE(k) @ P[:, :r] dim-major [batch, kv_heads, "
-                  "r, slots]: selecting coordinate c reads one contiguous row, so the attention node reads k/r of "
-                  "the K cache",
-          "value": "[batch, kv_heads, slots, r] in P_v's basis (folded into W_V / W_O)",
-          "update": "new tokens at slots total-sequence..total-1; a buffer shared by past and present (onnxruntime-"
-                    "genai's past_present_share_buffer, `aqua-export run`) is written in place"}
 
 
 def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
@@ -46,7 +52,7 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
     name = f"{model_name}-k{config.k_ratio:g}"
     if config.slice_ratio:
         name += f"-s{config.slice_ratio:g}"
-    if config.h2o_ratio < 1:
+    if config.evicts:
         name += f"-h{config.h2o_ratio:g}"
     if config.selection != "magnitude":
         name += f"-{config.selection}"
@@ -117,10 +123,9 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
-    if o.backend == "tensorrt" and config.h2o_ratio < 1:
+    if o.backend == "tensorrt" and config.evicts:
         raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
     if o.backend == "tensorrt":
-        from .backends.tensorrt import require_tensorrt
 
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written
     elif o.backend != "onnx":
@@ -144,7 +149,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     _check(o, config)
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
-    projection = calibrate.load_projection(projection_path) if projection_path else None
+    projection = load_projection(projection_path) if projection_path else None
     out_dir = Path(out) if out else default_out(models.short_name(model_spec), config, o)
     check_out_dir(out_dir, o.force)
     with claim(out_dir):  # a second build to the same --out fails now, not by replacing this one's folder
@@ -168,13 +173,13 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
         if projection is None:
             tensors, meta = calibrate.calibrate(model, tok, texts=calib_texts or ["builtin:python-reference"],
                                                 tokens=calib_tokens)
-            calibrate.write(tmp / "projection.safetensors", tensors, meta)
-            projection = calibrate.load_projection(tmp / "projection.safetensors")
+            write_projection(tmp / "projection.safetensors", tensors, meta)
+            projection = load_projection(tmp / "projection.safetensors")
         else:
             projection.check_model(model)
             shutil.copyfile(projection_path, tmp / "projection.safetensors")
         if config.slice_alloc == "measured" and config.slice_ratio and projection.slice_cost is None:
-            projection = allocate.add_costs(model, tok, projection, tmp / "projection.safetensors",
+            projection = add_costs(model, tok, projection, tmp / "projection.safetensors",
                                             calib_texts or ["builtin:python-reference"])
         d = models.attention_geometry(model)["head_dim"]
         _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})", total)
@@ -188,7 +193,6 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
         meter.start("parity")
         _parity(tmp, cfg, tok, projection, config, o, model_spec)
         if o.backend == "tensorrt":
-            from .backends.tensorrt import build_engine
 
             _stage(5, f"building the TensorRT engine (batch <= {o.trt_limits[0]}, context <= {o.trt_limits[1]}, "
                       f"prompt <= {o.trt_limits[2]})", total)
@@ -207,10 +211,6 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
 
 def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Path, model_spec: str) -> FolderConfig:
     """Write model.onnx (+ .data), the tokenizer, aqua_config.json and the onnxruntime-genai files into ``tmp``."""
-    from .backends import genai
-    from .contract import OPS
-    from .export import PLUGIN_NAMESPACE, PLUGIN_VERSION, contract_for, export_onnx
-
     geo = models.attention_geometry(model)
     bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
@@ -218,19 +218,32 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
                         fused=o.backend != "tensorrt", weights=o.weights)
     bar.close()
     tok.save_pretrained(tmp)
+    contract = contract_for(model, config, DTYPES[o.dtype], projection)
+    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract,
+                       context_length=getattr(model.config, "max_position_embeddings", None),
+                       fingerprint=models.fingerprint(model), info=_info(proto, contract, config, o, tmp),
+                       weights=o.weights)
+    # written now for stages that read the folder (TensorRT); rewritten at the end with the resources used
+    cfg.write(tmp)
+    genai.write_files(tmp, cfg, model.config, getattr(model, "generation_config", None), tok)
+    return cfg
+
+
+def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> dict:
+    """aqua_config.json's info: what the graph holds and how it was made, in words."""
     import onnx
-    import onnxruntime
+    import onnxruntime  # only its version: the build stage runs it for parity anyway
     import transformers
 
     info = {
-        "layout": LAYOUT,
-        "operators": {op: sum(1 for n in proto.graph.node if n.op_type == op) for op in OPS},
+        "layout": contract.layout(),
+        "operators": {op.name: sum(1 for n in proto.graph.node if n.op_type == op.name) for op in OPS},
         "plugin": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION},
         "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
                    "P after RoPE (cannot fold under rotary embeddings)",
                    *(["rms(k^) folded into P (q^ * w, k^ / w): the weighted rule as magnitude"]
                      if config.weighted_selection and config.k_ratio < 1 else []),
-                   "H2OAttention per layer" if config.h2o_ratio < 1 else
+                   "H2OAttention per layer" if config.evicts else
                    "AquaAttention per layer" if o.backend != "tensorrt" else
                    "TopKGatherDot, Softmax, ValueProduct per layer"],
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
@@ -241,26 +254,17 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     if config.slice_alloc != "uniform" and config.slice_ratio:
         info["slice_alloc"] = (f"{config.slice_alloc}: layer widths chosen where slicing costs least, the cache's bytes "
                                "those of uniform slicing (allocate.py); onnxruntime-genai takes one width: --runtime aqua")
-    if config.h2o_ratio < 1:
+    if config.evicts:
         info["h2o"] = ("eviction inside the graph (H2OAttention, fixed-capacity slots updated in place): keep "
                        "ceil(ratio*n) per sequence and KV head, floor(half) the most recent, the rest by accumulated "
                        "attention; a prompt is one forward, evicting as token-by-token decoding does")
     if o.weights.quantized:
         zero = "symmetric" if o.weights.symmetric else "with zero points"
         info["weights"] += f"; {WEIGHT_CHOICES.format(fmt=o.weights, zero=zero)}"
-    cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo),
-                       contract=contract_for(model, config, DTYPES[o.dtype], projection),
-                       context_length=getattr(model.config, "max_position_embeddings", None),
-                       fingerprint=models.fingerprint(model), info=info, weights=o.weights)
-    # written now for stages that read the folder (TensorRT); rewritten at the end with the resources used
-    cfg.write(tmp)
-    genai.write_files(tmp, cfg, model.config, getattr(model, "generation_config", None), tok)
-    return cfg
+    return info
 
 
 def _parity(tmp: Path, cfg: FolderConfig, tok, projection, config: AquaConfig, o: BuildOptions, model_spec: str) -> None:
-    from .parity import run_parity, summary_lines
-    from .runtime import default_kernel
 
     res = run_parity(tmp / "model.onnx", cfg, tok, projection, config, lambda: models.load(model_spec, dtype="auto")[0],
                      prompt_tokens=o.parity_prompt, steps=o.parity_steps, dtype=o.dtype, kernel=default_kernel(o.dtype),

@@ -15,6 +15,7 @@ import sys
 
 from . import commands
 from .config import ConfigError
+from .ops.spec import FLOAT_TYPES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +74,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                   "folder is refused")
     ap.add_argument("--force", action="store_true", help="replace --out when it is a folder this tool built and holds "
                                                         "nothing else (a user's file in it: refused)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+    ap.add_argument("--dtype", default="float32", choices=list(FLOAT_TYPES),
                     help="weights, activations and KV cache of the export (default %(default)s)")
     ap.add_argument("--weights", default="float", choices=["float", "int4", "int8"],
                     help="the linear layers, MoE experts, output layer and embedding: float (--dtype), or int4 / int8 "
@@ -108,7 +109,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def build_main(argv: list[str]) -> int:
     a = build_arg_parser().parse_args(argv)
     from .build import BuildOptions, build
-
     from .quantize import WeightFormat
 
     weights = WeightFormat(bits=None if a.weights == "float" else int(a.weights[3:]), block=a.weight_block,
@@ -124,16 +124,18 @@ def build_main(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = ("calibrate", "eval", "lm-eval", "retention", "run", "bench", "parity", "check")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="aqua-export", description="AQUA attention for Hugging Face decoder LLMs. The "
                                  "main job, a ready-to-serve folder: aqua-export --model M --k-ratio R [...] (its "
                                  "options follow the subcommands below).")
     ap.add_argument("--version", action="store_true", help="print the version and exit")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in SUBPARSERS.values():
+        add(sub)
+    return ap
 
+
+def _calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="compute the projection artifact")
     _model_arg(p)
     p.add_argument("--text", action="append", help="plain-text/JSONL file or builtin:NAME (repeatable); default: "
@@ -152,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cuts per layer, a 1,024-token forward each, on --text (default builtin:python-reference)")
     p.set_defaults(fn=commands.cmd_calibrate)
 
+
+def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="perplexity with or without AQUA, of the PyTorch reference or a built folder")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="HF model id (org/name), local HF folder, .gguf file, or 'llama' (the embedded "
@@ -168,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=commands.cmd_eval)
 
+
+def _lm_eval_parser(sub) -> None:
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on the PyTorch reference or a built folder")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="as for eval: HF model id, local folder, .gguf, or 'llama' (the PyTorch "
@@ -188,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (lm_eval's results per task)")
     p.set_defaults(fn=commands.cmd_lm_eval)
 
+
+def _retention_parser(sub) -> None:
     p = sub.add_parser("retention", help="information retention loss per layer/head, JSON + PNG")
     _model_arg(p)
     p.add_argument("--projection", required=True, help="projection file")
@@ -200,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a retention report this tool wrote in --out")
     p.set_defaults(fn=commands.cmd_retention)
 
+
+def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate with ONNX Runtime from a built folder")
     p.add_argument("folder", help="a folder built by aqua-export")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
@@ -224,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "concat: a new present each step (default %(default)s)")
     p.set_defaults(fn=commands.cmd_run)
 
+
+def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="decode tokens/s and decode memory of built folders, measured interleaved")
     p.add_argument("folders", nargs="+", help="folders built by aqua-export (or by onnxruntime-genai's builder, "
                                               "with --runtime genai)")
@@ -244,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=commands.cmd_bench)
 
+
+def _parity_parser(sub) -> None:
     p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
     p.add_argument("folder", help="a folder built by aqua-export")
     p.add_argument("--steps", type=int, default=64, help="greedy decode steps, >= 1 (default %(default)s)")
@@ -253,10 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print parity.json's content as one JSON object")
     p.set_defaults(fn=commands.cmd_parity)
 
+
+def _check_parser(sub) -> None:
     p = sub.add_parser("check", help="verify a built folder: every file the build wrote, of its size and SHA-256")
     p.add_argument("folder", help="a folder built by aqua-export")
     p.set_defaults(fn=commands.cmd_check)
-    return ap
+
+
+SUBPARSERS = {"calibrate": _calibrate_parser, "eval": _eval_parser, "lm-eval": _lm_eval_parser,
+              "retention": _retention_parser, "run": _run_parser, "bench": _bench_parser, "parity": _parity_parser,
+              "check": _check_parser}  # subcommand -> what adds its parser
+SUBCOMMANDS = tuple(SUBPARSERS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,10 +32,12 @@ def _process_group():
 def cmd_calibrate(a) -> int:
     from . import calibrate, models
     from .outputs import check_writable, refuse_foreign
+    from .projection import is_projection, load_projection
+    from .projection import write as write_projection
 
     out = Path(a.out)
     check_writable(out)
-    refuse_foreign(out, calibrate.is_projection, a.force)
+    refuse_foreign(out, is_projection, a.force)
     max_memory = models.parse_max_memory(a.max_memory)
     if max_memory and not a.device_map:
         raise ConfigError("--max-memory needs --device-map (e.g. --device-map auto)")
@@ -55,11 +57,11 @@ def cmd_calibrate(a) -> int:
                                   seed=a.seed, progress=not a.quiet, group=group)
         if res is not None:  # rank 0 (or the only process) writes
             tensors, meta = res
-            calibrate.write(out, tensors, meta)
+            write_projection(out, tensors, meta)
             if a.slice_costs:
-                from .allocate import add_costs
+                from .slice_costs import add_costs
 
-                add_costs(model, tok, calibrate.load_projection(out), out, a.text or ["builtin:python-reference"],
+                add_costs(model, tok, load_projection(out), out, a.text or ["builtin:python-reference"],
                           progress=not a.quiet)
             print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']}{', slice costs' if a.slice_costs else ''})")
     finally:
@@ -73,7 +75,8 @@ def cmd_calibrate(a) -> int:
 
 
 def cmd_eval(a) -> int:
-    from . import calibrate, corpus, evaluate, models
+    from . import corpus, evaluate, models
+    from .projection import load_projection
 
     cfg = config_of(a)
     evaluate.check_windows(a.tokens, a.seq_len)
@@ -89,7 +92,7 @@ def cmd_eval(a) -> int:
               f"windows of {a.seq_len}) of the folder {a.folder} ({res['runtime']})")
         return 0
     a.model = a.model or "llama"
-    projection = calibrate.load_projection(a.projection) if a.projection else None
+    projection = load_projection(a.projection) if a.projection else None
     if projection is None and not cfg.is_dense:
         raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
                           "(make one with `aqua-export calibrate`)")
@@ -157,8 +160,9 @@ def _is_retention_report(path: Path) -> bool:
 
 
 def cmd_retention(a) -> int:
-    from . import calibrate, corpus, evaluate, models
+    from . import corpus, evaluate, models
     from .outputs import atomic_write_bytes, check_writable, refuse_foreign
+    from .projection import load_projection
 
     out = Path(a.out)
     if out.exists() and not out.is_dir():
@@ -170,7 +174,7 @@ def cmd_retention(a) -> int:
         refuse_foreign(out / name, lambda p: ours, a.force)
     AquaConfig(k_ratio=a.k_ratio)
     evaluate.check_windows(a.tokens, a.seq_len)
-    projection = calibrate.load_projection(a.projection)
+    projection = load_projection(a.projection)
     text = corpus.read_text(a.text)
     model, tok = models.load(a.model)
     projection.check_model(model)
@@ -184,9 +188,10 @@ def cmd_retention(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from .backends import open_lm
-    from .folder import FolderConfig
-    from .runtime import SamplingConfig, TextStream, encode_prompts, load_tokenizer
+    from .runtime.folder import FolderConfig
+    from .runtime.hosts import open_lm
+    from .runtime.sampling import SamplingConfig
+    from .runtime.text import TextStream, encode_prompts, load_tokenizer
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
@@ -200,7 +205,7 @@ def cmd_run(a) -> int:
     lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
                  share_buffer=a.kv_buffer == "shared", serving=(ids.shape[0], ids.shape[1] + a.max_new_tokens))
     if a.backend == "tensorrt":
-        from .backends.tensorrt import check_request
+        from .runtime.tensorrt import check_request
 
         check_request(lm.session.profiles, ids.shape[0], ids.shape[1], a.max_new_tokens)
     eos = tok.eos_token_id
@@ -226,16 +231,19 @@ def cmd_bench(a) -> int:
 
 
 def cmd_parity(a) -> int:
-    from . import calibrate, models
-    from .folder import FolderConfig
-    from .parity import run_parity, summary_lines
-    from .runtime import default_kernel, load_tokenizer
+    from . import models
+    from .parity.harness import run_parity
+    from .parity.report import summary_lines
+    from .projection import load_projection
+    from .runtime.folder import FolderConfig
+    from .runtime.session import default_kernel
+    from .runtime.text import load_tokenizer
 
     cfg = FolderConfig.from_folder(a.folder)
     cfg.verify(a.folder, checksums=True)  # damaged weights are named here, not left to fail a gate
     kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg.dtype)
     path = Path(a.folder) / "model.onnx"
-    proj = calibrate.load_projection(Path(a.folder) / "projection.safetensors")
+    proj = load_projection(Path(a.folder) / "projection.safetensors")
     # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
     res = run_parity(path, cfg, load_tokenizer(a.folder), proj, cfg.aqua,
                      lambda: models.load(cfg.model, dtype="auto")[0], steps=a.steps, dtype=cfg.dtype, kernel=kernel,
@@ -245,7 +253,7 @@ def cmd_parity(a) -> int:
 
 
 def cmd_check(a) -> int:
-    from .folder import FolderConfig
+    from .runtime.folder import FolderConfig
 
     cfg = FolderConfig.from_folder(a.folder)
     size = cfg.verify(a.folder, checksums=True)

@@ -7,10 +7,12 @@ import json
 import math
 from dataclasses import dataclass
 
+from .ops import spec
+
 CONFIG_VERSION = 1
-SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
+SELECTIONS = tuple(spec.SELECTIONS)  # the rule names; what each scores: ops.rules
 SLICE_ALLOCS = ("uniform", "energy", "measured")  # how AQUA-Memory spreads its width budget over layers (allocate.py)
-# how each rule scores coordinate i of q^ before taking the top k (attention.select_indices is the definition):
+# how each rule scores coordinate i of q^ before taking the top k (ops.rules.selection_score is the definition):
 #   shared: one index set per KV group (the sum of the score over its g query heads), so a kernel reads exactly
 #           k of K^'s r rows per group instead of the union of g selections
 #   weighted: |q^_i| * rms(k^_i); exported by folding rms into P (q^ * w, k^ / w: same scores, see export)
@@ -98,6 +100,11 @@ class AquaConfig:
     @property
     def weighted_selection(self) -> bool:
         return self.selection.endswith("weighted")
+
+    @property
+    def evicts(self) -> bool:
+        """AQUA-H2O: the cache keeps a share of the tokens."""
+        return self.h2o_ratio < 1.0
 
     @property
     def is_dense(self) -> bool:

@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from . import corpus
-from .attention import apply_aqua, select_indices
-from .calibrate import Moments, Projection, projection_tensors, recording
+from .calibrate import Moments, projection_tensors, recording
 from .config import AquaConfig, ConfigError
+from .ops.rules import select_indices
 from .outputs import atomic_write_bytes
+from .projection import Projection
+from .reference.attention import apply_aqua
 
 
 def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
@@ -74,18 +76,18 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: 
 
     from tqdm import tqdm
 
-    from .folder import CONFIG_FILE
-    from .runtime import load_tokenizer
+    from .runtime.folder import CONFIG_FILE
+    from .runtime.text import load_tokenizer
 
     check_windows(tokens, seq_len)
     folder = Path(folder)
     if (folder / CONFIG_FILE).is_file():
-        from .runtime import OrtLM
+        from .runtime.lm import OrtLM
 
         lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len))
         logits_of, runtime = (lambda w: lm.step(w[None], np.ones((1, w.size), np.int64), lm.empty_past(1))[0][0]), "aqua"
     else:
-        from .backends.genai import GenaiGraph
+        from .runtime.genai import GenaiGraph
 
         g = GenaiGraph(folder, threads)
         logits_of, runtime = (lambda w: g.logits(w[None])[0]), "genai graph"

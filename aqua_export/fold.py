@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from .config import AquaConfig
+from .projection import Projection
+
 
 def fold_value(weight: torch.Tensor, bias: torch.Tensor | None, p_v: torch.Tensor):
     """W_V [Hkv*d, D], b_V [Hkv*d], P_v [Hkv, d, d] -> (W_V', b_V') producing v' = P_v^T v per KV head."""
@@ -64,3 +67,31 @@ def attention_projections(w: dict, P: tuple, P_v: torch.Tensor, scaling: float, 
         bk = None if bk is None else torch.einsum("kdr,kd->kr", P_k, bk.reshape(hkv, d)).reshape(-1)
         wk = torch.einsum("kdr,kdD->krD", P_k, wk.reshape(hkv, d, -1)).reshape(hkv * r, -1)
     return {"q": (wq, bq), "k": (wk, bk), "v": (wv[keep_v], None if bv is None else bv[keep_v]), "o": (wo, None)}
+
+
+def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: AquaConfig) -> tuple:
+    """P [Hkv, d, d], key_rms [Hkv, d] -> (query basis, key basis), each [Hkv, d, r].
+
+    The weighted rules rank |q^_i| * w_i with w = rms(k^_i). Scaling q^ by w and k^ by 1/w leaves every
+    score q^ . k^ (and any subset of its terms) unchanged and turns that rank into plain |q^'_i|, so the
+    nodes and kernels only know magnitude and group rules; the cache then holds k^ / w. w is floored at
+    1e-6 of its largest value so a dead coordinate does not divide by zero (such a coordinate is never
+    selected by the rule anyway).
+    """
+    P_r = P[:, :, :r].to(torch.float32)
+    if not config.weighted_selection:
+        return P_r, P_r
+    w = key_rms[:, :r].to(torch.float32)
+    w = torch.maximum(w, 1e-6 * w.amax(-1, keepdim=True))[:, None, :]
+    return P_r * w, P_r / w
+
+
+def layer_bases(projection: Projection, config: AquaConfig, contract, i: int, head_dim: int) -> tuple:
+    """((query basis, key basis), P_v) that layer i of an export (its export.contract.Contract) folds in: the
+    calibrated ones, or the identity when nothing is selected or sliced (at k = r without slicing P and P_v cancel exactly, so the dense graph has no
+    projection MatMul and its weights are the checkpoint's)."""
+    ct = contract
+    if ct.selected == ct.widths == ct.value_widths == (head_dim,) * ct.layers:
+        eye = torch.eye(head_dim).expand(ct.kv_heads, head_dim, head_dim)
+        return (eye, eye), eye
+    return selection_bases(projection.P[i], projection.key_rms[i], ct.widths[i], config), projection.P_v[i]

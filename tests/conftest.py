@@ -4,6 +4,10 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton's language follows the interpreter setting of its first import: without a GPU every Triton kernel in
+    # this session runs interpreted (ahead-of-time compilation is tested in a process of its own)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class CharTokenizer:
@@ -51,10 +55,11 @@ def smollm():
 @pytest.fixture(scope="session")
 def smollm_projection(smollm, tmp_path_factory):
     from aqua_export import calibrate
+    from aqua_export import projection as artifact
 
     model, tok = smollm
     tensors, meta = calibrate.calibrate(model, tok, texts=["builtin:python-reference"], tokens=2048, seq_len=256,
                                         progress=False)
     path = tmp_path_factory.mktemp("proj") / "smollm.safetensors"
-    calibrate.write(path, tensors, meta)
-    return calibrate.load_projection(path)
+    artifact.write(path, tensors, meta)
+    return artifact.load_projection(path)

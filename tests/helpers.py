@@ -4,11 +4,13 @@ import numpy as np
 import torch
 
 from aqua_export import calibrate
+from aqua_export import projection as artifact
 
 
 def tiny_projection(model, tmp_path, seed: int = 0, n: int = 3, t: int = 48):
-    from aqua_export.models import attention_geometry, fingerprint
     import json
+
+    from aqua_export.models import attention_geometry, fingerprint
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (n, t), generator=g)
@@ -16,10 +18,10 @@ def tiny_projection(model, tmp_path, seed: int = 0, n: int = 3, t: int = 48):
     mom = calibrate.Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"])
     with torch.no_grad(), calibrate.recording(model, mom):
         model(input_ids=ids, use_cache=False)
-    meta = {"format_version": calibrate.FORMAT_VERSION, "fingerprint": json.dumps(fingerprint(model), sort_keys=True)}
+    meta = {"format_version": artifact.FORMAT_VERSION, "fingerprint": json.dumps(fingerprint(model), sort_keys=True)}
     path = tmp_path / f"tiny-{seed}.safetensors"
-    calibrate.write(path, calibrate.projection_tensors(mom), meta)
-    return calibrate.load_projection(path)
+    artifact.write(path, calibrate.projection_tensors(mom), meta)
+    return artifact.load_projection(path)
 
 
 def left_padded(vocab: int, lengths, seed: int = 1):
@@ -35,9 +37,9 @@ def left_padded(vocab: int, lengths, seed: int = 1):
 
 def folder_cfg(model, config, dtype: str = "float32", projection=None):
     """The FolderConfig a build would write for ``model`` exported with ``config`` in a test."""
-    from aqua_export.export import contract_for
-    from aqua_export.folder import FolderConfig, Geometry
+    from aqua_export.export.exporter import contract_for
     from aqua_export.models import attention_geometry
+    from aqua_export.runtime.folder import FolderConfig, Geometry
 
     return FolderConfig(model="test", aqua=config, geometry=Geometry(**attention_geometry(model)),
                         contract=contract_for(model, config, {"float32": torch.float32, "float16": torch.float16}[dtype],

@@ -5,11 +5,13 @@ import dataclasses
 
 import pytest
 import torch
-
-from aqua_export import allocate, calibrate, models
-from aqua_export.attention import apply_aqua
-from aqua_export.config import AquaConfig, ConfigError
 from helpers import folder_cfg, tiny_projection
+
+from aqua_export import allocate, models
+from aqua_export import projection as artifact
+from aqua_export import slice_costs
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.reference.attention import apply_aqua
 
 
 def test_water_fill_gives_columns_where_cost_drops_most():
@@ -51,7 +53,7 @@ def test_measured_costs_round_trip_and_allocate(tmp_path, char_tok):
     with pytest.raises(ConfigError, match="calibrate --slice-costs"):
         allocate.layer_widths(cfg, proj, 3, d)
     path = tmp_path / "with-costs.safetensors"
-    proj2 = allocate.add_costs(model, char_tok, proj, path, ["builtin:gpl-3"], progress=False)
+    proj2 = slice_costs.add_costs(model, char_tok, proj, path, ["builtin:gpl-3"], progress=False)
     widths = [int(w) for w in proj2.metadata["slice_widths"].split(",")]
     assert widths == sorted(set(widths)) and all(0 < w < d for w in widths)
     assert len(proj2.slice_cost) == 3 and all(c.shape == (2, len(widths)) for c in proj2.slice_cost)
@@ -101,9 +103,9 @@ def test_corrupt_slice_costs_are_refused(tmp_path):
         ({f"layers.{i}.slice_cost": torch.zeros(2, 3) for i in range(3)}, {"slice_widths": "4,8"}, "is not [2, 2] finite"),
     ]:
         path = tmp_path / "bad.safetensors"
-        calibrate.write(path, {**tensors, **extra}, {**proj.metadata, **meta})
+        artifact.write(path, {**tensors, **extra}, {**proj.metadata, **meta})
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
-            calibrate.load_projection(path)
+            artifact.load_projection(path)
 
 
 def test_value_width_apart_from_the_keys(tmp_path):

@@ -3,13 +3,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import left_padded, tiny_projection
 
 from aqua_export import models
 from aqua_export.archs import ADAPTERS
-from aqua_export.attention import (LayerAqua, aqua_attention, apply_aqua, h2o_keep)
 from aqua_export.config import AquaConfig, ConfigError
-
-from helpers import left_padded, tiny_projection
+from aqua_export.ops.rules import h2o_keep
+from aqua_export.reference.attention import LayerAqua, apply_aqua, aqua_attention
 
 ARCHS = sorted(ADAPTERS)
 
@@ -75,7 +75,7 @@ def test_reference_equals_naive_loop(selection, kk):
 
 
 def test_ties_break_to_lower_index():
-    from aqua_export.attention import select_indices
+    from aqua_export.ops.rules import select_indices
 
     qh = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0]).reshape(1, 1, 1, 5)
     assert select_indices(qh, 3, "magnitude").flatten().tolist() == [1, 2, 4]
@@ -135,7 +135,7 @@ def test_cached_decode_equals_full_forward(arch, cfg, tmp_path):
     """Step-by-step decode (real cache, real eviction for H2O) == one forward over the same tokens."""
     m = models.tiny_model(arch)
     proj = tiny_projection(m, tmp_path)
-    if cfg.h2o_ratio < 1 and ADAPTERS[arch].window(m.config, 0):
+    if cfg.evicts and ADAPTERS[arch].window(m.config, 0):
         with pytest.raises(ConfigError, match="sliding-window layers is not supported"):
             apply_aqua(m, proj, cfg).__enter__()
         return
@@ -146,7 +146,7 @@ def test_cached_decode_equals_full_forward(arch, cfg, tmp_path):
     layer = cache.layers[0]
     r = cfg.retained_width(16)
     assert layer.keys.shape[-1] == r and layer.values.shape[-1] == r
-    if cfg.h2o_ratio < 1:
+    if cfg.evicts:
         # sequence 0 saw 22 real tokens: ceil(0.5 * 22) = 11 kept, physically
         assert layer.keys.shape[2] == 11
         hkv = models.attention_geometry(m)["kv_heads"]
@@ -215,7 +215,7 @@ def test_embedded_model_dense_parity_and_greedy(smollm, smollm_projection):
 XX
     own float32 error there), as parity does. Greedy generation is identical (its smallest top-2 margin here,
     1.2e-2, is 200x the logits' float32 error)."""
-    from aqua_export.precision import computing_in
+    from aqua_export.reference.precision import computing_in
 
     model, tok = smollm
     enc = tok(["The capital of France is", "def fibonacci(n):\n    "], return_tensors="pt", padding=True,

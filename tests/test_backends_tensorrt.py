@@ -3,15 +3,15 @@ and an NVIDIA GPU and say so when skipped."""
 
 import onnx
 import pytest
+from helpers import folder_cfg, tiny_projection
 
 from aqua_export import models
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export import contract_for, export_onnx, single_op_model
-from aqua_export.backends.tensorrt import (PLUGIN_FIELDS, PLUGIN_ID, launch_plan, node_contract, optimization_profiles,
-                                          output_dims, output_type, pick_profile, require_tensorrt,
-                                          tensorrt_available)
-
-from helpers import folder_cfg, tiny_projection
+from aqua_export.export.exporter import contract_for, export_onnx
+from aqua_export.ops import topk_gather_dot
+from aqua_export.runtime.tensorrt import optimization_profiles, pick_profile
+from aqua_export.runtime.tensorrt_plugin import (PLUGIN_FIELDS, PLUGIN_ID, launch_plan, node_contract, output_dims,
+                                                 output_type, require_tensorrt, tensorrt_available)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_plugin_id_and_fields_match_the_exported_nodes(tiny_exports):
 
 
 def _broken(mutate):
-    m = single_op_model(4)
+    m = topk_gather_dot.OP.model(k=4)
     mutate(m.graph.node[0])
     return m
 
@@ -56,7 +56,7 @@ def test_node_contract_rejects_what_the_plugin_cannot_take(mutate, needle):
 
 
 def test_node_contract_needs_a_node():
-    m = single_op_model(4)
+    m = topk_gather_dot.OP.model(k=4)
     del m.graph.node[:]
     with pytest.raises(ConfigError, match="no TopKGatherDot node"):
         node_contract(m)
@@ -111,9 +111,9 @@ def test_kernel_compiles_ahead_of_time_for_hopper():
     import subprocess
     import sys
 
-    # a fresh process: this test session may run Triton's CPU interpreter (test_triton_kernel.py),
+    # a fresh process: this test session may run Triton's CPU interpreter (test_ops.py),
     # which replaces the language Triton compiles with
-    code = ("import json; from aqua_export.backends.tensorrt import compile_kernel, launch_plan; "
+    code = ("import json; from aqua_export.runtime.tensorrt_plugin import compile_kernel, launch_plan; "
             "print(json.dumps(compile_kernel(launch_plan(64, 32, 'float32'), arch=90)))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -152,7 +152,7 @@ def test_optimization_profiles(tiny_exports):
     with pytest.raises(ConfigError, match="context > prompt"):
         optimization_profiles(folder_cfg(m, cfg), 8, 128, 128)
     # a request the profiles cannot take is refused before any forward
-    from aqua_export.backends.tensorrt import check_request
+    from aqua_export.runtime.tensorrt import check_request
 
     check_request(profs, 8, 128, 384)
     with pytest.raises(ConfigError, match="batch 9 is larger.*--trt-max-batch"):
@@ -194,8 +194,9 @@ def test_engine_matches_onnx_runtime(tmp_path):
 
     import numpy as np
 
-    from aqua_export.runtime import OrtLM, make_session
-    from aqua_export.backends.tensorrt import build_engine, engine_lm
+    from aqua_export.runtime.lm import OrtLM
+    from aqua_export.runtime.session import make_session
+    from aqua_export.runtime.tensorrt import build_engine, engine_lm
 
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)

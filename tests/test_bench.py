@@ -3,13 +3,12 @@
 import json
 
 import pytest
+from helpers import folder_cfg, tiny_projection
 
 from aqua_export import models
 from aqua_export.cli import main
 from aqua_export.config import AquaConfig
-from aqua_export.export import export_onnx
-
-from helpers import folder_cfg, tiny_projection
+from aqua_export.export.exporter import export_onnx
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ import pytest
 
 from aqua_export.cli import main
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.folder import FolderConfig
+from aqua_export.runtime.folder import FolderConfig
 
 
 @pytest.fixture
 def proj(tmp_path, smollm_projection):
     """The session's SmolLM2 projection as a file (a build reuses it instead of calibrating)."""
-    from aqua_export.calibrate import write
+    from aqua_export.projection import write
 
     path = tmp_path / "proj.safetensors"
     write(path, smollm_projection.tensors(), smollm_projection.metadata)
@@ -175,7 +175,7 @@ def test_memory_h2o_build(tmp_path, proj):
     ev = par["eviction"]
     assert par["prompt_tokens"] == 96 and ev["decisions"] == (96 + 8) * 30 * 3
     assert ev["max_gap_of_differing"] <= ev["near_tie"] and ev["float32_relative_error"] > 0
-    from aqua_export.runtime import native_library
+    from aqua_export.runtime.session import native_library
 
     if native_library() is not None:
         assert par["kernel"] == "native" and par["native_vs_function_body"]["greedy_identical"]
@@ -199,8 +199,8 @@ def test_force_replaces_only_what_a_build_wrote(tmp_path, capsys):
     """A finished build lists its files in aqua_config.json; --force replaces such a folder only while it holds
     nothing else (a user's file beside the build's is named, and everything is kept)."""
     from aqua_export.build import check_out_dir
-    from aqua_export.contract import Contract
-    from aqua_export.folder import FolderConfig, Geometry
+    from aqua_export.export.contract import Contract
+    from aqua_export.runtime.folder import FolderConfig, Geometry
 
     built = tmp_path / "built"
     built.mkdir()

@@ -2,17 +2,17 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_projection
 
 from aqua_export import calibrate, models
+from aqua_export import projection as artifact
 from aqua_export.config import ConfigError
-
-from helpers import tiny_projection
 
 
 def _calib(model, tok, tmp_path, name, **kw):
     tensors, meta = calibrate.calibrate(model, tok, progress=False, **kw)
     path = tmp_path / name
-    calibrate.write(path, tensors, meta)
+    artifact.write(path, tensors, meta)
     return path
 
 
@@ -24,7 +24,7 @@ def test_artifact_layout_orthogonal_sorted_and_deterministic(tmp_path, char_tok)
     a = _calib(model, char_tok, tmp_path, "a.safetensors", texts=[str(text)], tokens=600, seq_len=64)
     b = _calib(model, char_tok, tmp_path, "b.safetensors", texts=[str(text)], tokens=600, seq_len=64)
     assert a.read_bytes() == b.read_bytes()
-    proj = calibrate.load_projection(a)
+    proj = artifact.load_projection(a)
     assert len(proj.P) == 2
     for P, E in zip(proj.P, proj.energy):
         assert P.shape == (2, 16, 16) and E.shape == (2, 16)
@@ -63,7 +63,7 @@ def test_jsonl_and_self_generated_corpus(tmp_path, char_tok):
     p = _calib(model, char_tok, tmp_path, "g.safetensors", tokens=64, seq_len=16, seed=3)
     p2 = _calib(model, char_tok, tmp_path, "g2.safetensors", tokens=64, seq_len=16, seed=3)
     assert p.read_bytes() == p2.read_bytes()
-    assert calibrate.load_projection(p).metadata["corpus"] == "self-generated(seed=3)"
+    assert artifact.load_projection(p).metadata["corpus"] == "self-generated(seed=3)"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": 1}\n')
     with pytest.raises(ConfigError, match="bad.jsonl:1 has no string \"text\" field"):
@@ -75,18 +75,19 @@ def test_bad_projection_files(tmp_path):
     good = tiny_projection(model, tmp_path)
     path = tmp_path / "tiny-0.safetensors"
     with pytest.raises(ConfigError, match="does not exist"):
-        calibrate.load_projection(tmp_path / "missing.safetensors")
+        artifact.load_projection(tmp_path / "missing.safetensors")
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(b"\x00garbage" * 10)
     with pytest.raises(ConfigError, match="corrupt or not safetensors"):
-        calibrate.load_projection(corrupt)
+        artifact.load_projection(corrupt)
     trunc = tmp_path / "trunc.safetensors"
     trunc.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ConfigError, match="corrupt"):
-        calibrate.load_projection(trunc)
+        artifact.load_projection(trunc)
     # not orthogonal
-    from aqua_export.safetensors_io import save
     from safetensors import safe_open
+
+    from aqua_export.safetensors_io import save
 
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -94,7 +95,7 @@ def test_bad_projection_files(tmp_path):
     tensors["layers.0.P"] = tensors["layers.0.P"] * 2
     save(tmp_path / "scaled.safetensors", tensors, meta)
     with pytest.raises(ConfigError, match="layers.0.P is not orthogonal"):
-        calibrate.load_projection(tmp_path / "scaled.safetensors")
+        artifact.load_projection(tmp_path / "scaled.safetensors")
     # another model
     other = models.tiny_model("llama", seed=5)
     with pytest.raises(ConfigError, match="calibrated on another model .*attention_sha256.*recalibrate"):
@@ -140,16 +141,16 @@ def test_torchrun_two_processes_match_one_byte_for_byte(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("wrote ") == 1  # rank 0 alone writes
     assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
-    assert calibrate.load_projection(tmp_path / "two.safetensors").metadata["tokens"] == "1500"
+    assert artifact.load_projection(tmp_path / "two.safetensors").metadata["tokens"] == "1500"
 
 
 @pytest.mark.slow
 def test_device_map_offload_calibrates_the_same(tmp_path, capsys, caplog):
     """A model that does not fit the memory it is given: accelerate places what fits (max_memory) and
     offloads the rest to disk; calibration streams through it and gives the same projection."""
-    from aqua_export.cli import main
-
     from helpers import saved_checkpoint
+
+    from aqua_export.cli import main
 
     ckpt = saved_checkpoint(tmp_path / "ckpt", layers=4)
     common = ["calibrate", "--model", str(ckpt), "--text", "builtin:gpl-3", "--tokens", "600", "--seq-len", "128",
@@ -158,8 +159,8 @@ def test_device_map_offload_calibrates_the_same(tmp_path, capsys, caplog):
     # the embeddings alone take ~12 MB (49152 x 64 float32): a 4 MB CPU budget forces layers to disk
     assert main([*common, "--device-map", "auto", "--max-memory", "cpu=4MB", "--out", str(tmp_path / "off.safetensors")]) == 0
     assert "offloaded to the disk" in caplog.text  # accelerate really streamed weights from disk
-    a = calibrate.load_projection(tmp_path / "plain.safetensors")
-    b = calibrate.load_projection(tmp_path / "off.safetensors")
+    a = artifact.load_projection(tmp_path / "plain.safetensors")
+    b = artifact.load_projection(tmp_path / "off.safetensors")
     for x, y in zip(a.P + a.P_v + a.energy, b.P + b.P_v + b.energy):
         assert torch.allclose(x, y, atol=1e-6)
     assert main([*common, "--max-memory", "cpu=4MB", "--out", str(tmp_path / "x.safetensors")]) == 2
@@ -175,9 +176,9 @@ def test_max_memory_parsing():
 def test_bfloat16_checkpoint_calibrates_like_its_float32_load(tmp_path):
     """A bfloat16 checkpoint kept in bfloat16 (no float32 copy) and computed in float32 layer by layer gives
     the artifact of the same checkpoint loaded as float32, byte for byte (bfloat16 -> float32 is exact)."""
-    from aqua_export.precision import float32_compute, storage_dtype
-
     from helpers import saved_checkpoint
+
+    from aqua_export.reference.precision import float32_compute, storage_dtype
 
     ckpt = saved_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16)
     m16, tok = models.load(str(ckpt), dtype="auto")
@@ -202,7 +203,7 @@ def test_float64_compute_equals_a_float64_copy(arch, monkeypatch):
     is as before afterwards."""
     import copy
 
-    from aqua_export import precision
+    from aqua_export.reference import precision
 
     monkeypatch.setattr(precision, "HEAD_ROWS", 50)  # 128 vocabulary rows: three chunks
     m = models.tiny_model(arch)

@@ -77,9 +77,9 @@ def test_calibrate_and_eval_end_to_end_on_the_embedded_model(tmp_path, smollm_pr
 
 @pytest.mark.slow
 def test_projection_of_another_model_is_refused_by_eval(tmp_path, capsys):
-    from aqua_export import models
-
     from helpers import tiny_projection
+
+    from aqua_export import models
 
     tiny_projection(models.tiny_model("llama"), tmp_path)
     rc = main(["eval", "--model", "llama", "--projection", str(tmp_path / "tiny-0.safetensors"), "--k-ratio", "0.5",

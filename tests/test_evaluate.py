@@ -2,11 +2,10 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_projection
 
 from aqua_export import evaluate, models
 from aqua_export.config import AquaConfig, ConfigError
-
-from helpers import tiny_projection
 
 
 def test_perplexity_matches_a_manual_computation(char_tok):

@@ -2,17 +2,21 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import folder_cfg, left_padded, tiny_projection
 
 from aqua_export import models
-from aqua_export.attention import apply_aqua
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.contract import OPS, Contract
-from aqua_export.export import (ATTENTION, DOMAIN, KEY_UPDATE, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION, RULES,
-                                VALUE_UPDATE, check_exportable, contract_for, export_onnx, topk_gather_dot_reference)
-from aqua_export.h2o import OP as H2O
-from aqua_export.runtime import OrtLM, make_session
+from aqua_export.export.contract import Contract
+from aqua_export.export.exporter import check_exportable, contract_for, export_onnx
+from aqua_export.ops.catalogue import BY_NAME, OPS
+from aqua_export.ops.spec import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, SELECTIONS
+from aqua_export.reference.attention import apply_aqua
+from aqua_export.runtime.lm import OrtLM
+from aqua_export.runtime.session import make_session
 
-from helpers import folder_cfg, left_padded, tiny_projection
+OP_TYPE, ATTENTION, H2O = "TopKGatherDot", "AquaAttention", "H2OAttention"
+KEY_UPDATE, VALUE_UPDATE = "KeyCacheUpdate", "ValueCacheUpdate"
+assert {OP_TYPE, ATTENTION, H2O, KEY_UPDATE, VALUE_UPDATE} <= set(BY_NAME)
 
 # (AQUA settings, the runtime's cache: one buffer written in place, or a new present per step)
 CONFIGS = [(AquaConfig(), "concat"), (AquaConfig(k_ratio=0.5), "concat"),
@@ -46,21 +50,21 @@ def test_graph_contract(exported, cfg, kv):
     m, _, out = exported
     path, proto = out[cfg, kv]
     # one attention node per layer: the fused one, or H2O's (cache updates and eviction inside)
-    h2o = cfg.h2o_ratio < 1
+    h2o = cfg.evicts
     op = H2O if h2o else ATTENTION
     nodes = [n for n in proto.graph.node if n.domain == DOMAIN and n.op_type in (OP_TYPE, ATTENTION, H2O)]
     assert [n.name for n in nodes] == [f"/model/layers.0/attn/{op}", f"/model/layers.1/attn/{op}"]
     r, k = cfg.retained_width(16), cfg.selected_width(16)
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        assert attrs == {"k": k, "rule": RULES[cfg.selection], "plugin_namespace": PLUGIN_NAMESPACE.encode(),
+        assert attrs == {"k": k, "rule": SELECTIONS[cfg.selection][0], "plugin_namespace": PLUGIN_NAMESPACE.encode(),
                          "plugin_version": PLUGIN_VERSION.encode(), "softcap": 0.0, **({"ratio": 0.5} if h2o else {})}
     # the attention node takes P_q and projects q itself (no q MatMulP node); a dense graph has no P at all
     projected = not cfg.is_dense
     assert all(len(n.input) == (8 if h2o else 5) + projected for n in nodes)
     assert all(n.input[-1].endswith(".P_q") == projected for n in nodes)
     assert not [n.name for n in proto.graph.node if n.name.endswith("/q/MatMulP")]
-    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op) for op in OPS]
+    assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op.name) for op in OPS]
     used = {H2O} if h2o else {KEY_UPDATE, VALUE_UPDATE, ATTENTION}
     assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == used
     assert proto.ir_version <= 10
@@ -90,7 +94,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
     H2O: budget ceil(0.5 n) per sequence, so eviction starts at the first token; the graph evicts inside its
     slots (the prompt in one forward), the reference with its own statistics: both keep the same tokens.
     """
-    from aqua_export.runtime import native_library
+    from aqua_export.runtime.session import native_library
 
     if kernel == "native" and native_library() is None:
         pytest.skip("native kernel not built (run `make plugin`)")
@@ -101,7 +105,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits, past = lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))
     r = cfg.retained_width(16)
-    h2o = cfg.h2o_ratio < 1
+    h2o = cfg.evicts
     if kv == "shared":
         # one buffer per layer and kind, written in place: capacity in steps of 256
         assert lm.shared and past.capacity == 256 and past.length == 11
@@ -159,87 +163,6 @@ def test_dense_export_uses_identity_projection_and_matches_hf(exported):
     assert np.abs(logits - hf).max() <= 1e-5
 
 
-def test_function_body_matches_reference_on_random_inputs():
-    """The portable ONNX body alone, incl. ties (lower index wins), k = 1 and k = r, odd sizes, every rule."""
-    import onnxruntime as ort
-    from onnx import TensorProto
-    from onnx import helper as H
-
-    from aqua_export.export import _register_schema, function_body
-
-    _register_schema()
-    g = torch.Generator().manual_seed(0)
-    for k, rule in ((1, 0), (3, 0), (8, 0), (3, 1), (3, 2)):
-        node = H.make_node(OP_TYPE, ["q", "kc", "n"], ["s"], domain=DOMAIN, k=k, rule=rule, plugin_namespace="aqua",
-                           plugin_version="1")
-        graph = H.make_graph([node], "t", [H.make_tensor_value_info("q", TensorProto.FLOAT, None),
-                                           H.make_tensor_value_info("kc", TensorProto.FLOAT, None),
-                                           H.make_tensor_value_info("n", TensorProto.INT64, None)],
-                             [H.make_tensor_value_info("s", TensorProto.FLOAT, None)])
-        model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, 1)],
-                             functions=[function_body(20)], ir_version=10)
-        sess = ort.InferenceSession(model.SerializeToString())
-        q = torch.randn(3, 2, 2, 5, 8, generator=g)
-        q[0, 0, 0, 0, :4] = 1.5  # four-way tie
-        kc = torch.randn(3, 2, 8, 11, generator=g)  # 11 slots, of which the first 7 are filled
-        got = sess.run(None, {"q": q.numpy(), "kc": kc.numpy(), "n": np.array([7])})[0]
-        ref = topk_gather_dot_reference(q, kc[..., :7], k, rule).numpy()
-        assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-5
-
-
-@pytest.mark.parametrize("kernel", ["function", "native"])
-@pytest.mark.parametrize("op", [KEY_UPDATE, VALUE_UPDATE])
-def test_cache_update_ops_in_place_and_growing(op, kernel):
-    """Both genai buffer modes: a past of C >= L slots (written in place when bound to present) and a past of
-    L - S slots (present grows to L). The function body and the native kernel give the same buffers."""
-    import onnxruntime as ort
-
-    from aqua_export.export import cache_op_model
-    from aqua_export.runtime import native_library
-
-    if kernel == "native" and native_library() is None:
-        pytest.skip("native kernel not built (run `make plugin`)")
-    sess = make_session(cache_op_model(op).SerializeToString(), kernel=kernel)
-    rng = np.random.default_rng(0)
-    b, h, r, s, p = 2, 3, 5, 2, 4
-
-    new = rng.standard_normal((b, h, s, r), dtype=np.float32)
-    # growing: past of p slots -> present of p + s
-    past = rng.standard_normal((b, h, p, r), dtype=np.float32)
-    got = sess.run(None, {"past": past, "new": new, "length": np.array([p + s])})[0]
-    assert got.shape == (b, h, p + s, r)
-    if op == KEY_UPDATE:
-        want = np.concatenate([Contract.key_rows(past), new.transpose(0, 1, 3, 2)], axis=3)
-        assert np.array_equal(Contract.key_rows(got), want)
-    else:
-        assert np.array_equal(got, np.concatenate([past, new], axis=2))
-    # shared: one buffer of 16 slots bound as past and present; slots p.. p+s-1 written, the rest untouched
-    cap = 16
-    buf = rng.standard_normal((b, h, cap, r), dtype=np.float32)
-    before = buf.copy()
-    ov = ort.OrtValue.ortvalue_from_numpy(buf)
-    io = sess.io_binding()
-    io.bind_ortvalue_input("past", ov)
-    io.bind_cpu_input("new", new)
-    io.bind_cpu_input("length", np.array([p + s]))
-    io.bind_ortvalue_output("present", ov)
-    sess.run_with_iobinding(io)
-    view, old = (Contract.key_rows(buf), Contract.key_rows(before)) if op == KEY_UPDATE else (buf, before)
-    fresh = new.transpose(0, 1, 3, 2) if op == KEY_UPDATE else new
-    ax = 3 if op == KEY_UPDATE else 2
-    sl = [slice(None)] * 4
-    sl[ax] = slice(p, p + s)
-    assert np.array_equal(view[tuple(sl)], fresh)
-    sl[ax] = slice(0, p)
-    assert np.array_equal(view[tuple(sl)], old[tuple(sl)])
-    if kernel == "native":  # in place: the slots past L are not touched (the body re-pads them with zeros)
-        sl[ax] = slice(p + s, cap)
-        assert np.array_equal(view[tuple(sl)], old[tuple(sl)])
-    if kernel == "native":  # the kernel refuses L - S beyond the past's slots (the body's Slice would clamp)
-        with pytest.raises(Exception, match="total_length - new tokens"):
-            sess.run(None, {"past": past, "new": new, "length": np.array([p + s + 3])})
-
-
 def test_export_refuses_what_it_cannot_do(tmp_path):
     m = models.tiny_model("llama")
     proj = tiny_projection(m, tmp_path)
@@ -248,7 +171,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_ort_generate_equals_reference_generate(exported):
-    from aqua_export.runtime import SamplingConfig
+    from aqua_export.runtime.sampling import SamplingConfig
 
     m, proj, out = exported
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25)
@@ -287,7 +210,7 @@ def test_float16_export_refuses_weights_beyond_its_range_and_counts_subnormals(t
 def test_external_data_is_page_aligned_and_loads_by_path(exported, tmp_path):
     """Forced external data: the graph file holds no weights, each weight's offset is page-aligned (so ONNX
     Runtime can map it), and the model runs from its path with the same logits as the inline export."""
-    from aqua_export.onnx_builder import ALIGN, load_graph
+    from aqua_export.export.builder import ALIGN, load_graph
 
     m, proj, out = exported
     cfg = AquaConfig(k_ratio=0.5)
@@ -313,9 +236,9 @@ from aqua_export.archs import ADAPTERS  # noqa: E402
 
 
 def _arch_parity(arch, cfg, kv, tmp_path, **tiny):
-    from aqua_export.parity import run_parity
-
     from conftest import CharTokenizer
+
+    from aqua_export.parity.harness import run_parity
 
     m = models.tiny_model(arch, **tiny)
     proj = tiny_projection(m, tmp_path)
@@ -348,7 +271,7 @@ def test_memory_and_h2o_per_architecture(arch, cfg, kv, tmp_path):
     res = _arch_parity(arch, cfg, kv, tmp_path)
     assert res["pass"], res
     assert res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-3
-    if cfg.h2o_ratio < 1:
+    if cfg.evicts:
         assert res["eviction"]["decisions"] > 0 and res["eviction"]["pass"]
 
 
@@ -358,7 +281,7 @@ def test_sliding_window_changes_the_graph_and_h2o_is_refused_with_it(tmp_path):
     proj = tiny_projection(m, tmp_path)
     g = export_onnx(m, proj, AquaConfig(k_ratio=0.75), tmp_path / "w.onnx")
     assert any(n.name.startswith("/model/attn_mask_window8/") for n in g.graph.node)
-    with pytest.raises(ConfigError, match="sliding-window layers is not exported"):
+    with pytest.raises(ConfigError, match="sliding-window layers is not supported"):
         export_onnx(m, proj, AquaConfig(k_ratio=0.75, h2o_ratio=0.5), tmp_path / "h.onnx")
 
 
@@ -398,7 +321,7 @@ def test_run_time_rope_scaling_is_refused():
 def test_padding_side_does_not_matter(exported, cfg, kv):
     """Positions come from the mask, so right padding (onnxruntime-genai's, `aqua-export run`'s) generates what
     left padding (HF's) does, and both what the reference generates, eviction included."""
-    from aqua_export.runtime import SamplingConfig
+    from aqua_export.runtime.sampling import SamplingConfig
 
     m, proj, out = exported
     path = next(p for (c, _), (p, _) in out.items() if c == cfg)  # one graph serves both cache modes

@@ -1,10 +1,9 @@
 import pytest
 import torch
+from helpers import tiny_projection
 
 from aqua_export import fold, models
 from aqua_export.archs import ADAPTERS
-
-from helpers import tiny_projection
 
 
 def _random_orthogonal(hkv, d, seed):

@@ -10,7 +10,8 @@ pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a test dep
 
 from aqua_export.build import BuildOptions, _export  # noqa: E402
 from aqua_export.config import AquaConfig, ConfigError  # noqa: E402
-from aqua_export.runtime import SamplingConfig, encode_prompts  # noqa: E402
+from aqua_export.runtime.sampling import SamplingConfig
+from aqua_export.runtime.text import encode_prompts
 
 SETTINGS = {"dense": AquaConfig(), "k0.75": AquaConfig(k_ratio=0.75), "k0.5": AquaConfig(k_ratio=0.5),
             "memory-s0.25-k0.75": AquaConfig(k_ratio=0.75, slice_ratio=0.25)}
@@ -44,8 +45,8 @@ def _generate(lm, tok, prompts):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_genai_equals_aqua_run(folders, smollm, name):
-    from aqua_export.backends import open_lm
-    from aqua_export.runtime import load_tokenizer
+    from aqua_export.runtime.hosts import open_lm
+    from aqua_export.runtime.text import load_tokenizer
 
     folder = folders[name]
     tok = load_tokenizer(folder)
@@ -68,9 +69,9 @@ def test_genai_equals_aqua_run(folders, smollm, name):
 
 @pytest.mark.parametrize("text", ["{", '{"model": {}}'])
 def test_damaged_genai_config_is_one_line(tmp_path, text):
-    from aqua_export.backends.genai import GenaiLM
-    from aqua_export.contract import Contract
-    from aqua_export.folder import FolderConfig, Geometry
+    from aqua_export.export.contract import Contract
+    from aqua_export.runtime.folder import FolderConfig, Geometry
+    from aqua_export.runtime.genai import GenaiLM
 
     FolderConfig(model="llama", aqua=AquaConfig(), geometry=Geometry(2, 4, 2, 16, 64),
                  contract=Contract(layers=2, kv_heads=2, widths=(16, 16), selected=(16, 16), value_widths=(16, 16), vocab=100)).seal(tmp_path)
@@ -85,9 +86,9 @@ def test_damaged_genai_config_is_one_line(tmp_path, text):
 
 @pytest.mark.parametrize("what", ["h2o", "widths"])
 def test_genai_refuses_h2o_and_allocated_folders_with_one_line(tmp_path, what):
-    from aqua_export.backends.genai import GenaiLM
-    from aqua_export.contract import Contract
-    from aqua_export.folder import FolderConfig, Geometry
+    from aqua_export.export.contract import Contract
+    from aqua_export.runtime.folder import FolderConfig, Geometry
+    from aqua_export.runtime.genai import GenaiLM
 
     if what == "h2o":
         aqua, widths, value_widths = AquaConfig(k_ratio=0.75, h2o_ratio=0.5), (16, 16), (16, 16)

@@ -21,7 +21,7 @@ LIMIT = 6
 
 @pytest.fixture(scope="module")
 def proj_file(tmp_path_factory, smollm_projection):
-    from aqua_export.calibrate import write
+    from aqua_export.projection import write
 
     path = tmp_path_factory.mktemp("lm-eval") / "proj.safetensors"
     write(path, smollm_projection.tensors(), smollm_projection.metadata)

@@ -3,17 +3,13 @@ work and with nothing of theirs overwritten: bad model files and caches, outputs
 once, a full disk, bad prompts and sampling settings, and the lm-eval and bench options that were accepted silently."""
 
 import errno
-import json
-import os
 import shutil
-from pathlib import Path
 
 import pytest
+from helpers import saved_checkpoint
 
 from aqua_export.cli import main
 from aqua_export.config import ConfigError
-
-from helpers import saved_checkpoint
 
 
 def one_line(capsys, needle: str = "") -> str:

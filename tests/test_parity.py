@@ -2,15 +2,15 @@
 
 import numpy as np
 import pytest
+from conftest import CharTokenizer
+from helpers import folder_cfg, tiny_projection
 
 from aqua_export import models
 from aqua_export.config import AquaConfig
-from aqua_export.export import export_onnx
-from aqua_export.parity import run_parity
-from aqua_export.runtime import OrtLM, make_session, native_library
-
-from conftest import CharTokenizer
-from helpers import folder_cfg, tiny_projection
+from aqua_export.export.exporter import export_onnx
+from aqua_export.parity.harness import run_parity
+from aqua_export.runtime.lm import OrtLM
+from aqua_export.runtime.session import make_session, native_library
 
 KERNEL = "native" if native_library() is not None else "function"
 
@@ -44,15 +44,16 @@ def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
 
 def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     """A replay log that keeps the wrong tokens must show up as differing decisions that are not near-ties."""
-    from aqua_export.attention import apply_aqua
-    from aqua_export.parity import _ort_trace, _torch_trace
-    from aqua_export.parity_probe import ReplayProbe
+    from aqua_export.parity.harness import _ort_trace, _torch_trace
+    from aqua_export.parity.probe import ReplayProbe, RuntimeRecorder
+    from aqua_export.reference.attention import apply_aqua
 
     m, proj, cfg, proto, path = h2o_export
-    lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg))
+    rec = RuntimeRecorder(evictions=True)
+    lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg), probe=rec)
     ids = np.arange(3, 43)[None]
-    log = []
-    _, toks, _, _ = _ort_trace(lm, ids, 4, log=log)
+    _, toks = _ort_trace(lm, ids, 4)
+    log = rec.live
     assert len(log) == 44 and log[-1][0].shape == (1, 2, 44)  # per token, per layer: live tokens [B, Hkv, seen]
     wrong = []
     for entry in log:  # keep the oldest tokens instead: same budget, other tokens

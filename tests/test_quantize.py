@@ -13,13 +13,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import folder_cfg, left_padded, saved_checkpoint, tiny_projection
 
 from aqua_export import models
 from aqua_export.cli import main
 from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.quantize import WeightFormat, quantize, roundtrip
-
-from helpers import folder_cfg, left_padded, saved_checkpoint, tiny_projection
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -63,9 +62,11 @@ def test_bad_formats(make, needle):
 
 
 def _ort_logits(path, m, cfg, ids, mask):
-    from aqua_export.runtime import OrtLM, make_session
-    from aqua_export.rewrites import float_activations
     import onnx
+
+    from aqua_export.export.rewrites import float_activations
+    from aqua_export.runtime.lm import OrtLM
+    from aqua_export.runtime.session import make_session
 
     model = float_activations(onnx.load(str(path)))  # the export's arithmetic, without int8 activations
     lm = OrtLM(make_session(model.SerializeToString(), kernel="function"), folder_cfg(m, cfg), "concat")
@@ -84,10 +85,10 @@ def _ort_logits(path, m, cfg, ids, mask):
 def test_quantized_export_equals_the_reference_on_its_weights(tmp_path, arch, extra, cfg, fmt):
     """Every family exported with quantized linear layers, experts (QMoE, both routing rules), output layer and
     embedding computes what the reference computes with the same dequantized weights (ExportedWeights)."""
-    from aqua_export.attention import apply_aqua
-    from aqua_export.export import contract_for, export_onnx
-    from aqua_export.exported_weights import ExportedWeights
-    from aqua_export.precision import computing_in
+    from aqua_export.export.exporter import contract_for, export_onnx
+    from aqua_export.reference.attention import apply_aqua
+    from aqua_export.reference.exported_weights import ExportedWeights
+    from aqua_export.reference.precision import computing_in
 
     m = models.tiny_model(arch, head_dim=32, heads=4, **extra)
     proj = tiny_projection(m, tmp_path)
@@ -111,9 +112,8 @@ def test_quantized_export_equals_the_reference_on_its_weights(tmp_path, arch, ex
 
 def test_a_moe_layer_runs_its_chosen_experts_only(tmp_path):
     """OLMoE's experts are one MoE node per layer (QMoE quantized), no batched MatMul over every expert."""
-    import onnx
 
-    from aqua_export.export import export_onnx
+    from aqua_export.export.exporter import export_onnx
 
     m = models.tiny_model("olmoe", num_experts=8, num_experts_per_tok=2)
     proj = tiny_projection(m, tmp_path)
@@ -141,7 +141,7 @@ def int4_folder(ckpt, tmp_path_factory):
 
 
 def test_an_int4_build_passes_parity_and_runs_in_both_runtimes(int4_folder, capsys):
-    from aqua_export.folder import FolderConfig
+    from aqua_export.runtime.folder import FolderConfig
 
     cfg = FolderConfig.from_folder(int4_folder)
     par = json.loads((int4_folder / "parity.json").read_text())
@@ -171,9 +171,9 @@ def test_a_float16_folder_is_refused_on_cpu(ckpt, tmp_path, capsys):
 
 
 def test_a_request_that_cannot_fit_is_refused_before_loading(int4_folder, monkeypatch, capsys):
-    from aqua_export import runtime
+    from aqua_export.runtime import session
 
-    monkeypatch.setattr(runtime, "available_memory", lambda: 2**20)
+    monkeypatch.setattr(session, "available_memory", lambda: 2**20)
     assert main(["run", str(int4_folder), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "GiB of weights and" in err and "GiB of memory is available" in err
@@ -182,7 +182,7 @@ def test_a_request_that_cannot_fit_is_refused_before_loading(int4_folder, monkey
 def test_serving_memory_is_bounded_by_the_folder(int4_folder, capsys):
     """bench's peak memory (a fresh process per folder: loading, context, decode) within 1.3 x the weights + the
     cache + 1 GiB."""
-    from aqua_export.folder import FolderConfig
+    from aqua_export.runtime.folder import FolderConfig
 
     assert main(["bench", str(int4_folder), "--context", "128", "--steps", "2", "--rounds", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

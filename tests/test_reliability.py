@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import saved_checkpoint
 
 from aqua_export.cli import main
-
-from helpers import saved_checkpoint
 
 
 def _one_line_error(capsys, needle: str = "") -> str:
@@ -252,7 +251,7 @@ def _interrupt(args, ready, tmp_path):
 def test_ctrl_c_in_calibration_and_parity_is_one_visible_line(tmp_path, smollm_projection):
     """Interrupted inside calibration and inside parity, the last line a terminal shows is ours, not erased by the
     progress bar it interrupted; exit 130, nothing written."""
-    from aqua_export.calibrate import write
+    from aqua_export.projection import write
 
     proj = tmp_path / "proj.safetensors"
     write(proj, smollm_projection.tensors(), smollm_projection.metadata)
@@ -278,7 +277,7 @@ def test_a_stream_holds_back_cut_characters(folder):
 
     import numpy as np
 
-    from aqua_export.runtime import TextStream, load_tokenizer
+    from aqua_export.runtime.text import TextStream, load_tokenizer
 
     tok = load_tokenizer(folder)
     ids = tok(NON_ASCII, add_special_tokens=False)["input_ids"]
@@ -302,8 +301,9 @@ def test_a_stream_holds_back_cut_characters(folder):
 def test_non_ascii_round_trips_single_and_batch(folder, capsys, runtime):
     """A non-ASCII prompt in both runtimes: one prompt streams exactly the decoded generation, and a batch prints
     each row's decoded generation under its prompt."""
-    from aqua_export.backends import open_lm
-    from aqua_export.runtime import SamplingConfig, encode_prompts, load_tokenizer
+    from aqua_export.runtime.hosts import open_lm
+    from aqua_export.runtime.sampling import SamplingConfig
+    from aqua_export.runtime.text import encode_prompts, load_tokenizer
 
     tok = load_tokenizer(folder)
     prompts = [NON_ASCII, "你好 🌍"]
@@ -396,7 +396,7 @@ def test_readme_documents_every_cli_option():
 
 
 def test_parity_summary_says_what_is_a_gate(folder):
-    from aqua_export.parity import summary_lines
+    from aqua_export.parity.report import summary_lines
 
     lines = summary_lines(json.loads((folder / "parity.json").read_text()))
     assert lines[0].startswith("[gate] ORT vs the PyTorch reference") and lines[-1] == "parity PASS"

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from aqua_export.config import ConfigError
-from aqua_export.folder import FolderConfig
-from aqua_export.runtime import SamplingConfig, pick
+from aqua_export.runtime.folder import FolderConfig
+from aqua_export.runtime.sampling import SamplingConfig, pick
 
 
 def test_greedy_picks_lowest_id_on_ties():

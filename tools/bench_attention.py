@@ -40,6 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from aqua_export.ops.spec import PROJECTION, SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
 HQ, HKV, D = 9, 3, 64
@@ -74,7 +75,7 @@ def _graph(kind: str):
                 H.make_tensor_value_info("present_v", f, None)]
         g = H.make_graph([node], "gqa", ins, outs)
         return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
-    # ORT dense; AquaAttention is export.attention_op_model (inputs q, kc, vc, length, mask)
+    # ORT dense; AquaAttention is ops.aqua_attention.OP.model (its ports: query_hat, key_cache, ...)
     nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
              H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]), H.make_node("Unsqueeze", ["vc", "ax2"], ["v_g"]),
              H.make_node("MatMul", ["q", "kc_g"], ["s"]), H.make_node("Add", ["s", "mask"], ["sm"]),
@@ -108,7 +109,7 @@ def _spectrum() -> np.ndarray:
     path = ROOT / "benchmarks" / "llama-projection.safetensors"
     if not path.is_file():
         return None
-    from aqua_export.calibrate import load_projection
+    from aqua_export.projection import load_projection
 
     proj = load_projection(path)
     layer = len(proj.P) // 2
@@ -134,7 +135,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="T 1024 only, few repetitions")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args()
-    from aqua_export.runtime import make_session, native_library
+    from aqua_export.runtime.session import make_session, native_library
 
     if native_library() is None:
         print("the native kernel is not built: run `make plugin`", file=sys.stderr)
@@ -146,16 +147,15 @@ def main() -> int:
     def sess(model, kernel="native"):
         return make_session(model.SerializeToString(), a.threads, kernel, spin=False)
 
-    from aqua_export.export import attention_op_model
+    from aqua_export.ops import aqua_attention, h2o_attention
 
     sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function"),
-                "fused-dense": sess(attention_op_model(D))}
+                "fused-dense": sess(aqua_attention.OP.model(k=D))}
     for rule, ratio in SETTINGS:
-        sessions[rule, ratio] = sess(attention_op_model(round(ratio * D), RULE[rule], projected=True))
-    from aqua_export import h2o
-
+        sessions[rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D), rule=RULE[rule]))
     for h, rule, ratio in H2O_SETTINGS:
-        sessions["h2o", h, rule, ratio] = sess(h2o.op_model(round(ratio * D), RULE[rule], ratio=h, projected=True))
+        sessions["h2o", h, rule, ratio] = sess(h2o_attention.OP.model(projected=True, k=round(ratio * D),
+                                                                      rule=RULE[rule], ratio=h))
     rng = np.random.default_rng(0)
     rows = []
     for t in contexts:
@@ -165,16 +165,19 @@ def main() -> int:
             sd = spectrum[None, :, None, None, :] if spectrum is not None else 1.0
             q = (rng.standard_normal((b, HKV, G, 1, D)) * sd).astype(np.float32)
             feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
-            fused = {**feed, "length": np.array([t], np.int64)}  # every slot filled
+            # the fused node's ports (ops/aqua_attention.py); every slot filled
+            fused = {"query_hat": q, "key_cache": kc, "value_cache": v, "total_length": np.array([t], np.int64),
+                     "mask": feed["mask"]}
             # the AQUA nodes take q = q^ P^T and P: the same q^, so the same selections
             P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
-            projected = {**fused, "q": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32), "P": P}
+            projected = {**fused, "query_hat": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32),
+                         PROJECTION: P}
             fns = {name: (lambda s=s, fd=feed if name == "ort-dense" else fused if name == "fused-dense" else projected:
                           s.run(None, fd)) for name, s in sessions.items() if name != "gqa" and name[0] != "h2o"}
             fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
             for name in sessions:
                 if name[0] == "h2o":
-                    fns[name] = _h2o_runner(sessions[name], name[1], projected["q"], P, b, t, reps + 2, rng)
+                    fns[name] = _h2o_runner(sessions[name], name[1], projected["query_hat"], P, b, t, reps + 2, rng)
             med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
             for rule, ratio in SETTINGS:
                 k = round(ratio * D)
@@ -196,7 +199,7 @@ def main() -> int:
                              "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
                              "gqa_over_aqua": round(med["gqa"] / aq, 3),
                              "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
-                             "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + h2o.SLOT_EXTRA_BYTES / (D * 4))), 3)})
+                             "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + SLOT_EXTRA_BYTES / (D * 4))), 3)})
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,7 +212,7 @@ def main() -> int:
 
 def _h2o_live(h: float, t: int) -> int:
     """Live slots of a context of t tokens under H2O ratio h (evicted to its budget)."""
-    from aqua_export.h2o import budget
+    from aqua_export.ops.rules import budget
 
     return int(budget(h, t))
 
@@ -220,8 +223,8 @@ def _h2o_runner(sess, h: float, q, P, b: int, t: int, steps: int, rng):
     (the mask grows by one)."""
     import onnxruntime as ort
 
-    from aqua_export import h2o
-    from aqua_export.h2o import INPUTS, OUTPUTS, slots_needed
+    from aqua_export.ops.h2o_attention import INPUTS, OUTPUTS
+    from aqua_export.ops.rules import slots_needed
 
     n, cap = _h2o_live(h, t), slots_needed(h, t + steps + 1)
     key = np.zeros((b, HKV, D, cap), np.float32)  # dim-major memory, bound as [B, Hkv, cap, r]
@@ -234,7 +237,7 @@ def _h2o_runner(sess, h: float, q, P, b: int, t: int, steps: int, rng):
     token[..., :n] = np.arange(t - n, t)
     io = sess.io_binding()
     io.bind_cpu_input("query_hat", q)
-    io.bind_cpu_input(h2o.PROJECTION, P)
+    io.bind_cpu_input(PROJECTION, P)
     io.bind_cpu_input("key_new", rng.standard_normal((b, HKV, 1, D), dtype=np.float32))
     io.bind_cpu_input("value_new", rng.standard_normal((b, HKV, 1, D), dtype=np.float32))
     io.bind_output("out")

@@ -36,19 +36,21 @@ def _graph(k: int | None, P: np.ndarray):
     from onnx import TensorProto, numpy_helper
     from onnx import helper as H
 
-    from aqua_export.export import ATTENTION, DOMAIN, OPSET_VERSION, _register_schema, attention_body
+    from aqua_export.ops import aqua_attention
+    from aqua_export.ops.spec import DOMAIN, OPSET_VERSION
 
-    _register_schema()
+    op = aqua_attention.OP
+    op.register()
     f = TensorProto.FLOAT
     nodes = [H.make_node("Shape", ["kc"], ["n"], start=3, end=4)]  # every slot filled
     inits = [] if k is None else [numpy_helper.from_array(P, "P")]  # [Hkv, d, d], as decoder_graph passes P_q
-    nodes.append(H.make_node(ATTENTION, ["q", "kc", "v", "n", "mask"] + ["P"] * (k is not None), ["out"],
+    nodes.append(H.make_node(op.name, ["q", "kc", "v", "n", "mask"] + ["P"] * (k is not None), ["out"],
                              domain=DOMAIN, k=k or D, rule=1, softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
     ins = [H.make_tensor_value_info("q", f, [1, HKV, G, 1, D]), H.make_tensor_value_info("kc", f, [1, HKV, D, "T"]),
            H.make_tensor_value_info("v", f, [1, HKV, "T", D]), H.make_tensor_value_info("mask", f, [1, 1, 1, 1, "T"])]
     g = H.make_graph(nodes, "breakeven", ins, [H.make_tensor_value_info("out", f, None)], initializer=inits)
     return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                        functions=[attention_body(20, projected=k is not None)], ir_version=10)
+                        functions=[op.body(20, projected=k is not None)], ir_version=10)
 
 
 def crossover(ts: list[int], ratios: list[float]) -> int | None:
@@ -66,7 +68,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args()
-    from aqua_export.runtime import make_session, native_library
+    from aqua_export.runtime.session import make_session, native_library
 
     if native_library() is None:
         print("the native kernel is not built: run `make plugin`", file=sys.stderr)

@@ -51,13 +51,15 @@ TARGET = (8160, 8, ["dense", "gw-k0.625", "h2o-0.75-gw-k0.75"])
 
 def _projection():
     from aqua_export import calibrate, models
+    from aqua_export.projection import load_projection
+    from aqua_export.projection import write as write_projection
 
     path = ROOT / "benchmarks" / "llama-projection.safetensors"
     if not path.is_file():  # written by tools/quality.py; a smaller calibration is enough for timing
         model, tok = models.load("llama")
         tensors, meta = calibrate.calibrate(model, tok, texts=["builtin:python-reference"], tokens=4096)
-        calibrate.write(path, tensors, meta)
-    return calibrate.load_projection(path)
+        write_projection(path, tensors, meta)
+    return load_projection(path)
 
 
 def export_all(names) -> None:

@@ -9,10 +9,10 @@ T = 16k .. 128k cached tokens. For each T:
   aqua QK (k)    the Triton kernel: reads k of r rows of K^ per query row (+ q, + the scores it writes)
   dense SDPA     torch's scaled_dot_product_attention over K and V [B,Hkv,T,d] (GQA): the whole step
   aqua step (k)  Triton scores + softmax + probs @ V (unfused: the scores go through memory)
-  fused (k)      the Triton AquaAttention kernel (triton_attention.py): q^ = qP, group-shared selection, online
+  fused (k)      the Triton AquaAttention kernel (kernels/triton/aqua_attention.py): q^ = qP, group-shared selection, online
                  softmax and the value product in one pass over K^'s selected rows and V; "fused dense" is the
                  same kernel at k = d without P (the same-kernel baseline)
-  h2o step (k)   the Triton H2OAttention kernel (triton_h2o.py) at h2o 0.5: T/2 + 1 slots, the most recent
+  h2o step (k)   the Triton H2OAttention kernel (kernels/triton/h2o_attention.py) at h2o 0.5: T/2 + 1 slots, the most recent
                  T/2 tokens live, one token in, against dense SDPA over all T (the token buffer is restored
                  before each call; it is 1/64 of the K^ + V bytes)
 
@@ -64,7 +64,7 @@ def check(topk_gather_dot, reference) -> list[str]:
 def bench(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) -> list[dict]:
     import triton.testing as tt
 
-    from aqua_export.triton_kernel import topk_gather_dot
+    from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot
 
     dt, es = torch.float16, 2
     q = torch.randn(B, hkv, g, 1, d, device="cuda", dtype=dt)
@@ -103,7 +103,7 @@ def bench(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) ->
 
 def bench_fused(T: int, q, kdm, v, ks: list[int], med) -> list[dict]:
     """The fused Triton AquaAttention step: dense (k = d, no P) and AQUA (P given, group rule) at each k."""
-    from aqua_export.triton_attention import aqua_attention
+    from aqua_export.kernels.triton.aqua_attention import aqua_attention
 
     B, hkv, g, _, d = q.shape
     es = q.element_size()
@@ -120,8 +120,8 @@ def bench_fused(T: int, q, kdm, v, ks: list[int], med) -> list[dict]:
 
 def check_fused() -> list[str]:
     """The fused kernel on the GPU against the float64 reference, with and without P, float32 and float16."""
-    from aqua_export.export import attention_reference
-    from aqua_export.triton_attention import aqua_attention
+    from aqua_export.kernels.triton.aqua_attention import aqua_attention
+    from aqua_export.ops.aqua_attention import reference as attention_reference
 
     lines = []
     gen = torch.Generator().manual_seed(5)
@@ -135,8 +135,8 @@ def check_fused() -> list[str]:
         P = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0].to(dt) if proj else None
         got = aqua_attention(q.cuda(), kc.cuda(), vc.cuda(), L, mask.cuda(), k, 1,
                              projection=None if P is None else P.cuda()).double().cpu()
-        ref = attention_reference(q.double(), kc.double(), vc.double(), L, mask, k, 1,
-                                  projection=None if P is None else P.double())
+        ref = attention_reference(q.double(), kc.double(), vc.double(), L, mask,
+                                  None if P is None else P.double(), k=k, rule=1)
         rel = ((got - ref).norm() / ref.norm()).item()
         ok = torch.isfinite(got).all().item() and rel < (1e-5 if dt == torch.float32 else 2e-3)
         lines.append(f"check fused AquaAttention {dt} {(b, hkv, g, t, d, L)} k {k} P {proj}: relative error "
@@ -148,8 +148,8 @@ def check_fused() -> list[str]:
 
 def check_h2o() -> list[str]:
     """The H2O kernel on the GPU against the float64 slot-level reference (a prompt, then a decode step)."""
-    from aqua_export import h2o
-    from aqua_export.triton_h2o import h2o_attention
+    from aqua_export.kernels.triton.h2o_attention import h2o_attention
+    from aqua_export.ops import h2o_attention as h2o
 
     gen = torch.Generator().manual_seed(4)
     b, hkv, g, t, r = 2, 2, 4, 300, 128
@@ -172,7 +172,7 @@ def bench_h2o(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float
     """One decode step of the H2O kernel at ratio 0.5 (compared with bench()'s dense SDPA over T tokens)."""
     import triton.testing as tt
 
-    from aqua_export.triton_h2o import h2o_attention
+    from aqua_export.kernels.triton.h2o_attention import h2o_attention
 
     dt, es = torch.float16, 2
     live = T // 2
@@ -212,8 +212,11 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA GPU here (run it on a GPU machine)")
-    from aqua_export.export import topk_gather_dot_reference
-    from aqua_export.triton_kernel import topk_gather_dot
+    from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot
+    from aqua_export.ops.topk_gather_dot import reference
+
+    def topk_gather_dot_reference(q, kc, k):
+        return reference(q, kc, k=k)
 
     name = torch.cuda.get_device_name()
     lines = check(topk_gather_dot, topk_gather_dot_reference) + check_fused() + check_h2o()

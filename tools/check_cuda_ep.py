@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import onnxruntime as ort
 
-    from aqua_export.export import single_op_model, topk_gather_dot_reference
+    from aqua_export.ops import topk_gather_dot
 
     provs = ort.get_available_providers()
     print(f"onnxruntime {ort.__version__}: {provs}")
@@ -24,13 +24,15 @@ def main() -> None:
         return
     gen = torch.Generator().manual_seed(0)
     for dt, tol in (("float32", 1e-5), ("float16", 2e-3)):
-        sess = ort.InferenceSession(single_op_model(48, dt).SerializeToString(), providers=["CUDAExecutionProvider"])
+        sess = ort.InferenceSession(topk_gather_dot.OP.model(dt, k=48).SerializeToString(),
+                                    providers=["CUDAExecutionProvider"])
         q = torch.randn(2, 8, 4, 3, 64, generator=gen)
         kc = torch.randn(2, 8, 64, 1000, generator=gen)
         npdt = np.float32 if dt == "float32" else np.float16
-        got = sess.run(None, {"q": q.numpy().astype(npdt), "kc": kc.numpy().astype(npdt), "length": np.array([kc.shape[-1]])})[0].astype(np.float64)
-        ref = topk_gather_dot_reference(q.to(torch.float16 if dt == "float16" else torch.float32).double(),
-                                        kc.to(torch.float16 if dt == "float16" else torch.float32).double(), 48).numpy()
+        got = sess.run(None, {"query_hat": q.numpy().astype(npdt), "key_cache": kc.numpy().astype(npdt),
+                              "total_length": np.array([kc.shape[-1]])})[0].astype(np.float64)
+        ref = topk_gather_dot.reference(q.to(torch.float16 if dt == "float16" else torch.float32).double(),
+                                        kc.to(torch.float16 if dt == "float16" else torch.float32).double(), k=48).numpy()
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         print(f"CUDA provider, function body, {dt}: relative error {rel:.1e} ({'ok' if rel < tol else 'FAIL'}), "
               f"ran on {sess.get_providers()[0]}")

@@ -54,8 +54,8 @@ def _alias(t, name: str, dims: list):
 def all_experts_folder(src: Path, dst: Path) -> None:
     import onnx
 
-    from aqua_export.folder import FolderConfig
-    from aqua_export.onnx_builder import TensorStore
+    from aqua_export.runtime.folder import FolderConfig
+    from aqua_export.export.builder import TensorStore
 
     src, dst = Path(src), Path(dst)
     shutil.rmtree(dst, ignore_errors=True)

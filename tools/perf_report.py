@@ -131,7 +131,8 @@ def genai_section(data) -> list[str]:
 
 
 def h2o_section(data) -> list[str]:
-    from aqua_export.h2o import SLOT_EXTRA_BYTES, slots_needed
+    from aqua_export.ops.rules import slots_needed
+    from aqua_export.ops.spec import SLOT_EXTRA_BYTES
 
     m = data["meta"]
     out = ["", "## AQUA-H2O against dense (`tools/bench_decode.py --only h2o`)", "",

@@ -19,8 +19,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aqua_export import allocate, calibrate, corpus, evaluate, models  # noqa: E402
-from aqua_export.h2o import SLOT_EXTRA_BYTES  # noqa: E402
+from aqua_export import calibrate, corpus, evaluate, models  # noqa: E402
+from aqua_export.projection import load_projection  # noqa: E402
+from aqua_export.projection import write as write_projection  # noqa: E402
+from aqua_export.slice_costs import add_costs  # noqa: E402
+from aqua_export.ops.spec import SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
@@ -51,7 +54,7 @@ PAPER = {1.0: (8.91, 11.34), 0.9: (8.91, 11.34), 0.75: (8.93, 11.33), 0.5: (9.20
 def kv_split(model, tok, text: str, proj, a) -> dict:
     """Perplexity at k 0.9 with uniform slicing's bytes spent on one side: keys cut to 2r - d with values whole,
     or the reverse."""
-    from aqua_export.attention import apply_aqua
+    from aqua_export.reference.attention import apply_aqua
 
     n, d = len(proj.P), proj.P[0].shape[-1]
     out = {}
@@ -166,13 +169,13 @@ def main() -> int:
         sections = set(SECTIONS)
         t0 = time.perf_counter()
         tensors, meta = calibrate.calibrate(model, tok, texts=[CALIB], tokens=a.calib_tokens, seq_len=a.seq_len)
-        calibrate.write(proj_path, tensors, meta)
+        write_projection(proj_path, tensors, meta)
         cal = {"tokens": meta["tokens"], "seconds": time.perf_counter() - t0}
         old = {}
     else:
         cal = old["calibration"]
     kept = sorted(set(SECTIONS) - sections)
-    proj = calibrate.load_projection(proj_path)
+    proj = load_projection(proj_path)
     text = corpus.read_text(EVAL)
 
     results: dict = {}
@@ -201,7 +204,7 @@ def main() -> int:
     grid.update({(1.0, s): dense for s in SELECTIONS})  # k = r: every rule is dense attention
     mem = {(s, k): run(AquaConfig(k_ratio=k, slice_ratio=s), "memory") for s, k in MEMORY}
     if "memory" in sections and "measured" in ALLOCS and proj.slice_cost is None:  # kept in the artifact
-        proj = allocate.add_costs(model, tok, proj, proj_path, [CALIB])
+        proj = add_costs(model, tok, proj, proj_path, [CALIB])
     alloc = {(s, a): run(AquaConfig(k_ratio=0.9, slice_ratio=s, slice_alloc=a), "memory") for s in (0.1, 0.25)
              for a in ALLOCS}
     split = kv_split(model, tok, text, proj, a) if "memory" in sections else old.get("kv_split", {})

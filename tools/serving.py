@@ -8,9 +8,10 @@ of the embedded trained model's folders (ours and the builder's int4, the float3
 
     python tools/serving.py [--shapes 1.1B,8B,OLMoE-1B-7B] [--context 4096] [--work build/serving]
     python tools/serving.py --quality                 # the embedded model's int4 perplexities only
-    python tools/serving.py --report-only             # rewrite benchmarks/scale.md from the JSON
+    python tools/serving.py --report-only             # rewrite benchmarks/scale.md from the JSONs
 
-Writes benchmarks/serving.json; tools/scale.py renders it (with the build half) into benchmarks/scale.md. Not CI:
+Writes benchmarks/serving.json; tools/scale_report.py renders it (with tools/scale.py's build half) into
+benchmarks/scale.md. Not CI:
 hours on 2 cores. Each build, export and measurement runs in its own process.
 """
 
@@ -75,7 +76,7 @@ def bench(folders: list[Path], runtime: str, context: int, steps: int, rounds: i
 def cache_bytes(folder: Path, tokens: int) -> int:
     """The KV cache of one sequence of ``tokens`` for a folder of this project or of genai's builder."""
     if (folder / "aqua_config.json").is_file():
-        from aqua_export.folder import FolderConfig
+        from aqua_export.runtime.folder import FolderConfig
 
         return FolderConfig.from_folder(folder).contract.cache_bytes(1, tokens)
     dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
@@ -83,8 +84,8 @@ def cache_bytes(folder: Path, tokens: int) -> int:
 
 
 def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int) -> dict:
+    from checkpoints import write_checkpoint
     from moe_dense import all_experts_folder
-    from scale import write_checkpoint
 
     ckpt = work / f"ckpt-{name}"
     params = write_checkpoint(ckpt, name)
@@ -151,7 +152,7 @@ def main() -> None:
     ap.add_argument("--quality", action="store_true", help="only the embedded model's int4 perplexities")
     ap.add_argument("--report-only", action="store_true")
     a = ap.parse_args()
-    from scale import write_report
+    from scale_report import write_report
 
     results = json.loads(JSON.read_text()) if JSON.exists() else {}
     if not a.report_only:
@@ -167,87 +168,6 @@ def main() -> None:
                 JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
         JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
     write_report()
-
-
-# --------------------------------------------------------------------------------------------
-# the serving half of benchmarks/scale.md
-# --------------------------------------------------------------------------------------------
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f}"
-
-
-def _build_rows(shapes: dict) -> list[str]:
-    md = ["| shape | parameters | checkpoint (GiB) | our build: s / peak (GiB) | target (GiB) | parity | "
-          "int4 weights (GiB) | genai builder int4: s / peak (GiB) | its weights (GiB) |", "|---" * 9 + "|"]
-    for name, r in shapes.items():
-        b, g = r["build"], r["builder"]
-        ours = (f"{b['seconds']:.0f} / {max(s['peak_rss_gib'] for s in b['stages'].values()):.1f}"
-                if b["rc"] == 0 else f"failed (rc {b['rc']})")
-        parity = ("pass" if b.get("parity_pass") else f"FAIL ({', '.join(b.get('parity_failed', []))})") \
-            if b["rc"] == 0 else "-"
-        theirs = f"{g['seconds']:.0f} / {g['peak_rss_gib']:.1f}" if g["rc"] == 0 else f"cannot: {g.get('why', '')}"
-        md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {_gib(r['disk_bytes'])} | {ours} | "
-                  f"{1.5 * r['disk_bytes'] / 2**30 + 3:.1f} | {parity} | {_gib(b.get('weights_bytes', 0))} | {theirs} | "
-                  f"{_gib(g['weights_bytes']) if g['rc'] == 0 else '-'} |")
-    return md
-
-
-def _decode_rows(shapes: dict) -> list[str]:
-    md = ["| shape | runtime | folder | tokens/s | vs builder int4 (same runtime) | vs all experts | serve peak (GiB) | "
-          "bound: 1.3 x weights + cache + 1 (GiB) |", "|---" * 8 + "|"]
-    for name, r in shapes.items():
-        weights = {"aqua": r["build"].get("weights_bytes", 0), "genai": r["builder"].get("weights_bytes", 0),
-                   "all": r.get("all_experts_weights_bytes", 0)}
-        for runtime in ("genai", "aqua"):
-            folders = r.get(runtime, {}).get("folders", {})
-            base = {k: v for k, v in folders.items() if "/genai-" in k}
-            dense = {k: v for k, v in folders.items() if "/all-experts-" in k}
-            for f, m in folders.items():
-                kind = "genai" if "/genai-" in f else "all" if "/all-experts-" in f else "aqua"
-                label = {"genai": "genai builder int4", "all": "ours, all experts", "aqua": "ours int4 k 0.75"}[kind]
-                cache = r.get("cache_bytes", {}).get(f, r.get("cache_bytes", {}).get(f.replace("/all-experts-", "/aqua-"), 0))
-                vs_b = f"{m['tokens_per_s'] / next(iter(base.values()))['tokens_per_s']:.2f}x" if base else "-"
-                vs_d = f"{m['tokens_per_s'] / next(iter(dense.values()))['tokens_per_s']:.2f}x" if dense else "-"
-                bound = 1.3 * weights[kind] + cache + 2**30
-                md.append(f"| {name} | {runtime} | {label} | {m['tokens_per_s']:.2f} | {vs_b} | {vs_d} | "
-                          f"{m['peak_rss_mb'] / 1024:.2f} | {bound / 2**30:.2f} |")
-    return md
-
-
-def report_lines() -> list[str]:
-    """Markdown for benchmarks/scale.md from benchmarks/serving.json (empty when it is absent)."""
-    if not JSON.exists():
-        return []
-    results = json.loads(JSON.read_text())
-    shapes = results.get("shapes", {})
-    md = ["## Serving", "",
-          "Written by `python tools/serving.py`: random-weight checkpoints of the paper's shapes (bfloat16, made in code: "
-          "tools/scale.py's SHAPES), built with `aqua-export --model DIR " + " ".join(BUILD_ARGS) + "` and by "
-          "onnxruntime-genai's model builder (`-p int4 -e cpu`, block 32, accuracy level 4) in the same run, then "
-          "decoded at context " + str(next(iter(shapes.values()), {}).get("context", 4096)) + ", batch 1 on this "
-          "2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
-          "real prompt prefilled through onnxruntime-genai; aqua: written into the cache). Build peak: the largest "
-          "stage's VmHWM; serve peak: the bench process's VmHWM (loading, context and decode).", "",
-          *_build_rows(shapes), "", *_decode_rows(shapes)]
-    if "quality" in results:
-        q = results["quality"]
-        ref = q.get("aqua float32", {}).get("perplexity")
-        md += ["", "### Int4 quality (the embedded trained model)", "",
-               "`python tools/serving.py --quality`: perplexity through `aqua-export eval --folder` on builtin:gpl-3 "
-               "(8,192 tokens, windows of 512) of folders built from the embedded SmolLM2-135M-Instruct: ours dense "
-               "(k 1) float32 and int4 (block 32, symmetric, accuracy level 4), ours int4 at k 0.75, and "
-               "onnxruntime-genai's builder int4 (block 32, accuracy level 4) of the same checkpoint.", "",
-               "| folder | perplexity | vs genai builder int4 | vs float32 |", "|---|---|---|---|"]
-        base = q.get("genai builder int4", {}).get("perplexity")
-        for name, r in q.items():
-            if "perplexity" not in r:
-                md.append(f"| {name} | failed: {r.get('error', '')[-120:]} | - | - |")
-                continue
-            p = r["perplexity"]
-            md.append(f"| {name} | {p:.4f} | {f'{p / base - 1:+.2%}' if base else '-'} | "
-                      f"{f'{p / ref - 1:+.2%}' if ref else '-'} |")
-    return md
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ class Adapter:
                                   "frequencies change with the sequence length at run time, which one exported graph "
                                   "does not represent")
 
+    def check_settings(self, config, aqua) -> None:
+        """Refuse, in one line, AQUA settings (config.AquaConfig) this model cannot take: the one check that the
+        reference (apply_aqua) and the export (check_exportable) both make."""
+        if aqua.evicts and any(self.window(config, i) for i in range(config.num_hidden_layers)):
+            raise ConfigError(f"AQUA-H2O with {self.model_type}'s sliding-window layers is not supported (a window and "
+                              "an eviction budget over the same slots disagree on what is kept): drop --h2o-ratio")
+
     # what the graph computes beyond the Llama layout (None / defaults: nothing)
     mlp_act = "silu"  # activation of the gated MLP: "silu" or "gelu_tanh"
 

@@ -21,8 +21,8 @@ inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
 
-// The nodes' `rule` attribute (aqua_export/export.py RULES). The weighted rules reach the kernels as
-// magnitude / group: export folds rms(k^) into P.
+// The nodes' `rule` attribute (aqua_export/ops/spec.py: MAGNITUDE 0, GROUP 1, STATIC 2). The weighted rules
+// reach the kernels as magnitude / group: export folds rms(k^) into P.
 enum Rule : int64_t { kPerHead = 0, kGroup = 1, kStatic = 2 };
 
 // order[0..k) = the k largest score[] (ties -> lower index). Their order does not matter: callers lay

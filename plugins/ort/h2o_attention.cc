@@ -1,5 +1,5 @@
-// H2OAttention: one layer's AQUA-H2O attention with the eviction inside (contract: aqua_export/contract.py,
-// the rule: aqua_export/attention.py h2o_keep).
+// H2OAttention: one layer's AQUA-H2O attention with the eviction inside (contract: aqua_export/export/contract.py,
+// the rule: aqua_export/ops/rules.py h2o_keep).
 //
 //   query_hat    [B, Hkv, g, T, r]   q^ of the new tokens, attention scale folded in
 //   key_new      [B, Hkv, T, r]      k^ of the new tokens
@@ -29,7 +29,7 @@
 //               most recent real tokens (ties: the later token goes)
 //
 // Live slots never exceed budget + 1, so at most one slot is freed per token and
-// need = max over rows of min(n, budget(n) + 1) with n the row's real tokens (aqua_export/h2o.py slots_needed).
+// need = max over rows of min(n, budget(n) + 1) with n the row's real tokens (aqua_export/ops/rules.py slots_needed).
 // A query that sees no live slot (a padding token before any real one) outputs zeros.
 
 #include "h2o_rows.h"

@@ -11,7 +11,7 @@ namespace aqua::h2o {
 constexpr int64_t kBlock = 256;       // positions per score block: the tile's scores stay in L1
 constexpr int64_t kTasksWanted = 16;  // split a row's slots over tasks at decode when fewer rows exist
 
-// max(1, ceil(ratio n)) with aqua_export/h2o.py budget's slack (a float32 ratio keeps what its double does)
+// max(1, ceil(ratio n)) with aqua_export/ops/rules.py budget's slack (a float32 ratio keeps what its double does)
 inline int64_t budget(double ratio, int64_t n) {
   const double x = static_cast<double>(n);
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio * x - 1e-6 * x - 1e-9)));

@@ -1,0 +1,196 @@
+"""Building blocks of the decoder graph that do not depend on the attention: weights in the export dtype,
+linear layers (float MatMul, or ONNX Runtime's MatMulNBits over quantize.py's blocks), the embedding (Gather or
+GatherBlockQuantized), norms, the rotary rotation, MLPs (gated, plain, routed experts: ONNX Runtime's MoE / QMoE,
+only the chosen experts run) and soft-capping.
+
+Mixed into DecoderGraph, which provides ``gb`` (the GraphBuilder), ``p`` (the Plan) and ``cast``.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnx import TensorProto
+
+from ..config import ConfigError
+from ..quantize import check_shape, quantize
+
+F32 = TensorProto.FLOAT
+MS = "com.microsoft"  # ONNX Runtime's contrib ops: MatMulNBits, GatherBlockQuantized, MoE, QMoE
+
+
+def stack(parts: list) -> tuple:
+    """[(W_i [out_i, in], b_i or None)] -> (W [sum out_i, in], b or None): one linear layer computing them all."""
+    w = torch.cat([wi for wi, _ in parts], 0)
+    if all(bi is None for _, bi in parts):
+        return w, None
+    return w, torch.cat([torch.zeros(wi.shape[0]) if bi is None else bi for wi, bi in parts])
+
+
+class Blocks:
+    def weight(self, name: str, t: torch.Tensor) -> str:
+        """A weight in the export dtype. float16 refuses values past its range (65504) and counts the nonzero
+        ones below its normal range (6.1e-5), which keep fewer mantissa bits; all others cast exactly from
+        bfloat16, and to float16's rounding from float32."""
+        if self.p.dtype == torch.float16 and t.dtype != torch.float16:
+            a = t.detach().abs()
+            if bool((a > 65504).any()):
+                raise ConfigError(f"{name} has values beyond float16's range (|w| up to {float(a.max()):.3g} > 65504): "
+                                  "export with --dtype float32")
+            self.cast["tensors"] += 1
+            self.cast["elements"] += t.numel()
+            self.cast["below_float16_normal_range"] += int(((a > 0) & (a < 6.103515625e-05)).sum())
+        return self.gb.weight(name, t.to(self.p.dtype))
+
+    def _linear(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None, outputs: list | None = None) -> str:
+        """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype; with quantized
+        weights (Plan.weights) one MatMulNBits node over W's blocks, the bias its sixth input."""
+        if self.p.weights.quantized:
+            fmt = self.p.weights
+            ins = self._quantized(name, w)
+            if b is not None:
+                ins += [""] * (4 - len(ins)) + [self.weight(f"{name}.bias", b)]  # inputs 3, 4: zero points, g_idx
+            y = self.gb.op(f"{name}/MatMulNBits", "MatMulNBits", [x] + ins, domain=MS, outputs=outputs, K=w.shape[1],
+                           N=w.shape[0], bits=fmt.bits, block_size=fmt.block, accuracy_level=fmt.accuracy_level)
+            return y[0] if outputs else y
+        wt = self.weight(f"{name}.weight", w.t())
+        y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt], outputs=None if b is not None else outputs)
+        if b is not None:
+            y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)], outputs=outputs)
+        return y[0] if isinstance(y, list) else y
+
+    def _quantized(self, name: str, w: torch.Tensor, shape: tuple | None = None) -> list[str]:
+        """W [..., N, K] -> the names of its packed blocks, scales and (asymmetric) zero points (quantize.py), the
+        packed blocks in ``shape`` when given (GatherBlockQuantized and QMoE take them flat per row)."""
+        fmt = self.p.weights
+        check_shape(w.shape[-1], fmt, name)
+        packed, scales, zero = quantize(w, fmt)
+        out = [self.gb.weight(f"{name}.qweight", packed if shape is None else packed.reshape(shape)),
+               self.gb.weight(f"{name}.scales", scales)]
+        return out + ([] if zero is None else [self.gb.weight(f"{name}.zero_points", zero)])
+
+    def embed(self, ids: str, table: torch.Tensor) -> str:
+        """input_ids [B, T] -> rows of the embedding table [V, D]: Gather, or with quantized weights
+        GatherBlockQuantized over the table's blocks along D (the same format as the linear layers)."""
+        if not self.p.weights.quantized:
+            return self.gb.op("/model/embed_tokens/Gather", "Gather", [self.weight("model.embed_tokens.weight", table),
+                                                                    ids])
+        fmt = self.p.weights
+        ins = self._quantized("model.embed_tokens", table, (table.shape[0], -1))
+        return self.gb.op("/model/embed_tokens/GatherBlockQuantized", "GatherBlockQuantized", [ins[0], ids] + ins[1:],
+                          domain=MS, bits=fmt.bits, block_size=fmt.block, gather_axis=0, quantize_axis=1)
+
+    def _linears(self, name: str, x: str, parts: list) -> list[str]:
+        """[x @ W_i^T (+ b_i) for (W_i, b_i) in parts] as one MatMul over the stacked weights, split back: at
+        decode a step is a chain of small GEMVs, and fewer, wider ones cost less per node."""
+        y = self._linear(name, x, *stack(parts))
+        return self.gb.op(f"{name}/Split", "Split", [y, self.gb.const([wi.shape[0] for wi, _ in parts])],
+                          n_out=len(parts), axis=-1)
+
+    def _add_norm(self, name: str, stream: tuple, w: torch.Tensor, b: torch.Tensor | None = None) -> tuple[str, str]:
+        """stream = (x, pending): the residual stream and a block output not yet added to it (None: nothing) ->
+        (norm(x + pending), x + pending). ONNX Runtime builds add and normalise in one node
+        (SkipSimplifiedLayerNormalization, SkipLayerNormalization with a bias), others Add, then _norm."""
+        x, pending = stream
+        if pending is None:
+            return self._norm(name, x, w, b), x
+        if not self.p.fused:
+            x = self.gb.op(f"{name}/residual", "Add", [x, pending])
+            return self._norm(name, x, w, b), x
+        op = "SkipSimplifiedLayerNormalization" if b is None else "SkipLayerNormalization"
+        ins = [x, pending, self.weight(f"{name}.weight", w)] + ([self.weight(f"{name}.bias", b)] if b is not None else [])
+        outs = [f"{name}/{op}/output_0", "", "", f"{name}/{op}/output_3"]  # normalised, (mean), (1/std), the sum
+        self.gb.op(f"{name}/{op}", op, ins, domain=MS, outputs=outs, epsilon=self.p.eps)
+        return outs[0], outs[3]
+
+    def _norm(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None = None) -> str:
+        """RMSNorm, or LayerNorm when the family's norms have a bias (GPT-2), statistics in float32."""
+        if b is None:
+            return self._rmsnorm(name, x, w)
+        return self.gb.op(f"{name}/LayerNormalization", "LayerNormalization",
+                          [x, self.weight(f"{name}.weight", w), self.weight(f"{name}.bias", b)], axis=-1,
+                          epsilon=self.p.eps, stash_type=1)
+
+    def _rmsnorm(self, name: str, x: str, w: torch.Tensor) -> str:
+        """HF's RMSNorm over the last axis: statistics in float32, weight applied in the model dtype (ONNX
+        Runtime fuses this pattern)."""
+        gb, c = self.gb, self.gb.const
+        xf = x if self.p.dtype == torch.float32 else gb.op(f"{name}/Cast", "Cast", [x], to=F32)
+        sq = gb.op(f"{name}/Pow", "Pow", [xf, c(2.0, torch.float32)])
+        var = gb.op(f"{name}/ReduceMean", "ReduceMean", [sq, c([-1])], keepdims=1)
+        std = gb.op(f"{name}/Sqrt", "Sqrt", [gb.op(f"{name}/Add", "Add", [var, c(self.p.eps, torch.float32)])])
+        y = gb.op(f"{name}/Div", "Div", [xf, std])
+        if self.p.dtype != torch.float32:
+            y = gb.op(f"{name}/CastBack", "Cast", [y], to=self.p.elem)
+        return gb.op(f"{name}/Mul", "Mul", [y, self.weight(f"{name}.weight", w)])
+
+    def _rope(self, name: str, x: str, rope: tuple, heads: int) -> str:
+        """x [B, heads, T, d]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], on the first
+        rotary_dim coordinates (all of them unless the family rotates part of each head: partial rotary). rope:
+        DecoderGraph.rotary's: ONNX Runtime's RotaryEmbedding over the tables (one node), or in standard ops."""
+        gb, c, d, rd = self.gb, self.gb.const, self.p.head_dim, self.p.rotary_dim
+        if rope[0] == "tables":
+            _, pos, cos_cache, sin_cache = rope
+            partial = {"rotary_embedding_dim": rd, "num_heads": heads} if rd < d else {}
+            return gb.op(f"{name}/RotaryEmbedding", "RotaryEmbedding", [x, pos, cos_cache, sin_cache], domain=MS,
+                         interleaved=0, **partial)
+        _, cos, sin = rope
+        rest = None
+        if rd < d:
+            x, rest = gb.op(f"{name}/SplitRotary", "Split", [x, c([rd, d - rd])], n_out=2, axis=-1)
+        x1, x2 = gb.op(f"{name}/Split", "Split", [x, c([rd // 2, rd // 2])], n_out=2, axis=-1)
+        rot = gb.op(f"{name}/Concat", "Concat", [gb.op(f"{name}/Neg", "Neg", [x2]), x1], axis=-1)
+        y = gb.op(f"{name}/Add", "Add", [gb.op(f"{name}/MulCos", "Mul", [x, cos]), gb.op(f"{name}/MulSin", "Mul", [rot, sin])])
+        return y if rest is None else gb.op(f"{name}/ConcatPass", "Concat", [y, rest], axis=-1)
+
+    def _silu(self, name: str, x: str) -> str:
+        return self.gb.op(f"{name}/Mul", "Mul", [x, self.gb.op(f"{name}/Sigmoid", "Sigmoid", [x])])
+
+    def _gated_mlp(self, n: str, h: str, w: dict) -> str:
+        """down(act(gate(h)) * up(h)), act = SiLU or GELU (tanh approximation)."""
+        gate, up = self._linears(f"{n}/gate_up_proj", h, [(w["gate_proj"], None), (w["up_proj"], None)])
+        act = self._silu(f"{n}/act", gate) if self.p.act == "silu" else \
+            self.gb.op(f"{n}/act/Gelu", "Gelu", [gate], approximate="tanh")
+        return self._linear(f"{n}/down_proj", self.gb.op(f"{n}/Mul", "Mul", [act, up]), w["down_proj"], None)
+
+    def _plain_mlp(self, n: str, h: str, w: dict) -> str:
+        """proj(gelu_tanh(fc(h))) (GPT-2's MLP)."""
+        a = self.gb.op(f"{n}/act/Gelu", "Gelu", [self._linear(f"{n}/fc", h, w["fc"], w.get("fc_bias"))], approximate="tanh")
+        return self._linear(f"{n}/proj", a, w["proj"], w.get("proj_bias"))
+
+    def _moe(self, n: str, h: str, w: dict) -> str:
+        """Top-k routed experts, only the chosen ones run per token: ONNX Runtime's MoE op (QMoE with quantized
+        weights) on the router's logits. Its SwiGLU takes gate and up rows interleaved (the CPU kernel's only
+        layout); QMoE renormalises over the top k unless given the softmax weights, which the unrenormalised rule
+        (OLMoE's norm_topk_prob false) passes as router_weights.
+
+            h [B,T,H] --router (float)--> logits --Reshape [BT,E]--> MoE(h, logits, gate|up interleaved, down; k)
+                       (QMoE: + Softmax(logits) as router_weights when the top-k weights are not renormalised)
+        """
+        gb, c, p = self.gb, self.gb.const, self.p
+        logits = gb.op(f"{n}/router/MatMul", "MatMul", [h, self.weight(f"{n}/router.weight", w["router"].t())])
+        e = w["router"].shape[0]
+        logits = gb.op(f"{n}/router/Reshape", "Reshape", [logits, c([-1, e])])
+        gate_up, down = w["experts_gate_up"], w["experts_down"]  # [E, 2I, H] gate rows first, [E, H, I]
+        inter = down.shape[-1]
+        fc1 = torch.stack([gate_up[:, :inter], gate_up[:, inter:]], 2).reshape(gate_up.shape)  # g0, u0, g1, u1, ...
+        attrs = dict(k=int(w["top_k"]), activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,
+                     activation_beta=0.0)
+        if not p.weights.quantized:
+            return gb.op(f"{n}/experts/MoE", "MoE", [h, logits, self.weight(f"{n}/experts.fc1", fc1), "",
+                                                     self.weight(f"{n}/experts.fc2", down)], domain=MS,
+                         normalize_routing_weights=int(bool(w["norm_topk_prob"])), **attrs)
+        fmt = p.weights
+        w1 = self._quantized(f"{n}/experts.fc1", fc1, (e, fc1.shape[1], -1))
+        w2 = self._quantized(f"{n}/experts.fc2", down, (e, down.shape[1], -1))
+        zeros = [w1[2], w2[2]] if len(w1) > 2 else ["", ""]
+        weights = "" if w["norm_topk_prob"] else gb.op(f"{n}/router/Softmax", "Softmax", [logits], axis=-1)
+        ins = [h, logits, w1[0], w1[1], "", w2[0], w2[1], "", "", "", ""] + zeros + ["", weights]  # no fc3
+        while not ins[-1]:
+            ins.pop()
+        return gb.op(f"{n}/experts/QMoE", "QMoE", ins, domain=MS, expert_weight_bits=fmt.bits, block_size=fmt.block,
+                     accuracy_level=fmt.accuracy_level, normalize_routing_weights=0, **attrs)
+
+    def _softcap(self, n: str, x: str, cap: float) -> str:
+        c = self.gb.const
+        t = self.gb.op(f"{n}/Tanh", "Tanh", [self.gb.op(f"{n}/Div", "Div", [x, c(cap, torch.float32)])])
+        return self.gb.op(f"{n}/Mul", "Mul", [t, c(cap, torch.float32)])

@@ -1,0 +1,231 @@
+"""The graph contract: the one owner of the exported decoder's I/O names, shapes, dtypes, dynamic axes,
+cache layout and modes. Export, the runtimes (ours and onnxruntime-genai's config), the TensorRT profiles,
+the benchmarks and the tests all derive from a ``Contract``; nothing else spells a name or a layout.
+
+Per layer i, with r = widths[i] the width of its K^ and rv = value_widths[i] that of its V (equal, and equal over
+the layers, unless AQUA-Memory's slicing is allocated: allocate.py), the decoder takes
+
+    input_ids                 [batch, sequence]              int64   the new tokens
+    attention_mask            [batch, total]                 int64   every token so far (0 = padding), new included
+    past_key_values.{i}.key   [batch, kv_heads, past, r]     K^ buffer, memory dim-major (see below)
+    past_key_values.{i}.value [batch, kv_heads, past, rv]    V buffer (P_v's basis), memory token-major
+  and H2O graphs also (The H2O state, below)
+    past_key_values.{i}.heavy [batch, kv_heads, past]        float32 accumulated attention of each slot
+    past_key_values.{i}.token [batch, kv_heads, past]        int64   which token a slot holds, -1 = free
+
+and returns logits [batch, sequence, vocab] and present.{i}.<kind> for each of those buffers ([..., present, ...]).
+
+The KV contract, as onnxruntime-genai drives it (docs/design.md, The KV contract):
+  * total = attention_mask.shape[1] is the only length the graph needs; the new tokens go to slots
+    total-sequence .. total-1 of the buffer, and positions are cumsum(attention_mask) - 1 (what HF computes
+    for left padding), so no cache_position or position_ids is fed.
+  * present = max(past, total) slots. A buffer already holding ``total`` slots (genai's
+    past_present_share_buffer: past and present bound to one [batch, kv_heads, max_length, r] buffer) is
+    written in place, O(sequence) per step; a shorter past (share_buffer false, or our concat runs) is
+    copied into a present of exactly ``total`` slots.
+  * The declared shape is genai's; the memory layout is ours: a key buffer of C slots holds K^ as
+    [batch, kv_heads, r, C] (one contiguous row per coordinate; ``key_rows`` gives that view), so
+    TopKGatherDot reads the first ``total`` values of only the k selected rows.
+
+The H2O state (h2o.py, AQUA-H2O): the buffers are slots, not positions. A new real token takes the first
+free slot and an evicted token frees its slot, inside the graph (one H2OAttention node per layer), so
+slots are positions of nothing: token[b, h, slot] says which token (0-based, padding counted) a slot of
+head h holds. present = max(past, h2o.slots_needed) slots, at most ceil(ratio * total) + 1; a buffer
+that has them is updated in place, as above. Positions are still cumsum(attention_mask) - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ConfigError, reject_unknown
+from ..ops.spec import FLOAT_TYPES, FREE
+
+CONTRACT_VERSION = 4  # 4: K^, V widths and k per layer; 3: H2O state as slot buffers (heavy, token)
+DTYPES = FLOAT_TYPES
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: shape entries are ints or dynamic-axis names."""
+
+    name: str
+    dtype: str  # float32 | float16 | int64 | bool
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a built decoder graph takes and returns (module docstring)."""
+
+    layers: int
+    kv_heads: int
+    widths: tuple  # r per layer: cached coordinates of K^ per head
+    selected: tuple  # k per layer: coordinates that score each query
+    value_widths: tuple  # rv per layer: cached coordinates of V per head
+    vocab: int
+    dtype: str = "float32"
+    h2o: bool = False
+    version: int = CONTRACT_VERSION
+
+    def __post_init__(self):
+        def positive(name, v):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"contract.{name} must be a positive integer, got {v!r}")
+
+        for f in ("layers", "kv_heads", "vocab"):
+            positive(f, getattr(self, f))
+        for f in ("widths", "selected", "value_widths"):
+            v = getattr(self, f)
+            if not isinstance(v, (list, tuple)) or len(v) != self.layers:
+                raise ConfigError(f"contract.{f} must list one integer per layer ({self.layers}), got {v!r}")
+            object.__setattr__(self, f, tuple(v))
+            for x in v:
+                positive(f, x)
+        for i, (r, k) in enumerate(zip(self.widths, self.selected)):
+            if k > r:
+                raise ConfigError(f"contract.selected {k} exceeds contract.widths {r} at layer {i}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"contract.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.h2o, bool):
+            raise ConfigError(f"contract.h2o must be true or false, got {self.h2o!r}")
+        if self.version != CONTRACT_VERSION:
+            raise ConfigError(f"graph contract version {self.version} is not this tool's ({CONTRACT_VERSION})")
+
+    # ---------------------------------------------------------------- names
+    INPUT_IDS = "input_ids"
+    ATTENTION_MASK = "attention_mask"
+    LOGITS = "logits"
+    PAST = "past_key_values.%d.%s"
+    PRESENT = "present.%d.%s"
+    KV = ("key", "value")
+    H2O_STATE = ("heavy", "token")
+    FREE = FREE  # token of a free slot (ops.spec)
+
+    def past(self, i: int, kind: str) -> str:
+        return self.PAST % (i, kind)
+
+    def present(self, i: int, kind: str) -> str:
+        return self.PRESENT % (i, kind)
+
+    @property
+    def kinds(self) -> tuple:
+        """The buffers each layer carries between forwards, in I/O order."""
+        return self.KV + (self.H2O_STATE if self.h2o else ())
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer caches K^ and V at one width (what onnxruntime-genai's single head_size describes)."""
+        return len(set(self.widths) | set(self.value_widths)) == 1
+
+    # ---------------------------------------------------------------- I/O
+    def _buffer_spec(self, name: str, kind: str, slots: str, layer: int) -> TensorSpec:
+        dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.dtype)
+        width = {"key": self.widths, "value": self.value_widths}.get(kind)
+        shape = ("batch", self.kv_heads, slots) + ((width[layer],) if width else ())
+        return TensorSpec(name, dtype, shape)
+
+    def inputs(self) -> list[TensorSpec]:
+        out = [TensorSpec(self.INPUT_IDS, "int64", ("batch", "sequence")),
+               TensorSpec(self.ATTENTION_MASK, "int64", ("batch", "total"))]
+        for i in range(self.layers):
+            out += [self._buffer_spec(self.past(i, k), k, "past", i) for k in self.kinds]
+        return out
+
+    def outputs(self) -> list[TensorSpec]:
+        out = [TensorSpec(self.LOGITS, self.dtype, ("batch", "sequence", self.vocab))]
+        for i in range(self.layers):
+            out += [self._buffer_spec(self.present(i, k), k, "present", i) for k in self.kinds]
+        return out
+
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs()]
+
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs()]
+
+    def feed_shapes(self, batch: int, new: int, past: int) -> dict[str, tuple]:
+        """Concrete input shapes of one forward (a concat past of ``past`` slots): TensorRT profiles, tests."""
+        sizes = {"batch": batch, "sequence": new, "past": past, "total": past + new}
+        return {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.inputs()}
+
+    # ---------------------------------------------------------------- the cache
+    def cache_bytes(self, batch: int, slots: int) -> int:
+        """Bytes of every layer's buffers for ``batch`` sequences of ``slots`` slots each."""
+        elem = np.dtype(self.dtype).itemsize
+        per_slot = sum(w + rv for w, rv in zip(self.widths, self.value_widths)) * elem
+        if self.h2o:
+            per_slot += self.layers * (4 + 8)  # heavy (float32) and token (int64) per slot
+        return batch * self.kv_heads * slots * per_slot
+
+    def empty_buffer(self, kind: str, batch: int, slots: int, layer: int):
+        """A fresh buffer of ``kind`` for ``layer`` (numpy): zeros, a token buffer all free."""
+        spec = self._buffer_spec("", kind, slots, layer)
+        dtype = np.dtype(spec.dtype)
+        fill = self.FREE if kind == "token" else 0
+        return np.full(tuple(batch if d == "batch" else d for d in spec.shape), fill, dtype)
+
+    @staticmethod
+    def key_rows(buf):
+        """A key buffer [B, Hkv, C, r] (numpy) -> its K^ view [B, Hkv, r, C] (no copy)."""
+        b, h, c, r = buf.shape
+        return buf.reshape(b, h, r, c)
+
+    @staticmethod
+    def key_buffer(rows):
+        """K^ [B, Hkv, r, C] -> the key buffer [B, Hkv, C, r] holding it (a contiguous copy if needed)."""
+        b, h, r, c = rows.shape
+        return np.ascontiguousarray(rows).reshape(b, h, c, r)
+
+    def layout(self) -> dict[str, str]:
+        """Each buffer kind's layout in words (aqua_config.json's info.layout), from this contract's specs."""
+        def declared(kind: str) -> str:
+            spec = self._buffer_spec("", kind, "slots", 0)
+            width = {"key": self.widths, "value": self.value_widths}.get(kind)
+            dims = [str(d) for d in spec.shape[:3]] + (["r" if len(set(width)) > 1 else str(width[0])] if width else [])
+            return f"[{', '.join(dims)}] {spec.dtype}"
+
+        out = {"key": f"declared {declared('key')}; memory K^ = RoPE(k) @ P[:, :r] dim-major [batch, kv_heads, r, "
+                      "slots]: selecting coordinate c reads one contiguous row, so the attention node reads k/r of "
+                      "the K cache",
+               "value": f"{declared('value')} in P_v's basis (folded into W_V / W_O)",
+               "update": "new tokens at slots total-sequence..total-1; a buffer shared by past and present "
+                         "(onnxruntime-genai's past_present_share_buffer, `aqua-export run`) is written in place"}
+        if self.h2o:
+            out["heavy"] = f"{declared('heavy')}: the attention each slot has accumulated"
+            out["token"] = f"{declared('token')}: which token a slot holds, {self.FREE} = free"
+        return out
+
+    # ---------------------------------------------------------------- onnxruntime-genai
+    def genai_io(self) -> tuple[dict, dict]:
+        """The decoder's "inputs" / "outputs" sections of genai_config.json (name templates)."""
+        if self.h2o:
+            raise ConfigError("AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: "
+                              "run them with --runtime aqua")
+        if not self.uniform:
+            raise ConfigError("this folder caches K^ and V at several widths (--slice-alloc), and onnxruntime-genai "
+                              "takes one head_size for all: run it with --runtime aqua")
+        def template(pattern, kind):
+            return pattern.replace("%s", kind)  # genai fills %d with the layer
+
+        return ({"input_ids": self.INPUT_IDS, "attention_mask": self.ATTENTION_MASK,
+                 "past_key_names": template(self.PAST, "key"), "past_value_names": template(self.PAST, "value")},
+                {"logits": self.LOGITS, "present_key_names": template(self.PRESENT, "key"),
+                 "present_value_names": template(self.PRESENT, "value")})
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data) -> "Contract":
+        if not isinstance(data, dict):
+            raise ConfigError("contract must be a JSON object")
+        reject_unknown(cls, data, "contract ")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"contract: {e}") from None

@@ -1,0 +1,125 @@
+"""Rewrites of a built folder's graph that the parity harness runs beside it (each saved next to model.onnx so
+that it shares model.onnx.data, opened by path, removed after):
+
+    float32_weight_casts   float16 folders: explicit per-node weight casts (no float32 copy of the weights)
+    set_k(k)               every attention node scores k coordinates and evicts nothing (the graph at k = r)
+    selection_outputs      the attention nodes inlined, each layer's TopK indices exposed as graph outputs
+    float_activations      quantized folders: MatMulNBits / QMoE with float32 activations (accuracy_level 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from ..ops.catalogue import OPS
+from ..ops.spec import DOMAIN
+from .builder import load_graph, save_graph
+
+
+@contextlib.contextmanager
+def graph_variant(model_path: Path, tag: str, *transforms):
+    """A rewritten copy of the folder's graph, saved beside it so that it shares ``model.onnx.data`` (no
+    copy of the weights, opened by path like every session); removed on exit. No transform: the file itself."""
+    model_path = Path(model_path)
+    if not transforms:
+        yield model_path
+        return
+    m = load_graph(model_path)
+    for t in transforms:
+        m = t(m) or m
+    fd, name = tempfile.mkstemp(prefix=f".{model_path.stem}.{tag}.", suffix=".onnx", dir=model_path.parent)
+    os.close(fd)  # a name of its own: nothing of the folder's is overwritten
+    out = Path(name)
+    try:
+        save_graph(m, out)
+        del m
+        yield out
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def float32_weight_casts(m):
+    """Every MatMul / Gemm reading a large float16 weight gets explicit Casts to float32 around it.
+
+    ONNX Runtime's CPU provider has no float16 MatMul: it inserts exactly these casts itself but stores
+    the weights' float32 casts as new initializers, doubling the model in memory. Written into the graph
+    and left unfolded (make_session(lean=True)), each weight is cast while its node runs: same arithmetic,
+    the memory of the float16 weights."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    def numel(t):
+        n = 1
+        for d in t.dims:
+            n *= d
+        return n
+
+    big = {t.name for t in m.graph.initializer if t.data_type == TensorProto.FLOAT16 and numel(t) >= 1 << 16}
+    nodes = []
+    for node in m.graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or not big.intersection(node.input):
+            nodes.append(node)
+            continue
+        ins = []
+        for j, x in enumerate(node.input):
+            c = f"{node.name}/to_float32_{j}"
+            nodes.append(H.make_node("Cast", [x], [c], name=c, to=TensorProto.FLOAT))
+            ins.append(c)
+        out = node.output[0]
+        del node.input[:]
+        node.input.extend(ins)
+        node.output[0] = f"{out}/float32"
+        nodes.append(node)
+        nodes.append(H.make_node("Cast", [f"{out}/float32"], [out], name=f"{node.name}/to_float16",
+                                 to=TensorProto.FLOAT16))
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    # ONNX Runtime replaces a Cast of a constant initializer by a float32 copy of it, folding or not; an
+    # initializer that is also a graph input may be overridden at run time, so it is not constant: the
+    # Casts stay run-time work (the inputs are never fed: their initializers are the defaults)
+    for t in m.graph.initializer:
+        if t.name in big:
+            m.graph.input.append(H.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return m
+
+
+def set_k(k: int):
+    """The graph with every attention node scoring k coordinates, and H2O nodes evicting nothing (HF does not)."""
+    selecting = {op.name for op in OPS if "k" in op.attribute_names}
+
+    def transform(m):
+        for n in m.graph.node:
+            if n.domain == DOMAIN and n.op_type in selecting:
+                for a in n.attribute:
+                    if a.name == "k":
+                        a.i = k
+                    if a.name == "ratio":
+                        a.f = 1.0
+    return transform
+
+
+def selection_outputs(m):
+    """The graph with its attention nodes inlined and each layer's TopK indices as extra outputs, in layer order."""
+    import onnx
+    import onnx.inliner
+
+    own = {n.name for n in m.graph.node if n.op_type == "TopK"}  # the graph's own TopKs (an MoE router's)
+    m = onnx.inliner.inline_local_functions(m)
+    for n in (x for x in m.graph.node if x.op_type == "TopK" and x.name not in own):
+        m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
+    return m
+
+
+def float_activations(m):
+    """The graph with every quantized MatMul and expert op computing its activations in float32 (accuracy_level 0):
+    the folder's int8 activations (level 4) round the input of each quantized MatMul per block, which is the
+    weight format's choice, not the export's; parity gates the export without it and reports it apart."""
+    for n in m.graph.node:
+        if n.domain == "com.microsoft" and n.op_type in ("MatMulNBits", "QMoE"):
+            for a in n.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
+    return m

@@ -1,0 +1,34 @@
+"""The Triton kernels of the custom nodes, each with a PyTorch host function; ``HOSTS`` calls them as the op
+catalogue's references are called (the op's inputs in port order, then P when projected, then its attributes),
+so one test drives every implementation alike.
+
+    select           the selection rank rule as one jit helper, the interpreter switch, binding a kernel to a mode
+    topk_gather_dot  TopKGatherDot (also compiled ahead of time into the TensorRT plugin)
+    aqua_attention   AquaAttention, flash-decoding splits merged on the host
+    h2o_attention    H2OAttention over slot buffers updated in place
+"""
+
+from __future__ import annotations
+
+from .aqua_attention import aqua_attention
+from .h2o_attention import h2o_attention
+from .topk_gather_dot import topk_gather_dot
+
+
+def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **plugin):
+    return (topk_gather_dot(query_hat, key_cache[..., :int(total_length)], k, interpret, rule),)
+
+
+def _attention(query_hat, key_cache, value_cache, total_length, mask, projection=None, *, k, rule=0, softcap=0.0,
+               interpret=None, **plugin):
+    return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), mask, k, rule, softcap, projection,
+                           interpret),)
+
+
+def _h2o(*inputs, k, rule=0, softcap=0.0, ratio=0.5, interpret=None, **plugin):
+    projection = inputs[8] if len(inputs) > 8 else None
+    return h2o_attention(*inputs[:8], k=k, rule=rule, softcap=softcap, ratio=ratio, interpret=interpret,
+                         projection=projection)
+
+
+HOSTS = {"TopKGatherDot": _scores, "AquaAttention": _attention, "H2OAttention": _h2o}  # op name -> host call

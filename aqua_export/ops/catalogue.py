@@ -1,0 +1,22 @@
+"""Every custom op, in the order a graph carries their function bodies; what the export and the tests iterate."""
+
+from __future__ import annotations
+
+from . import aqua_attention, cache_update, h2o_attention, topk_gather_dot, value_product
+from .table import OpDef
+
+OPS: tuple[OpDef, ...] = (topk_gather_dot.OP, aqua_attention.OP, cache_update.KEY, cache_update.VALUE,
+                          value_product.OP, h2o_attention.OP)
+BY_NAME = {op.name: op for op in OPS}
+
+
+def register_schemas() -> None:
+    """Every op's schema in ONNX's registry (checkers and shape inference then know the nodes)."""
+    for op in OPS:
+        op.register()
+
+
+def function_bodies(opset: int, projected: bool = False) -> list:
+    """Every op's body: a runtime without the native library runs these (projected: the attention nodes,
+    AquaAttention or H2OAttention, take P; aqua_attention.body says why a graph carries one form)."""
+    return [op.body(opset, projected) for op in OPS]

@@ -1,0 +1,87 @@
+"""ONNX node groups that several function bodies share: the selection (spec's rule codes, rules' tie-break), the
+query projection, the score head, constants and references to a function's attributes."""
+
+from __future__ import annotations
+
+from onnx import AttributeProto, TensorProto
+from onnx import helper as H
+
+from .spec import GROUP, PROJECTION, STATIC
+
+
+def ref_constant(name: str, attr: str, kind: str):
+    """A Constant node whose value is the function's attribute ``attr`` (value_int / value_float)."""
+    node = H.make_node("Constant", [], [name])
+    node.attribute.append(AttributeProto(name=kind, ref_attr_name=attr, type=(
+        AttributeProto.INT if kind == "value_int" else AttributeProto.FLOAT)))
+    return node
+
+
+def const(name: str, value, kind=None):
+    """A Constant node: an int (or list of ints) -> int64, a float -> float32, unless ``kind`` says."""
+    kind = kind or (TensorProto.INT64 if isinstance(value, (int, list)) and not isinstance(value, bool) else
+                    TensorProto.FLOAT)
+    vals = value if isinstance(value, list) else [value]
+    dims = [len(vals)] if isinstance(value, list) else []
+    return H.make_node("Constant", [], [name], value=H.make_tensor(name, kind, dims, vals))
+
+
+def selection_nodes() -> list:
+    """query_hat [B,Hkv,g,T,r] -> q_selected: the k coordinates the rule keeps, the others zeroed.
+
+        score = |q^|  (rule 0)   |  ReduceSum over g of |q^|, expanded (rule 1)   |  r, r-1, ..., 1 (rule 2)
+        TopK(score, k; ties -> lower index) --idx--> ScatterElements(1s into 0s) --> q^ * keep
+    """
+    def scalar(name, value, kind=TensorProto.FLOAT):
+        return H.make_node("Constant", [], [name], value=H.make_tensor(name, kind, [], [value]))
+
+    return [
+        ref_constant("k_scalar", "k", "value_int"), ref_constant("rule_scalar", "rule", "value_int"),
+        H.make_node("Constant", [], ["shape_1"], value_ints=[1]),
+        H.make_node("Reshape", ["k_scalar", "shape_1"], ["k_1d"]),
+        H.make_node("Shape", ["query_hat"], ["q_shape"]),
+        H.make_node("Abs", ["query_hat"], ["magnitude"]),
+        H.make_node("Constant", [], ["axis_g"], value_ints=[2]),
+        H.make_node("ReduceSum", ["magnitude", "axis_g"], ["group_sum"], keepdims=1),
+        H.make_node("Expand", ["group_sum", "q_shape"], ["group_score"]),
+        H.make_node("Shape", ["query_hat"], ["r_1d"], start=4, end=5),
+        H.make_node("Squeeze", ["r_1d"], ["r_scalar"]),
+        scalar("zero_i", 0, TensorProto.INT64), scalar("minus_one_i", -1, TensorProto.INT64),
+        H.make_node("Range", ["r_scalar", "zero_i", "minus_one_i"], ["ramp_i"]),
+        H.make_node("CastLike", ["ramp_i", "query_hat"], ["ramp"]),
+        H.make_node("Expand", ["ramp", "q_shape"], ["static_score"]),
+        scalar("rule_group", GROUP, TensorProto.INT64), scalar("rule_static", STATIC, TensorProto.INT64),
+        H.make_node("Equal", ["rule_scalar", "rule_group"], ["is_group"]),
+        H.make_node("Equal", ["rule_scalar", "rule_static"], ["is_static"]),
+        H.make_node("Where", ["is_group", "group_score", "magnitude"], ["shared_or_own"]),
+        H.make_node("Where", ["is_static", "static_score", "shared_or_own"], ["score"]),
+        H.make_node("TopK", ["score", "k_1d"], ["top_values", "top_indices"], axis=-1, largest=1, sorted=1),
+        scalar("zero", 0.0), H.make_node("CastLike", ["zero", "query_hat"], ["zero_t"]),
+        H.make_node("Expand", ["zero_t", "q_shape"], ["zeros"]),
+        H.make_node("Shape", ["top_indices"], ["i_shape"]),
+        scalar("one", 1.0), H.make_node("CastLike", ["one", "query_hat"], ["one_t"]),
+        H.make_node("Expand", ["one_t", "i_shape"], ["ones"]),
+        H.make_node("ScatterElements", ["zeros", "top_indices", "ones"], ["keep"], axis=-1),
+        H.make_node("Mul", ["query_hat", "keep"], ["q_selected"]),
+    ]
+
+
+def score_nodes(scores: str) -> list:
+    """query_hat, key_cache, total_length -> ``scores`` = q_selected @ K^[:, :, :, :total_length] (the head of the
+    TopKGatherDot and AquaAttention bodies)."""
+    return selection_nodes() + [
+        H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
+        H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
+        H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
+        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
+        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
+        H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
+    ]
+
+
+def projection_nodes() -> list:
+    """query [B,Hkv,g,T,d], projection P [Hkv,d,r] -> query_hat = q P: the head of the attention bodies' projected
+    form (AquaAttention, H2OAttention)."""
+    return [H.make_node("Constant", [], ["proj_axis_1"], value_ints=[1]),
+            H.make_node("Unsqueeze", [PROJECTION, "proj_axis_1"], ["projection_g"]),
+            H.make_node("MatMul", ["query", "projection_g"], ["query_hat"])]

@@ -1,0 +1,141 @@
+"""The rules every implementation mirrors, defined once: which coordinates a query keeps, which tokens AQUA-H2O keeps,
+and how close two choices are (the near-tie margins parity measures). The PyTorch reference calls these; the ONNX
+function bodies, the native CPU kernels (plugins/ort/aqua_ops.h) and the Triton kernels (kernels/triton/select.py)
+each restate them in their own language, and the op catalogue's tests hold every one of them to these.
+
+Selection (per query row of q^ [..., Hkv, g, T, r]):
+
+    score   magnitude |q^_i|  |  group: sum over the GQA group's g rows of |q^_i|  |  static: r - i (the first k)
+            (weighted rules: the score times rms(k^_i))
+    keep    the k largest scores; ties go to the lower index
+
+H2O (per sequence and KV head, after each real token; n real tokens seen):
+
+    budget  max(1, ceil(ratio n)) tokens kept
+    keep    the floor(budget / 2) most recent live tokens, and the largest accumulated attention among the others
+            (ties: the later token goes)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .spec import GROUP, MAGNITUDE, RULE_NAMES, SELECTIONS, STATIC
+
+HIDDEN = float(torch.finfo(torch.float32).min)  # a score that softmax weighs 0: a hidden or free slot
+
+
+def _magnitude(qh: torch.Tensor) -> torch.Tensor:
+    return qh.abs()
+
+
+def _group(qh: torch.Tensor) -> torch.Tensor:
+    return qh.abs().sum(-3, keepdim=True)  # [..., Hkv, 1, T, r]: one set for the g rows
+
+
+def _static(qh: torch.Tensor) -> torch.Tensor:
+    return torch.arange(qh.shape[-1], 0, -1, device=qh.device, dtype=qh.dtype).expand(qh.shape)
+
+
+SCORES = {MAGNITUDE: _magnitude, GROUP: _group, STATIC: _static}  # rule code -> what the top k is taken of
+
+
+def selection_score(qh: torch.Tensor, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [..., Hkv, g, T, r] -> what the top k is taken of: [..., Hkv, g, T, r], or [..., Hkv, 1, T, r] for the
+    group rules. selection: a name of spec.SELECTIONS; key_rms [Hkv, r] for the weighted ones."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"unknown selection {selection!r}")
+    code, weighted = SELECTIONS[selection]
+    if weighted:
+        qh = qh * key_rms[:, None, None, :].to(qh.dtype)  # |q^_i w_i| = |q^_i| w_i, w >= 0
+    return SCORES[code](qh)
+
+
+def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [..., Hkv, g, T, r] -> indices [..., Hkv, g, T, k] of the coordinates each query keeps (top k of
+    selection_score; ties go to the lower index)."""
+    assert 1 <= k <= qh.shape[-1]
+    idx = torch.sort(selection_score(qh, selection, key_rms), dim=-1, descending=True, stable=True).indices[..., :k]
+    return idx.expand(*qh.shape[:-1], k)
+
+
+def keep_selected(query_hat: torch.Tensor, k: int, rule: int) -> torch.Tensor:
+    """query_hat [..., Hkv, g, T, r] with every coordinate the node's ``rule`` (a code) does not keep zeroed: the
+    operand of the selected dot product (zeros add exact zeros, so this equals gathering the k coordinates)."""
+    if k >= query_hat.shape[-1]:
+        return query_hat
+    idx = select_indices(query_hat, k, RULE_NAMES[rule])
+    return query_hat * torch.zeros_like(query_hat).scatter_(-1, idx, 1.0)
+
+
+def selection_margin(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """score [..., r] (selection_score) -> (the k-th largest score of each row, its relative margin over the
+    (k+1)-th, (s_k - s_k+1) / s_k): a float near-tie has a margin near rounding error, and two correct
+    implementations may keep different coordinates there."""
+    top = score.sort(-1, descending=True).values
+    kth, nxt = top[..., k - 1], top[..., k]
+    return kth, (kth - nxt) / kth.clamp_min(1e-30)
+
+
+# --------------------------------------------------------------------------------------------
+# AQUA-H2O
+# --------------------------------------------------------------------------------------------
+
+def budget(ratio: float, n):
+    """Tokens kept after n real ones: max(1, ceil(ratio n)). The slack of 1e-6 n below the ceiling makes the ratio
+    rounded to float32 (the node's attribute: 0.3 -> 0.30000001) keep what the double it came from keeps (3 of 10,
+    not 4); it moves no budget of a two-decimal ratio below 10,000 tokens. n: a torch tensor (-> int64 tensor on its
+    device) or anything numpy takes (-> int64 array)."""
+    t = n if isinstance(n, torch.Tensor) else torch.as_tensor(np.asarray(n, np.float64))
+    x = t.to(torch.float64)
+    out = torch.ceil(ratio * x - 1e-6 * x - 1e-9).to(torch.int64).clamp_min(1)
+    return out if isinstance(n, torch.Tensor) else out.numpy()
+
+
+def slots_needed(ratio: float, n_real) -> int:
+    """Slots a cache must have for rows that will have seen n_real [B] real tokens: live slots never exceed
+    budget + 1 (one token in, at most one out), and never the tokens seen."""
+    n = np.asarray(n_real, np.int64)
+    return int(np.minimum(n, budget(ratio, n) + 1).max(initial=0))
+
+
+def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Which visible slots survive eviction. visible [B, Hkv, S] bool (slots in token order), acc [B, Hkv, S]
+    accumulated attention, budget [B] tokens to keep -> [B, Hkv, S] bool: the floor(half) most recent visible
+    slots, and the largest acc among the others (ties -> the lower slot, i.e. the later token goes)."""
+    n_recent = (budget // 2)[:, None, None]
+    n_heavy = (budget - budget // 2)[:, None, None]
+    vis = visible.to(torch.int64)
+    from_end = vis.flip(-1).cumsum(-1).flip(-1) - 1  # 0 for the most recent visible slot
+    recent = visible & (from_end < n_recent)
+    cand = visible & ~recent
+    key = torch.where(cand, acc, torch.full_like(acc, -math.inf))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    heavy = cand & (rank < n_heavy)
+    return recent | heavy
+
+
+def heavy_margin(visible, acc, budget) -> tuple[np.ndarray, np.ndarray]:
+    """(boundary, gap), each [B, Hkv]: the accumulator of the last heavy hitter the keep rule keeps (the n_heavy-th
+    largest among the visible slots outside the floor(budget / 2) most recent), and its relative margin over the
+    next one, (a_n - a_n+1) / |a_n|; a float near-tie has a margin near rounding error. Where no slot competes
+    for the last place (nothing to evict, or no heavy hitter kept) boundary is nan and gap inf. visible [B, Hkv, S]
+    bool, acc [B, Hkv, S], budget [B]."""
+    visible, acc = np.asarray(visible, bool), np.asarray(acc, np.float64)
+    budget = np.asarray(budget, np.int64)
+    n_recent, n_heavy = (budget // 2)[:, None, None], (budget - budget // 2)[:, None]
+    from_end = np.cumsum(visible[..., ::-1], -1)[..., ::-1] - 1
+    cand = visible & ~(from_end < n_recent)
+    vals = -np.sort(np.where(cand, -acc, np.inf), -1)  # descending, -inf past the candidates
+    s = vals.shape[-1]
+    vals = np.concatenate([vals, np.full(vals.shape[:-1] + (2,), -np.inf)], -1)
+    at = np.broadcast_to(np.clip(n_heavy - 1, 0, s)[..., None], vals.shape[:-1] + (1,))
+    kth = np.take_along_axis(vals, at, -1)[..., 0]
+    nxt = np.take_along_axis(vals, at + 1, -1)[..., 0]
+    ok = (n_heavy > 0) & np.isfinite(kth) & np.isfinite(nxt)
+    gap = np.where(ok, (kth - np.where(ok, nxt, 0.0)) / np.maximum(np.abs(np.where(ok, kth, 1.0)), 1e-30), np.inf)
+    return np.where(ok, kth, np.nan), gap

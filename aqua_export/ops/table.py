@@ -1,0 +1,111 @@
+"""A custom node's signature as data (OpDef), from which its ONNX schema and its one-node model are made.
+
+A port's type is "T" (the node's float type: float32, float16 or bfloat16) or a fixed element type; its rank sizes
+the one-node model's dynamic shape. An op module declares one OpDef with its function body and float64 reference;
+kernels, tests and benchmarks build models of a single node from it (``model``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .spec import DOMAIN, ONNX, OPSET, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION, PROJECTION
+
+FLOATS = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
+ELEMENT = {"int64": 7, "float": 1}  # onnx.TensorProto.INT64 / FLOAT
+
+
+@dataclass(frozen=True)
+class Port:
+    name: str
+    type: str = "T"  # "T", or a fixed element type of ELEMENT
+    rank: int = 4
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Attr:
+    name: str
+    kind: str  # "int" | "float" | "string"
+    doc: str
+    required: bool = True
+    default: object = None  # of an optional attribute: what a node without it means (function bodies read it)
+
+
+PLUGIN_ATTRS = (Attr("plugin_namespace", "string", "TensorRT plugin namespace"),
+                Attr("plugin_version", "string", "TensorRT plugin version"))
+PROJECTION_PORT = Port(PROJECTION, "T", 3, "P [Hkv, d, r]: input 0 is then q [B,Hkv,g,T,d], q^ = q P")
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """name: the op type in DOMAIN; projectable: takes P as an optional last input (PROJECTION_PORT);
+    body(opset, projected) -> its ONNX FunctionProto; reference(*inputs, **attributes) -> its float64 answer."""
+
+    name: str
+    doc: str
+    inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...]
+    attributes: tuple[Attr, ...] = ()
+    body: Callable = field(default=None, repr=False)
+    reference: Callable = field(default=None, repr=False)
+    projectable: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.outputs)
+
+    @property
+    def attribute_names(self) -> list[str]:
+        return [a.name for a in self.attributes]
+
+    def register(self) -> None:
+        """Its schema in ONNX's registry (once), so that checkers and shape inference know the node."""
+        import onnx
+        from onnx.defs import OpSchema
+
+        if onnx.defs.has(self.name, DOMAIN):
+            return
+        kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "string": OpSchema.AttrType.STRING}
+
+        def formal(p: Port, optional: bool = False):
+            t = "T" if p.type == "T" else f"tensor({p.type})"
+            if optional:
+                return OpSchema.FormalParameter(p.name, t, p.doc, param_option=OpSchema.FormalParameterOption.Optional)
+            return OpSchema.FormalParameter(p.name, t, p.doc)
+
+        onnx.defs.register_schema(OpSchema(
+            self.name, DOMAIN, OPSET_VERSION, doc=self.doc,
+            inputs=[formal(p) for p in self.inputs] + [formal(PROJECTION_PORT, True)] * self.projectable,
+            outputs=[formal(p) for p in self.outputs],
+            type_constraints=[("T", list(FLOATS), "float types")],
+            attributes=[OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.required)
+                        for a in self.attributes]))
+
+    def model(self, dtype: str = "float32", opset: int = OPSET, projected: bool = False, **attributes):
+        """A one-node model of this op with its function body (kernel tests and benchmarks): inputs and outputs
+        named as the node's ports (projected: P as the last input, and input 0 the unprojected query); optional
+        attributes at their defaults and the plugin attributes filled in."""
+        from onnx import helper as H
+
+        self.register()
+        kinds = {a.name: a.kind for a in self.attributes}
+        attributes = {**{a.name: a.default for a in self.attributes if a.default is not None}, **attributes}
+        attributes = {n: float(v) if kinds.get(n) == "float" else v for n, v in attributes.items()}
+        if any(a.name.startswith("plugin_") for a in self.attributes):
+            attributes = {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION, **attributes}
+        ports = list(self.inputs) + [PROJECTION_PORT] * projected
+        node = H.make_node(self.name, [p.name for p in ports], list(self.output_names), domain=DOMAIN,
+                           name=f"/op/{self.name}", **attributes)
+        et = ONNX[dtype]
+
+        def info(p: Port):
+            return H.make_tensor_value_info(p.name, et if p.type == "T" else ELEMENT[p.type], [None] * p.rank)
+
+        graph = H.make_graph([node], self.name, [info(p) for p in ports], [info(p) for p in self.outputs])
+        return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                            functions=[self.body(opset, projected)], ir_version=10)

@@ -1,0 +1,111 @@
+"""The parity harness's instruments: ReplayProbe in the PyTorch reference (reference.attention.Probe, passed to
+``apply_aqua(probe=...)``) and RuntimeRecorder in ONNX Runtime's loop (runtime.lm.Probe, ``OrtLM(probe=...)``).
+
+ReplayProbe replays the coordinate selections and H2O evictions that ONNX Runtime made, so both sides compute under one
+choice, and records, for each choice, where the reference's own rule would have chosen otherwise and by how close
+a margin. It also records every boundary value (the k-th largest selection score of each query row; the
+accumulator of the last heavy hitter kept), so that the float32 reference's own rounding of those values can be
+measured against its float64 run, which sets how close a margin counts as a float near-tie.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..ops.rules import heavy_margin, selection_margin, selection_score
+
+NOISE_FACTOR = 5.0  # a bound is at least this many times the reference's float32 error (harness.py says why 5)
+
+
+class RuntimeRecorder:
+    """What ONNX Runtime's loop computed beyond the logits (runtime.lm.Probe): extra, per step() call the graph's
+    outputs beyond the contract (a debug graph's TopK indices per layer); live (evictions=True), per token the live
+    tokens [B, Hkv, seen] of each layer (AQUA-H2O; a prompt then runs one token at a time)."""
+
+    def __init__(self, evictions: bool = False):
+        self.evictions = evictions
+        self.extra: list[list[np.ndarray]] = []
+        self.live: list[list[np.ndarray]] = []
+
+    def forward(self, extra: list[np.ndarray]) -> None:
+        self.extra.append(extra)
+
+    def evicted(self, live: list[np.ndarray]) -> None:
+        self.live.append(live)
+
+
+class ReplayProbe:
+    """selections: per forward, per layer the indices [B, Hkv, g, T, k] another implementation kept, or None (the
+    reference keeps its own); evictions: per token, per layer the live tokens [B, Hkv, seen] after its step, or
+    None. Call next_forward() before each forward."""
+
+    def __init__(self, selections: list | None = None, evictions: list | None = None):
+        self.selections, self.evictions = selections, evictions
+        self.forward = -1
+        self.flips: list[tuple[int, int, float]] = []  # per call: rows, rows differing, largest gap among those
+        self.evict_flips: list[tuple[int, int, float]] = []  # per token and layer: decisions, differing, gap
+        self.boundary: list[np.ndarray] = []  # per call: the k-th largest selection score of each row
+        self.heavy: list[np.ndarray] = []  # per token and layer: the last kept heavy hitter's accumulator
+
+    def next_forward(self) -> None:
+        self.forward += 1
+
+    def select(self, st, qh: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        kth, gap = selection_margin(selection_score(qh, st.selection, st.key_rms), st.k)
+        self.boundary.append(kth.double().numpy())
+        if self.selections is None:
+            return own
+        forced = torch.from_numpy(self.selections[self.forward][st.index])
+        differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)
+        gap = gap.expand(differ.shape)
+        self.flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
+        return forced
+
+    def evict(self, st, layer, token: int, visible, acc, budget, own, hidden, real) -> torch.Tensor:
+        real_np = real.numpy()
+        boundary, gap = heavy_margin(visible.numpy(), acc.numpy(), budget.numpy())
+        self.heavy.append(np.where(real_np[:, None], boundary, np.nan))
+        if self.evictions is None:
+            return own
+        live = torch.from_numpy(self.evictions[token][st.index])  # [B, Hkv, token + 1]
+        slot_token = layer.pos.clamp_max(token)  # slots of later tokens in this chunk are hidden, kept anyway
+        forced = torch.gather(live, 2, slot_token) | hidden
+        differ = ((own != forced) & visible).any(-1).numpy() & real_np[:, None]
+        self.evict_flips.append((int(real_np.sum()) * visible.shape[1], int(differ.sum()),
+                                 float(gap[differ].max()) if differ.any() else 0.0))
+        return forced
+
+    # ------------------------------------------------------------------ what parity reads back
+    def selection_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
+        """Rows whose own selection differs from the replayed one, and whether each is a float near-tie: its
+        relative gap between the k-th and (k+1)-th selection score is <= max(floor, NOISE_FACTOR x the relative
+        error of the k-th score in this (float32) run against ``exact``'s float64 run)."""
+        return _summary(self.flips, "rows", _relative_error(self.boundary, exact.boundary if exact else None), floor)
+
+    def eviction_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
+        """Eviction decisions (sequence x head x token x layer) where the reference's own choice differs from the
+        replayed one, gated as selection_summary on the last heavy hitter's accumulator."""
+        return _summary(self.evict_flips, "decisions", _relative_error(self.heavy, exact.heavy if exact else None),
+                        floor)
+
+
+def _relative_error(ours: list, exact: list | None) -> float | None:
+    """Largest |a - b| / |b| over the finite entries of two runs' records of the same values (None without one)."""
+    if exact is None:
+        return None
+    worst = 0.0
+    for a, b in zip(ours, exact, strict=True):
+        ok = np.isfinite(a) & np.isfinite(b) & (b != 0)
+        if ok.any():
+            worst = max(worst, float((np.abs(a - b)[ok] / np.abs(b[ok])).max()))
+    return worst
+
+
+def _summary(flips: list, unit: str, noise: float | None, floor: float | None) -> dict:
+    gap = max((f[2] for f in flips if f[1]), default=0.0)
+    out = {unit: sum(f[0] for f in flips), f"{unit}_differing": sum(f[1] for f in flips), "max_gap_of_differing": gap}
+    if floor is None:  # float16: its rounding reorders close scores; gated elsewhere (parity.py)
+        return {**out, "gated": False}
+    bound = max(floor, NOISE_FACTOR * (noise or 0.0))
+    return {**out, "near_tie": bound, "near_tie_floor": floor, "float32_relative_error": noise, "pass": gap <= bound}

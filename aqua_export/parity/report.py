@@ -1,0 +1,75 @@
+"""parity.json in words: each figure, what it compares, whether it is a gate and whether it passed."""
+
+from __future__ import annotations
+
+from .gates import QUANTIZED_TOP1, TOLERANCE
+from .probe import NOISE_FACTOR
+
+
+def _verdict(g: dict) -> str:
+    return "PASS" if g.get("pass", True) else "FAIL"
+
+
+def _bound_text(g: dict) -> str:
+    if g.get("reference") != "float64":
+        return f"<= {g['tolerance']:.1e}, float16's allowance"
+    err = max(g["float32_error_prefill"], g["float32_error_decode"])
+    return f"<= {g['tolerance']:.1e} = max({g['floor']:g}, {NOISE_FACTOR:g} x float32's own error {err:.1e})"
+
+
+def _values_line(label: str, g: dict) -> str:
+    against = "its float64 forward" if g.get("reference") == "float64" else "the float32 reference"
+    ties = f", {g['top1_differing_near_ties']} argmax near-ties" if g.get("top1_differing_near_ties") else ""
+    return (f"[gate] {label}, against {against}: max |dlogit| prefill {g['max_abs_logit_diff_prefill']:.2e}, decode "
+            f"{g['max_abs_logit_diff_decode']:.2e} ({_bound_text(g)}), top-1 {g['top1_agreement']:.3f}{ties}: "
+            f"{_verdict(g)}")
+
+
+def summary_lines(res: dict) -> list[str]:
+    """parity.json in words: each figure, what it compares, whether it is a gate and whether it passed."""
+    r = res["ort_vs_reference"]
+    lines = [_values_line("ORT vs the PyTorch reference under ORT's selection", r)]
+    if r.get("reference") == "float64":
+        lines.append(f"[report] ORT vs the float32 reference: prefill {r['vs_float32_prefill']:.2e}, decode "
+                     f"{r['vs_float32_decode']:.2e}")
+    u, sel = res["ort_vs_reference_unforced"], res["selection"]
+    if "rows" in sel or "eviction" in res:  # the gated comparison above replayed ORT's choices
+        lines.append(f"[report] each side selecting on its own: max |dlogit| prefill {u['max_abs_logit_diff_prefill']:.2e}, "
+                     f"decode {u['max_abs_logit_diff_decode']:.2e}, top-1 {u['top1_agreement']:.3f}")
+    if "rows" in sel and sel.get("gated") is False:
+        lines.append(f"[gate] selection (float16): {sel['rows_differing']} of {sel['rows']} query rows ranked coordinates "
+                     f"differently from the float32 reference (float16 rounding of q^); top-1 agreement with each side "
+                     f"selecting on its own {res['ort_vs_reference_unforced']['top1_agreement_beyond_ties']:.3f} "
+                     f"(>= {TOLERANCE['float16']['top1']}): {_verdict(sel)}")
+    elif "rows" in sel:
+        lines.append(f"[gate] selection: {sel['rows_differing']} of {sel['rows']} query rows chose other coordinates "
+                     f"on the reference's own; largest relative |q^| gap among them {sel['max_gap_of_differing']:.1e} "
+                     f"(a near-tie: <= {sel['near_tie']:.1e}): {_verdict(sel)}")
+    if "eviction" in res:
+        e = res["eviction"]
+        bound = f" (a near-tie: <= {e['near_tie']:.1e})" if "near_tie" in e else ""
+        lines.append(f"[gate] H2O eviction replayed from ORT: the reference's own choice differs in "
+                     f"{e['decisions_differing']} of {e['decisions']} decisions, largest accumulator gap "
+                     f"{e['max_gap_of_differing']:.1e}{bound}: {_verdict(e)}")
+    if "native_vs_function_body" in res:
+        n = res["native_vs_function_body"]
+        lines.append(f"[gate: top-1, one flip allowed] native kernel vs the graph's function body, each selecting on "
+                     f"its own: top-1 {n['top1_agreement']:.3f}; max |dlogit| prefill {n['max_abs_logit_diff_prefill']:.2e}, "
+                     f"decode {n['max_abs_logit_diff_decode']:.2e} (reported: one near-tie row selected differently "
+                     f"moves the logits after it by a whole q_i k_i term): {_verdict(n)}")
+    if "activation_accuracy" in res:
+        a = res["activation_accuracy"]
+        lines.append(f"[gate: top-1] the folder's int8 activations (accuracy_level 4) vs float32 ones: top-1 "
+                     f"{a['top1_agreement']:.3f} (>= {QUANTIZED_TOP1}); max |dlogit| prefill "
+                     f"{a['max_abs_logit_diff_prefill']:.2e}, decode {a['max_abs_logit_diff_decode']:.2e}: {_verdict(a)}")
+    if "vs_float_weights" in res:
+        q = res["vs_float_weights"]
+        lines.append(f"[report] the quantized folder vs the reference on the float weights (what quantization costs): "
+                     f"max |dlogit| prefill {q['max_abs_logit_diff_prefill']:.2e}, decode "
+                     f"{q['max_abs_logit_diff_decode']:.2e}, top-1 {q['top1_agreement']:.3f}")
+    h = res["ort_k1_vs_hf"]
+    if "pass" in h:
+        what = "the folder's graph" if h["graph"] == "the folder's graph" else "this graph with k = r"
+        lines.append(_values_line(f"ORT at k = r ({what}) vs HF transformers", h))
+    lines.append("parity PASS" if res["pass"] else f"parity FAIL: {', '.join(res['failed'])}")
+    return lines

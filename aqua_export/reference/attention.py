@@ -1,0 +1,274 @@
+"""The PyTorch reference of AQUA attention, registered through transformers' attention interface.
+
+Nothing happens on import. ``apply_aqua(model, projection, config)`` is a context manager that
+registers the ``aqua`` attention function, attaches per-layer state, projects values by P_v for
+AQUA-Memory, and undoes all of it on exit.
+
+Per layer, per query head of KV group h (docs/design.md, The operator), with r the retained width, k selected:
+
+    q^ = (q P_h)[:r]            k^ = (k P_h)[:r]  (cached: the cache holds k^, r wide)
+    I  = top-k(|q^|)            (ties -> lower index; other rules: ops.rules.selection_score)
+    s_j = scale * q^[I] . k^_j[I]      softmax over visible j, times V (P_v basis, r wide)
+
+AQUA-H2O keeps ceil(h2o_ratio * n) of the n tokens a sequence has seen, half of them the most
+recent, the rest the heavy hitters by accumulated softmax(approximate scores) summed over the
+query heads of the group. A multi-token forward simulates the token-by-token eviction exactly, so
+perplexity evaluation and prefill agree with step-by-step generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..allocate import layer_widths
+from ..config import AquaConfig, ConfigError
+from ..models import architecture_of, attention_geometry
+from ..ops.rules import budget as h2o_budget
+from ..ops.rules import h2o_keep, select_indices
+from ..projection import Projection
+from .cache import AquaCache, AquaLayerCache
+
+IMPL = "aqua"
+
+
+# --------------------------------------------------------------------------------------------
+# The operator
+# --------------------------------------------------------------------------------------------
+
+def approx_scores(qh: torch.Tensor, kh: torch.Tensor, k: int, selection: str,
+                  key_rms: torch.Tensor | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """qh [B, Hkv, g, Tq, r], kh [B, Hkv, S, r] -> q^[I] . k^[:, I]^T, [B, Hkv, g, Tq, S] (unscaled).
+
+    idx [B, Hkv, g, Tq, k], when given, is used as I instead of selecting (parity under a shared selection).
+    """
+    r = qh.shape[-1]
+    if k < r:
+        if idx is None:
+            idx = select_indices(qh, k, selection, key_rms)
+        keep = torch.zeros_like(qh).scatter_(-1, idx, 1.0)
+        qh = qh * keep  # zeroed coordinates add exact zeros: same as gathering I
+    return qh @ kh[:, :, None].transpose(-1, -2)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention function
+# --------------------------------------------------------------------------------------------
+
+class Probe(Protocol):
+    """An instrument passed to ``apply_aqua(probe=...)`` (the parity harness's): it sees each choice the reference
+    makes and may replace it by another implementation's, so two implementations can be compared under one
+    choice. Without a probe the reference runs on its own choices."""
+
+    def select(self, st: "LayerAqua", qh: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """qh [B, Hkv, g, T, r]; own: the rule's indices [B, Hkv, g, T, k] -> the indices to score with."""
+
+    def evict(self, st: "LayerAqua", layer: "AquaLayerCache", token: int, visible, acc, budget, own, hidden,
+              real) -> torch.Tensor:
+        """One token's H2O decision (token: its index in the sequence). visible / own / hidden [B, Hkv, S] bool
+        (own: the slots the keep rule keeps), acc [B, Hkv, S], budget [B], real [B] -> the slots kept."""
+
+
+@dataclass(eq=False)
+class LayerAqua:
+    """Per-layer state attached to the attention module while AQUA is applied."""
+
+    P_r: torch.Tensor  # [Hkv, d, r]
+    r: int
+    k: int
+    d: int
+    selection: str
+    key_rms: torch.Tensor  # [Hkv, r]
+    h2o_ratio: float
+    rv: int | None = None  # V's cached width when it differs from K^'s r (allocated AQUA-Memory)
+    P_v_r: torch.Tensor | None = None  # [Hkv, d, rv]: values are cached in P_v's basis, sliced, when rv < d
+    index: int = 0  # the layer's index
+    probe: "Probe | None" = field(default=None, repr=False)  # apply_aqua's probe (parity), or None
+    fresh: tuple | None = field(default=None, repr=False)
+
+    @property
+    def evicts(self) -> bool:
+        return self.h2o_ratio < 1.0
+
+    @property
+    def value_width(self) -> int:
+        return self.r if self.rv is None else self.rv
+
+    def values_in(self, v: torch.Tensor) -> torch.Tensor:
+        """v [B, Hkv, S, d] -> the cached values: in P_v's basis, sliced to rv, when slicing (the export folds P_v
+        into W_V and W_O instead: the same arithmetic, and the model's weights stay as they are here)."""
+        return v if self.P_v_r is None else v @ self.P_v_r[None].to(v.dtype)
+
+
+def _take_layer_cache(st: LayerAqua, key: torch.Tensor) -> AquaLayerCache | None:
+    fresh, st.fresh = st.fresh, None
+    if fresh is not None and fresh[0] is key:
+        return fresh[1]
+    return None
+
+
+def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention interface. query [B, H, Tq, d]; key/value [B, Hkv, S, d] (or k^/v from
+    an AquaCache, r wide); attention_mask [B, 1, Tq, S_logical] float (0 = attend). Returns [B, Tq, H, d]."""
+    st: LayerAqua = module._aqua
+    layer = _take_layer_cache(st, key)
+    b, h, tq, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    P_r = st.P_r.to(query.dtype)
+    qh = query.reshape(b, hkv, g, tq, d) @ P_r[None, :, None]
+    if layer is not None:
+        kh, v = key, value
+    else:
+        if st.evicts and key.shape[2] > tq:
+            raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
+        kh, v = key @ P_r[None], st.values_in(value)
+    s = kh.shape[2]
+    idx = None
+    if st.k < st.r:
+        idx = select_indices(qh, st.k, st.selection, st.key_rms)
+        if st.probe is not None:
+            idx = st.probe.select(st, qh, idx)
+    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=idx) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap:  # Gemma 2: tanh soft-capping of the scores, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
+
+    if attention_mask is not None:
+        ok = (attention_mask == 0)[:, 0]  # [B, Tq, S_logical]
+    else:
+        ok = torch.ones(tq, s, dtype=torch.bool, device=query.device).tril(s - tq).expand(b, tq, s)
+    new_ok = ok[..., -tq:]  # the chunk's own keys: causal + padding
+    is_real = torch.diagonal(new_ok, dim1=-2, dim2=-1)  # [B, Tq] token is not padding
+    if layer is not None:
+        past = s - tq
+        layer.valid[:, :, past:] &= is_real[:, None, :]
+        # a cached slot is visible if it is live (not padding, not evicted) and the mask allows its token
+        # (a sliding window, say); slots hold tokens pos[...] of the logical sequence the mask is laid over
+        slot_tok = layer.pos[:, :, None, :past].expand(b, hkv, tq, past)
+        ok_past = torch.gather(ok[:, None, :, : ok.shape[-1] - tq].expand(b, hkv, tq, -1), 3, slot_tok)
+        allowed = torch.cat([
+            layer.valid[:, :, None, :past].expand(b, hkv, tq, past) & ok_past,
+            new_ok[:, None].expand(b, hkv, tq, tq),
+        ], dim=-1)
+    else:
+        allowed = ok[:, None].expand(b, hkv, tq, s)
+
+    if st.evicts:
+        out = _h2o_attend(st, layer, scores, allowed, is_real, v)
+    else:
+        neg = torch.finfo(scores.dtype).min
+        w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
+        out = w.to(v.dtype) @ v[:, :, None]  # [B, Hkv, g, Tq, r]
+    if st.P_v_r is not None:  # back from P_v's sliced basis into the model's, where o_proj takes it
+        out = out @ st.P_v_r.transpose(-1, -2)[None, :, None].to(out.dtype)
+    return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
+
+
+def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is_real, v):
+    """Token-by-token attention with H2O eviction. scores [B, Hkv, g, Tq, S], allowed [B, Hkv, Tq, S]."""
+    b, hkv, g, tq, s = scores.shape
+    dev = scores.device
+    if layer is not None:
+        acc, n_real = layer.acc.clone(), layer.n_real.clone()
+    else:
+        acc = torch.zeros(b, hkv, s, device=dev)
+        n_real = torch.zeros(b, dtype=torch.int64, device=dev)
+    keep = torch.ones(b, hkv, s, dtype=torch.bool, device=dev)
+    neg = torch.finfo(scores.dtype).min
+    outs = []
+    for t in range(tq):
+        vis = allowed[:, :, t] & keep
+        w = torch.softmax(scores[:, :, :, t].masked_fill(~vis[:, :, None], neg), dim=-1, dtype=torch.float32)
+        outs.append(w.to(v.dtype) @ v)  # [B, Hkv, g, r]
+        real = is_real[:, t]
+        acc = acc + w.sum(2) * real[:, None, None]
+        n_real = n_real + real.to(torch.int64)
+        budget = h2o_budget(st.h2o_ratio, n_real)
+        kept = h2o_keep(vis, acc, budget) | ~allowed[:, :, t]
+        if st.probe is not None and layer is not None:
+            kept = st.probe.evict(st, layer, layer.seen + t - tq, vis, acc, budget, kept, ~allowed[:, :, t], real)
+        keep = torch.where(real[:, None, None], keep & kept, keep)
+    if layer is not None:
+        layer.valid &= keep
+        layer.acc = acc
+        layer.n_real = n_real
+        layer.compact()
+    return torch.stack(outs, dim=3)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying AQUA to a model
+# --------------------------------------------------------------------------------------------
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(IMPL, aqua_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL, eager_mask)
+
+
+def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
+                 value_widths: tuple | None = None, probe: Probe | None = None) -> list[LayerAqua]:
+    """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
+    allocate.layer_widths; value_widths alone defaults to widths)."""
+    geo = attention_geometry(model)
+    d = geo["head_dim"]
+    if widths is None:
+        widths, value_widths = layer_widths(config, projection, geo["layers"], d)
+    states = []
+    for i, r in enumerate(widths):
+        k = config.selected_of(r)
+        rv = None if value_widths is None else value_widths[i]
+        vw = r if rv is None else rv
+        states.append(LayerAqua(
+            P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
+            key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv, index=i,
+            P_v_r=projection.P_v[i][:, :, :vw].contiguous() if vw < d else None,
+            probe=probe,
+        ))
+    return states
+
+
+class AquaSession:
+    """What ``apply_aqua`` yields: the states, and a cache factory for generation."""
+
+    def __init__(self, model, config: AquaConfig, states: list[LayerAqua]):
+        self.model, self.config, self.states = model, config, states
+
+    def new_cache(self) -> AquaCache:
+        return AquaCache(self.states)
+
+    def generate(self, **kwargs):
+        """model.generate with an AquaCache (needed for H2O eviction and the narrow Memory cache)."""
+        kwargs.setdefault("past_key_values", self.new_cache())
+        return self.model.generate(**kwargs)
+
+
+@contextlib.contextmanager
+def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
+               value_widths: tuple | None = None, probe: Probe | None = None):
+    """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
+    cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths); probe: an
+    instrument that sees (and may replace) each selection and eviction (Probe)."""
+    arch = architecture_of(model.config)
+    projection.check_model(model)
+    arch.check_settings(model.config, config)
+    _register()
+    states = layer_states(model, projection, config, widths, value_widths, probe)
+    previous = model.config._attn_implementation
+    attns = [arch.attention(layer) for layer in arch.layers(model)]
+    try:
+        for a, st in zip(attns, states):
+            a._aqua = st
+        model.set_attn_implementation(IMPL)
+        yield AquaSession(model, config, states)
+    finally:
+        model.set_attn_implementation(previous)
+        for a in attns:
+            if hasattr(a, "_aqua"):
+                del a._aqua

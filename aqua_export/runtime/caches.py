@@ -1,0 +1,101 @@
+"""The caches the ONNX Runtime loop keeps between forwards, each owning its layout and how it grows.
+
+    SharedCache   one buffer per layer and kind, bound as both past and present (written in place by the
+                  graph); the capacity grows in steps, the graph reads only what it needs
+    H2OCache      the same buffers plus AQUA-H2O's state (heavy, token): the graph evicts inside; the cache
+                  only sizes the slots (ops.rules.slots_needed) and reads which tokens are live
+    (concat)      a plain list of every layer's buffers, replaced by each forward's presents
+
+The layouts are contract.Contract's: per layer the kinds Contract.kinds, key / value declared [B, Hkv, slots, r]
+(a key buffer's memory K^ dim-major), heavy / token [B, Hkv, slots].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..export.contract import Contract
+from ..ops.rules import slots_needed
+
+
+class SharedCache:
+    """Buffers shared by a graph's past and present, as OrtValues (contract.Contract, The KV contract).
+
+    arrays[kind][i]: layer i's buffer of that kind, C slots; ``length`` tokens have been seen (the slots a
+    dense cache has filled). C grows in steps of GROW slots (one copy each time); the graph reads only the
+    filled slots, so a larger C costs memory, not time.
+    """
+
+    GROW = 256
+
+    def __init__(self, batch: int, contract: Contract, dtype):
+        self.batch, self.contract, self.dtype = batch, contract, dtype
+        self.capacity = self.length = 0
+        self.arrays: dict[str, list[np.ndarray]] = {k: [] for k in contract.kinds}
+        self.ort: dict[str, list] = {k: [] for k in contract.kinds}  # OrtValues over the arrays (no copy)
+
+    key_arrays = property(lambda self: self.arrays["key"])
+    value_arrays = property(lambda self: self.arrays["value"])
+
+    def slots_for(self, attention_mask: np.ndarray) -> int:
+        """Slots the next forward needs; attention_mask [B, total] covers every token seen, the new ones last."""
+        return attention_mask.shape[1]
+
+    def reserve(self, needed: int) -> None:
+        import onnxruntime as ort
+
+        if needed <= self.capacity:
+            return
+        cap = -(-needed // self.GROW) * self.GROW
+        ct, old = self.contract, self.capacity
+        for kind, layers in self.arrays.items():
+            grown = [ct.empty_buffer(kind, self.batch, cap, i) for i in range(ct.layers)]
+            for a, b in zip(grown, layers if old else []):
+                if kind == "key":
+                    ct.key_rows(a)[..., :old] = ct.key_rows(b)
+                else:
+                    a[:, :, :old] = b
+            self.arrays[kind] = grown
+            self.ort[kind] = [ort.OrtValue.ortvalue_from_numpy(a) for a in grown]
+        self.capacity = cap
+
+    def bind(self, io) -> None:
+        """Every buffer as past and present of an IOBinding."""
+        ct = self.contract
+        for i in range(ct.layers):
+            for kind in ct.kinds:
+                io.bind_ortvalue_input(ct.past(i, kind), self.ort[kind][i])
+                io.bind_ortvalue_output(ct.present(i, kind), self.ort[kind][i])
+
+    def after(self, new_tokens: int) -> None:
+        """The graph has run on ``new_tokens`` more tokens."""
+        self.length += new_tokens
+
+    def tensors(self) -> list[np.ndarray]:
+        """[key_0, value_0, ...] as a concat present of ``length`` slots (copies; for inspection and tests)."""
+        ct, out = self.contract, []
+        for k, v in zip(self.key_arrays, self.value_arrays):
+            out += [ct.key_buffer(ct.key_rows(k)[..., : self.length]), v[:, :, : self.length].copy()]
+        return out
+
+
+class H2OCache(SharedCache):
+    """AQUA-H2O's slots (contract.Contract, The H2O state): the graph writes, scores and evicts in place.
+
+    ratio: the share of real tokens kept (the slots a forward needs: rules.slots_needed).
+    """
+
+    def __init__(self, batch: int, contract: Contract, dtype, ratio: float):
+        super().__init__(batch, contract, dtype)
+        self.ratio = ratio
+
+    def slots_for(self, attention_mask: np.ndarray) -> int:
+        return slots_needed(self.ratio, (attention_mask != 0).sum(1))
+
+    def live(self, i: int) -> np.ndarray:
+        """Layer i's live tokens [B, Hkv, length] (bool, by token index)."""
+        tok = self.arrays["token"][i]
+        out = np.zeros(tok.shape[:2] + (self.length + 1,), bool)  # the last column takes the free slots' -1
+        np.put_along_axis(out, np.where(tok >= 0, tok, self.length), True, axis=-1)
+        return out[..., : self.length]
+

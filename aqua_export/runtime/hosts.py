@@ -1,0 +1,45 @@
+"""Runtimes a built folder runs in, behind one protocol (``LM``):
+
+    aqua      this project's ONNX Runtime loop (runtime.OrtLM): every variant, H2O eviction included
+    genai     onnxruntime-genai (backends/genai.py): what production apps embed (C, C++, C#, Java, Python)
+    tensorrt  the folder's TensorRT engine in this project's loop (backends/tensorrt.py; needs TensorRT)
+
+Both take padded prompts (runtime.encode_prompts pads on the right, as genai does) and return greedy or
+sampled ids; ``open_lm`` picks one by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+RUNTIMES = ("aqua", "genai", "tensorrt")
+
+
+class LM(Protocol):
+    def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling, eos_token_id: int | None = None,
+                 on_token=None, on_logits=None) -> np.ndarray:
+        """Padded prompts [B, T] -> generated ids [B, N]; on_token(step, ids[B]) streams; on_logits(step,
+        logits[B, V]) sees the logits each token was picked from."""
+
+
+def open_lm(folder: str | Path, runtime: str = "aqua", threads: int = 0, kernel: str = "auto",
+            share_buffer: bool = True, serving: tuple[int, int] | None = None) -> LM:
+    """serving: (batch, tokens) the caller will run: checked against the memory before anything loads."""
+    from ..config import ConfigError
+
+    if runtime == "aqua":
+        from .lm import OrtLM
+
+        return OrtLM.from_folder(folder, threads, kernel, cache="shared" if share_buffer else "concat", serving=serving)
+    if runtime == "genai":
+        from .genai import GenaiLM
+
+        return GenaiLM(folder, share_buffer=share_buffer, threads=threads, serving=serving)
+    if runtime == "tensorrt":
+        from .tensorrt import engine_lm
+
+        return engine_lm(folder)
+    raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")

@@ -1,0 +1,174 @@
+"""OrtLM: a built folder served by ONNX Runtime through its graph contract (export.contract.Contract): sessions
+from runtime.session, the cache between forwards from runtime.caches, tokens picked by runtime.sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..config import ConfigError
+from ..export.contract import Contract
+from .caches import H2OCache, SharedCache
+from .folder import FolderConfig
+from .sampling import SamplingConfig, check_finite, emit, pick
+from .session import check_serving, default_kernel, make_session
+
+CACHES = ("shared", "concat")
+
+
+class Probe(Protocol):
+    """An instrument passed to ``OrtLM(probe=...)`` (the parity harness's RuntimeRecorder): it sees what each forward
+    computed beyond the logits and the cache. Without one, nothing is recorded."""
+
+    evictions: bool  # AQUA-H2O: see the live tokens after every token (a prompt then runs one token at a time)
+
+    def forward(self, extra: list[np.ndarray]) -> None:
+        """The graph's outputs beyond the contract (a debug graph's TopK indices), for one step() call."""
+
+    def evicted(self, live: list[np.ndarray]) -> None:
+        """Per layer the live tokens [B, Hkv, seen] (bool) after one token (H2OCache.live)."""
+
+
+class OrtLM:
+    """A causal LM served by ONNX Runtime with the folder's graph contract (contract.Contract).
+
+    cache "shared": past and present bound to one buffer per layer and kind (IOBinding), written in place,
+    as onnxruntime-genai's past_present_share_buffer does; "concat": a new present every step.
+    AQUA-H2O graphs evict inside (ops/h2o_attention.py): their cache is an H2OCache of fixed-capacity slots, and a
+    prompt is one forward. probe: an instrument (Probe) or None.
+    """
+
+    def __init__(self, session, cfg: FolderConfig, cache: str = "shared", probe: Probe | None = None):
+        if cache not in CACHES:
+            raise ConfigError(f"cache must be one of {CACHES}, got {cache!r}")
+        self.session, self.cfg = session, cfg
+        self.contract: Contract = cfg.contract
+        self.layers, self.kv_heads = self.contract.layers, self.contract.kv_heads
+        self.dtype = np.dtype(self.contract.dtype).type
+        self.h2o_ratio = cfg.aqua.h2o_ratio
+        self.h2o = self.contract.h2o
+        self.shared = cache == "shared"
+        self.folder = None  # set by from_folder: named in error lines
+        self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
+        self.n_outputs = 1 + len(self.contract.kinds) * self.layers
+        self.probe = probe
+        self._check_graph()
+
+    def _check_graph(self) -> None:
+        """The config must describe this graph: the contract's buffers per layer, of its heads and width."""
+        if not hasattr(self.session, "get_inputs"):
+            return
+        by_name = {i.name: i for i in self.session.get_inputs()}
+        keys = [by_name[n] for n in (self.contract.past(i, "key") for i in range(len(by_name))) if n in by_name]
+        widths = [k.shape[3] if len(k.shape) == 4 else None for k in keys]
+        heads = {k.shape[1] for k in keys if len(k.shape) == 4}
+        h2o = self.contract.past(0, "token") in by_name
+        if len(keys) != self.layers or heads - {self.kv_heads} or tuple(widths) != self.contract.widths \
+                or h2o != self.h2o:
+            raise ConfigError(f"the folder's aqua_config.json does not match its model.onnx ({self.layers} layers, "
+                              f"{self.kv_heads} KV heads of widths {list(self.contract.widths)}, H2O {self.h2o} in the "
+                              f"config; {len(keys)} layers, {sorted(heads)} KV heads of widths {widths}, H2O {h2o} "
+                              "in the graph): rebuild the folder")
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared",
+                    serving: tuple[int, int] | None = None) -> "OrtLM":
+        """serving: (batch, tokens) the caller will run, checked against the memory before loading (check_serving;
+        default: one sequence of the model's context)."""
+        cfg = FolderConfig.from_folder(folder)
+        cfg.verify(folder)  # every file the build wrote, of its size (`aqua-export check` compares checksums too)
+        check_serving(cfg, folder, *(serving or (1, cfg.context_length or 4096)))
+        if kernel == "auto":
+            kernel = default_kernel(cfg.dtype)
+        lm = cls(make_session(Path(folder) / "model.onnx", threads, kernel), cfg, cache)
+        lm.folder = Path(folder)
+        return lm
+
+    def empty_past(self, batch: int):
+        """Nothing seen yet: a SharedCache (an H2OCache for H2O graphs), or for the concat cache a list of every
+        layer's buffers (Contract.kinds order), each of 0 slots."""
+        ct = self.contract
+        if not self.shared:
+            return [ct.empty_buffer(kind, batch, 0, i) for i in range(self.layers) for kind in ct.kinds]
+        return H2OCache(batch, ct, self.dtype, self.h2o_ratio) if self.h2o else SharedCache(batch, ct, self.dtype)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past):
+        """One forward. input_ids [B, T], attention_mask [B, P+T] (every token seen, padding 0); past as from
+        empty_past. Returns (logits [B, T, V], present)."""
+        if not self.shared:
+            out = self._run(input_ids, attention_mask, past)
+            self._record(out[self.n_outputs:])
+            return out[0], out[1:self.n_outputs]
+        if self.probe is not None and self.probe.evictions and input_ids.shape[1] > 1:
+            t, logits, extra = input_ids.shape[1], [], []  # token by token: the probe sees every eviction
+            for j in range(t):
+                out, past, ex = self._step_shared(input_ids[:, j:j + 1],
+                                                  attention_mask[:, :attention_mask.shape[1] - t + j + 1], past)
+                self.probe.evicted([past.live(i) for i in range(self.layers)])
+                logits.append(out)
+                extra.append(ex)
+            self._record([np.concatenate(x, axis=-2) for x in zip(*extra)])
+            return np.concatenate(logits, axis=1), past
+        logits, past, extra = self._step_shared(input_ids, attention_mask, past)
+        if self.probe is not None and self.probe.evictions:
+            self.probe.evicted([past.live(i) for i in range(self.layers)])
+        self._record(extra)
+        return logits, past
+
+    def _record(self, extra: list[np.ndarray]) -> None:
+        if self.probe is not None:
+            self.probe.forward(extra)
+
+    def _run(self, input_ids, attention_mask, past) -> list[np.ndarray]:
+        ct = self.contract
+        feed = {ct.INPUT_IDS: input_ids.astype(np.int64), ct.ATTENTION_MASK: attention_mask.astype(np.int64)}
+        names = [ct.past(i, kind) for i in range(self.layers) for kind in ct.kinds]
+        feed.update(zip(names, past))
+        return self.session.run(None, feed)
+
+    def _step_shared(self, input_ids, attention_mask, cache: SharedCache):
+        """past and present bound to the same buffers (IOBinding): the graph writes the new entries in place.
+        Returns (logits, cache, the outputs beyond the contract)."""
+        ct = self.contract
+        t = input_ids.shape[1]
+        mask = np.ascontiguousarray(attention_mask[:, -(cache.length + t):], dtype=np.int64)
+        cache.reserve(cache.slots_for(mask))
+        io = self.session.io_binding()
+        io.bind_cpu_input(ct.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
+        io.bind_cpu_input(ct.ATTENTION_MASK, mask)
+        io.bind_output(ct.LOGITS)
+        extra = self.output_names[self.n_outputs:]
+        for name in extra:  # debug outputs beyond the contract (parity's TopK indices)
+            io.bind_output(name)
+        cache.bind(io)
+        self.session.run_with_iobinding(io)
+        outs = io.get_outputs()
+        cache.after(t)
+        return outs[0].numpy(), cache, [o.numpy() for o in outs[1:1 + len(extra)]]
+
+    def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
+                 eos_token_id: int | None = None, on_token=None, on_logits=None, stop=None) -> np.ndarray:
+        """Padded prompts [B, T] (padding left or right: positions come from the mask) -> generated ids
+        [B, N]; every row continues after the last column. on_token(step, ids[B]) streams; on_logits(step,
+        logits[B, V]) sees the logits each token is picked from; stop(ids [B, n]) ends generation early when
+        true (lm-eval's stop sequences)."""
+        rng = np.random.default_rng(sampling.seed)
+        b = input_ids.shape[0]
+        mask = attention_mask.astype(np.int64)
+        logits, past = self.step(input_ids, mask, self.empty_past(b))
+        last_real = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)  # the prompt's last token, per row
+        logits = logits[np.arange(b), last_real][:, None]
+        done = np.zeros(b, dtype=bool)
+        out = []
+        for step in range(sampling.max_new_tokens):
+            check_finite(logits[:, -1, :], self.folder)
+            if on_logits is not None:
+                on_logits(step, logits[:, -1, :])
+            nxt = emit(pick(logits[:, -1, :], sampling, rng), done, eos_token_id, step, out, on_token)
+            if done.all() or step == sampling.max_new_tokens - 1 or (stop is not None and stop(np.stack(out, 1))):
+                break
+            mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+            logits, past = self.step(nxt[:, None], mask, past)
+        return np.stack(out, axis=1) if out else np.zeros((b, 0), np.int64)

@@ -1,0 +1,114 @@
+"""ONNX Runtime sessions for a built folder: the providers, the native kernel library (plugins/ort, built by
+`make setup`), and the checks made before a folder is loaded to serve (its memory against the machine's)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import ConfigError
+from .folder import FolderConfig
+
+
+def providers() -> list[str]:
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+
+
+KERNELS = ("auto", "native", "function")
+NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
+
+
+def native_library() -> Path | None:
+    """The built native kernels of the custom nodes (plugins/ort, built by `make setup`), or None."""
+    env = os.environ.get(NATIVE_ENV)
+    if env:
+        if not Path(env).is_file():
+            raise ConfigError(f"${NATIVE_ENV}={env} does not exist: unset it or run `make plugin`")
+        with open(env, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise ConfigError(f"${NATIVE_ENV}={env} is not a shared library: unset it or point it at a "
+                                  "libaqua_ort.so built by `make plugin`")
+        return Path(env)
+    lib = Path(__file__).parents[1] / "_native" / "libaqua_ort.so"
+    return lib if lib.is_file() else None
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new process can take now without swapping (/proc/meminfo's MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def check_serving(cfg: FolderConfig, folder, batch: int, slots: int) -> None:
+    """Before a folder is loaded to serve ``batch`` sequences of up to ``slots`` tokens: a float16 folder needs a GPU
+    (ONNX Runtime's CPU provider keeps a float32 copy of every float16 weight it multiplies: twice the folder), and
+    the weights plus the cache must fit the memory available now; otherwise one line with the numbers."""
+    if cfg.dtype == "float16" and "CUDAExecutionProvider" not in providers():
+        raise ConfigError(f"{folder} is float16, the GPU format: on a CPU ONNX Runtime keeps a float32 copy of every "
+                          "float16 weight (twice the folder in memory, no faster); serve a build with --weights int4 "
+                          "(or --dtype float32) on CPU")
+    weights = sum(rec["bytes"] for name, rec in (cfg.files or {}).items() if name.startswith("model.onnx"))
+    cache = cfg.contract.cache_bytes(batch, slots)
+    free = available_memory()
+    if weights + cache > free:
+        raise ConfigError(f"{folder} needs {weights / 2**30:.2f} GiB of weights and {cache / 2**30:.2f} GiB of cache for "
+                          f"{batch} x {slots} tokens, and {free / 2**30:.2f} GiB of memory is available: serve fewer or "
+                          "shorter sequences, or a smaller folder (--weights int4)")
+
+
+def default_kernel(dtype: str) -> str:
+    """"native" for float32 models when the native kernel is built, else "function". float16: ONNX Runtime's
+    CPU provider runs the body's MatMul in float32 behind inserted casts and keeps the scores in float32 into
+    the softmax, while a float16 kernel must round them to float16 (less accurate), so the body is used."""
+    return "native" if dtype == "float32" and native_library() is not None else "function"
+
+
+def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True,
+                 lean: bool = False):
+    """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
+
+    kernel: "native" registers the native kernels of the custom nodes (error when not built), "function" runs the
+    model's portable function body, "auto" is native when built. spin=False stops the intra-op threads
+    from busy-waiting between runs (benchmarks holding several sessions, so they do not steal cores).
+    lean=True (parity's low-memory float16 variant): Cast nodes on weights stay run-time work instead of
+    ONNX Runtime storing their float32 results, and no memory arena, so each cast weight is freed after its
+    node (an arena keeps its peak, which here grows towards the float32 model, for the session's life).
+    """
+    import onnxruntime as ort
+
+    if kernel not in KERNELS:
+        raise ConfigError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    if lean:
+        so.enable_cpu_mem_arena = False
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    lib = native_library() if kernel != "function" else None
+    if kernel == "native" and lib is None:
+        raise ConfigError("the native kernels are not built: run `make plugin` (or use kernel='function')")
+    if lib is not None:
+        try:
+            so.register_custom_ops_library(str(lib))
+        except Exception as e:  # ORT's own exception types: a library for another CPU or ONNX Runtime
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"ONNX Runtime cannot load the native kernels {lib} ({first}): rebuild them with `make "
+                              "plugin`, or run with --kernel function") from None
+    src = model if isinstance(model, bytes) else str(model)
+    try:
+        return ort.InferenceSession(src, sess_options=so, providers=providers(),
+                                    disabled_optimizers=["ConstantFolding"] if lean else None)
+    except Exception as e:  # ORT raises its own exception types (InvalidProtobuf, Fail, NoSuchFile, ...)
+        if isinstance(model, bytes):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{model} cannot be loaded by ONNX Runtime ({type(e).__name__}: {first[:200]}): the file is "
+                          "corrupt, truncated or not this folder's model; rebuild the folder") from None

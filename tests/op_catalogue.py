@@ -1,0 +1,308 @@
+"""The op test catalogue: per custom op, its cases (inputs, attributes, dtype), the tolerances per dtype, and the
+golden tables every implementation must reproduce. test_ops.py runs each case against the op's float64 reference
+(ops/<op>.py) on every implementation (implementations.py). Adding an op is one ops/ module plus one CATALOGUE line;
+adding a selection rule is one ops.spec entry (and its score in ops.rules): the rule grids below read the codes.
+
+Tolerances (float32 against the float64 reference): scores 1e-5 relative to max(1, |s|) (float32 sums of r terms),
+attention outputs 2e-5 (float32 accumulation over L terms), H2O outputs 1e-5 and heavy sums 1e-5 relative to
+max(1, |heavy|) (sums over the tokens seen); float16: 2e-3 relative
+(float32 accumulation, one float16 rounding of a score), 4e-3 attention and 2e-2 H2O outputs (float16's rounding of
+q^, K^, V). Integer outputs (H2O's token buffers: the eviction decisions) must be identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from helpers import H2O_MASKS, MIN, attention_inputs, h2o_inputs, random_projection
+
+from aqua_export.ops import aqua_attention, cache_update, h2o_attention, topk_gather_dot, value_product
+from aqua_export.ops.spec import RULE_NAMES
+
+RULES = sorted(RULE_NAMES)  # every selection rule's code
+
+
+@dataclass(frozen=True)
+class Case:
+    """inputs(): the op's inputs in port order (+ P when projected), torch tensors. large: beyond what Triton's CPU
+    interpreter runs in CI time (run there only on a GPU). only: the implementations it applies to (default all).
+    unlike(inputs): another answer output 0 must differ from by > 1e-2 (the case can fail). check(outputs, inputs):
+    a further assertion; versus_reference False: only that (behaviour the reference does not define). error: a bad
+    input the validating implementations refuse with this message."""
+
+    id: str
+    inputs: Callable[[], list]
+    attrs: dict
+    dtype: str = "float32"
+    projected: bool = False
+    large: bool = False
+    only: tuple = ()
+    unlike: Callable | None = None
+    check: Callable | None = None
+    versus_reference: bool = True
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class OpCases:
+    op: object  # ops.table.OpDef
+    cases: list
+    tolerance: dict  # dtype -> {output: (tolerance, relative to max(1, |reference|))}
+    int_outputs: tuple = field(default=())
+
+
+def _k(r: int, which) -> int:
+    return {1: 1, "half": r // 2, "r": r}[which]
+
+
+def _length(n: int) -> torch.Tensor:
+    return torch.tensor([n], dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# TopKGatherDot
+# --------------------------------------------------------------------------------------------
+
+def _score_inputs(shape, dtype=torch.float32, seed=0, length=None):
+    b, hkv, g, t, r, s = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv, g, t, r, generator=gen)
+    q[0, 0, 0, 0, : min(4, r)] = 1.5  # a tie: the lower index must win, as everywhere
+    q[-1, -1, -1, -1, :] = 0.25       # all coordinates tied
+    kc = torch.randn(b, hkv, r, s, generator=gen)
+    return [q.to(dtype), kc.to(dtype), _length(s if length is None else length)]
+
+
+def _identity_inputs():
+    q = _score_inputs((3, 2, 2, 5, 8, 1))[0]
+    return [q, torch.eye(8).expand(3, 2, 8, 8).contiguous(), _length(8)]
+
+
+def _kept_exactly(k):
+    def check(outs, ins):  # identity key cache: score[c] = q[c] where c is kept, else 0
+        assert ((outs[0] != 0).sum(-1) == k).all()
+    return check
+
+
+# (B, Hkv, g, T, r, S): GQA groups, odd T and S, decode (T = 1); large: S crossing the native kernel's 1024 block
+SCORE_SHAPES = [((1, 1, 1, 1, 16, 5), False), ((2, 3, 3, 1, 64, 131), False), ((3, 2, 2, 5, 8, 7), False),
+                ((1, 2, 4, 3, 48, 300), False), ((2, 3, 3, 1, 64, 1031), True), ((1, 2, 4, 3, 64, 2500), True)]
+SCORES = [
+    *[Case(f"{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _score_inputs(s),
+           {"k": _k(s[4], which), "rule": rule}, large=large)
+      for s, large in SCORE_SHAPES for which in (1, "half", "r") for rule in RULES],
+    # 11 slots of which the first 7 are filled, a four-way tie
+    *[Case(f"filled-7-of-11-k{k}-rule{rule}", lambda: _score_inputs((3, 2, 2, 5, 8, 11), seed=3, length=7),
+           {"k": k, "rule": rule}) for k, rule in ((1, 0), (3, 0), (8, 0), (3, 1), (3, 2))],
+    # a shared buffer of C = 1500 slots with L filled: scores [.., L]
+    *[Case(f"filled-{n}-of-1500", lambda n=n: _score_inputs((2, 3, 3, 1, 64, 1500), seed=2, length=n), {"k": 48},
+           large=True) for n in (0, 1, 1100)],
+    *[Case(f"identity-keys-k{k}", _identity_inputs, {"k": k}, check=_kept_exactly(k)) for k in (1, 3, 8)],
+    Case("float16", lambda: _score_inputs((2, 3, 3, 2, 64, 70), torch.float16), {"k": 32}, dtype="float16"),
+    Case("past-the-buffer", lambda: _score_inputs((2, 3, 3, 1, 64, 1500), length=1501), {"k": 48},
+         only=("native",), error="total_length must be in"),
+    Case("keys-narrower-than-queries", lambda: [torch.zeros(1, 2, 1, 1, 8), torch.zeros(1, 2, 6, 3), _length(3)],
+         {"k": 4}, only=("native", "triton"), error="disagree"),
+    Case("k-past-r", lambda: [torch.zeros(1, 2, 1, 1, 8), torch.zeros(1, 2, 8, 3), _length(3)], {"k": 9},
+         only=("native", "triton"), error=r"k must be in \[1, r"),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# AquaAttention
+# --------------------------------------------------------------------------------------------
+
+def _attention_inputs(shape, dtype=torch.float32, rv=None, scale=1.0, d=None, hidden_row=False):
+    q, kc, vc, length, mask = attention_inputs(shape, dtype, rv=rv)
+    if hidden_row:
+        mask[1] = MIN  # a query row the mask hides from every position (a padding token)
+    ins = [q * scale, kc, vc, _length(length), mask]
+    if d is not None:  # the node projects: q [B,Hkv,g,T,d] and P [Hkv, d, r]
+        b, hkv, g, t, r = shape[:5]
+        ins[0] = torch.randn(b, hkv, g, t, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+        ins.append(random_projection(hkv, d, r).to(dtype))
+    return ins
+
+
+def _unprojected(ins):
+    r = ins[1].shape[2]
+    return [ins[0][..., :r].double()] + [x.double() if x.is_floating_point() else x for x in ins[1:5]]
+
+
+def _zero_hidden_row(outs, ins):
+    assert torch.isfinite(outs[0]).all() and (outs[0][1] == 0).all() and (outs[0][0] != 0).any()
+
+
+# (B, Hkv, g, T, r, L, C): decode at batch 1 with a long L (positions split over threads or programs), batched
+# decode with a buffer larger than L and left padding, prefill (T > 1, causal), one query head per group, g = 4,
+# Llama-3's head_dim 128 (the native float32 value product runs in passes of 64 columns)
+ATTENTION_SHAPES = [((1, 2, 3, 1, 64, 700, 700), False), ((3, 2, 3, 1, 32, 90, 130), False),
+                    ((2, 2, 3, 5, 16, 40, 40), False), ((2, 1, 1, 3, 8, 9, 12), False), ((1, 1, 4, 1, 128, 100, 128), False),
+                    ((1, 2, 3, 1, 64, 3000, 3000), True), ((3, 3, 3, 1, 32, 300, 517), True), ((2, 2, 3, 7, 16, 40, 40), False),
+                    ((2, 1, 1, 5, 8, 9, 12), False), ((1, 2, 4, 3, 64, 600, 700), True), ((2, 2, 4, 1, 128, 700, 800), True)]
+ATTENTION = [
+    *[Case(f"{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
+           {"k": _k(s[4], which), "rule": rule}, large=large)
+      for s, large in ATTENTION_SHAPES for which in (1, "half", "r") for rule in RULES],
+    # AQUA-Memory may cache V at its own width rv: out is rv wide (a split decode merges rv + 2 partials)
+    *[Case(f"values-{rv}-wide-{'x'.join(map(str, s))}", lambda s=s, rv=rv: _attention_inputs(s, rv=rv),
+           {"k": s[4] // 2, "rule": 1}, large=large)
+      for s, rv, large in (((1, 2, 3, 1, 32, 3000, 3000), 48, True), ((2, 2, 3, 7, 16, 40, 40), 8, False),
+                           ((2, 2, 3, 1, 64, 600, 600), 52, True), ((1, 2, 3, 2, 64, 300, 300), 100, True),
+                           ((2, 2, 3, 2, 16, 50, 64), 24, False))],
+    Case("softcap", lambda: _attention_inputs((2, 2, 3, 4, 16, 50, 64), scale=4.0), {"k": 8, "rule": 1, "softcap": 5.0},
+         unlike=lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=8,
+                                                     rule=1)),
+    Case("float16", lambda: _attention_inputs((2, 3, 3, 2, 32, 120, 128), torch.float16), {"k": 16}, dtype="float16"),
+    *[Case(f"projects-{'x'.join(map(str, s))}-d{d}-rule{rule}", lambda s=s, d=d: _attention_inputs(s, d=d),
+           {"k": s[4] // 2, "rule": rule}, projected=True, large=large,
+           unlike=lambda ins, rule=rule, s=s: aqua_attention.reference(*_unprojected(ins), k=s[4] // 2, rule=rule))
+      for s, d, large in (((1, 2, 3, 1, 64, 300, 300), 64, False), ((2, 2, 3, 4, 16, 40, 40), 24, False),
+                          ((1, 2, 3, 1, 64, 3000, 3000), 64, True), ((3, 3, 3, 1, 32, 300, 517), 32, True),
+                          ((2, 2, 4, 1, 96, 700, 800), 128, True))
+      for rule in (0, 1)],
+    Case("projects-float16", lambda: _attention_inputs((2, 3, 3, 2, 32, 200, 256), torch.float16, d=32),
+         {"k": 16, "rule": 1}, dtype="float16", projected=True),
+    Case("row-hidden-everywhere", lambda: _attention_inputs((2, 2, 3, 1, 16, 30, 30), hidden_row=True), {"k": 8},
+         only=("native", "triton"), check=_zero_hidden_row, versus_reference=False),
+    Case("past-the-buffer", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20))[:3] + [_length(21), torch.zeros(1, 1, 1, 1, 21)],
+         {"k": 8}, only=("native", "triton"), error="total_length must fit"),
+    Case("k-past-r", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 17}, only=("native", "triton"),
+         error="k must be in"),
+    Case("keys-narrower-than-queries", lambda: [x[:, :, :8] if i == 1 else x for i, x in
+                                                enumerate(_attention_inputs((1, 2, 3, 1, 16, 20, 20)))],
+         {"k": 8}, only=("native", "triton"), error="disagree"),
+    *[Case(f"projection-{bad}", lambda bad=bad: _attention_inputs((1, 2, 3, 1, 16, 20, 20))
+           + [random_projection(*bad)], {"k": 8}, projected=True, only=("native", "triton"), error="projection must be")
+      for bad in ((3, 16, 16), (2, 24, 16), (2, 16, 8))],  # Hkv, d, r wrong
+]
+
+
+# --------------------------------------------------------------------------------------------
+# H2OAttention
+# --------------------------------------------------------------------------------------------
+
+def _live(expected):
+    def check(outs, ins):  # the share of real tokens kept per head: 12 of 24, 11 of 21, 11 of 22
+        assert (outs[4] >= 0).sum(-1).tolist() == expected
+    return check
+
+
+def _slots(n):
+    def check(outs, ins):
+        assert outs[1].shape[2] == n
+    return check
+
+
+def _h2o_projected(d, dtype=torch.float32):
+    ins = h2o_inputs(2, 2, 3, 24, 16, H2O_MASKS["padded"], dtype=dtype)
+    ins[0] = torch.randn(2, 2, 3, 24, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    return ins + [random_projection(2, d, 16).to(dtype)]
+
+
+def _h2o_unprojected(attrs):
+    def unlike(ins):
+        return h2o_attention.reference(*[ins[0][..., :16]] + ins[1:8], **attrs)[0]
+    return unlike
+
+
+def _too_full_state():
+    """9 tokens seen, budget 5, but 7 live slots: not a state this op could have left."""
+    token = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, -1], [0, 1, 2, -1, -1, -1, -1, -1]]])
+    past = (torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8), token)
+    return h2o_inputs(1, 2, 3, 1, 16, np.ones((1, 10), np.int64), past=past)
+
+
+H2O = [
+    *[Case(f"{mask}-k{k}-rule{rule}", lambda mask=mask: h2o_inputs(H2O_MASKS[mask].shape[0], 2, 3,
+                                                                    H2O_MASKS[mask].shape[1], 16, H2O_MASKS[mask]),
+           {"k": k, "rule": rule, "ratio": 0.5}, check=_live([[12, 12]] if mask == "full" else [[11, 11], [11, 11]]))
+      for rule, k in [*((rule, 8) for rule in RULES), (0, 16), (0, 1)] for mask in sorted(H2O_MASKS)],
+    *[Case(f"values-{rv}-wide", lambda rv=rv: h2o_inputs(2, 2, 3, 24, 16, H2O_MASKS["padded"], rv=rv),
+           {"k": 8, "rule": 1, "ratio": 0.5}) for rv in (8, 24)],
+    Case("softcap-ratio-0.3", lambda: h2o_inputs(2, 2, 2, 24, 16, H2O_MASKS["padded"]),
+         {"k": 6, "softcap": 2.0, "ratio": 0.3}),
+    Case("float16", lambda: h2o_inputs(2, 2, 2, 24, 16, H2O_MASKS["padded"], dtype=torch.float16),
+         {"k": 6, "ratio": 0.5}, dtype="float16"),
+    # r = 64, g = 4: Triton takes 32 slots per block, so a 41-slot cache spans two blocks of every pass
+    Case("several-blocks", lambda: h2o_inputs(1, 1, 4, 80, 64, torch.ones(1, 80, dtype=torch.int64)),
+         {"k": 48, "rule": 1, "ratio": 0.5}, check=_slots(41)),
+    *[Case(f"projects-d{d}-rule{rule}", lambda d=d: _h2o_projected(d), {"k": 6, "rule": rule, "ratio": 0.5},
+           projected=True, unlike=_h2o_unprojected({"k": 6, "rule": rule, "ratio": 0.5}))
+      for rule, d in ((0, 16), (1, 16), (1, 24))],
+    Case("projects-float16", lambda: _h2o_projected(24, torch.float16), {"k": 6, "rule": 1, "ratio": 0.5},
+         dtype="float16", projected=True),
+    Case("projection-wrong-shape", lambda: _h2o_projected(16)[:8] + [random_projection(3, 16, 16)],
+         {"k": 6, "ratio": 0.5}, projected=True, only=("native", "triton"), error="projection must be"),
+    Case("state-not-its-own", _too_full_state, {"k": 8, "ratio": 0.5}, only=("native", "triton"),
+         error="not this graph's state"),
+    Case("keys-narrower-than-queries", lambda: [x if i != 1 else torch.zeros(1, 2, 1, 8) for i, x in
+                                                enumerate(h2o_inputs(1, 2, 3, 1, 16, np.ones((1, 10), np.int64)))],
+         {"k": 8, "ratio": 0.5}, only=("native", "triton"), error="disagree"),
+    Case("ratio-past-1", lambda: h2o_inputs(1, 2, 3, 1, 16, np.ones((1, 1), np.int64)), {"k": 8, "ratio": 1.5},
+         only=("native", "triton"), error="ratio in"),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The cache updates and ValueProduct
+# --------------------------------------------------------------------------------------------
+
+def _update_inputs(past_slots, total, new=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.standard_normal((2, 3, past_slots, 5), dtype=np.float32)),
+            torch.from_numpy(rng.standard_normal((2, 3, new, 5), dtype=np.float32)), _length(total)]
+
+
+# (slots past C >= L, as a shared buffer, are written in place: test_ops.py binds one buffer as past and present)
+UPDATES = [Case("growing", lambda: _update_inputs(4, 6), {}),  # a past of L - S slots: present grows to L
+           Case("filled-to-the-end", lambda: _update_inputs(6, 6), {}),  # C = L: slots L-S..L-1 overwritten
+           Case("empty-past", lambda: _update_inputs(0, 3, new=3), {})]
+
+
+def _probs(shape, dtype="float32", seed=3):
+    b, h, g, t, length, cap, r = shape
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.random((b, h, g, t, length)).astype(dtype)),
+            torch.from_numpy(rng.standard_normal((b, h, cap, r)).astype(dtype))]
+
+
+# (B, Hkv, g, T, L, C, r): r not a multiple of the 32-column tile; decode (T = 1) and prefill rows
+PRODUCT_SHAPES = [(1, 3, 3, 1, 1024, 1100, 64), (2, 2, 2, 5, 37, 40, 48), (1, 1, 1, 7, 5, 5, 20)]
+PRODUCTS = [Case(f"{'x'.join(map(str, s))}-{dt}", lambda s=s, dt=dt: _probs(s, dt), {}, dtype=dt)
+            for s in PRODUCT_SHAPES for dt in ("float32", "float16")]
+
+
+FLOAT32 = {"float32": {"*": (1e-5, True)}}
+CATALOGUE = [
+    OpCases(topk_gather_dot.OP, SCORES, {**FLOAT32, "float16": {"scores": (2e-3, True)}}),
+    OpCases(aqua_attention.OP, ATTENTION, {"float32": {"out": (2e-5, False)}, "float16": {"out": (4e-3, False)}}),
+    OpCases(cache_update.KEY, UPDATES, {"float32": {"present": (0.0, False)}}),
+    OpCases(cache_update.VALUE, UPDATES, {"float32": {"present": (0.0, False)}}),
+    OpCases(value_product.OP, PRODUCTS, {**FLOAT32, "float16": {"out": (2e-3, True)}}),
+    # heavy: a float32 sum over the tokens seen, its rounding grows with it
+    OpCases(h2o_attention.OP, H2O, {"float32": {"present_heavy": (1e-5, True), "*": (1e-5, False)},
+                                    "float16": {"out": (2e-2, False)}}, int_outputs=("present_token",)),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Golden tables: the tie-breaks and the budget's edge ratios, which every implementation reproduces
+# --------------------------------------------------------------------------------------------
+
+# (query rows [g, r] of one KV head and token, k, rule) -> the coordinates each row keeps
+SELECTION_GOLDEN = [
+    ([[1.5, 1.5, 1.5, 1.5, 0.2, -0.1, 0.0, 0.3]], 2, 0, [[0, 1]]),  # a four-way tie: the lower indices
+    ([[0.25] * 8], 3, 0, [[0, 1, 2]]),  # all tied
+    ([[0.1, -2.0, 0.3, 2.0, -0.3, 0.0, 1.0, -1.0]], 3, 0, [[1, 3, 6]]),  # magnitudes, signs ignored; -2 and 2 tie
+    ([[1.0, 0.0, 0.0, 2.0], [0.0, 3.0, 0.0, -2.0]], 2, 1, [[1, 3], [1, 3]]),  # the group's sums 1, 3, 0, 4
+    ([[1.0, 2.0, 0.0, 0.0], [2.0, 1.0, 0.0, 0.0]], 1, 1, [[0], [0]]),  # group sums tie: the lower index
+    ([[0.0, 0.0, 5.0, 9.0]], 2, 2, [[0, 1]]),  # static: the first k whatever the magnitudes
+]
+
+# (ratio, real tokens seen, tokens kept): the float32 attribute (0.3 -> 0.30000001) keeps what the double keeps
+BUDGET_GOLDEN = [(0.5, 1, 1), (0.5, 2, 1), (0.5, 3, 2), (0.5, 7, 4), (0.5, 24, 12), (0.3, 10, 3), (0.3, 11, 4),
+                 (0.1, 5, 1), (0.7, 10, 7), (0.9, 30, 27), (1.0, 13, 13), (0.25, 40, 10)]
