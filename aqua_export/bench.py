@@ -32,6 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from .config import ConfigError
+from .ops.rules import budget
+from .runtime.folder import FolderConfig
+from .runtime.genai import GenaiGraph
+from .runtime.lm import OrtLM
 
 RUNTIMES = ("aqua", "genai", "genai-io")
 
@@ -73,8 +77,6 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
 
 def _check_folder(folder: Path, runtime: str, tokens: int) -> None:
     """The folder loads in ``runtime`` and its model's context holds ``tokens``, or one line saying why not."""
-    from .runtime.folder import FolderConfig
-
     if runtime == "aqua" or not (folder / "genai_config.json").is_file():
         cfg = FolderConfig.from_folder(folder)  # not a built folder: one line naming the fix
         if runtime != "aqua":
@@ -122,9 +124,6 @@ def _peak_rss_mb() -> float:
 
 
 def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
-    from .ops.rules import budget
-    from .runtime.lm import OrtLM
-
     lm = OrtLM.from_folder(folder, threads, serving=(batch, max(capacity, context + steps + 2)))
     ct = lm.contract
     past = lm.empty_past(batch)
@@ -152,8 +151,6 @@ def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
 
 
 def _aqua_prefiller(folder, prompt, batch, threads, rng):
-    from .runtime.lm import OrtLM
-
     lm = OrtLM.from_folder(folder, threads, serving=(batch, prompt))
     vocab = lm.contract.vocab
 
@@ -183,8 +180,6 @@ def _genai_stepper(folder, context, batch, threads, rng, steps, capacity):
 
 def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
     import onnxruntime as ort
-
-    from .runtime.genai import GenaiGraph
 
     g = GenaiGraph(folder, threads)
     shape = (batch, g.dec["num_key_value_heads"], max(capacity, context + steps + 4), g.dec["head_size"])

@@ -21,7 +21,7 @@ import torch
 
 from . import __version__, corpus
 from .config import ConfigError
-from .models import attention_geometry, fingerprint
+from .models import architecture_of, attention_geometry, fingerprint
 from .projection import FORMAT_VERSION
 from .reference.precision import float32_compute
 
@@ -100,7 +100,6 @@ def recording(model, moments: Moments, query_sink: dict | None = None):
     AttentionInterface.register(_CALIB_IMPL, _calibration_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(_CALIB_IMPL, eager_mask)
     previous = model.config._attn_implementation
-    from .models import architecture_of
 
     arch = architecture_of(model.config)
     attns = [arch.attention(layer) for layer in arch.layers(model)]
@@ -206,8 +205,6 @@ def _accumulate(model, chunks: list[torch.Tensor], geo: dict, group, bar) -> Mom
     process each forward adds its c_j to the running total directly; with N ranks, rank r computes the
     c_j with j = r mod N and rank 0 folds them in order (None on the other ranks). Only the decoder runs:
     the moments are read inside attention, so the vocabulary-wide logits are never computed."""
-    from .models import architecture_of
-
     rank, world = _world(group)
     dev = execution_device(model)
     decoder = architecture_of(model.config).decoder(model)

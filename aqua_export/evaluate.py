@@ -24,10 +24,15 @@ import torch
 from . import corpus
 from .calibrate import Moments, projection_tensors, recording
 from .config import AquaConfig, ConfigError
+from .models import attention_geometry
 from .ops.rules import select_indices
 from .outputs import atomic_write_bytes
 from .projection import Projection
 from .reference.attention import apply_aqua
+from .runtime.folder import CONFIG_FILE
+from .runtime.genai import GenaiGraph
+from .runtime.lm import OrtLM
+from .runtime.text import load_tokenizer
 
 
 def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
@@ -76,18 +81,13 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: 
 
     from tqdm import tqdm
 
-    from .runtime.folder import CONFIG_FILE
-    from .runtime.text import load_tokenizer
-
     check_windows(tokens, seq_len)
     folder = Path(folder)
     if (folder / CONFIG_FILE).is_file():
-        from .runtime.lm import OrtLM
 
         lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len))
         logits_of, runtime = (lambda w: lm.step(w[None], np.ones((1, w.size), np.int64), lm.empty_past(1))[0][0]), "aqua"
     else:
-        from .runtime.genai import GenaiGraph
 
         g = GenaiGraph(folder, threads)
         logits_of, runtime = (lambda w: g.logits(w[None])[0]), "genai graph"
@@ -108,8 +108,6 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: 
 
 def collect_queries_and_moments(model, ids_windows: list[torch.Tensor]) -> tuple[list[torch.Tensor], Moments]:
     """Post-RoPE queries per layer [H, N, d] and the q/k/v moments of the same tokens."""
-    from .models import attention_geometry
-
     geo = attention_geometry(model)
     mom = Moments.zeros(geo["layers"], geo["kv_heads"], geo["head_dim"])
     store: dict = {}

@@ -24,7 +24,14 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from . import models
 from .config import AquaConfig, ConfigError
+from .projection import load_projection
+from .reference.attention import apply_aqua
+from .runtime.folder import FolderConfig
+from .runtime.lm import OrtLM
+from .runtime.sampling import SamplingConfig
+from .runtime.text import load_tokenizer
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 LOCAL_TASKS = ("aqua_lastword", "aqua_choice", "aqua_rolling", "aqua_copy")
@@ -57,8 +64,6 @@ class _OrtModel(torch.nn.Module):
     def generate(self, input_ids, attention_mask, max_length: int, stopping_criteria, **_):
         """Greedy, as HF's generate with do_sample=False, in the runtime's own loop: stops when every row meets a
         stop criterion (or EOS) or at max_length. Returns [B, T + new] with the context."""
-        from .runtime.sampling import SamplingConfig
-
         ids = input_ids.cpu().numpy()
 
         def whole(new):
@@ -81,23 +86,16 @@ class AquaLM(HFLM):
                  k_ratio: float = 1.0, slice_ratio: float = 0.0, h2o_ratio: float = 1.0, selection: str = "magnitude",
                  slice_alloc: str = "uniform", threads: int = 0, kernel: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
                  **kwargs):
-        from . import models
-        from .projection import load_projection
-        from .reference.attention import apply_aqua
-
         if (model is None) == (folder is None):
             raise ConfigError("give the aqua model either model=M (the PyTorch reference) or folder=DIR (a built folder)")
         self._stack = contextlib.ExitStack()
         self._session = None
         if folder is not None:
-            from .runtime.lm import OrtLM
-            from .runtime.text import load_tokenizer
 
             if projection is not None or _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc) != AquaConfig():
                 raise ConfigError("a folder carries its own AQUA settings: drop projection / k_ratio / slice_ratio / "
                                   "h2o_ratio / selection / slice_alloc with folder=")
             tok = load_tokenizer(folder)
-            from .runtime.folder import FolderConfig
 
             context = FolderConfig.from_folder(folder).context_length or 4096
             serving = (int(batch_size) if str(batch_size).isdigit() else 1, int(max_length or context))

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .archs import ADAPTERS, adapter_for
 from .config import ConfigError
+from .outputs import check_writable
 
 DEFAULT_MODEL = "llama"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,22 +25,16 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def architecture_of(config):
     """The family's adapter (aqua_export.archs); anything unsupported is one ConfigError line naming the list."""
-    from .archs import adapter_for
-
     return adapter_for(config)
 
 
 def tiny_config(model_type: str, **kw):
     """A small random config of a supported family, built in code (no hub): see Adapter.tiny_config."""
-    from .archs import ADAPTERS
-
     return ADAPTERS[model_type].tiny_config(**kw)
 
 
 def tiny_model(model_type: str, seed: int = 0, **kw):
     import transformers
-
-    from .archs import ADAPTERS
 
     torch.manual_seed(seed)
     cfg = tiny_config(model_type, **kw)
@@ -78,8 +74,6 @@ def _check_gguf(path: Path) -> None:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise a GGUF into an HF folder (config, float32 safetensors, tokenizer), atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .outputs import check_writable
 
     _check_gguf(gguf)
     check_writable(out, "the conversion cache ($AQUA_CACHE)")  # before converting, not after

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..fold import attention_projections
+from ..fold import attention_projections, layer_bases
+from ..models import architecture_of, attention_geometry
 from ..quantize import WeightFormat, roundtrip
 
 
@@ -30,9 +31,6 @@ class ExportedWeights:
     contract's per-layer K^ and V widths; fmt: its weight format (quantized)."""
 
     def __init__(self, model, projection, config, contract, fmt: WeightFormat):
-        from ..fold import layer_bases
-        from ..models import architecture_of, attention_geometry
-
         self.arch = architecture_of(model.config)
         self.geo = attention_geometry(model)
         self.fmt, self.value_widths = fmt, contract.value_widths

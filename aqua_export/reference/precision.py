@@ -17,6 +17,8 @@ import contextlib
 
 import torch
 
+from ..models import architecture_of
+
 # vocabulary rows of the output layer computed at a time in a wider type than the weights are stored in: a
 # whole float64 copy of Llama-3.1-8B's head would be 4 GiB, a chunk is a few MiB
 HEAD_ROWS = 8192
@@ -29,7 +31,6 @@ def storage_dtype(model) -> torch.dtype:
 def _widen_during_forward(mod, dtype: torch.dtype, handles: list, after=None) -> None:
     """mod's parameters are ``dtype`` copies while it runs, put back after (pre/post forward hooks); after(mod), when
     given, then edits those copies (never the model's own tensors)."""
-
     def widen(m, args):
         m._aqua_stash = [(p, p.data) for p in m.parameters()]
         for p, data in m._aqua_stash:
@@ -48,7 +49,6 @@ def _widen_during_forward(mod, dtype: torch.dtype, handles: list, after=None) ->
 def _chunked_head(head, dtype: torch.dtype, weights=None):
     """A forward for the output layer in ``dtype`` that widens HEAD_ROWS vocabulary rows of its weight at a time
     (weights: those rows as a quantized folder computes with them)."""
-
     def forward(x):
         w, b = head.weight, head.bias
         parts = []
@@ -64,7 +64,6 @@ def _chunked_head(head, dtype: torch.dtype, weights=None):
 def _embedding_rows(emb, dtype: torch.dtype, weights):
     """A forward for the embedding that looks up rows as a quantized folder computes with them, in ``dtype`` (with
     Gemma's scale, which the export also applies after the lookup)."""
-
     def forward(ids):
         out = weights.rows(emb.weight, ids).to(dtype)
         scale = getattr(emb, "embed_scale", None)
@@ -83,7 +82,6 @@ def computing_in(model, dtype: torch.dtype, weights=None):
     if storage_dtype(model) == dtype and weights is None:
         yield model
         return
-    from ..models import architecture_of
 
     arch = architecture_of(model.config)
     handles: list = []

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..config import AquaConfig, ConfigError, reject_unknown
 from ..export.contract import Contract
+from ..outputs import atomic_write_bytes
 from ..quantize import WeightFormat
 
 CONFIG_FILE = "aqua_config.json"
@@ -132,8 +133,6 @@ class FolderConfig:
             raise ConfigError(f"{f} is invalid ({e}): rebuild the folder") from None
 
     def write(self, folder: str | Path) -> None:
-        from ..outputs import atomic_write_bytes
-
         atomic_write_bytes(Path(folder) / CONFIG_FILE, json.dumps(self.to_dict(), indent=1, sort_keys=True).encode())
 
     def seal(self, folder: str | Path) -> "FolderConfig":

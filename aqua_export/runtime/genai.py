@@ -30,6 +30,7 @@ from ..config import ConfigError
 from ..outputs import atomic_write_bytes
 from .folder import FolderConfig
 from .sampling import check_finite, emit
+from .session import check_serving, native_library
 
 GENAI_CONFIG = "genai_config.json"
 NATIVE_NAME = "libaqua_ort.so"
@@ -64,8 +65,6 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
 
 def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, tok) -> None:
     """genai_config.json, config.json, generation_config.json and (float32) the native kernel library."""
-    from .session import native_library
-
     atomic_write_bytes(folder / "config.json", hf_config.to_json_string().encode())
     if generation_config is not None:
         atomic_write_bytes(folder / "generation_config.json", generation_config.to_json_string().encode())
@@ -97,8 +96,6 @@ class GenaiLM:
 
     def __init__(self, folder: str | Path, share_buffer: bool = True, threads: int = 0,
                  serving: tuple[int, int] | None = None):
-        from .session import check_serving
-
         self.cfg = FolderConfig.from_folder(folder)
         self.cfg.contract.genai_io()  # H2O, or K^ / V widths per layer: one line naming --runtime aqua
         self.cfg.verify(folder)  # every file the build wrote, of its size

@@ -15,6 +15,11 @@ from typing import Protocol
 
 import numpy as np
 
+from ..config import ConfigError
+from .genai import GenaiLM
+from .lm import OrtLM
+from .tensorrt import engine_lm
+
 RUNTIMES = ("aqua", "genai", "tensorrt")
 
 
@@ -23,23 +28,16 @@ class LM(Protocol):
                  on_token=None, on_logits=None) -> np.ndarray:
         """Padded prompts [B, T] -> generated ids [B, N]; on_token(step, ids[B]) streams; on_logits(step,
         logits[B, V]) sees the logits each token was picked from."""
-
-
 def open_lm(folder: str | Path, runtime: str = "aqua", threads: int = 0, kernel: str = "auto",
             share_buffer: bool = True, serving: tuple[int, int] | None = None) -> LM:
     """serving: (batch, tokens) the caller will run: checked against the memory before anything loads."""
-    from ..config import ConfigError
-
     if runtime == "aqua":
-        from .lm import OrtLM
 
         return OrtLM.from_folder(folder, threads, kernel, cache="shared" if share_buffer else "concat", serving=serving)
     if runtime == "genai":
-        from .genai import GenaiLM
 
         return GenaiLM(folder, share_buffer=share_buffer, threads=threads, serving=serving)
     if runtime == "tensorrt":
-        from .tensorrt import engine_lm
 
         return engine_lm(folder)
     raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")

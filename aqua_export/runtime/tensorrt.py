@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from .folder import FolderConfig
+from .lm import OrtLM
 from .tensorrt_plugin import node_contract, register_plugin, require_tensorrt
 
 ENGINE_FILE = "model.engine"
@@ -176,9 +178,6 @@ def _torch_dtype(trt_dtype):
 
 def engine_lm(folder: str | Path):
     """runtime.OrtLM driving the folder's TensorRT engine."""
-    from .folder import FolderConfig
-    from .lm import OrtLM
-
     return OrtLM(TrtSession(folder), FolderConfig.from_folder(folder), cache="concat")
 
 

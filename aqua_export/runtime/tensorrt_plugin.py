@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ConfigError
+from ..kernels.triton.select import group_block
+from ..kernels.triton.topk_gather_dot import block_sizes, jit_kernel
 from ..ops import topk_gather_dot
 from ..ops.spec import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
@@ -142,8 +144,6 @@ class LaunchPlan:
 
     @property
     def constexprs(self) -> dict:
-        from ..kernels.triton.select import group_block
-
         return {"R": self.r, "K": self.k, "RULE": self.rule, "G": self.g, "BLOCK_G": group_block(self.g),
                 "BLOCK_R": self.block_r, "BLOCK_S": self.block_s}
 
@@ -160,8 +160,6 @@ class LaunchPlan:
 
 
 def launch_plan(r: int, k: int, dtype: str, rule: int = 0, g: int = 1) -> LaunchPlan:
-    from ..kernels.triton.topk_gather_dot import block_sizes
-
     output_type(dtype, dtype)
     if not 1 <= k <= r:
         raise ValueError(f"k = {k} not in [1, r = {r}]")
@@ -174,8 +172,6 @@ def compile_kernel(plan: LaunchPlan, arch: int = 90):
     """Triton -> (kernel name, PTX, num_warps, shared memory bytes) for sm_<arch>; needs triton, no GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
-
-    from ..kernels.triton.topk_gather_dot import jit_kernel
 
     src = triton.compiler.ASTSource(fn=jit_kernel(), signature=plan.signature, constexprs=plan.constexprs)
     ck = triton.compile(src, target=GPUTarget("cuda", arch, 32))
