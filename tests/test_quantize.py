@@ -147,7 +147,9 @@ def test_an_int4_build_passes_parity_and_runs_in_both_runtimes(int4_folder, caps
     par = json.loads((int4_folder / "parity.json").read_text())
     assert cfg.weights == WeightFormat(bits=4) and par["pass"] and "int4 blocks of 32" in cfg.info["weights"]
     assert par["ort_vs_reference"]["max_abs_logit_diff_prefill"] <= par["ort_vs_reference"]["tolerance"]
-    assert par["activation_accuracy"]["pass"] and par["vs_float_weights"]["max_abs_logit_diff_prefill"] > 1e-3
+    # reported, not gated: the int8 activations differ from the float32 ones the gates ran (so they really ran those)
+    assert par["activation_accuracy"]["max_abs_logit_diff_prefill"] > 0 and "activation_accuracy" not in par["failed"]
+    assert par["vs_float_weights"]["max_abs_logit_diff_prefill"] > 1e-3
     outs = []
     for runtime in ("aqua", "genai"):
         assert main(["run", str(int4_folder), "--prompt", "The license", "--max-new-tokens", "8",

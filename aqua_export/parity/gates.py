@@ -21,11 +21,7 @@ from .probe import NOISE_FACTOR
 TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "top1": 1.0, "own_top1": 0.95},
              "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95, "logit_tie": 0.5,
                          "own_top1": 0.95}}
-# a quantized folder's own int8 activations (accuracy_level 4) against float32 ones: rounding each MatMul's input
-# per block reorders close logits as float16's rounding does (parity_probe's top-1 gates likewise)
-QUANTIZED_TOP1 = 0.95
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
-         "activation_accuracy": "int8 activations vs float32 ones",
          "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
          "ort_k1_vs_hf": "ORT at k = r vs HF"}
 

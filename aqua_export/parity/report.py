@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .gates import QUANTIZED_TOP1, TOLERANCE
+from .gates import TOLERANCE
 from .probe import NOISE_FACTOR
 
 
@@ -59,9 +59,9 @@ def summary_lines(res: dict) -> list[str]:
                      f"moves the logits after it by a whole q_i k_i term): {_verdict(n)}")
     if "activation_accuracy" in res:
         a = res["activation_accuracy"]
-        lines.append(f"[gate: top-1] the folder's int8 activations (accuracy_level 4) vs float32 ones: top-1 "
-                     f"{a['top1_agreement']:.3f} (>= {QUANTIZED_TOP1}); max |dlogit| prefill "
-                     f"{a['max_abs_logit_diff_prefill']:.2e}, decode {a['max_abs_logit_diff_decode']:.2e}: {_verdict(a)}")
+        lines.append(f"[report] the folder's int8 activations (its accuracy level) vs float32 ones: top-1 "
+                     f"{a['top1_agreement']:.3f}; max |dlogit| prefill {a['max_abs_logit_diff_prefill']:.2e}, decode "
+                     f"{a['max_abs_logit_diff_decode']:.2e}")
     if "vs_float_weights" in res:
         q = res["vs_float_weights"]
         lines.append(f"[report] the quantized folder vs the reference on the float weights (what quantization costs): "

@@ -14,7 +14,7 @@ came from:
     MLP, experts, the output layer and the embedding: their round trip (quantization is row by row, so a slice of
     rows of the round trip is the round trip of those rows: the output layer and the embedding go by rows)
 
-Used by precision.computing_in(model, dtype, weights=...), one layer at a time while it runs.
+Used by precision.computing_in(model, dtype, weights=...), one layer at a time while it runs (write_layer).
 """
 
 from __future__ import annotations
@@ -37,10 +37,21 @@ class ExportedWeights:
         # the bases each layer of the export folds in (the identity for a dense export)
         self.bases = lambda i: layer_bases(projection, config, contract, i, self.geo["head_dim"])
 
-    def layer(self, i: int, layer) -> dict[str, torch.Tensor]:
-        """Role (Adapter.layer_weights' names) -> the weight the reference's layer i computes with, float32."""
+    def write_layer(self, i: int, layer) -> None:
+        """Layer i's weights (Adapter.layer_weights' views, the widened copies the reference computes with while the
+        layer runs) overwritten in place by what the folder computes with. The matrices that are not folded (the MLP,
+        the experts) go a slice of rows at a time (quantization is by rows), so that what the round trip adds to
+        memory stays a few MiB whatever the layer (an OLMoE layer's experts are 400M weights)."""
+        views = self.arch.layer_weights(layer)
+        for role, t in self._attention(i, layer, views).items():
+            views[role].copy_(t)
+        for role in ("gate_proj", "up_proj", "down_proj", "fc", "proj", "experts_gate_up", "experts_down"):
+            if isinstance(views.get(role), torch.Tensor):
+                _roundtrip_in_place(views[role], self.fmt)
+
+    def _attention(self, i: int, layer, w: dict) -> dict[str, torch.Tensor]:
+        """q/k/v/o_proj as the export folds and quantizes them, mapped back to the module's own basis, float32."""
         arch, d = self.arch, self.geo["head_dim"]
-        w = arch.layer_weights(layer)
         rv, rotary = self.value_widths[i], arch.has_rotary
         P, P_v = self.bases(i)
         P_v = P_v.to(torch.float32)
@@ -51,11 +62,7 @@ class ExportedWeights:
         if not rotary:
             q, k = (_unfold_projection(t, b, self.geo["heads"] if x == "q" else self.geo["kv_heads"])
                     for t, b, x in zip((q, k), P, "qk"))
-        out = {"q_proj": q, "k_proj": k, **self._values(v, o, P_v, rv, d)}
-        for role in ("gate_proj", "up_proj", "down_proj", "fc", "proj", "experts_gate_up", "experts_down"):
-            if isinstance(w.get(role), torch.Tensor):
-                out[role] = roundtrip(w[role], self.fmt)
-        return out
+        return {"q_proj": q, "k_proj": k, **self._values(v, o, P_v, rv, d)}
 
     def _values(self, v, o, P_v, rv, d) -> dict:
         """v [Hkv*rv, D], o [D, H*rv] in P_v's sliced basis -> v_proj / o_proj in the model's own basis (the reference
@@ -69,6 +76,16 @@ class ExportedWeights:
     def rows(self, weight: torch.Tensor, index) -> torch.Tensor:
         """weight[index] (the output layer's or the embedding's rows) as the folder computes with it."""
         return roundtrip(weight[index], self.fmt)
+
+
+ROUNDTRIP_ELEMENTS = 1 << 22  # weights per slice of _roundtrip_in_place: its temporaries stay tens of MiB
+
+
+def _roundtrip_in_place(t: torch.Tensor, fmt: WeightFormat) -> None:
+    """t [..., N, K] (rows of blocks along K) <- its round trip, by slices of its first dimension."""
+    step = max(1, ROUNDTRIP_ELEMENTS // max(1, t[0].numel()))
+    for a in range(0, t.shape[0], step):
+        t[a:a + step].copy_(roundtrip(t[a:a + step], fmt))
 
 
 def _unfold_projection(wt: torch.Tensor, basis: torch.Tensor, heads: int) -> torch.Tensor:

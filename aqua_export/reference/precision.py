@@ -91,12 +91,9 @@ def computing_in(model, dtype: torch.dtype, weights=None):
     for e in (emb, wpe):
         if e is not None:
             handles.append(e.register_forward_hook(lambda mod, args, out: out.to(dtype)))
+
     def exported(i):  # the layer's weights as the folder holds them, written into its widened copies
-        def write(m):
-            views = arch.layer_weights(m)
-            for role, t in weights.layer(i, m).items():
-                views[role].copy_(t.to(dtype))
-        return write
+        return lambda m: weights.write_layer(i, m)
 
     for i, mod in enumerate(arch.layers(model)):
         _widen_during_forward(mod, dtype, handles, None if weights is None else exported(i))
