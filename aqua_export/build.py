@@ -125,6 +125,9 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
     if o.backend == "tensorrt" and config.evicts:
         raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
+    if o.backend == "tensorrt" and config.selects_tokens:
+        raise ConfigError("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
+                          "build with --backend onnx")
     if o.backend == "tensorrt":
 
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written

@@ -51,6 +51,17 @@ def _config_args(p, k_default: float = 1.0):
                         "uniform slicing): uniform (every K^ and V drops --slice-ratio), energy (water-filling on the "
                         "calibrated spectra), measured (on measured costs of slicing: the projection's slice costs, "
                         "measured by the build or `calibrate --slice-costs`) (default %(default)s)")
+    p.add_argument("--token-ratio", type=float, default=1.0,
+                   help="token selection: share of the visible tokens a decode step attends, in (0, 1]; the k "
+                        "selected coordinates score pages of 16 tokens, the chosen ones get exact attention, nothing "
+                        "is evicted; 1 = all (default %(default)s)")
+    p.add_argument("--token-budget", type=int, default=0,
+                   help="token selection with a fixed number of tokens per decode step instead (0 = by "
+                        "--token-ratio) (default %(default)s)")
+    p.add_argument("--token-sink", type=int, default=16,
+                   help="token selection: the first tokens every step keeps (attention sinks) (default %(default)s)")
+    p.add_argument("--token-window", type=int, default=64,
+                   help="token selection: the most recent tokens every step keeps (default %(default)s)")
 
 
 def _window_args(p, tokens: int, what: str):

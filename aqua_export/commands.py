@@ -13,7 +13,8 @@ from .config import AquaConfig, ConfigError
 
 def config_of(a) -> AquaConfig:
     return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
-                      slice_alloc=a.slice_alloc)
+                      slice_alloc=a.slice_alloc, token_ratio=a.token_ratio, token_budget=a.token_budget,
+                      token_sink=a.token_sink, token_window=a.token_window)
 
 
 def _process_group():
@@ -114,15 +115,17 @@ def cmd_lm_eval(a) -> int:
     tasks = [t for t in a.tasks.split(",") if t]
     if a.limit is not None and not a.limit > 0:
         raise ConfigError(f"--limit {a.limit:g} is not a number of items: give a count >= 1, or a share in (0, 1)")
-    if a.model and not a.projection and not config_of(a).is_dense:
-        raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
-                          "with --model (make one with `aqua-export calibrate`)")
+    config = config_of(a)
+    if a.model and not a.projection and not config.is_dense:
+        raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1, --token-ratio 1 need "
+                          "--projection FILE with --model (make one with `aqua-export calibrate`)")
     _offline_unless_reachable(tasks)
     from .lm_eval_model import AquaLM, evaluate
 
-    with AquaLM(model=a.model, folder=a.folder, projection=a.projection, k_ratio=a.k_ratio, slice_ratio=a.slice_ratio,
-                h2o_ratio=a.h2o_ratio, selection=a.selection, slice_alloc=a.slice_alloc, threads=a.threads,
-                kernel=a.kernel, batch_size=a.batch_size) as lm:
+    default = AquaConfig()
+    settings = {k: getattr(config, k) for k in AquaLM.SETTINGS if getattr(config, k) != getattr(default, k)}
+    with AquaLM(model=a.model, folder=a.folder, projection=a.projection, threads=a.threads, kernel=a.kernel,
+                batch_size=a.batch_size, **settings) as lm:
         res = evaluate(lm, tasks, a.include_path, a.limit)
     if a.json:
         print(json.dumps({"results": res["results"], "config": lm.aqua_config.to_dict(), "model": a.model,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .ops import spec
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2  # 2: token selection (token_ratio, token_budget, token_sink, token_window); 1 still reads
 SELECTIONS = tuple(spec.SELECTIONS)  # the rule names; what each scores: ops.rules
 SLICE_ALLOCS = ("uniform", "energy", "measured")  # how AQUA-Memory spreads its width budget over layers (allocate.py)
 # how each rule scores coordinate i of q^ before taking the top k (ops.rules.selection_score is the definition):
@@ -59,6 +59,11 @@ class AquaConfig:
     slice_alloc: how AQUA-Memory's budget (slice_ratio of every layer's width, on average) is spread over the
                  layers: 'uniform' (the paper: every layer drops the same share), 'energy' (water-filling on
                  the calibrated spectra) or 'measured' (on each layer's measured cost of slicing; allocate.py).
+    token_ratio: token selection, share of the visible tokens a decode step attends, in (0, 1]; 1 = all. The
+                 approximate scores (the k selected coordinates) choose pages of tokens (ops.rules), which get exact
+                 attention (all r coordinates); nothing is evicted, and a prompt's rows attend every token exactly.
+    token_budget: instead of the ratio, a fixed number of tokens per decode step (0 = by the ratio).
+    token_sink / token_window: the first / last visible tokens every decode step keeps (their pages).
     """
 
     k_ratio: float = 1.0
@@ -66,6 +71,10 @@ class AquaConfig:
     h2o_ratio: float = 1.0
     selection: str = "magnitude"
     slice_alloc: str = "uniform"
+    token_ratio: float = 1.0
+    token_budget: int = 0
+    token_sink: int = 16  # one page: the attention-sink tokens models keep looking at (StreamingLLM keeps 4)
+    token_window: int = 64  # four pages of the most recent tokens: the local context every next token leans on
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -76,8 +85,19 @@ class AquaConfig:
             raise ConfigError(f"selection={self.selection!r} is unknown: use one of {', '.join(SELECTIONS)}")
         if self.slice_alloc not in SLICE_ALLOCS:
             raise ConfigError(f"slice_alloc={self.slice_alloc!r} is unknown: use one of {', '.join(SLICE_ALLOCS)}")
-        if self.version != CONFIG_VERSION:
+        object.__setattr__(self, "token_ratio", _ratio("token_ratio", self.token_ratio, 0.0, 1.0, True, False))
+        for name in ("token_budget", "token_sink", "token_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name}={v!r} must be a whole number >= 0")
+        if self.token_budget and self.token_ratio < 1:
+            raise ConfigError("--token-ratio and --token-budget both choose how many tokens a step reads: give one")
+        if self.selects_tokens and self.evicts:
+            raise ConfigError("token selection reads a share of a cache that keeps every token, and AQUA-H2O evicts "
+                              "tokens from it: use --token-ratio / --token-budget or --h2o-ratio, not both")
+        if self.version not in (1, CONFIG_VERSION):
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
+        object.__setattr__(self, "version", CONFIG_VERSION)  # version 1 is version 2 without token selection
 
     # Widths (docs/design.md): r = d - round(slice_ratio * d), k = round(k_ratio * r), at least 1.
     def retained_width(self, head_dim: int) -> int:
@@ -107,8 +127,13 @@ class AquaConfig:
         return self.h2o_ratio < 1.0
 
     @property
+    def selects_tokens(self) -> bool:
+        """Token selection: a decode step reads the chosen pages of the cache, not all of it."""
+        return self.token_ratio < 1.0 or self.token_budget > 0
+
+    @property
     def is_dense(self) -> bool:
-        return self.k_ratio == 1.0 and self.slice_ratio == 0.0 and self.h2o_ratio == 1.0
+        return self.k_ratio == 1.0 and self.slice_ratio == 0.0 and self.h2o_ratio == 1.0 and not self.selects_tokens
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

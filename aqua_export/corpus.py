@@ -6,6 +6,9 @@ or ``builtin:NAME`` for texts every fresh machine of ours has:
 - ``builtin:python-reference``: the Python language/library reference prose shipped in CPython's
   ``pydoc_data.topics`` (~465k characters of English technical text).
 - ``builtin:gpl-3``: the GNU GPL v3 text from Debian's ``base-files`` (/usr/share/common-licenses).
+- ``builtin:licenses``: every other licence of Debian's ``base-files`` in one text, longest first (~29k tokens of
+  SmolLM2: the long windows, 2k-8k tokens, that token selection is measured on; GPL-3 left out, it is the
+  512-token evaluation text).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 from .config import ConfigError
 
-BUILTIN = ("python-reference", "gpl-3")
+BUILTIN = ("python-reference", "gpl-3", "licenses")
+LICENSES = Path("/usr/share/common-licenses")
 
 
 def _builtin_text(name: str) -> str:
@@ -29,6 +33,12 @@ def _builtin_text(name: str) -> str:
         if not p.exists():
             raise ConfigError("builtin:gpl-3 needs /usr/share/common-licenses/GPL-3 (Debian base-files)")
         return p.read_text(encoding="utf-8")
+    if name == "licenses":
+        files = [f for f in LICENSES.glob("*") if f.is_file() and not f.is_symlink() and f.name != "GPL-3"]
+        if not files:
+            raise ConfigError(f"builtin:licenses needs {LICENSES} (Debian base-files)")
+        files.sort(key=lambda f: (-f.stat().st_size, f.name))
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     raise ConfigError(f"unknown builtin text {name!r}: use one of {', '.join('builtin:' + b for b in BUILTIN)}")
 
 

@@ -50,7 +50,9 @@ def check_windows(tokens: int, seq_len: int) -> None:
 
 
 def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: Projection | None = None,
-               config: AquaConfig | None = None, progress: bool = False) -> dict:
+               config: AquaConfig | None = None, progress: bool = False, mean_value: bool = False) -> dict:
+    """Perplexity of ``text``'s first ``tokens`` in non-overlapping windows of seq_len, with AQUA applied (token
+    selection on every row, as if each token were decoded; mean_value: SparQ's correction, to measure it)."""
     config = config or AquaConfig()
     check_windows(tokens, seq_len)
     ids = corpus.tokenize(tok, text, tokens)
@@ -58,10 +60,13 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
     if not ws:
         raise ConfigError("the evaluation text has fewer than 2 tokens")
     if projection is None and not config.is_dense:
-        raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1 need --projection")
+        raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1, token_ratio=1 need "
+                          "--projection")
     from tqdm import tqdm
 
-    ctx = apply_aqua(model, projection, config) if projection is not None else contextlib.nullcontext()
+    # token selection on every row, as if each token were decoded (a prompt's rows would attend exactly)
+    ctx = apply_aqua(model, projection, config, token_rows_from=0, mean_value=mean_value) if projection is not None \
+        else contextlib.nullcontext()
     total, count = 0.0, 0
     with torch.no_grad(), ctx:
         for w in tqdm(ws, desc="eval", unit="win", disable=not progress):
@@ -71,12 +76,23 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
             "predicted_tokens": count, "windows": len(ws), "seq_len": seq_len, "config": config.to_dict()}
 
 
+def _decoded_logits(lm, ids: np.ndarray) -> np.ndarray:
+    """ids [T] -> logits [T, V], every token its own forward after the ones before it (a decode step: token
+    selection chooses its pages, as in serving)."""
+    past, out = lm.empty_past(1), []
+    for t in range(ids.size):
+        logits, past = lm.step(ids[None, t:t + 1], np.ones((1, t + 1), np.int64), past)
+        out.append(np.asarray(logits)[0, -1])
+    return np.stack(out)
+
+
 def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: int = 0,
                       progress: bool = False) -> dict:
     """Perplexity of a built folder run by ONNX Runtime (the same windows as ``perplexity``): this tool's folders
     through their graph contract (runtime.OrtLM, the native kernels when built), a folder of onnxruntime-genai's
     model builder through its genai_config.json (backends.genai.GenaiGraph), so two exports of one checkpoint
-    compare on the same text."""
+    compare on the same text. A token-selection folder decodes each window token by token (a forward of a whole
+    window would attend exactly, as a prompt does), slower but what serving computes."""
     from pathlib import Path
 
     from tqdm import tqdm
@@ -87,6 +103,8 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: 
 
         lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len))
         logits_of, runtime = (lambda w: lm.step(w[None], np.ones((1, w.size), np.int64), lm.empty_past(1))[0][0]), "aqua"
+        if lm.cfg.aqua.selects_tokens:  # a window in one forward would attend exactly (a prompt): decode it instead
+            logits_of, runtime = (lambda w: _decoded_logits(lm, w)), "aqua, token by token"
     else:
 
         g = GenaiGraph(folder, threads)

@@ -3,9 +3,11 @@
 ``AquaLM`` is lm_eval's own ``hf`` model (HFLM) with the forward swapped, so tokenisation, batching,
 truncation, rolling windows and stop handling are lm_eval's, item for item:
 
-    model=M [projection=P, k_ratio=..., slice_ratio=..., h2o_ratio=..., selection=..., slice_alloc=...]
+    model=M [projection=P, k_ratio=..., slice_ratio=..., h2o_ratio=..., selection=..., slice_alloc=...,
+             token_ratio=..., token_budget=..., token_sink=..., token_window=...]
         the PyTorch reference: M loaded as `aqua-export eval` loads it, AQUA applied (attention.apply_aqua)
-        for the life of the object (close() restores the model)
+        for the life of the object (close() restores the model). Token selection acts as in a built folder: a
+        forward of several tokens (a loglikelihood item, a prompt) attends exactly, each generated token selects
     folder=DIR [threads=N, kernel=auto|native|function]
         a built folder run by ONNX Runtime (runtime.OrtLM): logits of a batch from an empty cache,
         greedy generation from the folder's own cache
@@ -74,27 +76,35 @@ class _OrtModel(torch.nn.Module):
         return whole(new)
 
 
-def _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc) -> AquaConfig:
+def _config(k_ratio=1.0, slice_ratio=0.0, h2o_ratio=1.0, selection="magnitude", slice_alloc="uniform",
+            token_ratio=1.0, token_budget=0, token_sink=None, token_window=None) -> AquaConfig:
     """lm_eval passes model_args as strings: the numbers are converted here, AquaConfig validates them."""
+    default = AquaConfig()
     return AquaConfig(k_ratio=float(k_ratio), slice_ratio=float(slice_ratio), h2o_ratio=float(h2o_ratio),
-                      selection=selection, slice_alloc=slice_alloc)
+                      selection=selection, slice_alloc=slice_alloc, token_ratio=float(token_ratio),
+                      token_budget=int(token_budget),
+                      token_sink=default.token_sink if token_sink is None else int(token_sink),
+                      token_window=default.token_window if token_window is None else int(token_window))
 
 
 @register_model("aqua")
 class AquaLM(HFLM):
+    SETTINGS = ("k_ratio", "slice_ratio", "h2o_ratio", "selection", "slice_alloc", "token_ratio", "token_budget",
+                "token_sink", "token_window")
+
     def __init__(self, model: str | None = None, folder: str | None = None, projection: str | None = None,
-                 k_ratio: float = 1.0, slice_ratio: float = 0.0, h2o_ratio: float = 1.0, selection: str = "magnitude",
-                 slice_alloc: str = "uniform", threads: int = 0, kernel: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
+                 threads: int = 0, kernel: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
                  **kwargs):
+        settings = {k: kwargs.pop(k) for k in self.SETTINGS if k in kwargs}
         if (model is None) == (folder is None):
             raise ConfigError("give the aqua model either model=M (the PyTorch reference) or folder=DIR (a built folder)")
         self._stack = contextlib.ExitStack()
         self._session = None
         if folder is not None:
 
-            if projection is not None or _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc) != AquaConfig():
-                raise ConfigError("a folder carries its own AQUA settings: drop projection / k_ratio / slice_ratio / "
-                                  "h2o_ratio / selection / slice_alloc with folder=")
+            if projection is not None or settings:
+                raise ConfigError("a folder carries its own AQUA settings: drop projection / "
+                                  f"{' / '.join(self.SETTINGS)} with folder=")
             tok = load_tokenizer(folder)
 
             context = FolderConfig.from_folder(folder).context_length or 4096
@@ -102,9 +112,10 @@ class AquaLM(HFLM):
             net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
-            config = _config(k_ratio, slice_ratio, h2o_ratio, selection, slice_alloc)
+            config = _config(**settings)
             if projection is None and not config.is_dense:
-                raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1 need projection=FILE")
+                raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1, token_ratio=1 need "
+                                  "projection=FILE")
             net, tok = models.load(model)
             if projection is not None:
                 self._session = self._stack.enter_context(apply_aqua(net, load_projection(projection), config))

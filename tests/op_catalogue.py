@@ -143,6 +143,26 @@ ATTENTION_SHAPES = [((1, 2, 3, 1, 64, 700, 700), False), ((3, 2, 3, 1, 32, 90, 1
                     ((2, 2, 3, 5, 16, 40, 40), False), ((2, 1, 1, 3, 8, 9, 12), False), ((1, 1, 4, 1, 128, 100, 128), False),
                     ((1, 2, 3, 1, 64, 3000, 3000), True), ((3, 3, 3, 1, 32, 300, 517), True), ((2, 2, 3, 7, 16, 40, 40), False),
                     ((2, 1, 1, 5, 8, 9, 12), False), ((1, 2, 4, 3, 64, 600, 700), True), ((2, 2, 4, 1, 128, 700, 800), True)]
+def _tokens(ratio=1.0, budget=0, sink=4, window=8) -> dict:
+    return {"token_ratio": ratio, "token_budget": budget, "token_sink": sink, "token_window": window}
+
+
+def _dense(r):
+    """The answer without token selection, every token exact (a token case must differ from it)."""
+    return lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=r)
+
+
+# (shape, token settings, large, unlike dense): decode at batch 1 (pages split over threads or programs), batched
+# decode with left padding, g = 6 (two tiles of the group's rows), a fixed budget, a window covering every token,
+# a prompt (T > 1: exact, every token)
+TOKEN_SHAPES = [((1, 2, 3, 1, 64, 700, 700), {"ratio": 0.25}, False, True),
+                ((3, 2, 3, 1, 32, 90, 130), {"ratio": 0.3, "sink": 2, "window": 5}, False, True),
+                ((1, 2, 6, 1, 32, 300, 300), {"ratio": 0.2}, False, True),
+                ((2, 2, 3, 1, 16, 200, 210), {"budget": 40}, False, True),
+                ((2, 1, 3, 1, 16, 40, 48), {"ratio": 0.1, "window": 64}, False, False),
+                ((2, 2, 3, 5, 16, 40, 40), {"ratio": 0.25}, False, False),
+                ((1, 2, 3, 1, 64, 3000, 3000), {"ratio": 0.125, "sink": 16, "window": 64}, True, True),
+                ((2, 2, 4, 1, 128, 1500, 1600), {"budget": 256, "sink": 16, "window": 64}, True, True)]
 ATTENTION = [
     *[Case(f"{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
            {"k": _k(s[4], which), "rule": rule}, large=large)
@@ -166,6 +186,20 @@ ATTENTION = [
       for rule in (0, 1)],
     Case("projects-float16", lambda: _attention_inputs((2, 3, 3, 2, 32, 200, 256), torch.float16, d=32),
          {"k": 16, "rule": 1}, dtype="float16", projected=True),
+    # token selection: a decode step attends the pages its approximate scores choose, a prompt every token exactly
+    *[Case(f"tokens-{'x'.join(map(str, s))}-{'-'.join(f'{a}{v}' for a, v in tok.items())}-rule{rule}",
+           lambda s=s: _attention_inputs(s), {"k": s[4] // 2, "rule": rule, **_tokens(**tok)}, large=large,
+           unlike=_dense(s[4]) if unlike else None)
+      for s, tok, large, unlike in TOKEN_SHAPES for rule in (0, 1)],
+    Case("tokens-projects", lambda: _attention_inputs((1, 2, 3, 1, 64, 300, 300), d=64),
+         {"k": 32, "rule": 1, **_tokens(ratio=0.3)}, projected=True, unlike=lambda ins: aqua_attention.reference(
+             *_unprojected(ins), k=32, rule=1, **_tokens(ratio=0.3))),
+    Case("tokens-float16", lambda: _attention_inputs((2, 3, 3, 1, 32, 200, 256), torch.float16),
+         {"k": 16, "rule": 1, **_tokens(ratio=0.3)}, dtype="float16"),
+    Case("tokens-softcap", lambda: _attention_inputs((2, 2, 3, 1, 16, 150, 160), scale=4.0),
+         {"k": 8, "rule": 0, "softcap": 5.0, **_tokens(ratio=0.25)}),
+    Case("tokens-ratio-past-1", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 8, **_tokens(ratio=1.5)},
+         only=("native", "triton"), error="token_ratio must be in"),
     Case("row-hidden-everywhere", lambda: _attention_inputs((2, 2, 3, 1, 16, 30, 30), hidden_row=True), {"k": 8},
          only=("native", "triton"), check=_zero_hidden_row, versus_reference=False),
     Case("past-the-buffer", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20))[:3] + [_length(21), torch.zeros(1, 1, 1, 1, 21)],

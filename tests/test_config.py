@@ -9,10 +9,23 @@ def test_round_trip_json():
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25, h2o_ratio=0.5, selection="static")
     again = AquaConfig.from_json(cfg.to_json())
     assert again == cfg
-    assert '"version": 1' in cfg.to_json()
+    assert '"version": 2' in cfg.to_json()
+    tokens = AquaConfig(k_ratio=0.25, token_ratio=0.125, token_sink=4, token_window=32)
+    assert AquaConfig.from_json(tokens.to_json()) == tokens and tokens.selects_tokens and not tokens.is_dense
+
+
+def test_a_version_1_config_reads_as_no_token_selection():
+    """Folders built before token selection carry version 1 and no token fields."""
+    old = AquaConfig.from_dict({"k_ratio": 0.5, "slice_ratio": 0.0, "h2o_ratio": 1.0, "selection": "magnitude",
+                                "slice_alloc": "uniform", "version": 1})
+    assert old == AquaConfig(k_ratio=0.5) and not old.selects_tokens
 
 
 @pytest.mark.parametrize("field,value,needle", [
+    ("token_ratio", 0, "token_ratio=0 is out of range"),
+    ("token_budget", -1, "token_budget=-1 must be a whole number"),
+    ("token_window", 2.5, "token_window=2.5 must be a whole number"),
+    ("version", 3, "version 3 is not supported"),
     ("k_ratio", 0, "k_ratio=0 is out of range"),
     ("k_ratio", 1.5, "k_ratio=1.5 is out of range"),
     ("k_ratio", math.nan, "k_ratio must be a finite number"),
@@ -45,3 +58,11 @@ def test_widths_follow_design():
     assert cfg.selected_width(64) == 36
     assert AquaConfig(k_ratio=0.01).selected_width(64) == 1
     assert AquaConfig().is_dense and not cfg.is_dense
+
+
+def test_token_selection_refuses_two_counts_and_eviction():
+    with pytest.raises(ConfigError, match="give one"):
+        AquaConfig(token_ratio=0.5, token_budget=64)
+    with pytest.raises(ConfigError, match="not both"):
+        AquaConfig(token_ratio=0.5, h2o_ratio=0.5)
+

@@ -98,12 +98,35 @@ def test_local_tasks_are_deterministic_and_well_formed():
         assert item["target"].startswith(" ") and item["target"][1:].isalpha() and not item["context"].endswith(" ")
 
 
+def test_passkey_items():
+    """aqua_passkey: every (length, depth) once, the key planted twice at its depth and asked for at the end, within
+    its length in the embedded model's tokens."""
+    from aqua_export import models
+    from aqua_export.lm_eval_tasks import aqua_tasks
+    from aqua_export.runtime.text import load_tokenizer
+
+    items = list(aqua_tasks.passkey()["test"])
+    assert [(i["length"], i["depth"]) for i in items] == [(n, d) for n in aqua_tasks.PASSKEY_LENGTHS
+                                                          for d in aqua_tasks.PASSKEY_DEPTHS]
+    tok = load_tokenizer(models.resolve("llama")[0])
+    for it in items:
+        text, key = it["prompt"], it["target"]
+        assert text.count(key) == 2 and text.endswith("The pass key is") and len(key) == 5
+        n = len(tok(text)["input_ids"])
+        assert 0.95 * it["length"] <= n <= it["length"]
+        at = text.index(key) / len(text)
+        assert abs(at - it["depth"]) < 0.05
+
+
 @pytest.mark.parametrize("kw,needle", [
     ({}, "either model=M"),
     ({"model": "llama", "folder": "x"}, "either model=M"),
     ({"model": "llama", "k_ratio": 0.5}, "need projection=FILE"),
     ({"model": "llama", "k_ratio": 0.0}, "k_ratio=0.0 is out of range"),
     ({"folder": "x", "k_ratio": 0.5}, "a folder carries its own AQUA settings"),
+    ({"model": "llama", "token_ratio": 0.25}, "need projection=FILE"),
+    ({"model": "llama", "token_ratio": 0.25, "h2o_ratio": 0.5}, "not both"),
+    ({"folder": "x", "token_budget": 64}, "a folder carries its own AQUA settings"),
 ])
 def test_bad_model_arguments(kw, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -13,6 +13,10 @@ is a ratio measured in this run.
     ORT dense    q  --MatMul K--> Softmax --MatMul V--> out (standard ops, same layout)
     GQA          com.microsoft.GroupQueryAttention, past/present sharing one buffer (onnxruntime-genai's op)
 
+Token selection rows: AquaAttention with token_ratio R (AquaConfig's sink 16 and window 64): a step reads the
+selected rows of K^ for every token, then K^ and V whole for the chosen pages' tokens (a share rho >= R: whole
+pages, plus the forced ones). Byte limit: (K + V) / (u K + rho (K + V)).
+
 AQUA-H2O rows: the H2OAttention node (native, given q and P as folders run it) in its steady state, a context of T
 tokens already evicted to budget(h, T) live slots (per slot: K^, V, heavy float32, token int64), one token in and
 one out per step, buffers bound as past and present (in place). Byte limit: (K + V) / (h (u K + V) + heavy + token).
@@ -40,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from aqua_export.ops import rules  # noqa: E402
 from aqua_export.ops.spec import PROJECTION, SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
@@ -54,6 +59,10 @@ RULE = {"head": 0, "group": 1}
 # (h2o_ratio, rule, k_ratio): AQUA-H2O settings whose perplexity is no worse than per-head magnitude at k 0.5
 # (benchmarks/quality.md, with the weighted rule these kernels run as `group`)
 H2O_SETTINGS = [(0.75, "group", 0.75), (0.875, "group", 0.625)]
+# (token_ratio, rule, k_ratio): token selection with the config's sink 16 and window 64 (pages chosen on the
+# scores of k rows of K^, then all of K^ and V for the chosen pages' tokens)
+TOKEN_SETTINGS = [(0.25, "group", 0.5), (0.125, "group", 0.5), (0.125, "group", 0.25), (0.0625, "group", 0.25)]
+SINK, WINDOW = 16, 64
 
 
 def _graph(kind: str):
@@ -153,6 +162,10 @@ def main() -> int:
                 "fused-dense": sess(aqua_attention.OP.model(k=D))}
     for rule, ratio in SETTINGS:
         sessions[rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D), rule=RULE[rule]))
+    for tr, rule, ratio in TOKEN_SETTINGS:
+        sessions["tokens", tr, rule, ratio] = sess(aqua_attention.OP.model(
+            projected=True, k=round(ratio * D), rule=RULE[rule], token_ratio=tr, token_budget=0, token_sink=SINK,
+            token_window=WINDOW))
     for h, rule, ratio in H2O_SETTINGS:
         sessions["h2o", h, rule, ratio] = sess(h2o_attention.OP.model(projected=True, k=round(ratio * D),
                                                                       rule=RULE[rule], ratio=h))
@@ -189,6 +202,18 @@ def main() -> int:
                              "gqa_over_aqua": round(med["gqa"] / aq, 3),
                              "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
                              "byte_limit": round(2.0 / (1.0 + u), 3)})
+                print(json.dumps(rows[-1]), flush=True)
+            for tr, rule, ratio in TOKEN_SETTINGS:
+                k = round(ratio * D)
+                u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, 0, SINK, WINDOW)
+                aq = med["tokens", tr, rule, ratio]
+                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k, "token_ratio": tr,
+                             "token_share": round(rho, 4), "union_fraction": round(u, 3),
+                             "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
+                             "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
+                             "gqa_over_aqua": round(med["gqa"] / aq, 3),
+                             "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
+                             "byte_limit": round(2.0 / (u + 2 * rho), 3)})
                 print(json.dumps(rows[-1]), flush=True)
             for h, rule, ratio in H2O_SETTINGS:
                 k = round(ratio * D)

@@ -4,6 +4,7 @@
     -> benchmarks/decode.json (this project's runtime, every variant), benchmarks/genai.json
        (onnxruntime-genai against its own model builder's export of the same checkpoint) and
        benchmarks/h2o.json (AQUA-H2O against dense: decode at 4k / 8k, batch 1 / 8, and a 1,024-token prefill)
+       and benchmarks/tokens.json (token selection against dense and against genai's builder: TOKEN_RUNS)
     -> the "Decode" sections of benchmarks/performance.md (tools/perf_report.py)
 
 Variants (all built from the same SmolLM2-135M checkpoint and projection by the build's export stage, float32):
@@ -13,6 +14,8 @@ Variants (all built from the same SmolLM2-135M checkpoint and projection by the 
     h2o-0.5-k0.75         AQUA-H2O keeping half the tokens (runtime aqua only)
     gw-k0.625             group-weighted selection at k 0.625 (one set of 40 K^ rows per KV group and step)
     h2o-0.75-gw-k0.75     AQUA-H2O keeping 3/4 of the tokens, group-weighted selection at k 0.75
+    tokens-0.125-gw-k0.25 token selection: pages of 1/8 of the tokens (plus sink 16, window 64) chosen on 16 K^ rows
+                          (group-weighted, k 0.25), attended with all 64
     ort-genai             onnxruntime-genai's model builder export (-p fp32 -e cpu: GroupQueryAttention)
 
 Rerun: `make bench` (or `.venv/bin/python tools/bench_decode.py`).
@@ -37,16 +40,23 @@ WORK = ROOT / "build" / "bench"
 VARIANTS = {"dense": dict(k_ratio=1.0), "aqua-k0.75": dict(k_ratio=0.75), "aqua-k0.5": dict(k_ratio=0.5),
             "memory-s0.25-k0.75": dict(k_ratio=0.75, slice_ratio=0.25), "h2o-0.5-k0.75": dict(k_ratio=0.75, h2o_ratio=0.5),
             "gw-k0.625": dict(k_ratio=0.625, selection="group-weighted"),
-            "h2o-0.75-gw-k0.75": dict(k_ratio=0.75, h2o_ratio=0.75, selection="group-weighted")}
+            "h2o-0.75-gw-k0.75": dict(k_ratio=0.75, h2o_ratio=0.75, selection="group-weighted"),
+            "tokens-0.125-gw-k0.25": dict(k_ratio=0.25, selection="group-weighted", token_ratio=0.125)}
 # the issue's claims, each measured in one run: (context, batch, genai runtime, folders)
 GENAI_RUNS = [(1024, 1, "genai", ["ort-genai", "dense"]),
               (8160, 8, "genai-io", ["ort-genai", "dense", "memory-s0.25-k0.75"])]
 H2O_RUNS = [(ctx, b) for ctx in (4096, 8160) for b in (1, 8)]  # decode; plus one prefill of H2O_PROMPT tokens
 H2O_PROMPT = 1024
-DECODE_VARIANTS = ("dense", "aqua-k0.75", "aqua-k0.5", "memory-s0.25-k0.75", "h2o-0.5-k0.75")  # decode.json's
+DECODE_VARIANTS = ("dense", "aqua-k0.75", "aqua-k0.5", "memory-s0.25-k0.75", "h2o-0.5-k0.75",
+                   "tokens-0.125-gw-k0.25")  # decode.json's
 # issue 12's end-to-end claim: 8k context, batch 8, the settings whose perplexity is no worse than per-head
 # magnitude at k 0.5 (benchmarks/quality.md) against dense, in one interleaved run
 TARGET = (8160, 8, ["dense", "gw-k0.625", "h2o-0.75-gw-k0.75"])
+# token selection's claims (benchmarks/tokens.json), each one interleaved run: this project's runtime at 8k, batch 8
+# and 1, against dense; onnxruntime-genai with a real prefill of an 8k prompt, batch 1, against genai's own builder
+TOKENS = "tokens-0.125-gw-k0.25"
+TOKEN_RUNS = [(8160, 8, "aqua", ["dense", TOKENS]), (8160, 1, "aqua", ["dense", TOKENS]),
+              (8000, 1, "genai", ["ort-genai", "dense", TOKENS])]
 
 
 def _projection():
@@ -160,13 +170,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process each)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", choices=["aqua", "genai", "capacity", "h2o", "target"], help="run one of the tables")
+    ap.add_argument("--only", choices=["aqua", "genai", "capacity", "h2o", "target", "tokens"],
+                    help="run one of the tables")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args()
     names = a.variants.split(",")
     if a.only == "target":
         names = TARGET[2]
-    export_all(names + (["ort-genai"] if a.only in (None, "genai") else []))
+    if a.only == "tokens":
+        names = ["dense", TOKENS]
+    export_all(names + (["ort-genai"] if a.only in (None, "genai", "tokens") else []))
     meta = {"threads": a.threads, "steps": a.steps, "rounds": a.rounds, "model": "SmolLM2-135M-Instruct (embedded), float32",
             "attention": "AquaAttention", "h2o": "H2OAttention"}
     out = Path(a.out)
@@ -188,6 +201,11 @@ def main() -> int:
         ctx, batch, folders = TARGET
         atomic_write_bytes(out / "target.json", json.dumps({"meta": meta, "rows": _rows(folders, ctx, batch, "aqua", a)},
                                                            indent=1).encode())
+    if a.only in (None, "tokens"):
+        rows = []
+        for ctx, batch, runtime, folders in TOKEN_RUNS:
+            rows += _rows(folders, ctx, batch, runtime, a)
+        atomic_write_bytes(out / "tokens.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
     if a.only in (None, "capacity"):
         atomic_write_bytes(out / "capacity.json", json.dumps({"meta": meta, "rows": _capacity_rows(a)},
                                                              indent=1).encode())

@@ -48,11 +48,15 @@ def attention_section(data) -> list[str]:
            "steady state (the context evicted to h of its tokens, one token in and one out per step, buffers "
            "updated in place); its byte limit counts each live slot's heavy (float32) and token (int64). Perplexity "
            "of each setting: `benchmarks/quality.md` (bytes table).", "",
-           "| T | batch | rule | k_ratio | h2o ratio | union u | fused dense / AQUA | ORT dense / AQUA | GQA / AQUA | "
-           "byte limit |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "Rows with a token ratio t: token selection (`AquaAttention` with token_ratio t, sink 16, window 64): the "
+           "k selected rows of K^ score every token, the chosen pages' share rho of the tokens is read whole; byte "
+           "limit (K + V) / (u K + rho (K + V)).", "",
+           "| T | batch | rule | k_ratio | h2o ratio | token ratio (rho) | union u | fused dense / AQUA | ORT dense / AQUA | "
+           "GQA / AQUA | byte limit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r.get('h2o_ratio', '-')} | "
+        tok = f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r else "-"
+        out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r.get('h2o_ratio', '-')} | {tok} | "
                    f"{r['union_fraction']:.2f} | "
                    f"**{r['fused_dense_over_aqua']:.2f}** | {r['ort_dense_over_aqua']:.2f} | {r['gqa_over_aqua']:.2f} | "
                    f"{r['byte_limit']:.2f} |")
@@ -176,6 +180,27 @@ def target_section(data) -> list[str]:
     return out
 
 
+def tokens_section(data) -> list[str]:
+    m = data["meta"]
+    out = ["", "## Token selection end to end (`tools/bench_decode.py --only tokens`)", "",
+           f"{m['model']}; {m['threads']} threads; each row group one interleaved run, {m['rounds']} rounds, fresh "
+           f"process each, median of {m['steps']} decode steps. `aqua`: this project's runtime, the context written "
+           "into the cache; `genai`: onnxruntime-genai itself after a real prefill of a random prompt, against "
+           "genai's model builder's fp32 export of the same checkpoint (`ort-genai`).", "",
+           "| context | batch | runtime | variant | tokens/s vs the run's first row | decode memory vs the first |",
+           "|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in data["rows"]:
+        groups.setdefault((r["context"], r["batch"], r["runtime"]), []).append(r)
+    for rows in groups.values():
+        first = rows[0]
+        for r in rows:
+            out.append(f"| {r['context']} | {r['batch']} | {r['runtime']} | {r['variant']} | "
+                       f"**{r['tokens_per_s'] / first['tokens_per_s']:.2f}** | "
+                       f"{r['decode_rss_mb'] / first['decode_rss_mb']:.2f} |")
+    return out
+
+
 def capacity_section(data) -> list[str]:
     m = data["meta"]
     out = ["", "## A step's cost against the buffer's size (`tools/bench_decode.py --only capacity`)", "",
@@ -211,6 +236,9 @@ def main() -> int:
     tgt = _load("target.json")
     if tgt:
         lines += target_section(tgt)
+    toks = _load("tokens.json")
+    if toks:
+        lines += tokens_section(toks)
     cap = _load("capacity.json")
     if cap:
         lines += capacity_section(cap)

@@ -18,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 from aqua_export import calibrate, corpus, evaluate, models  # noqa: E402
 from aqua_export.projection import load_projection  # noqa: E402
@@ -26,12 +27,13 @@ from aqua_export.slice_costs import add_costs  # noqa: E402
 from aqua_export.ops.spec import SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
+import quality_long  # noqa: E402
 
 CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
-SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval")
+SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval", "long", "passkey")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
 # AQUA-Memory's allocations compared with uniform at k 0.9 ('measured' also works, after 2 L n forwards that
 # measure its costs: add it here to compare it too)
@@ -151,6 +153,7 @@ def main() -> int:
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--tokens", type=int, default=100_000, help="evaluation tokens (GPL-3 has ~7.7k)")
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--long-tokens", type=int, default=16384, help="tokens of the long-window text (section long)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="measure only these (the others' figures are kept from quality.json, measured with the same "
@@ -165,13 +168,14 @@ def main() -> int:
     old = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
     if old and "results" not in old:  # written before sections existed: results only
         old = {"results": old, "calibration": {"tokens": a.calib_tokens, "seconds": None}}
-    if sections >= set(SECTIONS) or not proj_path.is_file() or not old:
+    if sections >= set(SECTIONS) or not old:
         sections = set(SECTIONS)
+        old = {}
+    if not old or not proj_path.is_file():  # a fresh clone has none: the same text and tokens give the same P
         t0 = time.perf_counter()
         tensors, meta = calibrate.calibrate(model, tok, texts=[CALIB], tokens=a.calib_tokens, seq_len=a.seq_len)
         write_projection(proj_path, tensors, meta)
         cal = {"tokens": meta["tokens"], "seconds": time.perf_counter() - t0}
-        old = {}
     else:
         cal = old["calibration"]
     kept = sorted(set(SECTIONS) - sections)
@@ -225,10 +229,13 @@ def main() -> int:
                  if k < 1 and s != "static"}  # the rows of the bytes table
 
     lm_grid = lm_eval_grid(proj_path) if "lmeval" in sections else old.get("lm_eval", {})
+    long = quality_long.measure_long(model, tok, proj, a.long_tokens) if "long" in sections else old.get("long", {})
+    passkey = quality_long.measure_passkey(proj_path) if "passkey" in sections else old.get("passkey", {})
 
     # the measurements first: a report bug below must not cost them
     atomic_write_bytes(out / "quality.json", json.dumps({"calibration": cal, "results": results, "union": union,
-                                                        "lm_eval": lm_grid, "kv_split": split},
+                                                        "lm_eval": lm_grid, "kv_split": split, "long": long,
+                                                        "passkey": passkey},
                                                        sort_keys=True, indent=1, default=float).encode())
     n_eval = next(iter(results.values()))
     L = []
@@ -315,6 +322,7 @@ def main() -> int:
         L.append(f"| {sel} | {rep['mean'][sel + '/offline']:.4f} | {rep['mean'][sel + '/online']:.4f} |")
     if lm_grid:
         L += lm_eval_lines(lm_grid)
+    L += quality_long.lines(long, passkey, union)
     L.append("")
     atomic_write_bytes(out / "quality.md", "\n".join(L).encode())
     print((out / "quality.md").read_text())

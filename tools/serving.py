@@ -99,6 +99,9 @@ def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int) ->
     if res["builder"]["rc"]:
         res["builder"]["why"] = Path(res["builder"]["log"]).read_text(errors="replace").strip().splitlines()[-1][-200:]
     print(f"  genai builder: rc {res['builder']['rc']} in {res['builder']['seconds']} s", flush=True)
+    # a shape's own window bounds the context (TinyLlama's 1.1B: 2048 positions)
+    limit = json.loads((ckpt / "config.json").read_text()).get("max_position_embeddings", context + steps + 8)
+    context = res["context"] = min(context, limit - steps - 8)
     tokens = context + steps + 4
     if res["build"]["rc"] == 0:
         folders = [ours] + ([theirs] if res["builder"]["rc"] == 0 else [])
@@ -164,7 +167,7 @@ def main() -> None:
             results.setdefault("shapes", {})
             for name in a.shapes.split(","):
                 results["shapes"][name] = {**serve_shape(name, work, a.context, a.steps, a.rounds),
-                                           "context": a.context, "build_args": " ".join(BUILD_ARGS)}
+                                           "build_args": " ".join(BUILD_ARGS)}
                 JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
         JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
     write_report()

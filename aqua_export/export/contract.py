@@ -161,12 +161,13 @@ class Contract:
             per_slot += self.layers * (4 + 8)  # heavy (float32) and token (int64) per slot
         return batch * self.kv_heads * slots * per_slot
 
-    def empty_buffer(self, kind: str, batch: int, slots: int, layer: int):
-        """A fresh buffer of ``kind`` for ``layer`` (numpy): zeros, a token buffer all free."""
+    def empty_buffer(self, kind: str, batch: int, slots: int, layer: int, allocate=np.empty):
+        """A fresh buffer of ``kind`` for ``layer`` (numpy, from allocate(shape, dtype)): zeros, a token buffer all
+        free."""
         spec = self._buffer_spec("", kind, slots, layer)
-        dtype = np.dtype(spec.dtype)
-        fill = self.FREE if kind == "token" else 0
-        return np.full(tuple(batch if d == "batch" else d for d in spec.shape), fill, dtype)
+        out = allocate(tuple(batch if d == "batch" else d for d in spec.shape), np.dtype(spec.dtype))
+        out[...] = self.FREE if kind == "token" else 0
+        return out
 
     @staticmethod
     def key_rows(buf):

@@ -74,6 +74,7 @@ class Plan:
     positions: int = 4096  # the rotary tables' positions (the model's context)
     h2o_ratio: float = 1.0  # AQUA-H2O (contract.h2o): one H2OAttention node per layer keeps this share of tokens
     weights: WeightFormat = WeightFormat()  # the linear layers' (and embedding's) storage: float, or int4 / int8 blocks
+    tokens: dict | None = None  # token selection: AquaAttention's token_* attributes (ops/aqua_attention.py), or None
 
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
@@ -300,8 +301,8 @@ class DecoderGraph(Blocks):
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
             kc, vc = self._cache(n, i, kh, v, io)
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask] + [proj] * (proj is not None),
-                      domain=self.domain,
-                      softcap=float(p.attn_softcap or 0.0), **attrs)  # [B, Hkv, g, T, rv]
+                      domain=self.domain, softcap=float(p.attn_softcap or 0.0), **attrs,
+                      **(p.tokens or {}))  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])
         return self._linear(f"{n}/o_proj", a, wo, bo)

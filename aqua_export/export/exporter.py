@@ -26,7 +26,8 @@ from .contract import Contract
 from .decoder_graph import DecoderGraph, Plan
 
 
-def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat()) -> None:
+def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat(),
+                     fused: bool = True) -> None:
     """Refuse, in one line each, what the export cannot represent."""
     arch = architecture_of(model.config)
     projection.check_model(model)
@@ -35,6 +36,9 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
                           "kernel for 8-bit experts, so parity could not test the export apart from its int8 "
                           "activations: use --weights int4")
     arch.check_settings(model.config, config)
+    if config.selects_tokens and not fused:
+        raise ConfigError("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
+                          "build with --backend onnx")
 
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None
@@ -59,7 +63,10 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
                 final_softcap=arch.final_softcap(cfg), fused=fused, h2o_ratio=config.h2o_ratio, weights=weights,
-                positions=int(getattr(cfg, "max_position_embeddings", None) or 4096))
+                positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+                tokens={"token_ratio": float(config.token_ratio), "token_budget": config.token_budget,
+                        "token_sink": config.token_sink, "token_window": config.token_window}
+                if config.selects_tokens else None)
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
@@ -72,7 +79,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     norms, biases, the projections and a MoE router stay in ``dtype``).
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
-    check_exportable(model, projection, config, weights)
+    check_exportable(model, projection, config, weights, fused)
     register_schemas()
     path = Path(path)
     ct = contract_for(model, config, dtype, projection)
@@ -87,7 +94,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                                     "plugin_version": spec.PLUGIN_VERSION})
         _decoder(g, model, projection, config, progress)
         m = gb.model("aqua_decoder", {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION, MS: 1},
-                     function_bodies(spec.OPSET, plan.projects_query), "aqua-export")
+                     function_bodies(spec.OPSET, plan.projects_query, plan.tokens is not None), "aqua-export")
     finally:
         store.close()
     if dtype == torch.float16:

@@ -2,7 +2,7 @@
 that it shares model.onnx.data, opened by path, removed after):
 
     float32_weight_casts   float16 folders: explicit per-node weight casts (no float32 copy of the weights)
-    set_k(k)               every attention node scores k coordinates and evicts nothing (the graph at k = r)
+    set_k(k)               every attention node scores k coordinates, evicts and selects nothing (the graph at k = r)
     selection_outputs      the attention nodes inlined, each layer's TopK indices exposed as graph outputs
     float_activations      quantized folders: MatMulNBits / QMoE with float32 activations (accuracy_level 0)
 """
@@ -87,7 +87,8 @@ def float32_weight_casts(m):
 
 
 def set_k(k: int):
-    """The graph with every attention node scoring k coordinates, and H2O nodes evicting nothing (HF does not)."""
+    """The graph with every attention node scoring k coordinates, H2O nodes evicting nothing and token selection
+    attending every token (HF does neither)."""
     selecting = {op.name for op in OPS if "k" in op.attribute_names}
 
     def transform(m):
@@ -96,8 +97,10 @@ def set_k(k: int):
                 for a in n.attribute:
                     if a.name == "k":
                         a.i = k
-                    if a.name == "ratio":
+                    if a.name in ("ratio", "token_ratio"):
                         a.f = 1.0
+                    if a.name == "token_budget":
+                        a.i = 0
     return transform
 
 

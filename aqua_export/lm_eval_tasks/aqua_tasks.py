@@ -6,6 +6,11 @@ repository holds no copy of it. Deterministic: the same machine text gives the s
     aqua_choice     multiple_choice        a sentence's first half -> its own second half among 4 halves
     aqua_rolling    loglikelihood_rolling  whole paragraphs (word and byte perplexity)
     aqua_copy       generate_until         one worked example, then "Text: <phrase>" -> the phrase repeated
+    aqua_passkey    generate_until         a pass key planted at a depth of a long filler -> the key (the needle test
+                                           of long-context methods; no machine text: filler written here)
+
+aqua_passkey's items are sized in the embedded model's tokens (its tokenizer loads offline): PASSKEY_LENGTHS x
+PASSKEY_DEPTHS, one key each, the key's share of the way into the filler given by the depth.
 """
 
 from __future__ import annotations
@@ -71,4 +76,40 @@ def copy(**_):
         start = rng.randrange(0, len(w) - n + 1)
         phrase = " ".join(w[start:start + n])
         items.append({"prompt": f"{_COPY_SHOT}Text: {phrase}\nRepeat:", "target": phrase})
+    return _split(items)
+
+
+PASSKEY_LENGTHS = (1024, 4096, 8000)  # prompt tokens; 8000 leaves room for the answer in SmolLM2's 8192 positions
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+_PASSKEY_HEAD = "There is a pass key hidden in the text below. Find it and remember it.\n"
+_PASSKEY_FILLER = ("The river runs past the old mill. The hills are quiet in the evening. A bird sings on the fence. "
+                   "Then the day goes on. ")
+_PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def _passkey_prompt(n: int, before: int, key: int) -> str:
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    return _PASSKEY_HEAD + _PASSKEY_FILLER * before + needle + _PASSKEY_FILLER * (n - before) + _PASSKEY_QUESTION
+
+
+def passkey(**_):
+    from aqua_export import models
+    from aqua_export.runtime.text import load_tokenizer
+
+    tok = load_tokenizer(models.resolve("llama")[0])
+
+    def count(text: str) -> int:
+        return len(tok(text)["input_ids"])
+
+    per = count(_PASSKEY_FILLER * 8) / 8
+    rng = random.Random(2)
+    items = []
+    for length in PASSKEY_LENGTHS:
+        for depth in PASSKEY_DEPTHS:
+            key = rng.randrange(10000, 100000)
+            n = int((length - count(_passkey_prompt(0, 0, key))) / per)
+            while count(_passkey_prompt(n, round(n * depth), key)) > length:
+                n -= 1
+            items.append({"prompt": _passkey_prompt(n, round(n * depth), key), "target": str(key), "length": length,
+                          "depth": depth})
     return _split(items)

@@ -4,47 +4,86 @@ Triton kernels/triton/aqua_attention.py).
     query_hat [B, Hkv, g, T, r] (or the query q [B, Hkv, g, T, d] and projection P [Hkv, d, r]: q^ = q P)
     key_cache [B, Hkv, r, C] (dim-major K^)   value_cache [B, Hkv, C, rv]   total_length [1]   mask [B|1, 1, 1, T, L]
         -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
+
+Token selection (attributes token_ratio < 1 or token_budget > 0; ops.rules): a decode step (T = 1) scores pages with
+q^[I] . K^[I, :L], keeps the pages rules.select_pages chooses and attends over their tokens with all r coordinates;
+a prompt (T > 1) attends every token with all r coordinates. A graph of token selection carries that form of the
+body (body(tokens=True)), every other graph the plain one.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from onnx import TensorProto
 from onnx import helper as H
 
 from . import rules
-from .nodes import projection_nodes, ref_constant, score_nodes
-from .spec import DOMAIN, PROJECTION
+from .nodes import const, projection_nodes, ref_constant, score_nodes
+from .spec import DOMAIN, PAGE, PROJECTION
 from .table import PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, LENGTH, RULE_ATTR
 
 SOFTCAP_ATTR = Attr("softcap", "float", "tanh soft-cap of the scores, 0 = none", required=False, default=0.0)
+TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
+                    required=False),
+               Attr("token_budget", "int", "token selection: tokens a decode step attends (0: by token_ratio)",
+                    required=False),
+               Attr("token_sink", "int", "token selection: the first visible tokens always kept", required=False),
+               Attr("token_window", "int", "token selection: the last visible tokens always kept", required=False))
 
 
 def reference(query_hat, key_cache, value_cache, total_length, mask, projection: torch.Tensor | None = None, *,
-              k: int, rule: int = 0, softcap: float = 0.0) -> torch.Tensor:
+              k: int, rule: int = 0, softcap: float = 0.0, token_ratio: float = 1.0, token_budget: int = 0,
+              token_sink: int = 0, token_window: int = 0, **plugin) -> torch.Tensor:
     """The node in PyTorch, scores and softmax in float64; mask float32 (0 = attend, very negative = hidden).
     Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
     total = int(total_length)
     if projection is not None:
         query_hat = query_hat @ projection[:, None].to(query_hat.dtype)
-    s = (rules.keep_selected(query_hat, k, rule) @ key_cache[..., :total].unsqueeze(2)).to(torch.float64)
+    keys = key_cache[..., :total].unsqueeze(2)
+    s = (rules.keep_selected(query_hat, k, rule) @ keys).to(torch.float64)
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    w = torch.softmax(s + mask.to(torch.float64), dim=-1)
+    mask = mask.to(torch.float64)
+    if token_ratio < 1 or token_budget > 0:
+        s, mask = _selected(query_hat, keys, s, mask, softcap, token_ratio, token_budget, token_sink, token_window)
+    w = torch.softmax(s + mask, dim=-1)
     return (w @ value_cache[:, :, None, :total].to(torch.float64)).to(query_hat.dtype)
 
 
-def body(opset: int, projected: bool = False):
+def _selected(query_hat, keys, approx, mask, softcap, ratio, budget, sink, window):
+    """Token selection (the module docstring): the exact scores, and the mask hiding a decode step's unchosen
+    pages (ops.rules)."""
+    s = (query_hat @ keys).to(torch.float64)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if query_hat.shape[3] != 1:
+        return s, mask
+    b, hkv, g, t, length = approx.shape
+    visible = (mask > rules.MASKED).expand(b, 1, 1, t, length)[:, :, 0].expand(b, hkv, t, length)  # [B, Hkv, T, L]
+    score = rules.page_scores(approx.transpose(2, 3), visible)  # [B, Hkv, T, P]
+    forced = rules.forced_pages(visible, sink, window)
+    pages = rules.select_pages(score, forced, rules.tokens_attended(visible, ratio, budget))
+    chosen = rules.page_tokens(pages, length)[:, :, None]  # [B, Hkv, 1, T, L]
+    return s, torch.where(chosen, mask, torch.full_like(mask, rules.HIDDEN))
+
+
+BASE_ATTRS = ["k", "rule", "softcap", "plugin_namespace", "plugin_version"]
+
+
+def body(opset: int, projected: bool = False, tokens: bool = False):
     """The portable body (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
         --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask--> Softmax --CastLike--> MatMul V[:L] --> out
 
-    An ONNX function cannot test whether an optional input is present, so a graph carries the body of the form
-    its nodes use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
+    tokens: the token-selection form (_token_nodes): the softmax takes the exact scores, a decode step's unchosen
+    pages hidden. An ONNX function cannot test whether an optional input is present, so a graph carries the body of
+    the form its nodes use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
     """
-    nodes = projection_nodes() * projected + score_nodes("scores_t") + [
+    head = projection_nodes() * projected + score_nodes("scores_t") + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -53,21 +92,116 @@ def body(opset: int, projected: bool = False):
         H.make_node("Constant", [], ["zero_f"], value=H.make_tensor("zero_f", TensorProto.FLOAT, [], [0.0])),
         H.make_node("Greater", ["cap", "zero_f"], ["has_cap"]),
         H.make_node("Where", ["has_cap", "capped", "scores"], ["logits_raw"]),
-        H.make_node("Add", ["logits_raw", "mask"], ["logits"]),
+    ]
+    tail = [
         H.make_node("Softmax", ["logits"], ["probs_f"], axis=-1),
         H.make_node("CastLike", ["probs_f", "query_hat"], ["probs"]),
         H.make_node("Slice", ["value_cache", "zero_1", "total_length", "axis_2"], ["value_l"]),
         H.make_node("Unsqueeze", ["value_l", "axis_2"], ["value_g"]),
         H.make_node("MatMul", ["probs", "value_g"], ["out"]),
     ]
+    middle = _token_nodes() if tokens else [H.make_node("Add", ["logits_raw", "mask"], ["logits"])]
     inputs = ["query" if projected else "query_hat", *OP.input_names[1:]]
-    return H.make_function(DOMAIN, OP.name, inputs + [PROJECTION] * projected, ["out"], nodes,
-                           [H.make_opsetid("", opset)], attributes=OP.attribute_names)
+    return H.make_function(DOMAIN, OP.name, inputs + [PROJECTION] * projected, ["out"], head + middle + tail,
+                           [H.make_opsetid("", opset)],
+                           attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens)
+
+
+def _token_nodes() -> list:
+    """logits_raw (the approximate scores, soft-capped, float32), query_hat, key_cache_g, mask -> logits: the exact
+    scores plus the mask, a decode step's unchosen pages hidden (ops.rules; page_order: the pages ranked, what the
+    parity harness reads).
+
+        exact = softcap(q^ . K^[:, :L])            visible = mask > MASKED
+        page score = max over the group's rows and the page's tokens of the visible approximate scores
+        forced = pages of the first token_sink / last token_window visible tokens
+        want = max(ceil(attended / PAGE), forced pages), attended = budget(ratio, n) or token_budget, at most n
+        chosen = rank(forced first, then by score; ties: lower page) < want   (decode steps: T = 1; prompts: all)
+    """
+    n, c = H.make_node, const
+    f, i64, d = TensorProto.FLOAT, TensorProto.INT64, TensorProto.DOUBLE
+    return [
+        # the exact scores, soft-capped as the approximate ones
+        n("MatMul", ["query_hat", "key_cache_g"], ["exact_t"]), n("Cast", ["exact_t"], ["exact"], to=f),
+        n("Div", ["exact", "cap"], ["exact_scaled"]), n("Tanh", ["exact_scaled"], ["exact_squashed"]),
+        n("Mul", ["exact_squashed", "cap"], ["exact_capped"]),
+        n("Where", ["has_cap", "exact_capped", "exact"], ["exact_raw"]),
+        # each page's best approximate score over the group's rows and its visible tokens
+        c("tk_masked", rules.MASKED, f), c("tk_neg_inf", -math.inf, f), c("tk_pos_inf", math.inf, f),
+        c("tk_hidden", rules.HIDDEN, f), c("tk_page", PAGE), c("tk_page_1d", [PAGE]), c("tk_zero", 0),
+        c("tk_one", 1), c("tk_axis_g", [2]), c("tk_axis_l", [4]), c("tk_last", [-1]), c("tk_minus_one", [-1]),
+        c("tk_zeros9", [0] * 9), c("tk_zero_1d", [0]), c("tk_four", [4]), c("tk_four_s", 4),
+        n("Greater", ["mask", "tk_masked"], ["visible"]),
+        n("Where", ["visible", "logits_raw", "tk_neg_inf"], ["approx_visible"]),
+        n("ReduceMax", ["approx_visible", "tk_axis_g"], ["row_best"], keepdims=1),
+        n("Shape", ["logits_raw"], ["tk_len"], start=4, end=5),
+        n("Mod", ["tk_len", "tk_page_1d"], ["tk_len_mod"]), n("Sub", ["tk_page_1d", "tk_len_mod"], ["tk_short"]),
+        n("Mod", ["tk_short", "tk_page_1d"], ["tk_pad"]), n("Concat", ["tk_zeros9", "tk_pad"], ["tk_pads"], axis=0),
+        n("Pad", ["row_best", "tk_pads", "tk_neg_inf"], ["row_padded"]),
+        n("Shape", ["row_best"], ["tk_lead"], start=0, end=4),
+        n("Concat", ["tk_lead", "tk_minus_one", "tk_page_1d"], ["tk_paged_shape"], axis=0),
+        n("Reshape", ["row_padded", "tk_paged_shape"], ["row_pages"]),
+        n("ReduceMax", ["row_pages", "tk_last"], ["page_score"], keepdims=0),
+        # the forced pages (first token_sink, last token_window visible tokens) and the tokens attended
+        ref_constant("tk_sink", "token_sink", "value_int"), ref_constant("tk_window", "token_window", "value_int"),
+        ref_constant("tk_ratio_f", "token_ratio", "value_float"),
+        ref_constant("tk_budget", "token_budget", "value_int"),
+        n("Cast", ["visible"], ["visible_i"], to=i64),
+        n("CumSum", ["visible_i", "tk_four_s"], ["tk_count"]),
+        n("ReduceSum", ["visible_i", "tk_axis_l"], ["tk_total"], keepdims=1),
+        n("LessOrEqual", ["tk_count", "tk_sink"], ["near_start"]),
+        n("Sub", ["tk_total", "tk_count"], ["tk_after"]), n("Less", ["tk_after", "tk_window"], ["near_end"]),
+        n("Or", ["near_start", "near_end"], ["near"]), n("And", ["visible", "near"], ["forced_tok"]),
+        n("Cast", ["forced_tok"], ["forced_tok_i"], to=i64),
+        n("Pad", ["forced_tok_i", "tk_pads", "tk_zero"], ["forced_padded"]),
+        n("Shape", ["forced_tok_i"], ["tk_mask_lead"], start=0, end=4),
+        n("Concat", ["tk_mask_lead", "tk_minus_one", "tk_page_1d"], ["tk_mask_paged"], axis=0),
+        n("Reshape", ["forced_padded", "tk_mask_paged"], ["forced_pages_t"]),
+        n("ReduceMax", ["forced_pages_t", "tk_last"], ["forced_i"], keepdims=0),
+        n("Cast", ["forced_i"], ["forced"], to=TensorProto.BOOL),
+        n("ReduceSum", ["forced_i", "tk_last"], ["tk_n_forced"], keepdims=1),
+        # attended = min(n, token_budget or max(1, ceil(ratio n - 1e-6 n - 1e-9))): rules.budget's slack
+        c("tk_slack", 1e-6, d), c("tk_eps", 1e-9, d),
+        n("Cast", ["tk_ratio_f"], ["tk_ratio"], to=d), n("Cast", ["tk_total"], ["tk_total_d"], to=d),
+        n("Mul", ["tk_total_d", "tk_ratio"], ["tk_rn"]), n("Mul", ["tk_total_d", "tk_slack"], ["tk_rn_slack"]),
+        n("Sub", ["tk_rn", "tk_rn_slack"], ["tk_rn_s"]), n("Sub", ["tk_rn_s", "tk_eps"], ["tk_rn_e"]),
+        n("Ceil", ["tk_rn_e"], ["tk_rn_up"]), n("Cast", ["tk_rn_up"], ["tk_rn_i"], to=i64),
+        n("Max", ["tk_rn_i", "tk_one"], ["tk_by_ratio"]), n("Greater", ["tk_budget", "tk_zero"], ["tk_fixed"]),
+        n("Where", ["tk_fixed", "tk_budget", "tk_by_ratio"], ["tk_wanted"]),
+        n("Min", ["tk_wanted", "tk_total"], ["tk_attended"]),
+        c("tk_page_less_one", PAGE - 1), n("Add", ["tk_attended", "tk_page_less_one"], ["tk_att_up"]),
+        n("Div", ["tk_att_up", "tk_page"], ["tk_want_pages"]),
+        n("Max", ["tk_want_pages", "tk_n_forced"], ["tk_want"]),
+        # rank the pages (forced first, then by score; TopK's ties: the lower index) and keep the first `want`
+        n("Where", ["forced", "tk_pos_inf", "page_score"], ["page_key"]),
+        n("Shape", ["page_key"], ["tk_n_pages"], start=4, end=5),
+        n("TopK", ["page_key", "tk_n_pages"], ["page_top", "page_order"], axis=-1, largest=1, sorted=1),
+        n("Squeeze", ["tk_n_pages"], ["tk_n_pages_s"]),
+        n("Range", ["tk_zero", "tk_n_pages_s", "tk_one"], ["tk_ramp"]),
+        n("Shape", ["page_order"], ["tk_order_shape"]), n("Expand", ["tk_ramp", "tk_order_shape"], ["tk_ramps"]),
+        n("ScatterElements", ["tk_ramps", "page_order", "tk_ramps"], ["page_rank"], axis=-1),
+        n("Less", ["page_rank", "tk_want"], ["tk_in_rank"]),
+        n("Greater", ["page_key", "tk_neg_inf"], ["tk_any"]), n("And", ["tk_in_rank", "tk_any"], ["page_chosen"]),
+        # the chosen pages' tokens; a prompt (T > 1) keeps every token
+        n("Unsqueeze", ["page_chosen", "tk_last"], ["tk_chosen_col"]),
+        n("Shape", ["page_chosen"], ["tk_chosen_shape"]),
+        n("Concat", ["tk_chosen_shape", "tk_page_1d"], ["tk_chosen_wide"], axis=0),
+        n("Expand", ["tk_chosen_col", "tk_chosen_wide"], ["tk_chosen_pages"]),
+        n("Concat", ["tk_lead", "tk_minus_one"], ["tk_flat_shape"], axis=0),
+        n("Reshape", ["tk_chosen_pages", "tk_flat_shape"], ["tk_chosen_flat"]),
+        n("Slice", ["tk_chosen_flat", "tk_zero_1d", "tk_len", "tk_four"], ["chosen_tok"]),
+        n("Shape", ["query_hat"], ["tk_t"], start=3, end=4), n("Squeeze", ["tk_t"], ["tk_t_s"]),
+        n("Equal", ["tk_t_s", "tk_one"], ["tk_decode"]), n("Not", ["tk_decode"], ["tk_prompt"]),
+        n("Or", ["chosen_tok", "tk_prompt"], ["tk_keep"]),
+        n("Where", ["tk_keep", "mask", "tk_hidden"], ["tk_mask"]),
+        n("Add", ["exact_raw", "tk_mask"], ["logits"]),
+    ]
 
 
 OP = OpDef("AquaAttention",
            "out = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L], one pass over the cache; K^ dim-major",
            inputs=(Port("query_hat", rank=5), Port("key_cache"), Port("value_cache"), LENGTH,
                    Port("mask", "float", 5)),
-           outputs=(Port("out", rank=5),), attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS),
-           body=body, reference=reference, projectable=True)
+           outputs=(Port("out", rank=5),), attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS),
+           body=body, reference=reference, projectable=True,
+           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)),))

@@ -9,6 +9,13 @@ Selection (per query row of q^ [..., Hkv, g, T, r]):
             (weighted rules: the score times rms(k^_i))
     keep    the k largest scores; ties go to the lower index
 
+Token selection (per sequence, KV head and decode step; L visible tokens, scores from the selected coordinates):
+
+    page    PAGE consecutive slots; its score the largest approximate score of the GQA group's rows over its tokens
+    keep    the pages holding the first `sink` and the last `window` visible tokens, then the best-scored others,
+            until budget(ratio, L) tokens' worth of pages (or a fixed token budget; ties: the lower page)
+    attend  exact scores (all r coordinates) and softmax over the kept pages' visible tokens
+
 H2O (per sequence and KV head, after each real token; n real tokens seen):
 
     budget  max(1, ceil(ratio n)) tokens kept
@@ -23,9 +30,10 @@ import math
 import numpy as np
 import torch
 
-from .spec import GROUP, MAGNITUDE, RULE_NAMES, SELECTIONS, STATIC
+from .spec import GROUP, MAGNITUDE, PAGE, RULE_NAMES, SELECTIONS, STATIC
 
 HIDDEN = float(torch.finfo(torch.float32).min)  # a score that softmax weighs 0: a hidden or free slot
+MASKED = -1e37  # an attention mask entry at or below this hides its slot (the kernels read it so)
 
 
 def _magnitude(qh: torch.Tensor) -> torch.Tensor:
@@ -78,6 +86,75 @@ def selection_margin(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     top = score.sort(-1, descending=True).values
     kth, nxt = top[..., k - 1], top[..., k]
     return kth, (kth - nxt) / kth.clamp_min(1e-30)
+
+
+# --------------------------------------------------------------------------------------------
+# Token selection
+# --------------------------------------------------------------------------------------------
+
+def tokens_attended(visible: torch.Tensor, ratio: float, budget_tokens: int) -> torch.Tensor:
+    """visible [..., L] bool -> the tokens a step attends [...] (int64): budget(ratio, L_visible), or the fixed
+    budget, at most L_visible."""
+    n = visible.sum(-1)
+    want = torch.full_like(n, budget_tokens) if budget_tokens else budget(ratio, n)
+    return torch.minimum(want, n)
+
+
+def page_scores(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """scores [..., g, L] (the group's approximate scores of one step), visible [..., L] -> [..., P]: each page's
+    largest score over its visible tokens and the g rows (-inf for a page with none), P = ceil(L / PAGE)."""
+    s = scores.masked_fill(~visible[..., None, :], -math.inf).amax(-2)
+    pad = -s.shape[-1] % PAGE
+    s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
+    return s.reshape(*s.shape[:-1], -1, PAGE).amax(-1)
+
+
+def forced_pages(visible: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """visible [..., L] -> [..., P] bool: the pages holding the first ``sink`` or the last ``window`` visible tokens."""
+    count = visible.long().cumsum(-1)  # visible tokens up to and including each slot
+    total = count[..., -1:] if count.shape[-1] else count.sum(-1, keepdim=True)
+    keep = visible & ((count <= sink) | (total - count < window))
+    pad = -keep.shape[-1] % PAGE
+    keep = torch.nn.functional.pad(keep, (0, pad), value=False)
+    return keep.reshape(*keep.shape[:-1], -1, PAGE).any(-1)
+
+
+def select_pages(score: torch.Tensor, forced: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """score [..., P] (page_scores), forced [..., P] (forced_pages), attended [...] (tokens_attended) -> [..., P]
+    bool: the forced pages, then the best-scored others (ties: the lower page) until ceil(attended / PAGE) pages."""
+    want = torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))
+    key = torch.where(forced, torch.full_like(score, math.inf), score)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return (rank < want[..., None]) & (key > -math.inf)
+
+
+def page_margin(score: torch.Tensor, forced: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the score of the last page select_pages chose by score, its relative margin over the next one) [...]: where
+    the two are within rounding, two correct implementations may keep different pages (nan / inf where no page
+    competes: everything kept, or only forced pages)."""
+    want = torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))
+    free = forced.sum(-1)
+    top = torch.where(forced, torch.full_like(score, -math.inf), score).sort(-1, descending=True).values
+    top = torch.nn.functional.pad(top, (0, 2), value=-math.inf)
+    at = (want - free - 1).clamp_min(0)[..., None]
+    kth, nxt = top.gather(-1, at)[..., 0], top.gather(-1, at + 1)[..., 0]
+    ok = (want > free) & torch.isfinite(kth) & torch.isfinite(nxt)
+    gap = torch.where(ok, (kth - nxt) / kth.abs().clamp_min(1e-30), torch.full_like(kth, math.inf))
+    return torch.where(ok, kth, torch.full_like(kth, math.nan)), gap
+
+
+def attended_share(n: int, ratio: float, budget_tokens: int, sink: int, window: int) -> float:
+    """The share of n visible tokens (no padding) whose slots a decode step reads whole: its pages' slots
+    (select_pages' count, the forced pages included), over n. The bytes-read accounting of the tools."""
+    visible = torch.ones(1, n, dtype=torch.bool)
+    want = max(-(-int(tokens_attended(visible, ratio, budget_tokens)) // PAGE), int(forced_pages(visible, sink, window).sum()))
+    return min(n, want * PAGE) / n
+
+
+def page_tokens(pages: torch.Tensor, length: int) -> torch.Tensor:
+    """pages [..., P] bool -> [..., length] bool: the slots of the chosen pages."""
+    return pages.repeat_interleave(PAGE, -1)[..., :length]
 
 
 # --------------------------------------------------------------------------------------------

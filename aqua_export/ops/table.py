@@ -40,7 +40,8 @@ PROJECTION_PORT = Port(PROJECTION, "T", 3, "P [Hkv, d, r]: input 0 is then q [B,
 @dataclass(frozen=True)
 class OpDef:
     """name: the op type in DOMAIN; projectable: takes P as an optional last input (PROJECTION_PORT);
-    body(opset, projected) -> its ONNX FunctionProto; reference(*inputs, **attributes) -> its float64 answer."""
+    body(opset, projected, **form) -> its ONNX FunctionProto; reference(*inputs, **attributes) -> its float64
+    answer."""
 
     name: str
     doc: str
@@ -50,6 +51,8 @@ class OpDef:
     body: Callable = field(default=None, repr=False)
     reference: Callable = field(default=None, repr=False)
     projectable: bool = False
+    forms: tuple = ()  # other forms of its body: (keyword of body(), the attributes whose presence on a node asks
+    # for it) pairs; ("tokens", TOKEN_ATTRS' names): token selection
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -86,10 +89,16 @@ class OpDef:
             attributes=[OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.required)
                         for a in self.attributes]))
 
+    def bodied(self, opset: int, projected: bool = False, **form):
+        """Its function body of that form (the forms it does not have are ignored)."""
+        return self.body(opset, projected, **{k: v for k, v in form.items() if k in dict(self.forms)})
+
     def model(self, dtype: str = "float32", opset: int = OPSET, projected: bool = False, **attributes):
         """A one-node model of this op with its function body (kernel tests and benchmarks): inputs and outputs
         named as the node's ports (projected: P as the last input, and input 0 the unprojected query); optional
-        attributes at their defaults and the plugin attributes filled in."""
+        attributes at their defaults and the plugin attributes filled in; the body of the form (forms) whose
+        attributes are given."""
+        form = {f: True for f, names in self.forms if any(n in attributes for n in names)}
         from onnx import helper as H
 
         self.register()
@@ -108,4 +117,4 @@ class OpDef:
 
         graph = H.make_graph([node], self.name, [info(p) for p in ports], [info(p) for p in self.outputs])
         return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],
-                            functions=[self.body(opset, projected)], ir_version=10)
+                            functions=[self.bodied(opset, projected, **form)], ir_version=10)

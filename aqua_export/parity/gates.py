@@ -22,7 +22,7 @@ TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "t
              "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95, "logit_tie": 0.5,
                          "own_top1": 0.95}}
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
-         "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
+         "pages": "token pages near-ties", "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
          "ort_k1_vs_hf": "ORT at k = r vs HF"}
 
 

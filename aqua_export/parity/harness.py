@@ -89,6 +89,15 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, probe: ReplayPr
     return [logits[:n]] + [logits[n + s - 1:n + s] for s in range(1, len(toks) + 1)]
 
 
+def _split_selections(extra: list, names: list) -> tuple[list, list]:
+    """A debug run's extra outputs per forward (rewrites.selection_outputs: every inlined TopK's indices, in layer
+    order) -> (per forward the coordinates' indices per layer, per forward the pages' order per layer)."""
+    is_page = [n.split("__")[0] == "page_order" for n in names]  # the inliner suffixes a call's names: __<i>
+    coords = [[x for x, p in zip(f, is_page) if not p] for f in extra]
+    pages = [[x for x, p in zip(f, is_page) if p] for f in extra]
+    return coords, pages
+
+
 def _joined(selections: list) -> list:
     """ORT's TopK indices per forward (prefill, then each step), per layer [B, Hkv, g, T_f, k] -> one forward's
     per layer, the steps' rows after the prefill's (what the reference's one forward selects)."""
@@ -124,27 +133,33 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     with session("main", kernel) as lm:
         runs["main"] = _ort_trace(lm, ids, steps)
     toks = runs["main"][1]
-    if sparse or h2o:
+    pages = config.selects_tokens
+    if sparse or h2o or pages:
         progress("ONNX Runtime, the graph with its selections exposed")
         rec = RuntimeRecorder(evictions=h2o)
         with session("selection", "function", *gated, selection_outputs, probe=rec) as dbg:
             trace = _ort_trace(dbg, ids, steps, tokens=toks)[0]
-        # per forward and layer the TopK indices [B, Hkv, g, T, k]; per token and layer the live tokens
-        runs["debug"] = (trace, rec.extra if sparse else None, rec.live if h2o else None)
+            names = dbg.output_names[dbg.n_outputs:]
+        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k] and the pages' order
+        # [B, Hkv, 1, T, P]; per token and layer the live tokens
+        coords, orders = _split_selections(rec.extra, names)
+        runs["debug"] = {"trace": trace, "coordinates": coords if sparse else None,
+                         "pages": orders if pages else None, "live": rec.live if h2o else None}
     if kernel == "native" or gated:
         # the native kernel against the graph's own portable function body (for H2O, both runs' evictions too);
         # a quantized folder's values are gated on this run's float32 activations
         if "debug" not in runs:
             progress("ONNX Runtime, the function body" + (" with float32 activations" if gated else ""))
             with session("function", "function", *gated) as fn:
-                runs["debug"] = (_ort_trace(fn, ids, steps, tokens=toks)[0], None, None)
+                runs["debug"] = {"trace": _ort_trace(fn, ids, steps, tokens=toks)[0]}
     if kernel == "native":
         progress("ONNX Runtime, the native kernel")
         rec = RuntimeRecorder(evictions=h2o)
         with session("native", "native", *gated, probe=rec) as lm:
             runs["native"] = (_ort_trace(lm, ids, steps, tokens=toks)[0], rec.live if h2o else None)
     # the trace the values are gated on: the one whose selections are exposed, or the float32-activation one
-    runs["gated"] = runs["debug"][0] if "debug" in runs and (sparse or h2o or gated) else runs["main"][0]
+    runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (sparse or h2o or pages or gated) else \
+        runs["main"][0]
     if not config.is_dense and config.slice_ratio == 0:
         progress("ONNX Runtime, the graph with k = r")
         no_evict = dataclasses.replace(cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF does not evict
@@ -192,39 +207,43 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
     h2o = config.evicts
     exact = tol["near_tie"] is not None  # float32 builds: float64 runs measure float32's own error
 
-    def trace(dtype, probe=None):
-        with apply_aqua(model, projection, config, probe=probe) as aqua, computing_in(model, dtype, weights):
+    def trace(dtype, probe=None):  # token selection on the fed tokens' rows, as the graph's decode steps
+        with apply_aqua(model, projection, config, probe=probe, token_rows_from=ids.shape[1]) as aqua, \
+                computing_in(model, dtype, weights):
             return _torch_trace(model, ids, toks, aqua.new_cache(), probe)
 
     own = trace(torch.float32)
     res["ort_vs_reference_unforced"] = compare(ort_trace, own, tol["aqua"], tol.get("logit_tie"))
-    if sparse or h2o:
-        d_trace, sel, log = runs["debug"]
-        sel = _joined(sel) if sel is not None else None
-        p32, p64 = ReplayProbe(sel, log), ReplayProbe(sel, log)
-        ref32 = trace(torch.float32, p32)
-        ref64 = trace(torch.float64, p64) if exact else None
-        res["ort_vs_reference"] = gate(d_trace, ref32, ref64, tol["aqua"], tol)
-        res["selection"] = p32.selection_summary(p64 if exact else None, tol["near_tie"]) if sparse else \
+    if sparse or h2o or config.selects_tokens:
+        dbg = runs["debug"]
+        sel = _joined(dbg["coordinates"]) if dbg["coordinates"] is not None else None
+        probes = [ReplayProbe(sel, dbg["live"], dbg["pages"], ids.shape[1]) for _ in range(2)]
+        ref32 = trace(torch.float32, probes[0])
+        ref64 = trace(torch.float64, probes[1]) if exact else None
+        p32, p64 = probes[0], probes[1] if exact else None
+        res["ort_vs_reference"] = gate(dbg["trace"], ref32, ref64, tol["aqua"], tol)
+        res["selection"] = p32.selection_summary(p64, tol["near_tie"]) if sparse else \
             {"skipped": "k = r: nothing is selected"}
         if h2o:
-            res["eviction"] = p32.eviction_summary(p64 if exact else None, tol["near_tie"])
+            res["eviction"] = p32.eviction_summary(p64, tol["near_tie"])
+        if config.selects_tokens:
+            res["pages"] = p32.page_summary(p64, tol["near_tie"])
     else:
         res["ort_vs_reference"] = gate(runs["gated"], own, trace(torch.float64) if exact else None, tol["aqua"], tol)
         res["selection"] = {"skipped": "k = r: nothing is selected"}
-    if res["selection"].get("gated") is False:  # float16: gated on top-1 agreement, each side selecting on its own
-        u = res["ort_vs_reference_unforced"]
-        res["selection"]["pass"] = u["top1_agreement_beyond_ties"] >= tol["top1"]
+    for choice in ("selection", "pages"):  # float16: gated on top-1 agreement, each side choosing on its own
+        if res.get(choice, {}).get("gated") is False:
+            res[choice]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement_beyond_ties"] >= tol["top1"]
     if "native" in runs:
         native, native_log = runs["native"]
-        nf = compare(native, runs["debug"][0], tol["aqua"], tol.get("logit_tie"))
+        nf = compare(native, runs["debug"]["trace"], tol["aqua"], tol.get("logit_tie"))
         # each side selects on its own here (the native kernel takes no forced indices): their score sums round
         # differently, later layers' q^ differ in the last bits, and a near-tie row can flip
         nf["pass"] = nf["top1_agreement_beyond_ties"] >= tol["own_top1"] or nf["top1_differing"] <= 1
         nf["gate"] = (f"top-1 agreement >= {tol['own_top1']} or at most one forward differing, on the same tokens "
                       "(logit differences reported)")
         if h2o:  # reported: a near-tie of two heavy sums can flip, and the logits gate above judges the outcome
-            nf["eviction"] = eviction_agreement(native_log, runs["debug"][2])
+            nf["eviction"] = eviction_agreement(native_log, runs["debug"]["live"])
         res["native_vs_function_body"] = nf
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ops.rules import heavy_margin, selection_margin, selection_score
+from ..ops.rules import heavy_margin, page_margin, selection_margin, selection_score
+from ..ops.spec import PAGE
 
 NOISE_FACTOR = 5.0  # a bound is at least this many times the reference's float32 error (harness.py says why 5)
 
@@ -38,10 +39,15 @@ class RuntimeRecorder:
 class ReplayProbe:
     """selections: per forward, per layer the indices [B, Hkv, g, T, k] another implementation kept, or None (the
     reference keeps its own); evictions: per token, per layer the live tokens [B, Hkv, seen] after its step, or
-    None. Call next_forward() before each forward."""
+    None; page_orders: per forward (the prompt's, then each decode step's), per layer its ranked pages [B, Hkv, 1, T,
+    P] (token selection), or None; prompt: the prompt's length (decode step s is the row at position prompt + s).
+    Call next_forward() before each forward."""
 
-    def __init__(self, selections: list | None = None, evictions: list | None = None):
-        self.selections, self.evictions = selections, evictions
+    def __init__(self, selections: list | None = None, evictions: list | None = None, page_orders: list | None = None,
+                 prompt: int = 0):
+        self.selections, self.evictions, self.page_orders, self.prompt = selections, evictions, page_orders, prompt
+        self.page_flips: list[tuple[int, int, float]] = []  # per call: rows, rows choosing other pages, gap
+        self.page_boundary: list[np.ndarray] = []  # per call: the last page chosen by score, each row
         self.forward = -1
         self.flips: list[tuple[int, int, float]] = []  # per call: rows, rows differing, largest gap among those
         self.evict_flips: list[tuple[int, int, float]] = []  # per token and layer: decisions, differing, gap
@@ -76,12 +82,34 @@ class ReplayProbe:
                                  float(gap[differ].max()) if differ.any() else 0.0))
         return forced
 
+    def pages(self, st, positions, score, forced, attended, own) -> torch.Tensor:
+        kth, gap = page_margin(score, forced, attended)
+        self.page_boundary.append(kth.double().numpy())
+        if self.page_orders is None:
+            return own
+        want = torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))  # [B, Hkv, R]
+        chosen = torch.zeros_like(own)
+        for j, p in enumerate(positions.tolist()):  # the decode step that computed row p
+            order = torch.from_numpy(self.page_orders[p - self.prompt + 1][st.index])[:, :, 0, -1]  # [B, Hkv, P_s]
+            rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+            chosen[:, :, j, :order.shape[-1]] = rank < want[:, :, j, None]
+        chosen &= score > -torch.inf
+        differ = (own != chosen).any(-1)
+        self.page_flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
+        return chosen
+
     # ------------------------------------------------------------------ what parity reads back
     def selection_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Rows whose own selection differs from the replayed one, and whether each is a float near-tie: its
         relative gap between the k-th and (k+1)-th selection score is <= max(floor, NOISE_FACTOR x the relative
         error of the k-th score in this (float32) run against ``exact``'s float64 run)."""
         return _summary(self.flips, "rows", _relative_error(self.boundary, exact.boundary if exact else None), floor)
+
+    def page_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
+        """Decode rows whose own pages differ from the replayed ones, each a near-tie when the relative gap between
+        the last page chosen by score and the next is within the bound (as selection_summary)."""
+        return _summary(self.page_flips, "rows", _relative_error(self.page_boundary,
+                                                                  exact.page_boundary if exact else None), floor)
 
     def eviction_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Eviction decisions (sequence x head x token x layer) where the reference's own choice differs from the

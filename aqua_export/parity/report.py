@@ -33,7 +33,7 @@ def summary_lines(res: dict) -> list[str]:
         lines.append(f"[report] ORT vs the float32 reference: prefill {r['vs_float32_prefill']:.2e}, decode "
                      f"{r['vs_float32_decode']:.2e}")
     u, sel = res["ort_vs_reference_unforced"], res["selection"]
-    if "rows" in sel or "eviction" in res:  # the gated comparison above replayed ORT's choices
+    if "rows" in sel or "eviction" in res or "pages" in res:  # the gated comparison above replayed ORT's choices
         lines.append(f"[report] each side selecting on its own: max |dlogit| prefill {u['max_abs_logit_diff_prefill']:.2e}, "
                      f"decode {u['max_abs_logit_diff_decode']:.2e}, top-1 {u['top1_agreement']:.3f}")
     if "rows" in sel and sel.get("gated") is False:
@@ -45,6 +45,12 @@ def summary_lines(res: dict) -> list[str]:
         lines.append(f"[gate] selection: {sel['rows_differing']} of {sel['rows']} query rows chose other coordinates "
                      f"on the reference's own; largest relative |q^| gap among them {sel['max_gap_of_differing']:.1e} "
                      f"(a near-tie: <= {sel['near_tie']:.1e}): {_verdict(sel)}")
+    if "rows" in res.get("pages", {}):
+        pg = res["pages"]
+        bound = f" (a near-tie: <= {pg['near_tie']:.1e})" if "near_tie" in pg else " (float16: gated on top-1)"
+        lines.append(f"[gate] token pages replayed from ORT: the reference's own choice differs in "
+                     f"{pg['rows_differing']} of {pg['rows']} decode rows, largest relative page-score gap "
+                     f"{pg['max_gap_of_differing']:.1e}{bound}: {_verdict(pg)}")
     if "eviction" in res:
         e = res["eviction"]
         bound = f" (a near-tie: <= {e['near_tie']:.1e})" if "near_tie" in e else ""

@@ -27,6 +27,7 @@ import torch
 from ..allocate import layer_widths
 from ..config import AquaConfig, ConfigError
 from ..models import architecture_of, attention_geometry
+from ..ops import rules
 from ..ops.rules import budget as h2o_budget
 from ..ops.rules import h2o_keep, select_indices
 from ..projection import Projection
@@ -71,6 +72,25 @@ class Probe(Protocol):
         """One token's H2O decision (token: its index in the sequence). visible / own / hidden [B, Hkv, S] bool
         (own: the slots the keep rule keeps), acc [B, Hkv, S], budget [B], real [B] -> the slots kept."""
 
+    def pages(self, st: "LayerAqua", positions: torch.Tensor, score, forced, attended, own) -> torch.Tensor:
+        """Token selection's pages for the rows at sequence ``positions`` [R]: score / forced / own [B, Hkv, R, P]
+        (ops.rules.page_scores, forced_pages, select_pages), attended [B, Hkv, R] -> the pages attended."""
+
+
+@dataclass(frozen=True)
+class TokenSelection:
+    """Token selection in the reference (ops.rules): ratio / budget / sink / window as AquaConfig's token_* fields.
+    rows_from: the rows at sequence positions >= it select (None: the rows of one-token forwards, as the graph does:
+    a prompt attends exactly); mean_value: SparQ's mean-value correction, out = a attn + (1 - a) mean(V) with a the
+    approximate softmax mass of the chosen tokens (measured by tools/quality.py; the graph has none)."""
+
+    ratio: float
+    budget: int
+    sink: int
+    window: int
+    rows_from: int | None = None
+    mean_value: bool = False
+
 
 @dataclass(eq=False)
 class LayerAqua:
@@ -86,6 +106,7 @@ class LayerAqua:
     rv: int | None = None  # V's cached width when it differs from K^'s r (allocated AQUA-Memory)
     P_v_r: torch.Tensor | None = None  # [Hkv, d, rv]: values are cached in P_v's basis, sliced, when rv < d
     index: int = 0  # the layer's index
+    tokens: TokenSelection | None = None  # token selection, or None
     probe: "Probe | None" = field(default=None, repr=False)  # apply_aqua's probe (parity), or None
     fresh: tuple | None = field(default=None, repr=False)
 
@@ -126,46 +147,108 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
         if st.evicts and key.shape[2] > tq:
             raise ConfigError("AQUA-H2O needs an AquaCache to evict from: pass past_key_values=session.new_cache()")
         kh, v = key @ P_r[None], st.values_in(value)
-    s = kh.shape[2]
     idx = None
     if st.k < st.r:
         idx = select_indices(qh, st.k, st.selection, st.key_rms)
         if st.probe is not None:
             idx = st.probe.select(st, qh, idx)
-    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=idx) * scaling
+    allowed, is_real = _visible(layer, attention_mask, b, hkv, tq, kh.shape[2], query.device)
     softcap = kwargs.get("softcap")
-    if softcap:  # Gemma 2: tanh soft-capping of the scores, before the mask
-        scores = torch.tanh(scores / softcap) * softcap
-
-    if attention_mask is not None:
-        ok = (attention_mask == 0)[:, 0]  # [B, Tq, S_logical]
-    else:
-        ok = torch.ones(tq, s, dtype=torch.bool, device=query.device).tril(s - tq).expand(b, tq, s)
-    new_ok = ok[..., -tq:]  # the chunk's own keys: causal + padding
-    is_real = torch.diagonal(new_ok, dim1=-2, dim2=-1)  # [B, Tq] token is not padding
-    if layer is not None:
-        past = s - tq
-        layer.valid[:, :, past:] &= is_real[:, None, :]
-        # a cached slot is visible if it is live (not padding, not evicted) and the mask allows its token
-        # (a sliding window, say); slots hold tokens pos[...] of the logical sequence the mask is laid over
-        slot_tok = layer.pos[:, :, None, :past].expand(b, hkv, tq, past)
-        ok_past = torch.gather(ok[:, None, :, : ok.shape[-1] - tq].expand(b, hkv, tq, -1), 3, slot_tok)
-        allowed = torch.cat([
-            layer.valid[:, :, None, :past].expand(b, hkv, tq, past) & ok_past,
-            new_ok[:, None].expand(b, hkv, tq, tq),
-        ], dim=-1)
-    else:
-        allowed = ok[:, None].expand(b, hkv, tq, s)
-
     if st.evicts:
-        out = _h2o_attend(st, layer, scores, allowed, is_real, v)
-    else:
-        neg = torch.finfo(scores.dtype).min
-        w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
-        out = w.to(v.dtype) @ v[:, :, None]  # [B, Hkv, g, Tq, r]
+        out = _h2o_attend(st, layer, _scores(st, qh, kh, idx, scaling, softcap), allowed, is_real, v)
+    else:  # query rows in chunks: a long window's [rows, S] scores stay a few hundred MiB
+        position0 = (layer.seen if layer is not None else kh.shape[2]) - tq
+        out = torch.cat([_attend(st, qh[:, :, :, t0:t0 + ROWS], kh, v, None if idx is None else idx[:, :, :, t0:t0 + ROWS],
+                                 allowed[:, :, t0:t0 + ROWS], scaling, softcap, position0 + t0)
+                         for t0 in range(0, tq, ROWS)], dim=3)
     if st.P_v_r is not None:  # back from P_v's sliced basis into the model's, where o_proj takes it
         out = out @ st.P_v_r.transpose(-1, -2)[None, :, None].to(out.dtype)
     return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
+
+
+ROWS = 1024  # query rows attended at a time
+
+
+def _scores(st: LayerAqua, qh, kh, idx, scaling, softcap):
+    """The approximate scores [B, Hkv, g, T, S] of the k selected coordinates (idx), scaled, soft-capped."""
+    scores = approx_scores(qh, kh, st.k, st.selection, st.key_rms, idx=idx) * scaling
+    if softcap:  # Gemma 2: tanh soft-capping of the scores, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def _visible(layer, attention_mask, b: int, hkv: int, tq: int, s: int, device):
+    """(allowed [B, Hkv, Tq, S]: which slots each query row sees, is_real [B, Tq]: which new tokens are not padding)."""
+    if attention_mask is not None:
+        ok = (attention_mask == 0)[:, 0]  # [B, Tq, S_logical]
+    else:
+        ok = torch.ones(tq, s, dtype=torch.bool, device=device).tril(s - tq).expand(b, tq, s)
+    new_ok = ok[..., -tq:]  # the chunk's own keys: causal + padding
+    is_real = torch.diagonal(new_ok, dim1=-2, dim2=-1)  # [B, Tq] token is not padding
+    if layer is None:
+        return ok[:, None].expand(b, hkv, tq, s), is_real
+    past = s - tq
+    layer.valid[:, :, past:] &= is_real[:, None, :]
+    # a cached slot is visible if it is live (not padding, not evicted) and the mask allows its token
+    # (a sliding window, say); slots hold tokens pos[...] of the logical sequence the mask is laid over
+    slot_tok = layer.pos[:, :, None, :past].expand(b, hkv, tq, past)
+    ok_past = torch.gather(ok[:, None, :, : ok.shape[-1] - tq].expand(b, hkv, tq, -1), 3, slot_tok)
+    return torch.cat([layer.valid[:, :, None, :past].expand(b, hkv, tq, past) & ok_past,
+                      new_ok[:, None].expand(b, hkv, tq, tq)], dim=-1), is_real
+
+
+def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0: int):
+    """Softmax attention of the rows qh [B, Hkv, g, R, r] (at sequence positions position0..) -> [B, Hkv, g, R, rv]:
+    over the approximate scores, or with token selection over the chosen pages' exact scores."""
+    scores = _scores(st, qh, kh, idx, scaling, softcap)
+    mean_mass = None
+    if st.tokens is not None:
+        scores, allowed, mean_mass = _select_tokens(st, qh, kh, scores, allowed, scaling, softcap, position0)
+    if mean_mass is not None:
+        return _mean_corrected(scores, allowed, v, *mean_mass)
+    neg = torch.finfo(scores.dtype).min
+    w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
+    return w.to(v.dtype) @ v[:, :, None]
+
+
+def _select_tokens(st: LayerAqua, qh, kh, scores, allowed, scaling, softcap, position0: int):
+    """Token selection (ops.rules) on the rows that select: (exact scores [B, Hkv, g, Tq, S] (all r coordinates),
+    allowed [B, Hkv, Tq, S] with those rows' unchosen pages hidden, the mean-value correction's inputs or None).
+    Rows that do not select (a prompt's, as in the graph) attend every visible token exactly."""
+    tk = st.tokens
+    b, hkv, g, tq, s = scores.shape
+    exact = (qh @ kh[:, :, None].transpose(-1, -2)) * scaling
+    if softcap:
+        exact = torch.tanh(exact / softcap) * softcap
+    positions = torch.arange(position0, position0 + tq, device=qh.device)
+    rows = positions >= tk.rows_from if tk.rows_from is not None else torch.full_like(positions, tq == 1, dtype=bool)
+    if not rows.any():
+        return exact, allowed, None
+    vis = allowed[:, :, rows]
+    score = rules.page_scores(scores[:, :, :, rows].transpose(2, 3), vis)  # [B, Hkv, R, P]
+    forced = rules.forced_pages(vis, tk.sink, tk.window)
+    attended = rules.tokens_attended(vis, tk.ratio, tk.budget)
+    pages = rules.select_pages(score, forced, attended)
+    if st.probe is not None:
+        pages = st.probe.pages(st, positions[rows], score, forced, attended, pages)
+    chosen = allowed.clone()
+    chosen[:, :, rows] = vis & rules.page_tokens(pages, s)
+    mass = None
+    if tk.mean_value:  # the approximate softmax mass of the chosen tokens, on the selecting rows
+        p = torch.softmax(scores.masked_fill(~allowed[:, :, None], torch.finfo(scores.dtype).min), -1)
+        a = (p * chosen[:, :, None]).sum(-1, keepdim=True)  # [B, Hkv, g, Tq, 1]
+        mass = (torch.where(rows[:, None], a, torch.ones_like(a)), allowed)
+    return exact, chosen, mass
+
+
+def _mean_corrected(scores, allowed, v, mass, visible):
+    """SparQ's correction: a softmax(chosen) @ V + (1 - a) mean over the visible tokens of V."""
+    neg = torch.finfo(scores.dtype).min
+    w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
+    attn = w.to(v.dtype) @ v[:, :, None]
+    vis = visible[:, :, None].to(v.dtype)  # [B, Hkv, 1, Tq, S]
+    mean = (vis @ v[:, :, None]) / vis.sum(-1, keepdim=True).clamp_min(1)
+    return mass.to(v.dtype) * attn + (1 - mass.to(v.dtype)) * mean
 
 
 def _h2o_attend(st: LayerAqua, layer: AquaLayerCache | None, scores, allowed, is_real, v):
@@ -213,9 +296,10 @@ def _register() -> None:
 
 
 def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
-                 value_widths: tuple | None = None, probe: Probe | None = None) -> list[LayerAqua]:
+                 value_widths: tuple | None = None, probe: Probe | None = None,
+                 tokens: TokenSelection | None = None) -> list[LayerAqua]:
     """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
-    allocate.layer_widths; value_widths alone defaults to widths)."""
+    allocate.layer_widths; value_widths alone defaults to widths); tokens: token selection (config's, or None)."""
     geo = attention_geometry(model)
     d = geo["head_dim"]
     if widths is None:
@@ -229,7 +313,7 @@ def layer_states(model, projection: Projection, config: AquaConfig, widths: tupl
             P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
             key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv, index=i,
             P_v_r=projection.P_v[i][:, :, :vw].contiguous() if vw < d else None,
-            probe=probe,
+            tokens=tokens, probe=probe,
         ))
     return states
 
@@ -251,15 +335,20 @@ class AquaSession:
 
 @contextlib.contextmanager
 def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
-               value_widths: tuple | None = None, probe: Probe | None = None):
+               value_widths: tuple | None = None, probe: Probe | None = None, token_rows_from: int | None = None,
+               mean_value: bool = False):
     """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
     cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths); probe: an
-    instrument that sees (and may replace) each selection and eviction (Probe)."""
+    instrument that sees (and may replace) each selection and eviction (Probe). With token selection:
+    token_rows_from, the rows at sequence positions >= it select (0: every row, as if each were decoded: what
+    perplexity measures; None: one-token forwards only, as the graph); mean_value: TokenSelection's."""
     arch = architecture_of(model.config)
     projection.check_model(model)
     arch.check_settings(model.config, config)
     _register()
-    states = layer_states(model, projection, config, widths, value_widths, probe)
+    tokens = TokenSelection(config.token_ratio, config.token_budget, config.token_sink, config.token_window,
+                            token_rows_from, mean_value) if config.selects_tokens else None
+    states = layer_states(model, projection, config, widths, value_widths, probe, tokens)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
     try:

@@ -12,10 +12,34 @@ The layouts are contract.Contract's: per layer the kinds Contract.kinds, key / v
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from ..export.contract import Contract
 from ..ops.rules import slots_needed
+
+
+HUGE = 2 << 20  # a transparent huge page (x86-64, most Arm64 kernels)
+
+
+def large_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array; one of at least a huge page in memory the kernel is asked to back with huge pages
+    (madvise(MADV_HUGEPAGE), Linux with transparent huge pages in "madvise" mode, Debian's default). Token selection
+    reads one 64-byte line per K^ row and chosen page, each row's lines a whole cache row apart: with 4 KiB pages
+    nearly every line is a TLB miss too. Elsewhere (no THP, no madvise) a plain array."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    if n < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    region = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP: ordinary pages
+        pass
+    raw = np.frombuffer(region, np.uint8)  # keeps the mapping alive as long as the array
+    start = -raw.ctypes.data % HUGE
+    return raw[start:start + n].view(dtype).reshape(shape)
 
 
 class SharedCache:
@@ -49,7 +73,7 @@ class SharedCache:
         cap = -(-needed // self.GROW) * self.GROW
         ct, old = self.contract, self.capacity
         for kind, layers in self.arrays.items():
-            grown = [ct.empty_buffer(kind, self.batch, cap, i) for i in range(ct.layers)]
+            grown = [ct.empty_buffer(kind, self.batch, cap, i, large_empty) for i in range(ct.layers)]
             for a, b in zip(grown, layers if old else []):
                 if kind == "key":
                     ct.key_rows(a)[..., :old] = ct.key_rows(b)

@@ -9,7 +9,9 @@
 //   projection  [Hkv, d, r]          optional: query_hat is then the query q [B, Hkv, g, T, d] and q^ = q P,
 //                                    computed per token as its selection is (no MatMul node before this one)
 //     -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
-//   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap
+//   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap;
+//     token_ratio, token_budget, token_sink, token_window: token selection (aqua_tokens.cc; a prompt then attends
+//     every token with all r coordinates)
 //
 // No [B, Hkv, g, T, L] tensor exists: tasks of (batch, kv head, tile of up to 4 query rows, split of the L
 // positions), each walking its positions in blocks of kPos:
@@ -24,85 +26,20 @@
 // mask hides from every row of a tile is skipped (causal prefill); a row hidden everywhere outputs zeros.
 // Query rows are tiled token-major (all g heads of a token together), so at decode a tile is the GQA group.
 
-#include "aqua_ops.h"
+#include "attention_rows.h"
 
 namespace {
 
 using namespace aqua;
 
-constexpr int64_t kPos = 256;        // positions per block: the tile's scores stay in L1
-constexpr int64_t kTasksWanted = 16; // split the positions when fewer (batch, kv head, tile) tasks exist
-constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the position
-
 template <typename T>
-struct AttentionJob {
-  const T* q;
-  const T* proj;  // P [Hkv, qw, r], or null: q is q^
+struct AttentionJob : QueryRows<T>, RowsOut<T> {
   const T* key;
   const T* value;
   const float* mask;
-  T* out;
-  float* part;  // [tasks, kRows, rv + 2]: o, m, l of each row when the positions are split
-  int64_t heads, g, t, qw, r, rv, k, rule, len, key_stride, value_slots, mask_batch_stride, tiles, splits, split_len;
+  int64_t len, key_stride, value_slots, mask_batch_stride, split_len;
   float softcap;
 };
-
-// The tile's rows (token-major: row rr is head j of token tt) and their selections laid out densely over r.
-template <typename T>
-int64_t select_tile(const AttentionJob<T>& j, int64_t bh, int64_t tile, int nr, float* wbuf, int32_t* uni) {
-  static thread_local std::vector<float> q;  // scratch reused across tasks: no allocation per tile
-  static thread_local std::vector<int64_t> idx;
-  static thread_local std::vector<char> mark;
-  q.resize(static_cast<size_t>(j.g * j.r));
-  idx.resize(static_cast<size_t>(j.g * j.k));
-  mark.assign(static_cast<size_t>(j.r), 0);
-  std::fill(wbuf, wbuf + kRows * j.r, 0.0f);
-  int64_t loaded = -1;
-  for (int rr = 0; rr < nr; ++rr) {
-    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
-    if (tt != loaded) {
-      for (int64_t hh = 0; hh < j.g; ++hh) {
-        const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.qw;
-        if (j.proj == nullptr) {
-          for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
-        } else {
-          project(src, j.proj + (bh % j.heads) * j.qw * j.r, j.qw, j.r, q.data() + hh * j.r);
-        }
-      }
-      select_group(q.data(), j.g, j.r, j.k, j.rule, idx.data());
-      loaded = tt;
-    }
-    for (int64_t i = 0; i < j.k; ++i) {
-      const int64_t c = idx[h * j.k + i];
-      wbuf[c * kRows + rr] = q[h * j.r + c];
-      mark[c] = 1;
-    }
-  }
-  return union_of(mark.data(), j.r, uni);
-}
-
-// s[rr][0..n) -> e^(s - m') with the running max m and sum l of each row updated, o rescaled.
-inline void online_softmax(int nr, int64_t n, float softcap, const float* const* mrow, float* s, float* m, float* l,
-                           float* o, int64_t r) {
-  for (int rr = 0; rr < nr; ++rr) {
-    float* x = s + rr * kPos;
-    const float* mk = mrow[rr];
-    if (softcap > 0.0f) {
-      for (int64_t i = 0; i < n; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
-    }
-    float lane[kLanes];
-    std::fill(lane, lane + kLanes, -INFINITY);
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      for (int e = 0; e < kLanes; ++e) {
-        x[i + e] += mk[i + e];
-        lane[e] = std::max(lane[e], x[i + e]);
-      }
-    }
-    for (; i < n; ++i) x[i] += mk[i], lane[0] = std::max(lane[0], x[i]);
-    online_block(x, n, *std::max_element(lane, lane + kLanes), m[rr], l[rr], o + rr * kMaxWidth, r);
-  }
-}
 
 template <typename T>
 void attention_task(void* data, size_t task_index) {
@@ -113,7 +50,7 @@ void attention_task(void* data, size_t task_index) {
   const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - tile * kRows));
   alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
   static thread_local int32_t uni[kMaxWidth];
-  const int64_t nu = select_tile(j, bh, tile, nr, wbuf, uni);
+  const int64_t nu = tile_weights<T>(j, j.k, bh, tile, nr, wbuf, uni);
 
   alignas(64) static thread_local float s[kRows * kPos];
   alignas(64) static thread_local float o[kRows * kMaxWidth];
@@ -141,37 +78,7 @@ void attention_task(void* data, size_t task_index) {
     online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.rv);
     add_values_rows(nr, s, kPos, value + s0 * j.rv, n, j.rv, o, kMaxWidth);
   }
-  for (int rr = 0; rr < nr; ++rr) {
-    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
-    if (j.splits == 1) {
-      T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.rv;
-      const float inv = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
-      for (int64_t c = 0; c < j.rv; ++c) store(dst, c, o[rr * kMaxWidth + c] * inv);
-    } else {
-      float* dst = j.part + (task * kRows + rr) * (j.rv + 2);
-      std::copy(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, dst);
-      dst[j.rv] = m[rr], dst[j.rv + 1] = l[rr];
-    }
-  }
-}
-
-// The splits of one (batch, kv head, tile) merged into out.
-template <typename T>
-void merge_task(void* data, size_t index) {
-  const auto& j = *static_cast<const AttentionJob<T>*>(data);
-  const int64_t tile = static_cast<int64_t>(index) % j.tiles, bh = static_cast<int64_t>(index) / j.tiles;
-  const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g * j.t - tile * kRows));
-  const int64_t rv = j.rv;
-  float acc[kMaxWidth];
-  for (int rr = 0; rr < nr; ++rr) {
-    float top, den;
-    merge_splits(j.part + ((static_cast<int64_t>(index) * j.splits) * kRows + rr) * (rv + 2), kRows * (rv + 2),
-                 j.splits, rv, acc, top, den);
-    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
-    T* dst = j.out + ((bh * j.g + h) * j.t + tt) * rv;
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    for (int64_t c = 0; c < rv; ++c) store(dst, c, acc[c] * inv);
-  }
+  finish_rows<T>(j, j, task, bh, tile, nr, o, m, l);
 }
 
 template <typename T>
@@ -181,6 +88,8 @@ struct AttentionKernel {
     k_ = ki.GetAttribute<int64_t>("k");
     rule_ = int_attribute(ki, "rule", kPerHead);
     softcap_ = ki.GetAttribute<float>("softcap");
+    tokens_ = {float_attribute(ki, "token_ratio", 1.0f), int_attribute(ki, "token_budget", 0),
+               int_attribute(ki, "token_sink", 0), int_attribute(ki, "token_window", 0)};
   }
 
   void Compute(OrtKernelContext* context) {
@@ -218,9 +127,23 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: k must be in [1, r], r and rv in [1, 512], rule in {0, 1, 2}",
                         ORT_INVALID_ARGUMENT);
     }
+    if (!(tokens_.ratio > 0.0) || tokens_.ratio > 1.0 || tokens_.budget < 0 || tokens_.sink < 0 ||
+        tokens_.window < 0) {
+      ORT_CXX_API_THROW("AquaAttention: token_ratio must be in (0, 1], token_budget, token_sink and token_window "
+                        ">= 0", ORT_INVALID_ARGUMENT);
+    }
     auto out = ctx.GetOutput(0, std::vector<int64_t>{qs[0], qs[1], qs[2], qs[3], rv});
     const int64_t bh = qs[0] * qs[1], rows = qs[2] * qs[3];
     if (bh * rows == 0) return;
+    const T* p_data = p_value != nullptr ? p_in.GetTensorData<T>() : nullptr;
+    // token selection: a decode step attends the chosen pages (aqua_tokens.cc), a prompt every token with all r
+    const int64_t k = tokens_.on() ? r : k_;
+    const QueryRows<T> query{q_in.GetTensorData<T>(), p_data, qs[1], qs[2], qs[3], qs[4], r, k_, rule_};
+    if (tokens_.on() && qs[3] == 1) {
+      attend_pages<T>(ctx, query, k_in.GetTensorData<T>(), v_in.GetTensorData<T>(), m_in.GetTensorData<float>(),
+                      out.GetTensorMutableData<T>(), qs[0], rv, len, ks[3], vs[2], ms[0], softcap_, tokens_);
+      return;
+    }
     const int64_t tiles = (rows + kRows - 1) / kRows;
     int64_t splits = 1;
     if (bh * tiles < kTasksWanted) {
@@ -228,16 +151,17 @@ struct AttentionKernel {
     }
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
     std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0);
-    AttentionJob<T> job{q_in.GetTensorData<T>(), p_value != nullptr ? p_in.GetTensorData<T>() : nullptr,
+    AttentionJob<T> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_},
+                        {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
                         k_in.GetTensorData<T>(), v_in.GetTensorData<T>(), m_in.GetTensorData<float>(),
-                        out.GetTensorMutableData<T>(), part.data(), qs[1], qs[2], qs[3], qs[4], r, rv, k_,
-                        rule_, len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, tiles, splits, split_len, softcap_};
+                        len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, split_len, softcap_};
     ctx.ParallelFor(&attention_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
-    if (splits > 1) ctx.ParallelFor(&merge_task<T>, static_cast<size_t>(bh * tiles), 0, &job);
+    if (splits > 1) ctx.ParallelFor(&merge_task<T, AttentionJob<T>>, static_cast<size_t>(bh * tiles), 0, &job);
   }
 
   int64_t k_, rule_;
   float softcap_;
+  TokenRule tokens_;
 };
 
 template <typename T>

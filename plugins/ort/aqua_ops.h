@@ -333,6 +333,15 @@ inline int64_t int_attribute(const Ort::ConstKernelInfo& ki, const char* name, i
   }
 }
 
+// An optional float attribute.
+inline float float_attribute(const Ort::ConstKernelInfo& ki, const char* name, float fallback) {
+  try {
+    return ki.GetAttribute<float>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
 // The int64 total_length input (one element): the sequence length so far, new tokens included.
 inline int64_t total_length(Ort::KernelContext& ctx, size_t index) {
   auto t = ctx.GetInput(index);

@@ -10,7 +10,7 @@ so one test drives every implementation alike.
 
 from __future__ import annotations
 
-from .aqua_attention import aqua_attention
+from .aqua_attention import Tokens, aqua_attention
 from .h2o_attention import h2o_attention
 from .topk_gather_dot import topk_gather_dot
 
@@ -20,9 +20,10 @@ def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **
 
 
 def _attention(query_hat, key_cache, value_cache, total_length, mask, projection=None, *, k, rule=0, softcap=0.0,
-               interpret=None, **plugin):
+               interpret=None, token_ratio=1.0, token_budget=0, token_sink=0, token_window=0, **plugin):
+    tokens = Tokens(token_ratio, token_budget, token_sink, token_window)
     return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), mask, k, rule, softcap, projection,
-                           interpret),)
+                           interpret, tokens=tokens),)
 
 
 def _h2o(*inputs, k, rule=0, softcap=0.0, ratio=0.5, interpret=None, **plugin):

@@ -1,5 +1,5 @@
 """What the Triton kernels share: the interpreter switch, binding a kernel to a mode (``jit``), block-size helpers,
-and the selection rule as one jit helper, ``keep_of`` (ops.rules is its definition; plugins/ort/aqua_ops.h is the
+a group's q^ rows (``query_rows``) and the selection rule as one jit helper, ``keep_of`` (ops.rules is its definition; plugins/ort/aqua_ops.h is the
 C++ twin).
 
 The selection is computed as a rank rather than a sort, so it is exact and branch-free: coordinate c is kept iff
@@ -60,17 +60,37 @@ def keep_of(qg, c, in_r, R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr):
     return (tl.sum(beats.to(tl.int32), axis=2) < K) & in_r[None, :]
 
 
+def query_rows(q_row, p_ptr, in_g, c, in_r, D: tl.constexpr, R: tl.constexpr, PROJECT: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(jit helper) q_row [G] pointers to a token's g query rows, p_ptr its KV head's P [D, R] -> q^ [G, BLOCK_R]
+    float32: q P in chunks of CHUNK_D rows of P (PROJECT), else the rows themselves (D = R)."""
+    if PROJECT:
+        qg = tl.zeros([BLOCK_G, BLOCK_R], tl.float32)
+        for e0 in tl.static_range(0, BLOCK_D, CHUNK_D):
+            e = e0 + tl.arange(0, CHUNK_D)
+            in_d = e < D
+            qd = tl.load(q_row[:, None] + e[None, :], mask=in_g[:, None] & in_d[None, :], other=0.0)
+            pd = tl.load(p_ptr + e[:, None] * R + c[None, :], mask=in_d[:, None] & in_r[None, :], other=0.0)
+            qg += tl.sum(qd.to(tl.float32)[:, :, None] * pd.to(tl.float32)[None, :, :], axis=1)
+    else:
+        qg = tl.load(q_row[:, None] + c[None, :], mask=in_g[:, None] & in_r[None, :], other=0.0).to(tl.float32)
+    return qg
+
+
+HELPERS = (keep_of, query_rows)  # the jit helpers every kernel's scope binds
+
+
 def jit(raw, interpret: bool):
-    """raw: a kernel (or keep_of) written as a plain module-level function whose free names are tl, GROUP, STATIC
-    and keep_of -> (it as a @triton.jit function of the mode, triton). Triton's interpreter re-executes a kernel's
-    source in the function's globals (closures are lost), so each mode's names live in a scope of its own: one
-    process can interpret the kernels and compile them ahead of time (the TensorRT plugin) side by side."""
+    """raw: a kernel (or a helper) written as a plain module-level function whose free names are tl, GROUP, STATIC
+    and the HELPERS -> (it as a @triton.jit function of the mode, triton). Triton's interpreter re-executes a
+    kernel's source in the function's globals (closures are lost), so each mode's names live in a scope of its own:
+    one process can interpret the kernels and compile them ahead of time (the TensorRT plugin) side by side."""
     if (raw, interpret) in _JITTED:
         return _JITTED[raw, interpret]
-    helper = None if raw is keep_of else jit(keep_of, interpret)[0]
+    helpers = {} if raw in HELPERS else {h.__name__: jit(h, interpret)[0] for h in HELPERS}
     with triton_for(interpret) as (triton, tl):
         scope = {**raw.__globals__, "tl": tl, "GROUP": tl.constexpr(GROUP), "STATIC": tl.constexpr(STATIC),
-                 "keep_of": helper}
+                 **helpers}
         _JITTED[raw, interpret] = triton.jit(types.FunctionType(raw.__code__, scope, raw.__name__)), triton
     return _JITTED[raw, interpret]
 

@@ -1,0 +1,268 @@
+// AquaAttention's token selection at a decode step (T = 1): read the K^ rows the selection keeps for every token,
+// then all of K^ and V for the chosen tokens only (the rules: aqua_export/ops/rules.py, token selection).
+//
+//   A  score     tasks (batch, kv head, split of L): for each tile of the group's rows, s = q^[I] . K^[I, block]
+//                (k of r key rows read), soft-capped; best[page] = max over the rows and the page's visible tokens
+//   B  choose    per mask row: the visible count n, the forced pages (the first token_sink / last token_window
+//                visible tokens) and want = max(ceil(attended / PAGE), forced), attended = token_budget or
+//                max(1, ceil(ratio n - 1e-6 n - 1e-9)), at most n;
+//                per (batch, kv head): the forced pages, then the best-scored others (a partial top: nth_element;
+//                ties -> the lower page) until want, in ascending page order
+//   C  attend    tasks (batch, kv head, tile, split of the chosen pages): up to kPos positions of chosen pages at a
+//                time, adjacent pages merged into runs, s = q^ . K^[:, run] with all r coordinates, + mask, online
+//                softmax, o += e^(s - m) V[run]; then the splits merge, as the dense pass's do
+//
+// A page is PAGE = 16 slots: one 64-byte line of each float32 K^ coordinate row (the cache is dim-major).
+
+#include "attention_rows.h"
+
+namespace aqua {
+namespace {
+
+constexpr int64_t kPage = 16;  // ops/spec.py PAGE
+// positions per block of the score pass: no softmax or V to keep in L1 beside the scores, so longer segments of
+// each K^ row than the attention's kPos (a row's segment is a stream; short ones never reach streaming speed)
+constexpr int64_t kScoreBlock = 1024;
+
+template <typename T>
+struct PageJob : QueryRows<T>, RowsOut<T> {
+  const T* key;
+  const T* value;
+  const float* mask;  // [mask_rows, L]
+  float* best;        // [B * Hkv, pages]: each page's best approximate score
+  const char* forced; // [mask_rows, pages]
+  const int64_t* want;// [mask_rows]: pages a step attends
+  int32_t* chosen;    // [B * Hkv, pages]: the chosen pages, ascending
+  int64_t* chosen_n;  // [B * Hkv]
+  int64_t len, key_stride, value_slots, mask_rows, pages, score_splits, score_len;
+  float softcap;
+};
+
+template <typename T>
+const float* mask_row(const PageJob<T>& j, int64_t bh) {
+  return j.mask + (j.mask_rows == 1 ? 0 : bh / j.heads) * j.len;
+}
+
+// A: the page maxima of one (batch, kv head) over one split of the positions.
+template <typename T>
+void score_task(void* data, size_t index) {
+  const auto& j = *static_cast<const PageJob<T>*>(data);
+  const int64_t split = static_cast<int64_t>(index) % j.score_splits, bh = static_cast<int64_t>(index) / j.score_splits;
+  const int64_t p0 = split * j.score_len, p1 = std::min(j.len, p0 + j.score_len);
+  if (p0 >= p1) return;
+  float* best = j.best + bh * j.pages;
+  std::fill(best + p0 / kPage, best + (p1 + kPage - 1) / kPage, -INFINITY);
+  const float* mrow = mask_row(j, bh);
+  const T* key = j.key + bh * j.r * j.key_stride;
+  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
+  alignas(64) static thread_local float s[kRows * kScoreBlock];
+  static thread_local int32_t uni[kMaxWidth];
+  for (int64_t tile = 0; tile * kRows < j.g; ++tile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
+    const int64_t nu = tile_weights<T>(j, j.k, bh, tile, nr, wbuf, uni);
+    for (int64_t s0 = p0; s0 < p1; s0 += kScoreBlock) {
+      const int64_t n = std::min(kScoreBlock, p1 - s0);
+      accumulate_rows(nr, key + s0, j.key_stride, uni, nu, wbuf, n, s, kScoreBlock);
+      for (int rr = 0; rr < nr && j.softcap > 0.0f; ++rr) {
+        for (int64_t i = 0; i < n; ++i) s[rr * kScoreBlock + i] = std::tanh(s[rr * kScoreBlock + i] / j.softcap) * j.softcap;
+      }
+      // the rows' maximum at each visible position (branch-free: the compiler vectorises it), then per page
+      for (int rr = 1; rr < nr; ++rr) {
+        for (int64_t i = 0; i < n; ++i) s[i] = std::max(s[i], s[rr * kScoreBlock + i]);
+      }
+      for (int64_t i = 0; i < n; ++i) s[i] = mrow[s0 + i] > kHidden ? s[i] : -INFINITY;
+      for (int64_t i0 = 0; i0 < n; i0 += kPage) {
+        float top = -INFINITY;
+        for (int64_t i = i0; i < std::min(n, i0 + kPage); ++i) top = std::max(top, s[i]);
+        float& b = best[(s0 + i0) / kPage];
+        b = std::max(b, top);
+      }
+    }
+  }
+}
+
+// B, per mask row: which pages are forced and how many pages a step attends.
+void forced_pages(const float* mrow, int64_t len, int64_t pages, const TokenRule& rule, char* forced, int64_t& want) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < len; ++i) n += mrow[i] > kHidden;
+  std::fill(forced, forced + pages, 0);
+  int64_t count = 0, n_forced = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    if (!(mrow[i] > kHidden)) continue;
+    ++count;
+    if ((count <= rule.sink || n - count < rule.window) && !forced[i / kPage]) forced[i / kPage] = 1, ++n_forced;
+  }
+  const double x = static_cast<double>(n);
+  const int64_t by_ratio = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rule.ratio * x - 1e-6 * x - 1e-9)));
+  const int64_t attended = std::min(n, rule.budget > 0 ? rule.budget : by_ratio);
+  want = std::max((attended + kPage - 1) / kPage, n_forced);
+}
+
+// B, per (batch, kv head): the forced pages and the best-scored others, ascending.
+template <typename T>
+void choose_task(void* data, size_t index) {
+  const auto& j = *static_cast<const PageJob<T>*>(data);
+  const int64_t bh = static_cast<int64_t>(index), row = j.mask_rows == 1 ? 0 : bh / j.heads;
+  const float* best = j.best + bh * j.pages;
+  const char* forced = j.forced + row * j.pages;
+  int32_t* chosen = j.chosen + bh * j.pages;
+  static thread_local std::vector<int32_t> free_pages;
+  free_pages.clear();
+  int64_t n = 0;
+  for (int64_t p = 0; p < j.pages; ++p) {
+    if (forced[p]) {
+      chosen[n++] = static_cast<int32_t>(p);
+    } else if (best[p] > -INFINITY) {  // a page with a visible token (NaN: none)
+      free_pages.push_back(static_cast<int32_t>(p));
+    }
+  }
+  const int64_t more = std::min<int64_t>(std::max<int64_t>(j.want[row] - n, 0), free_pages.size());
+  if (more < static_cast<int64_t>(free_pages.size())) {
+    std::nth_element(free_pages.begin(), free_pages.begin() + more, free_pages.end(), [best](int32_t a, int32_t b) {
+      return best[a] > best[b] || (best[a] == best[b] && a < b);
+    });
+  }
+  std::copy(free_pages.begin(), free_pages.begin() + more, chosen + n);
+  std::sort(chosen, chosen + n + more);
+  j.chosen_n[bh] = n + more;
+}
+
+// Up to kPos positions of a row's chosen pages, adjacent pages merged into runs (n positions from slot `start`,
+// at `at` in the chunk's score rows, `last` the index after the run's last page in the chosen list).
+struct Chunk {
+  struct Run { int64_t start, n, at, last; };
+  Run runs[kPos / kPage];
+  int nruns = 0;
+  int64_t filled = 0, end = 0;  // positions in the chunk; the next chosen page after it
+};
+
+inline Chunk gather_chunk(const int32_t* chosen, int64_t c, int64_t c1, int64_t len) {
+  Chunk ch;
+  for (; c < c1 && ch.filled + kPage <= kPos; ++c) {
+    const int64_t start = chosen[c] * kPage, n = std::min(kPage, len - start);
+    if (ch.nruns > 0 && ch.runs[ch.nruns - 1].start + ch.runs[ch.nruns - 1].n == start) {
+      ch.runs[ch.nruns - 1].n += n, ch.runs[ch.nruns - 1].last = c + 1;
+    } else {
+      ch.runs[ch.nruns++] = {start, n, ch.filled, c + 1};
+    }
+    ch.filled += n;
+  }
+  ch.end = c;
+  return ch;
+}
+
+// Chosen pages are scattered, so the hardware prefetcher cannot see them coming: K^ has one line per coordinate
+// row and page, r lines in r places, each a full miss unless requested ahead. kAheadPages pages on from the run
+// being scored are requested while it is (enough misses in flight to cover memory latency, few enough not to
+// overflow the core's miss queue); a chunk's V rows (contiguous per page) when its scoring starts.
+constexpr int64_t kAheadPages = 2;
+
+template <typename T>
+void prefetch_keys(const int32_t* chosen, int64_t from, int64_t to, const T* key, int64_t key_stride, int64_t r) {
+  for (int64_t c = from; c < to; ++c) {
+    const T* k0 = key + chosen[c] * kPage;
+    for (int64_t row = 0; row < r; ++row) __builtin_prefetch(k0 + row * key_stride);
+  }
+}
+
+template <typename T>
+void prefetch_values(const Chunk& ch, const T* value, int64_t rv) {
+  constexpr int64_t kLineElems = 64 / sizeof(T);
+  for (int i = 0; i < ch.nruns; ++i) {
+    const T* v0 = value + ch.runs[i].start * rv;
+    for (int64_t e = 0; e < ch.runs[i].n * rv; e += kLineElems) __builtin_prefetch(v0 + e);
+  }
+}
+
+// C: one tile of the group's rows over one split of the chosen pages, all r coordinates.
+template <typename T>
+void attend_task(void* data, size_t task_index) {
+  const auto& j = *static_cast<const PageJob<T>*>(data);
+  const int64_t task = static_cast<int64_t>(task_index);
+  const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
+  const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
+  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
+  alignas(64) static thread_local float s[kRows * kPos];
+  alignas(64) static thread_local float o[kRows * kMaxWidth];
+  alignas(64) static thread_local float mg[kPos];
+  static thread_local int32_t uni[kMaxWidth];
+  const int64_t nu = tile_weights<T>(j, j.r, bh, tile, nr, wbuf, uni);
+  float m[kRows], l[kRows];
+  const float* mb[kRows];
+  for (int rr = 0; rr < nr; ++rr) {
+    m[rr] = -INFINITY, l[rr] = 0.0f, mb[rr] = mg;
+    std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, 0.0f);
+  }
+  const int64_t count = j.chosen_n[bh], per = (count + j.splits - 1) / j.splits;
+  const int64_t c1 = std::min(count, (split + 1) * per);
+  const int32_t* chosen = j.chosen + bh * j.pages;
+  const float* mrow = mask_row(j, bh);
+  const T* key = j.key + bh * j.r * j.key_stride;
+  const T* value = j.value + bh * j.value_slots * j.rv;
+  const int64_t c0 = split * per;
+  prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key, j.key_stride, j.r);
+  for (Chunk ch = gather_chunk(chosen, c0, c1, j.len); ch.nruns > 0; ch = gather_chunk(chosen, ch.end, c1, j.len)) {
+    prefetch_values(ch, value, j.rv);
+    int64_t requested = std::min(c1, c0 + kAheadPages);
+    for (int i = 0; i < ch.nruns; ++i) {
+      const auto& run = ch.runs[i];
+      const int64_t ahead = std::min(c1, run.last + kAheadPages);
+      prefetch_keys(chosen, std::max(requested, run.last), ahead, key, j.key_stride, j.r);
+      requested = std::max(requested, ahead);
+      std::copy(mrow + run.start, mrow + run.start + run.n, mg + run.at);
+      accumulate_rows(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
+    }
+    online_softmax(nr, ch.filled, j.softcap, mb, s, m, l, o, j.rv);
+    for (int i = 0; i < ch.nruns; ++i) {
+      const auto& run = ch.runs[i];
+      add_values_rows(nr, s + run.at, kPos, value + run.start * j.rv, run.n, j.rv, o, kMaxWidth);
+    }
+  }
+  finish_rows<T>(j, j, task, bh, tile, nr, o, m, l);
+}
+
+}  // namespace
+
+template <typename T>
+void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const T* key, const T* value, const float* mask,
+                  T* out, int64_t batch, int64_t rv, int64_t len, int64_t key_stride, int64_t value_slots,
+                  int64_t mask_rows, float softcap, const TokenRule& rule) {
+  const int64_t bh = batch * q.heads, pages = (len + kPage - 1) / kPage, tiles = (q.g + kRows - 1) / kRows;
+  if (len == 0) {
+    std::fill(out, out + bh * q.g * rv, T(0.0f));
+    return;
+  }
+  const int64_t score_splits =
+      bh < kTasksWanted ? std::min((kTasksWanted + bh - 1) / bh, std::max<int64_t>(1, len / kScoreBlock)) : 1;
+  const int64_t score_len = ((len + score_splits - 1) / score_splits + kPage - 1) / kPage * kPage;
+  std::vector<float> best(static_cast<size_t>(bh * pages));
+  std::vector<char> forced(static_cast<size_t>(mask_rows * pages));
+  std::vector<int64_t> want(static_cast<size_t>(mask_rows)), chosen_n(static_cast<size_t>(bh));
+  std::vector<int32_t> chosen(static_cast<size_t>(bh * pages));
+  for (int64_t row = 0; row < mask_rows; ++row) {
+    forced_pages(mask + row * len, len, pages, rule, forced.data() + row * pages, want[row]);
+  }
+  const int64_t most = *std::max_element(want.begin(), want.end());
+  int64_t splits = 1;
+  if (bh * tiles < kTasksWanted) {
+    splits = std::min((kTasksWanted + bh * tiles - 1) / (bh * tiles), std::max<int64_t>(1, most * kPage / (4 * kPos)));
+  }
+  std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0);
+  PageJob<T> job{q, {out, part.data(), rv, tiles, splits}, key, value, mask, best.data(), forced.data(),
+                 want.data(), chosen.data(), chosen_n.data(), len, key_stride, value_slots, mask_rows, pages,
+                 score_splits, score_len, softcap};
+  ctx.ParallelFor(&score_task<T>, static_cast<size_t>(bh * score_splits), 0, &job);
+  ctx.ParallelFor(&choose_task<T>, static_cast<size_t>(bh), 0, &job);
+  ctx.ParallelFor(&attend_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
+  if (splits > 1) ctx.ParallelFor(&merge_task<T, PageJob<T>>, static_cast<size_t>(bh * tiles), 0, &job);
+}
+
+template void attend_pages<float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
+                                  const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                  const TokenRule&);
+template void attend_pages<Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
+                                           const Ort::Float16_t*, const Ort::Float16_t*, const float*,
+                                           Ort::Float16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                           float, const TokenRule&);
+
+}  // namespace aqua

@@ -1,0 +1,152 @@
+// What AquaAttention's dense pass (aqua_attention.cc) and its token-selection pass (aqua_tokens.cc) share: the
+// query rows of a task and their selections, the online softmax of a block, and the output of a task's rows
+// (written, or kept as a split's partial state and merged).
+//
+// Query rows are tiled token-major (all g heads of a token together): at decode a tile is the GQA group, or a
+// part of it when g > kRows.
+#pragma once
+
+#include "aqua_ops.h"
+
+namespace aqua {
+
+constexpr int64_t kPos = 256;        // positions per block: the tile's scores stay in L1
+constexpr int64_t kTasksWanted = 16; // split the positions when fewer (batch, kv head, tile) tasks exist
+constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the position (ops/rules.py MASKED)
+
+// The query side of a task: q^ [B, Hkv, g, T, r], or q [B, Hkv, g, T, qw] with P [Hkv, qw, r] (q^ = q P).
+template <typename T>
+struct QueryRows {
+  const T* q;
+  const T* proj;  // null: q is q^
+  int64_t heads, g, t, qw, r, k, rule;
+};
+
+// The rows of tile `tile` of (batch, kv head) `bh`, each keeping k of its r coordinates under the rule (k = r:
+// all), laid out densely: wbuf[c][rr] = q^[rr][c] where row rr keeps c, else 0; uni[0..nu) the union of the
+// coordinates kept, ascending; returns nu.
+template <typename T>
+int64_t tile_weights(const QueryRows<T>& j, int64_t k, int64_t bh, int64_t tile, int nr, float* wbuf, int32_t* uni) {
+  static thread_local std::vector<float> q;  // scratch reused across tasks: no allocation per tile
+  static thread_local std::vector<int64_t> idx;
+  static thread_local std::vector<char> mark;
+  q.resize(static_cast<size_t>(j.g * j.r));
+  idx.resize(static_cast<size_t>(j.g * k));
+  mark.assign(static_cast<size_t>(j.r), 0);
+  std::fill(wbuf, wbuf + kRows * j.r, 0.0f);
+  int64_t loaded = -1;
+  for (int rr = 0; rr < nr; ++rr) {
+    const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
+    if (tt != loaded) {
+      for (int64_t hh = 0; hh < j.g; ++hh) {
+        const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.qw;
+        if (j.proj == nullptr) {
+          for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
+        } else {
+          project(src, j.proj + (bh % j.heads) * j.qw * j.r, j.qw, j.r, q.data() + hh * j.r);
+        }
+      }
+      select_group(q.data(), j.g, j.r, k, j.rule, idx.data());
+      loaded = tt;
+    }
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t c = idx[h * k + i];
+      wbuf[c * kRows + rr] = q[h * j.r + c];
+      mark[c] = 1;
+    }
+  }
+  return union_of(mark.data(), j.r, uni);
+}
+
+// The tile's scores s[rr][0..n) (rows kPos apart) soft-capped (softcap > 0) and squashed in place: s = tanh(s / c) c.
+inline void soft_cap(int nr, int64_t n, float softcap, float* s) {
+  if (softcap <= 0.0f) return;
+  for (int rr = 0; rr < nr; ++rr) {
+    for (int64_t i = 0; i < n; ++i) s[rr * kPos + i] = std::tanh(s[rr * kPos + i] / softcap) * softcap;
+  }
+}
+
+// s[rr][0..n) (rows kPos apart) + mask row mrow[rr] -> e^(s - m') with the running max m and sum l of each row
+// updated and o (rows kMaxWidth apart) rescaled.
+inline void online_softmax(int nr, int64_t n, float softcap, const float* const* mrow, float* s, float* m, float* l,
+                           float* o, int64_t r) {
+  soft_cap(nr, n, softcap, s);
+  for (int rr = 0; rr < nr; ++rr) {
+    float* x = s + rr * kPos;
+    const float* mk = mrow[rr];
+    float lane[kLanes];
+    std::fill(lane, lane + kLanes, -INFINITY);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int e = 0; e < kLanes; ++e) {
+        x[i + e] += mk[i + e];
+        lane[e] = std::max(lane[e], x[i + e]);
+      }
+    }
+    for (; i < n; ++i) x[i] += mk[i], lane[0] = std::max(lane[0], x[i]);
+    online_block(x, n, *std::max_element(lane, lane + kLanes), m[rr], l[rr], o + rr * kMaxWidth, r);
+  }
+}
+
+// The output side of a job: out [B, Hkv, g, T, rv]; part [tasks, kRows, rv + 2] holds each split's o, m, l.
+template <typename T>
+struct RowsOut {
+  T* out;
+  float* part;
+  int64_t rv, tiles, splits;
+};
+
+// The tile's rows done: normalised into out (one split) or kept as task `task`'s partial state (several).
+template <typename T>
+void finish_rows(const RowsOut<T>& j, const QueryRows<T>& q, int64_t task, int64_t bh, int64_t tile, int nr,
+                 const float* o, const float* m, const float* l) {
+  for (int rr = 0; rr < nr; ++rr) {
+    const int64_t row = tile * kRows + rr, tt = row / q.g, h = row % q.g;
+    if (j.splits == 1) {
+      T* dst = j.out + ((bh * q.g + h) * q.t + tt) * j.rv;
+      const float inv = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
+      for (int64_t c = 0; c < j.rv; ++c) store(dst, c, o[rr * kMaxWidth + c] * inv);
+    } else {
+      float* dst = j.part + (task * kRows + rr) * (j.rv + 2);
+      std::copy(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, dst);
+      dst[j.rv] = m[rr], dst[j.rv + 1] = l[rr];
+    }
+  }
+}
+
+// The splits of one (batch, kv head, tile) -- index -- merged into out: out = sum_i o_i e^(m_i - M) / sum_i
+// l_i e^(m_i - M). Job: a RowsOut<T> and a QueryRows<T>.
+template <typename T, typename Job>
+void merge_task(void* data, size_t index) {
+  const auto& j = *static_cast<const Job*>(data);
+  const RowsOut<T>& w = j;
+  const QueryRows<T>& q = j;
+  const int64_t tile = static_cast<int64_t>(index) % w.tiles, bh = static_cast<int64_t>(index) / w.tiles;
+  const int nr = static_cast<int>(std::min<int64_t>(kRows, q.g * q.t - tile * kRows));
+  float acc[kMaxWidth];
+  for (int rr = 0; rr < nr; ++rr) {
+    float top, den;
+    merge_splits(w.part + ((static_cast<int64_t>(index) * w.splits) * kRows + rr) * (w.rv + 2), kRows * (w.rv + 2),
+                 w.splits, w.rv, acc, top, den);
+    const int64_t row = tile * kRows + rr, tt = row / q.g, h = row % q.g;
+    T* dst = w.out + ((bh * q.g + h) * q.t + tt) * w.rv;
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    for (int64_t c = 0; c < w.rv; ++c) store(dst, c, acc[c] * inv);
+  }
+}
+
+// Token selection at a decode step (aqua_tokens.cc): the step's settings.
+struct TokenRule {
+  double ratio;  // share of the visible tokens attended (token_ratio), unless budget > 0
+  int64_t budget, sink, window;
+  bool on() const { return ratio < 1.0 || budget > 0; }
+};
+
+// One decode step (T = 1) of AquaAttention with token selection: pages scored with the selected coordinates,
+// chosen (ops/rules.py select_pages), attended with all r. Inputs as AquaAttention's; mask rows [mask_rows, L].
+template <typename T>
+void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const T* key, const T* value, const float* mask,
+                  T* out, int64_t batch, int64_t rv, int64_t len, int64_t key_stride, int64_t value_slots,
+                  int64_t mask_rows, float softcap, const TokenRule& rule);
+
+}  // namespace aqua

@@ -1,0 +1,131 @@
+"""Long-context quality: where token selection can fail. Two sections of tools/quality.py (--sections long,passkey),
+measured on the embedded model with the projection quality.py calibrates (builtin:python-reference):
+
+    long     perplexity on windows of 2048, 4096 and 8192 tokens of builtin:licenses (Debian's licence texts,
+             not the calibration text), every row scored as a decode step would be (its pages chosen from the
+             tokens before it); bytes read per step at the window's length
+    passkey  lm-eval's aqua_passkey on the PyTorch reference (a pass key planted at 5 depths of 1k / 4k / 8k-token
+             fillers; the prompt attends exactly, each generated token selects, as in a built folder): accuracy
+             per length and depth
+
+The settings: dense, per-head magnitude at k 0.5 (the bar the token-selection settings must meet), and token
+selection with the group-shared weighted rule (a step reads exactly k of K^'s rows to score the tokens), AquaConfig's
+sink 16 and window 64; one of them also with SparQ's mean-value correction (reference only: measured, not exported).
+"""
+
+from __future__ import annotations
+
+import time
+
+from aqua_export import corpus, evaluate
+from aqua_export.config import AquaConfig
+from aqua_export.ops import rules
+
+LONG_TEXT = "builtin:licenses"
+LONG_LENGTHS = (2048, 4096, 8192)
+D = 64  # SmolLM2's head width: k_ratio 0.25 -> 16 rows
+# name -> (config, SparQ's mean-value correction)
+LONG = {
+    "dense": (AquaConfig(), False),
+    "magnitude k 0.5": (AquaConfig(k_ratio=0.5), False),
+    "group-weighted k 0.5, tokens 1/8": (AquaConfig(k_ratio=0.5, selection="group-weighted", token_ratio=0.125), False),
+    "group-weighted k 0.25, tokens 1/8": (AquaConfig(k_ratio=0.25, selection="group-weighted", token_ratio=0.125),
+                                          False),
+    "group-weighted k 0.25, tokens 1/8, mean value": (
+        AquaConfig(k_ratio=0.25, selection="group-weighted", token_ratio=0.125), True),
+    "group-weighted k 0.25, tokens 1/16": (AquaConfig(k_ratio=0.25, selection="group-weighted", token_ratio=0.0625),
+                                           False),
+}
+BAR = "magnitude k 0.5"
+
+
+def bytes_read(cfg: AquaConfig, union: float, length: int) -> float:
+    """A decode step's bytes at context ``length`` against dense's (K + V): the union u of the selected rows of K^
+    (scoring every token), plus K^ and V whole for the attended share of the tokens (token selection); u K + V
+    without it."""
+    if not cfg.selects_tokens:
+        return (union + 1) / 2
+    share = rules.attended_share(length, cfg.token_ratio, cfg.token_budget, cfg.token_sink, cfg.token_window)
+    return (union + 2 * share) / 2
+
+
+def measure_long(model, tok, proj, tokens: int) -> dict:
+    """Perplexity per setting and window length on LONG_TEXT's first ``tokens`` tokens."""
+    text = corpus.read_text(LONG_TEXT)
+    out = {}
+    for name, (cfg, mean_value) in LONG.items():
+        for length in LONG_LENGTHS:
+            t = time.perf_counter()
+            r = evaluate.perplexity(model, tok, text, tokens=tokens, seq_len=length,
+                                    projection=None if cfg.is_dense else proj, config=cfg, mean_value=mean_value)
+            r["seconds"] = time.perf_counter() - t
+            out[f"{name}/{length}"] = r
+            print(f"long {name} @ {length}: ppl {r['perplexity']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    return out
+
+
+def measure_passkey(proj_path) -> dict:
+    """aqua_passkey per setting (mean-value variants left out: the graph has none): accuracy per (length, depth)."""
+    from aqua_export.lm_eval_model import AquaLM, evaluate as lm_evaluate
+
+    out = {}
+    for name, (cfg, mean_value) in LONG.items():
+        if mean_value:
+            continue
+        default = AquaConfig()
+        settings = {k: getattr(cfg, k) for k in AquaLM.SETTINGS if getattr(cfg, k) != getattr(default, k)}
+        t = time.perf_counter()
+        with AquaLM(model="llama", projection=None if cfg.is_dense else str(proj_path), batch_size=1,
+                    **settings) as lm:
+            r = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
+        cells: dict = {}
+        for s in r["samples"]["aqua_passkey"]:
+            cells.setdefault(f"{s['doc']['length']}/{s['doc']['depth']}", []).append(s["exact_match"])
+        out[name] = {"accuracy": {k: sum(v) / len(v) for k, v in cells.items()},
+                     "mean": r["results"]["aqua_passkey"]["exact_match,none"], "seconds": time.perf_counter() - t}
+        print(f"passkey {name}: {out[name]['mean']:.3f} ({out[name]['seconds']:.0f} s)", flush=True)
+    return out
+
+
+def lines(long: dict, passkey: dict, union: dict) -> list[str]:
+    """The quality.md sections. union: measured union fractions (quality.json's "union", selection/k keys)."""
+    L = []
+    if long:
+        first = next(iter(long.values()))
+        L += ["\n## Long windows: token selection (`--token-ratio`)\n",
+              f"Perplexity on `{LONG_TEXT}` (Debian's licence texts but GPL-3, longest first; not the calibration "
+              f"text), its first {first['tokens']} tokens in non-overlapping windows of 2048, 4096 and 8192; every "
+              "row is scored as a decode step would be, its pages of 16 tokens chosen on the k selected coordinates "
+              "from the tokens before it (sink 16, window 64). Bytes: a step at the window's length against dense's "
+              "K + V (u K to score every token, plus K and V whole for the attended pages; `u K + V` without token "
+              f"selection). **Bold**: settings no worse than `{BAR}` at that length.\n",
+              "| setting | " + " | ".join(f"ppl @ {n}" for n in LONG_LENGTHS) + " | "
+              + " | ".join(f"bytes @ {n}" for n in LONG_LENGTHS) + " |",
+              "|---|" + "---|" * (2 * len(LONG_LENGTHS))]
+        for name, (cfg, _) in LONG.items():
+            key = f"{cfg.selection}/{cfg.k_ratio}"
+            u = 1.0 if cfg.k_ratio == 1 else cfg.k_ratio if cfg.selection.startswith("group") else union.get(key)
+            cells = []
+            for n in LONG_LENGTHS:
+                p, bar = long[f"{name}/{n}"]["perplexity"], long[f"{BAR}/{n}"]["perplexity"]
+                cells.append(f"**{p:.4f}**" if cfg.selects_tokens and p <= bar else f"{p:.4f}")
+            b = [f"{bytes_read(cfg, u, n):.3f}" if u is not None else "" for n in LONG_LENGTHS]
+            L.append(f"| {name} | " + " | ".join(cells + b) + " |")
+    if passkey:
+        from aqua_export.lm_eval_tasks.aqua_tasks import PASSKEY_DEPTHS, PASSKEY_LENGTHS
+
+        L += ["\n## Pass key retrieval (`aqua-export lm-eval --tasks aqua_passkey`)\n",
+              "A five-digit key planted at a depth of a filler of 1k, 4k or 8k tokens, asked for at the end; exact "
+              "match of the greedy answer. The PyTorch reference: the prompt attends exactly, each generated token "
+              "selects its pages (as a built folder decodes). One key per cell.\n",
+              "| setting | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " | all |",
+              "|---|" + "---|" * (len(PASSKEY_LENGTHS) + 1)]
+        for name, r in passkey.items():
+            cells = []
+            for n in PASSKEY_LENGTHS:
+                hits = [r["accuracy"].get(f"{n}/{d}") for d in PASSKEY_DEPTHS]
+                cells.append("".join("-" if h is None else "x" if h >= 1 else "." for h in hits))
+            L.append(f"| {name} | " + " | ".join(cells) + f" | {r['mean']:.3f} |")
+        L.append(f"\nEach cell: the depths {', '.join(map(str, PASSKEY_DEPTHS))} in order, `x` retrieved, `.` "
+                 "missed.\n")
+    return L
