@@ -35,10 +35,13 @@ from .runtime.lm import OrtLM
 from .runtime.text import load_tokenizer
 
 
-def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token negative log-likelihood of one window [T] (float64 sum)."""
+def _nll(model, ids: torch.Tensor, last: int = 0) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of one window [T] (float64 sum): of every token, or of the last
+    ``last`` only."""
     logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].to(torch.float64)
-    return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item(), ids.numel() - 1
+    first = max(0, ids.numel() - 1 - last) if last else 0
+    return torch.nn.functional.cross_entropy(logits[first:], ids[1 + first:], reduction="sum").item(), \
+        ids.numel() - 1 - first
 
 
 def check_windows(tokens: int, seq_len: int) -> None:
@@ -50,9 +53,12 @@ def check_windows(tokens: int, seq_len: int) -> None:
 
 
 def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: Projection | None = None,
-               config: AquaConfig | None = None, progress: bool = False, mean_value: bool = False) -> dict:
+               config: AquaConfig | None = None, progress: bool = False, mean_value: bool = False,
+               last: int = 0) -> dict:
     """Perplexity of ``text``'s first ``tokens`` in non-overlapping windows of seq_len, with AQUA applied (token
-    selection on every row, as if each token were decoded; mean_value: SparQ's correction, to measure it)."""
+    selection on every row, as if each token were decoded; mean_value: SparQ's correction, to measure it).
+    last > 0: only each window's last ``last`` tokens are scored, and only their rows select tokens: the rest is
+    their prompt, attended exactly as a served prompt is (a long-context measure at a fraction of the cost)."""
     config = config or AquaConfig()
     check_windows(tokens, seq_len)
     ids = corpus.tokenize(tok, text, tokens)
@@ -65,15 +71,17 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
     from tqdm import tqdm
 
     # token selection on every row, as if each token were decoded (a prompt's rows would attend exactly)
-    ctx = apply_aqua(model, projection, config, token_rows_from=0, mean_value=mean_value) if projection is not None \
-        else contextlib.nullcontext()
+    rows_from = max(0, seq_len - 1 - last) if last else 0
+    ctx = apply_aqua(model, projection, config, token_rows_from=rows_from, mean_value=mean_value) \
+        if projection is not None else contextlib.nullcontext()
     total, count = 0.0, 0
     with torch.no_grad(), ctx:
         for w in tqdm(ws, desc="eval", unit="win", disable=not progress):
-            s, n = _nll(model, w)
+            s, n = _nll(model, w, last)
             total, count = total + s, count + n
     return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": int(sum(w.numel() for w in ws)),
-            "predicted_tokens": count, "windows": len(ws), "seq_len": seq_len, "config": config.to_dict()}
+            "predicted_tokens": count, "windows": len(ws), "seq_len": seq_len, "last": last,
+            "config": config.to_dict()}
 
 
 def _decoded_logits(lm, ids: np.ndarray) -> np.ndarray:

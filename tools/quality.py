@@ -153,7 +153,8 @@ def main() -> int:
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--tokens", type=int, default=100_000, help="evaluation tokens (GPL-3 has ~7.7k)")
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--long-tokens", type=int, default=16384, help="tokens of the long-window text (section long)")
+    ap.add_argument("--long-tokens", type=int, default=8192, help="tokens of the long-window text per window length "
+                    "(section long)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="measure only these (the others' figures are kept from quality.json, measured with the same "
@@ -230,7 +231,8 @@ def main() -> int:
 
     lm_grid = lm_eval_grid(proj_path) if "lmeval" in sections else old.get("lm_eval", {})
     long = quality_long.measure_long(model, tok, proj, a.long_tokens) if "long" in sections else old.get("long", {})
-    passkey = quality_long.measure_passkey(proj_path) if "passkey" in sections else old.get("passkey", {})
+    passkey = quality_long.measure_passkey(model, tok, proj, ROOT / "build" / "quality") if "passkey" in sections \
+        else old.get("passkey", {})
 
     # the measurements first: a report bug below must not cost them
     atomic_write_bytes(out / "quality.json", json.dumps({"calibration": cal, "results": results, "union": union,

@@ -1,12 +1,13 @@
 """Long-context quality: where token selection can fail. Two sections of tools/quality.py (--sections long,passkey),
 measured on the embedded model with the projection quality.py calibrates (builtin:python-reference):
 
-    long     perplexity on windows of 2048, 4096 and 8192 tokens of builtin:licenses (Debian's licence texts,
-             not the calibration text), every row scored as a decode step would be (its pages chosen from the
-             tokens before it); bytes read per step at the window's length
-    passkey  lm-eval's aqua_passkey on the PyTorch reference (a pass key planted at 5 depths of 1k / 4k / 8k-token
-             fillers; the prompt attends exactly, each generated token selects, as in a built folder): accuracy
-             per length and depth
+    long     perplexity of the last LAST tokens of windows of 2048 and 8192 tokens of builtin:licenses (Debian's
+             licence texts, not the calibration text): the window's earlier tokens are their prompt (attended
+             exactly, as a served prompt is), each scored row selects its pages from the tokens before it, as a
+             decode step does; bytes read per step at the window's length
+    passkey  lm-eval's aqua_passkey on built folders run by ONNX Runtime (native kernels; a pass key planted at 5
+             depths of 1k / 4k / 8k-token fillers; the prompt attends exactly, each generated token selects):
+             accuracy per length and depth
 
 The settings: dense, per-head magnitude at k 0.5 (the bar the token-selection settings must meet), and token
 selection with the group-shared weighted rule (a step reads exactly k of K^'s rows to score the tokens), AquaConfig's
@@ -22,13 +23,13 @@ from aqua_export.config import AquaConfig
 from aqua_export.ops import rules
 
 LONG_TEXT = "builtin:licenses"
-LONG_LENGTHS = (2048, 4096, 8192)
+LONG_LENGTHS = (2048, 8192)
+LAST = 1024  # tokens scored per window: the decode steps
 D = 64  # SmolLM2's head width: k_ratio 0.25 -> 16 rows
 # name -> (config, SparQ's mean-value correction)
 LONG = {
     "dense": (AquaConfig(), False),
     "magnitude k 0.5": (AquaConfig(k_ratio=0.5), False),
-    "group-weighted k 0.5, tokens 1/8": (AquaConfig(k_ratio=0.5, selection="group-weighted", token_ratio=0.125), False),
     "group-weighted k 0.25, tokens 1/8": (AquaConfig(k_ratio=0.25, selection="group-weighted", token_ratio=0.125),
                                           False),
     "group-weighted k 0.25, tokens 1/8, mean value": (
@@ -37,6 +38,7 @@ LONG = {
                                            False),
 }
 BAR = "magnitude k 0.5"
+PASSKEY = ("dense", "group-weighted k 0.25, tokens 1/8", "group-weighted k 0.25, tokens 1/16")  # built folders
 
 
 def bytes_read(cfg: AquaConfig, union: float, length: int) -> float:
@@ -56,7 +58,7 @@ def measure_long(model, tok, proj, tokens: int) -> dict:
     for name, (cfg, mean_value) in LONG.items():
         for length in LONG_LENGTHS:
             t = time.perf_counter()
-            r = evaluate.perplexity(model, tok, text, tokens=tokens, seq_len=length,
+            r = evaluate.perplexity(model, tok, text, tokens=tokens, seq_len=length, last=LAST,
                                     projection=None if cfg.is_dense else proj, config=cfg, mean_value=mean_value)
             r["seconds"] = time.perf_counter() - t
             out[f"{name}/{length}"] = r
@@ -64,19 +66,23 @@ def measure_long(model, tok, proj, tokens: int) -> dict:
     return out
 
 
-def measure_passkey(proj_path) -> dict:
-    """aqua_passkey per setting (mean-value variants left out: the graph has none): accuracy per (length, depth)."""
+def measure_passkey(model, tok, proj, work) -> dict:
+    """aqua_passkey on a folder of each PASSKEY setting (the build's export stage, float32, into ``work``):
+    accuracy per (length, depth)."""
+    import shutil
+    from pathlib import Path
+
+    from aqua_export.build import BuildOptions, _export
     from aqua_export.lm_eval_model import AquaLM, evaluate as lm_evaluate
 
     out = {}
-    for name, (cfg, mean_value) in LONG.items():
-        if mean_value:
-            continue
-        default = AquaConfig()
-        settings = {k: getattr(cfg, k) for k in AquaLM.SETTINGS if getattr(cfg, k) != getattr(default, k)}
+    for name in PASSKEY:
+        folder = Path(work) / name.replace(" ", "").replace(",", "-").replace("/", "_")
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        _export(model, tok, proj, LONG[name][0], BuildOptions(), folder, "llama")
         t = time.perf_counter()
-        with AquaLM(model="llama", projection=None if cfg.is_dense else str(proj_path), batch_size=1,
-                    **settings) as lm:
+        with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
             r = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
         cells: dict = {}
         for s in r["samples"]["aqua_passkey"]:
@@ -84,6 +90,7 @@ def measure_passkey(proj_path) -> dict:
         out[name] = {"accuracy": {k: sum(v) / len(v) for k, v in cells.items()},
                      "mean": r["results"]["aqua_passkey"]["exact_match,none"], "seconds": time.perf_counter() - t}
         print(f"passkey {name}: {out[name]['mean']:.3f} ({out[name]['seconds']:.0f} s)", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -94,9 +101,12 @@ def lines(long: dict, passkey: dict, union: dict) -> list[str]:
         first = next(iter(long.values()))
         L += ["\n## Long windows: token selection (`--token-ratio`)\n",
               f"Perplexity on `{LONG_TEXT}` (Debian's licence texts but GPL-3, longest first; not the calibration "
-              f"text), its first {first['tokens']} tokens in non-overlapping windows of 2048, 4096 and 8192; every "
-              "row is scored as a decode step would be, its pages of 16 tokens chosen on the k selected coordinates "
-              "from the tokens before it (sink 16, window 64). Bytes: a step at the window's length against dense's "
+              f"text), its first {first['tokens']} tokens in non-overlapping windows of "
+              f"{' and '.join(map(str, LONG_LENGTHS))}, of each window's last {LAST} tokens: the tokens before "
+              "them are their prompt (attended exactly, as a served prompt is) and each scored row is a decode step, "
+              "its pages of 16 tokens chosen on the k selected coordinates from the tokens before it (sink 16, "
+              "window 64). SparQ's mean-value correction (`mean value`) is the reference's only: the graph has "
+              "none. Bytes: a step at the window's length against dense's "
               "K + V (u K to score every token, plus K and V whole for the attended pages; `u K + V` without token "
               f"selection). **Bold**: settings no worse than `{BAR}` at that length.\n",
               "| setting | " + " | ".join(f"ppl @ {n}" for n in LONG_LENGTHS) + " | "
@@ -116,8 +126,8 @@ def lines(long: dict, passkey: dict, union: dict) -> list[str]:
 
         L += ["\n## Pass key retrieval (`aqua-export lm-eval --tasks aqua_passkey`)\n",
               "A five-digit key planted at a depth of a filler of 1k, 4k or 8k tokens, asked for at the end; exact "
-              "match of the greedy answer. The PyTorch reference: the prompt attends exactly, each generated token "
-              "selects its pages (as a built folder decodes). One key per cell.\n",
+              "match of the greedy answer, from folders built with each setting and run by ONNX Runtime (native "
+              "kernels): the prompt attends exactly, each generated token selects its pages. One key per cell.\n",
               "| setting | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " | all |",
               "|---|" + "---|" * (len(PASSKEY_LENGTHS) + 1)]
         for name, r in passkey.items():

@@ -224,15 +224,15 @@ def _select_tokens(st: LayerAqua, qh, kh, scores, allowed, scaling, softcap, pos
     rows = positions >= tk.rows_from if tk.rows_from is not None else torch.full_like(positions, tq == 1, dtype=bool)
     if not rows.any():
         return exact, allowed, None
-    vis = allowed[:, :, rows]
+    vis = allowed[:, :1, rows]  # [B, 1, R, S]: every KV head sees the same tokens (nothing is evicted)
     score = rules.page_scores(scores[:, :, :, rows].transpose(2, 3), vis)  # [B, Hkv, R, P]
-    forced = rules.forced_pages(vis, tk.sink, tk.window)
-    attended = rules.tokens_attended(vis, tk.ratio, tk.budget)
+    forced = rules.forced_pages(vis, tk.sink, tk.window).expand(score.shape)
+    attended = rules.tokens_attended(vis, tk.ratio, tk.budget).expand(score.shape[:-1])
     pages = rules.select_pages(score, forced, attended)
     if st.probe is not None:
         pages = st.probe.pages(st, positions[rows], score, forced, attended, pages)
     chosen = allowed.clone()
-    chosen[:, :, rows] = vis & rules.page_tokens(pages, s)
+    chosen[:, :, rows] = allowed[:, :, rows] & rules.page_tokens(pages, s)
     mass = None
     if tk.mean_value:  # the approximate softmax mass of the chosen tokens, on the selecting rows
         p = torch.softmax(scores.masked_fill(~allowed[:, :, None], torch.finfo(scores.dtype).min), -1)

@@ -192,8 +192,9 @@ constexpr int64_t kKeyAhead = 512;   // elements ahead on a key row that accumul
 
 // acc[rr][0..n) = sum over c in the union of w[c][rr] * key[c][0..n): one pass over each selected key
 // row segment (n contiguous values, prefetch-friendly) feeds NR rows' L1-resident accumulators.
-// acc rows are `pitch` floats apart.
-template <int NR, typename T>
+// acc rows are `pitch` floats apart. Ahead: request each row kKeyAhead on (a stream over the cache); token
+// selection's scattered pages turn it off (the lines ahead are pages nobody reads).
+template <int NR, bool Ahead, typename T>
 void accumulate(const T* __restrict key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
                 int64_t n, float* __restrict acc, int64_t pitch) {
   for (int rr = 0; rr < NR; ++rr) std::memset(acc + rr * pitch, 0, sizeof(float) * n);
@@ -211,8 +212,10 @@ void accumulate(const T* __restrict key, int64_t stride, const int32_t* uni, int
     for (int64_t i0 = 0; i0 < n; i0 += kLine) {
       // the four rows' segments a block further on, requested now: without it the four strided streams
       // ran at two thirds of the streaming bandwidth (prefetching past a row's end is harmless)
-      __builtin_prefetch(k0 + i0 + kKeyAhead), __builtin_prefetch(k1 + i0 + kKeyAhead);
-      __builtin_prefetch(k2 + i0 + kKeyAhead), __builtin_prefetch(k3 + i0 + kKeyAhead);
+      if constexpr (Ahead) {
+        __builtin_prefetch(k0 + i0 + kKeyAhead), __builtin_prefetch(k1 + i0 + kKeyAhead);
+        __builtin_prefetch(k2 + i0 + kKeyAhead), __builtin_prefetch(k3 + i0 + kKeyAhead);
+      }
       const int64_t i1 = std::min(n, i0 + kLine);
       for (int64_t i = i0; i < i1; ++i) {
         const float a0 = load(k0, i), a1 = load(k1, i), a2 = load(k2, i), a3 = load(k3, i);
@@ -231,14 +234,14 @@ void accumulate(const T* __restrict key, int64_t stride, const int32_t* uni, int
   }
 }
 
-template <typename T>
+template <bool Ahead = true, typename T>
 void accumulate_rows(int nr, const T* key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
                      int64_t n, float* acc, int64_t pitch) {
   switch (nr) {
-    case 1: accumulate<1>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
-    case 2: accumulate<2>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
-    case 3: accumulate<3>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
-    default: accumulate<4>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    case 1: accumulate<1, Ahead>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    case 2: accumulate<2, Ahead>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    case 3: accumulate<3, Ahead>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
+    default: accumulate<4, Ahead>(key, stride, uni, nu, wbuf, n, acc, pitch); break;
   }
 }
 
@@ -274,7 +277,7 @@ void add_value_tile(const float* p, int64_t p_pitch, const T* __restrict v, int6
   }
 }
 
-template <int NR, int W>
+template <int NR, int W, bool Ahead>
 void add_value_vectors(const float* p, int64_t p_pitch, const float* __restrict v, int64_t n, int64_t r,
                        float* __restrict o, int64_t o_pitch) {
   f8 acc[NR][W];
@@ -282,7 +285,9 @@ void add_value_vectors(const float* p, int64_t p_pitch, const float* __restrict 
     for (int w = 0; w < W; ++w) acc[rr][w] = load8(o + rr * o_pitch + 8 * w);
   }
   for (int64_t i = 0; i < n; ++i) {
-    for (int w = 0; w < W; w += 2) __builtin_prefetch(v + (i + kValueAhead) * r + 8 * w);
+    if constexpr (Ahead) {
+      for (int w = 0; w < W; w += 2) __builtin_prefetch(v + (i + kValueAhead) * r + 8 * w);
+    }
     f8 vv[W];
     for (int w = 0; w < W; ++w) vv[w] = load8(v + i * r + 8 * w);
     for (int rr = 0; rr < NR; ++rr) {
@@ -295,13 +300,13 @@ void add_value_vectors(const float* p, int64_t p_pitch, const float* __restrict 
   }
 }
 
-template <int NR, typename T>
+template <int NR, bool Ahead, typename T>
 void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o, int64_t o_pitch) {
   int64_t c0 = 0;
   if constexpr (std::is_same_v<T, float>) {
-    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
-    if (c0 + 32 <= r) add_value_vectors<NR, 4>(p, p_pitch, v + c0, n, r, o + c0, o_pitch), c0 += 32;
-    for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
+    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
+    if (c0 + 32 <= r) add_value_vectors<NR, 4, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch), c0 += 32;
+    for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
   }
   for (; c0 < r; c0 += kCols) {
     const int64_t nc = std::min(kCols, r - c0);
@@ -313,14 +318,15 @@ void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t 
   }
 }
 
-template <typename T>
+// Ahead: as accumulate_rows' (V rows kValueAhead on, off for token selection's scattered pages).
+template <bool Ahead = true, typename T>
 void add_values_rows(int nr, const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o,
                      int64_t o_pitch) {
   switch (nr) {
-    case 1: add_values<1>(p, p_pitch, v, n, r, o, o_pitch); break;
-    case 2: add_values<2>(p, p_pitch, v, n, r, o, o_pitch); break;
-    case 3: add_values<3>(p, p_pitch, v, n, r, o, o_pitch); break;
-    default: add_values<4>(p, p_pitch, v, n, r, o, o_pitch); break;
+    case 1: add_values<1, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
+    case 2: add_values<2, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
+    case 3: add_values<3, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
+    default: add_values<4, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
   }
 }
 

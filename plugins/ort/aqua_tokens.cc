@@ -210,12 +210,12 @@ void attend_task(void* data, size_t task_index) {
       prefetch_keys(chosen, std::max(requested, run.last), ahead, key, j.key_stride, j.r);
       requested = std::max(requested, ahead);
       std::copy(mrow + run.start, mrow + run.start + run.n, mg + run.at);
-      accumulate_rows(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
+      accumulate_rows<false>(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
     }
     online_softmax(nr, ch.filled, j.softcap, mb, s, m, l, o, j.rv);
     for (int i = 0; i < ch.nruns; ++i) {
       const auto& run = ch.runs[i];
-      add_values_rows(nr, s + run.at, kPos, value + run.start * j.rv, run.n, j.rv, o, kMaxWidth);
+      add_values_rows<false>(nr, s + run.at, kPos, value + run.start * j.rv, run.n, j.rv, o, kMaxWidth);
     }
   }
   finish_rows<T>(j, j, task, bh, tile, nr, o, m, l);
