@@ -200,15 +200,31 @@ def _visible(layer, attention_mask, b: int, hkv: int, tq: int, s: int, device):
 def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0: int):
     """Softmax attention of the rows qh [B, Hkv, g, R, r] (at sequence positions position0..) -> [B, Hkv, g, R, rv]:
     over the approximate scores, or with token selection over the chosen pages' exact scores."""
-    scores = _scores(st, qh, kh, idx, scaling, softcap)
     mean_mass = None
-    if st.tokens is not None:
-        scores, allowed, mean_mass = _select_tokens(st, qh, kh, scores, allowed, scaling, softcap, position0)
+    rows = _selecting_rows(st.tokens, position0, qh.shape[3]) if st.tokens is not None else None
+    if rows is not None and not rows.any() and st.probe is None:
+        scores = _exact_scores(qh, kh, scaling, softcap)  # a prompt's rows: nothing approximate to compute
+    else:  # (a probe sees every forward's selection, as the graph computes it)
+        scores = _scores(st, qh, kh, idx, scaling, softcap)
+        if rows is not None:
+            scores, allowed, mean_mass = _select_tokens(st, qh, kh, scores, allowed, scaling, softcap, position0)
     if mean_mass is not None:
         return _mean_corrected(scores, allowed, v, *mean_mass)
     neg = torch.finfo(scores.dtype).min
     w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
     return w.to(v.dtype) @ v[:, :, None]
+
+
+def _selecting_rows(tk: TokenSelection, position0: int, tq: int) -> torch.Tensor:
+    """[tq] bool: which of the rows at positions position0.. select tokens (TokenSelection.rows_from)."""
+    positions = torch.arange(position0, position0 + tq)
+    return positions >= tk.rows_from if tk.rows_from is not None else torch.full_like(positions, tq == 1, dtype=bool)
+
+
+def _exact_scores(qh, kh, scaling, softcap):
+    """Every coordinate's scores [B, Hkv, g, Tq, S], soft-capped as the model's."""
+    exact = (qh @ kh[:, :, None].transpose(-1, -2)) * scaling
+    return torch.tanh(exact / softcap) * softcap if softcap else exact
 
 
 def _select_tokens(st: LayerAqua, qh, kh, scores, allowed, scaling, softcap, position0: int):
@@ -217,11 +233,9 @@ def _select_tokens(st: LayerAqua, qh, kh, scores, allowed, scaling, softcap, pos
     Rows that do not select (a prompt's, as in the graph) attend every visible token exactly."""
     tk = st.tokens
     b, hkv, g, tq, s = scores.shape
-    exact = (qh @ kh[:, :, None].transpose(-1, -2)) * scaling
-    if softcap:
-        exact = torch.tanh(exact / softcap) * softcap
+    exact = _exact_scores(qh, kh, scaling, softcap)
     positions = torch.arange(position0, position0 + tq, device=qh.device)
-    rows = positions >= tk.rows_from if tk.rows_from is not None else torch.full_like(positions, tq == 1, dtype=bool)
+    rows = _selecting_rows(tk, position0, tq)
     if not rows.any():
         return exact, allowed, None
     vis = allowed[:, :1, rows]  # [B, 1, R, S]: every KV head sees the same tokens (nothing is evicted)
