@@ -40,7 +40,7 @@ NATIVE_ALT := build/ort-$(ALT_ARCH)/libaqua_ort.so
 ALT_ISA := AQUA_ORT_KERNEL=$(CURDIR)/$(NATIVE_ALT) ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
 	ONEDNN_MAX_CPU_ISA=SSE41
 # (Triton's kernels run in its interpreter here, numpy arithmetic: the other instruction set is for the native ones)
-ALT_TESTS := tests/test_ops.py tests/test_h2o.py tests/test_parity.py \
+ALT_TESTS := tests/test_ops.py tests/test_h2o.py tests/test_parity.py tests/test_tokens.py \
 	tests/test_build.py::test_dense_build_matches_hf tests/test_build.py::test_k1_build_passes_parity -k "not triton"
 
 $(NATIVE_ALT): $(NATIVE_SRC)

@@ -80,7 +80,7 @@ def measure_passkey(model, tok, proj, work) -> dict:
         folder = Path(work) / name.replace(" ", "").replace(",", "-").replace("/", "_")
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        _export(model, tok, proj, LONG[name][0], BuildOptions(), folder, "llama")
+        _export(model, tok, proj, LONG[name][0], BuildOptions(), folder, "llama").seal(folder)
         t = time.perf_counter()
         with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
             r = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
