@@ -93,7 +93,8 @@ def _decode_rows(shapes: dict) -> list[str]:
                 vs_b = f"{m['tokens_per_s'] / next(iter(base.values()))['tokens_per_s']:.2f}x" if base else "-"
                 vs_d = f"{m['tokens_per_s'] / next(iter(dense.values()))['tokens_per_s']:.2f}x" if dense else "-"
                 bound = 1.3 * weights[kind] + cache + 2**30
-                md.append(f"| {name} | {r.get('context', 4096)} | {runtime} | {label} | {m['tokens_per_s']:.2f} | "
+                ctx = r.get("genai_context", r.get("context", 4096)) if runtime == "genai" else r.get("context", 4096)
+                md.append(f"| {name} | {ctx} | {runtime} | {label} | {m['tokens_per_s']:.2f} | "
                           f"{vs_b} | {vs_d} | "
                           f"{m['peak_rss_mb'] / 1024:.2f} | {bound / 2**30:.2f} |")
     return md
@@ -111,7 +112,8 @@ def report_lines() -> list[str]:
           "tools/checkpoints.py), built with `aqua-export --model DIR " + build_args + "` and by "
           "onnxruntime-genai's model builder (`-p int4 -e cpu`, block 32, accuracy level 4) in the same run, then "
           "decoded at batch 1 (context 4096, or the shape's own window less the steps: TinyLlama's 1.1B has 2048 "
-          "positions) on this 2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
+          "positions; in genai a real prompt of the context column's length, 1024 for the largest shapes, whose "
+          "prefill on 2 cores would otherwise take most of an hour) on this 2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
           "real prompt prefilled through onnxruntime-genai; aqua: written into the cache). Build peak: the largest "
           "stage's VmHWM; serve peak: the bench process's VmHWM (loading, context and decode).", "",
           *_build_rows(shapes), "", *_decode_rows(shapes)]
