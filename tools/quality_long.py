@@ -36,9 +36,11 @@ LONG = {
         AquaConfig(k_ratio=0.25, selection="group-weighted", token_ratio=0.125), True),
     "group-weighted k 0.25, tokens 1/16": (AquaConfig(k_ratio=0.25, selection="group-weighted", token_ratio=0.0625),
                                            False),
+    "group-weighted k 0.25, budget 512": (AquaConfig(k_ratio=0.25, selection="group-weighted", token_budget=512),
+                                          False),
 }
 BAR = "magnitude k 0.5"
-PASSKEY = ("dense", "group-weighted k 0.25, tokens 1/8", "group-weighted k 0.25, tokens 1/16")  # built folders
+PASSKEY = ("dense", "group-weighted k 0.25, budget 512")  # built folders (benchmarks/passkey.json: this pair)
 
 
 def bytes_read(cfg: AquaConfig, union: float, length: int) -> float:
