@@ -85,7 +85,6 @@ def cache_bytes(folder: Path, tokens: int) -> int:
 
 def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int, genai_context: int) -> dict:
     from checkpoints import write_checkpoint
-    from moe_dense import all_experts_folder
 
     ckpt = work / f"ckpt-{name}"
     params = write_checkpoint(ckpt, name)
@@ -108,6 +107,8 @@ def measure_shape(name: str, work: Path, res: dict, context: int, steps: int, ro
     """Decode the built folders of a shape (res: serve_shape's build records) in onnxruntime-genai (a real prompt
     of genai_context tokens prefilled through it) and in this project's runtime (context written into the cache),
     then remove them."""
+    from moe_dense import all_experts_folder
+
     ckpt, ours, theirs = work / f"ckpt-{name}", work / f"aqua-{name}", work / f"genai-{name}"
     # a shape's own window bounds the context (TinyLlama's 1.1B: 2048 positions)
     limit = json.loads((ckpt / "config.json").read_text()).get("max_position_embeddings", context + steps + 8)
