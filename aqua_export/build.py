@@ -21,7 +21,7 @@ import torch
 
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
-from .export.exporter import contract_for, export_onnx
+from .export.exporter import TOKENS_NEED_FUSED, contract_for, export_onnx
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -126,8 +126,7 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
     if o.backend == "tensorrt" and config.evicts:
         raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
     if o.backend == "tensorrt" and config.selects_tokens:
-        raise ConfigError("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
-                          "build with --backend onnx")
+        raise ConfigError(TOKENS_NEED_FUSED)
     if o.backend == "tensorrt":
 
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written

@@ -26,6 +26,10 @@ from .contract import Contract
 from .decoder_graph import DecoderGraph, Plan
 
 
+TOKENS_NEED_FUSED = ("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
+                     "build with --backend onnx")
+
+
 def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat(),
                      fused: bool = True) -> None:
     """Refuse, in one line each, what the export cannot represent."""
@@ -37,8 +41,7 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
                           "activations: use --weights int4")
     arch.check_settings(model.config, config)
     if config.selects_tokens and not fused:
-        raise ConfigError("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
-                          "build with --backend onnx")
+        raise ConfigError(TOKENS_NEED_FUSED)
 
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None

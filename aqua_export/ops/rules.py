@@ -119,10 +119,16 @@ def forced_pages(visible: torch.Tensor, sink: int, window: int) -> torch.Tensor:
     return keep.reshape(*keep.shape[:-1], -1, PAGE).any(-1)
 
 
+def pages_wanted(forced: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """forced [..., P] (forced_pages), attended [...] (tokens_attended) -> the pages a step attends [...]:
+    ceil(attended / PAGE), or the forced ones if more."""
+    return torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))
+
+
 def select_pages(score: torch.Tensor, forced: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """score [..., P] (page_scores), forced [..., P] (forced_pages), attended [...] (tokens_attended) -> [..., P]
     bool: the forced pages, then the best-scored others (ties: the lower page) until ceil(attended / PAGE) pages."""
-    want = torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))
+    want = pages_wanted(forced, attended)
     key = torch.where(forced, torch.full_like(score, math.inf), score)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
@@ -133,7 +139,7 @@ def page_margin(score: torch.Tensor, forced: torch.Tensor, attended: torch.Tenso
     """(the score of the last page select_pages chose by score, its relative margin over the next one) [...]: where
     the two are within rounding, two correct implementations may keep different pages (nan / inf where no page
     competes: everything kept, or only forced pages)."""
-    want = torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))
+    want = pages_wanted(forced, attended)
     free = forced.sum(-1)
     top = torch.where(forced, torch.full_like(score, -math.inf), score).sort(-1, descending=True).values
     top = torch.nn.functional.pad(top, (0, 2), value=-math.inf)
@@ -148,7 +154,7 @@ def attended_share(n: int, ratio: float, budget_tokens: int, sink: int, window: 
     """The share of n visible tokens (no padding) whose slots a decode step reads whole: its pages' slots
     (select_pages' count, the forced pages included), over n. The bytes-read accounting of the tools."""
     visible = torch.ones(1, n, dtype=torch.bool)
-    want = max(-(-int(tokens_attended(visible, ratio, budget_tokens)) // PAGE), int(forced_pages(visible, sink, window).sum()))
+    want = int(pages_wanted(forced_pages(visible, sink, window), tokens_attended(visible, ratio, budget_tokens)))
     return min(n, want * PAGE) / n
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ops.rules import heavy_margin, page_margin, selection_margin, selection_score
-from ..ops.spec import PAGE
+from ..ops.rules import heavy_margin, page_margin, pages_wanted, selection_margin, selection_score
 
 NOISE_FACTOR = 5.0  # a bound is at least this many times the reference's float32 error (harness.py says why 5)
 
@@ -87,7 +86,7 @@ class ReplayProbe:
         self.page_boundary.append(kth.double().numpy())
         if self.page_orders is None:
             return own
-        want = torch.maximum((attended + PAGE - 1) // PAGE, forced.sum(-1))  # [B, Hkv, R]
+        want = pages_wanted(forced, attended)  # [B, Hkv, R]
         chosen = torch.zeros_like(own)
         for j, p in enumerate(positions.tolist()):  # the decode step that computed row p
             order = torch.from_numpy(self.page_orders[p - self.prompt + 1][st.index])[:, :, 0, -1]  # [B, Hkv, P_s]
