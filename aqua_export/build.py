@@ -36,7 +36,7 @@ from .runtime.folder import FolderConfig, Geometry
 from .runtime.session import default_kernel
 from .runtime.tensorrt import build_engine
 from .runtime.tensorrt_plugin import require_tensorrt
-from .slice_costs import add_costs
+from .slice_costs import add_costs, add_select_costs
 
 STAGES = 5
 DTYPES = {name: getattr(torch, name) for name in FLOAT_TYPES}  # --dtype name -> torch dtype
@@ -58,6 +58,8 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-{config.selection}"
     if config.slice_alloc != "uniform" and config.slice_ratio:
         name += f"-{config.slice_alloc}"
+    if config.k_alloc != "uniform" and config.k_ratio < 1:
+        name += f"-kalloc-{config.k_alloc}"
     if o.dtype != "float32":
         name += f"-{o.dtype}"
     if o.weights.quantized:
@@ -183,8 +185,13 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
         if config.slice_alloc == "measured" and config.slice_ratio and projection.slice_cost is None:
             projection = add_costs(model, tok, projection, tmp / "projection.safetensors",
                                             calib_texts or ["builtin:python-reference"])
+        if config.k_alloc == "measured" and config.k_ratio < 1 and (
+                projection.select_cost is None or projection.metadata.get("select_rule") != config.selection):
+            projection = add_select_costs(model, tok, projection, tmp / "projection.safetensors",
+                                          calib_texts or ["builtin:python-reference"], config.selection)
         d = models.attention_geometry(model)["head_dim"]
-        _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)})", total)
+        spread = f", spread by --k-alloc {config.k_alloc}" if config.k_alloc != "uniform" else ""
+        _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)}{spread})", total)
         meter.start("export")
         cfg = _export(model, tok, projection, config, o, tmp, model_spec)
         # one model in memory at a time: the PyTorch model goes while ONNX Runtime runs, and comes back after
@@ -256,6 +263,9 @@ def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> di
     if config.slice_alloc != "uniform" and config.slice_ratio:
         info["slice_alloc"] = (f"{config.slice_alloc}: layer widths chosen where slicing costs least, the cache's bytes "
                                "those of uniform slicing (allocate.py); onnxruntime-genai takes one width: --runtime aqua")
+    if config.k_alloc != "uniform" and config.k_ratio < 1:
+        info["k_alloc"] = (f"{config.k_alloc}: k per layer chosen where a narrower selection costs least, their sum "
+                           "uniform's (allocate.py): " + ", ".join(map(str, contract.selected)))
     if config.evicts:
         info["h2o"] = ("eviction inside the graph (H2OAttention, fixed-capacity slots updated in place): keep "
                        "ceil(ratio*n) per sequence and KV head, floor(half) the most recent, the rest by accumulated "

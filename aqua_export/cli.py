@@ -31,7 +31,7 @@ def _model_arg(p):
 
 
 def _config_args(p, k_default: float = 1.0):
-    from .config import SELECTIONS, SLICE_ALLOCS
+    from .config import K_ALLOCS, SELECTIONS, SLICE_ALLOCS
 
     p.add_argument("--k-ratio", type=float, default=k_default,
                    help="share of the retained width r whose coordinates score each query, in (0, 1]; 1 = dense "
@@ -51,6 +51,12 @@ def _config_args(p, k_default: float = 1.0):
                         "uniform slicing): uniform (every K^ and V drops --slice-ratio), energy (water-filling on the "
                         "calibrated spectra), measured (on measured costs of slicing: the projection's slice costs, "
                         "measured by the build or `calibrate --slice-costs`) (default %(default)s)")
+    p.add_argument("--k-alloc", default="uniform", choices=K_ALLOCS,
+                   help="how the selection width spreads over the layers, --k-ratio their average (the same rows of "
+                        "K^ per step under the group rules): uniform (every layer selects --k-ratio of its width), "
+                        "energy (water-filling on the calibrated spectra), measured (on each layer's measured cost "
+                        "of a narrower selection under --selection: measured by the build or `calibrate "
+                        "--select-costs`) (default %(default)s)")
     p.add_argument("--token-ratio", type=float, default=1.0,
                    help="token selection: share of the visible tokens a decode step attends, in (0, 1]; the k "
                         "selected coordinates score pages of 16 tokens, the chosen ones get exact attention, nothing "
@@ -147,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate_parser(sub) -> None:
+    from .config import SELECTIONS
+
     p = sub.add_parser("calibrate", help="compute the projection artifact")
     _model_arg(p)
     p.add_argument("--text", action="append", help="plain-text/JSONL file or builtin:NAME (repeatable); default: "
@@ -163,6 +171,9 @@ def _calibrate_parser(sub) -> None:
     p.add_argument("--slice-costs", action="store_true",
                    help="also measure each layer's cost of slicing its K^ and its V (for --slice-alloc measured): 12 "
                         "cuts per layer, a 1,024-token forward each, on --text (default builtin:python-reference)")
+    p.add_argument("--select-costs", choices=SELECTIONS, metavar="SELECTION",
+                   help="also measure each layer's cost of a narrower selection under this rule (for --k-alloc "
+                        "measured): 5 k per layer, a 512-token forward each, on --text")
     p.set_defaults(fn=commands.cmd_calibrate)
 
 

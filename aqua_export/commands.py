@@ -13,7 +13,7 @@ from .config import AquaConfig, ConfigError
 
 def config_of(a) -> AquaConfig:
     return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
-                      slice_alloc=a.slice_alloc, token_ratio=a.token_ratio, token_budget=a.token_budget,
+                      slice_alloc=a.slice_alloc, k_alloc=a.k_alloc, token_ratio=a.token_ratio, token_budget=a.token_budget,
                       token_sink=a.token_sink, token_window=a.token_window)
 
 
@@ -59,12 +59,17 @@ def cmd_calibrate(a) -> int:
         if res is not None:  # rank 0 (or the only process) writes
             tensors, meta = res
             write_projection(out, tensors, meta)
+            texts = a.text or ["builtin:python-reference"]
             if a.slice_costs:
                 from .slice_costs import add_costs
 
-                add_costs(model, tok, load_projection(out), out, a.text or ["builtin:python-reference"],
-                          progress=not a.quiet)
-            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']}{', slice costs' if a.slice_costs else ''})")
+                add_costs(model, tok, load_projection(out), out, texts, progress=not a.quiet)
+            if a.select_costs:
+                from .slice_costs import add_select_costs
+
+                add_select_costs(model, tok, load_projection(out), out, texts, a.select_costs, progress=not a.quiet)
+            costs = "".join(f", {w} costs" for w, on in (("slice", a.slice_costs), ("selection", a.select_costs)) if on)
+            print(f"wrote {out} ({meta['tokens']} tokens of {meta['corpus']}{costs})")
     finally:
         if group is not None:
             import torch.distributed as dist

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from .ops import spec
 
-CONFIG_VERSION = 2  # 2: token selection (token_ratio, token_budget, token_sink, token_window); 1 still reads
+CONFIG_VERSION = 3  # 3: k_alloc; 2: token selection (token_ratio, token_budget, ...); 1 and 2 still read
 SELECTIONS = tuple(spec.SELECTIONS)  # the rule names; what each scores: ops.rules
 SLICE_ALLOCS = ("uniform", "energy", "measured")  # how AQUA-Memory spreads its width budget over layers (allocate.py)
+K_ALLOCS = ("uniform", "energy", "measured")  # how the selection budget k spreads over layers (allocate.py)
 # how each rule scores coordinate i of q^ before taking the top k (ops.rules.selection_score is the definition):
 #   shared: one index set per KV group (the sum of the score over its g query heads), so a kernel reads exactly
 #           k of K^'s r rows per group instead of the union of g selections
@@ -59,6 +60,10 @@ class AquaConfig:
     slice_alloc: how AQUA-Memory's budget (slice_ratio of every layer's width, on average) is spread over the
                  layers: 'uniform' (the paper: every layer drops the same share), 'energy' (water-filling on
                  the calibrated spectra) or 'measured' (on each layer's measured cost of slicing; allocate.py).
+    k_alloc:     how the selection width is spread over the layers: 'uniform' (every layer selects k_ratio of its
+                 width), 'energy' (water-filling on the calibrated spectra) or 'measured' (on each layer's measured
+                 cost of a narrower selection); the layers' k sum to uniform's, so a step reads the same rows of K^
+                 under the group rules (allocate.py).
     token_ratio: token selection, share of the visible tokens a decode step attends, in (0, 1]; 1 = all. The
                  approximate scores (the k selected coordinates) choose pages of tokens (ops.rules), which get exact
                  attention (all r coordinates); nothing is evicted, and a prompt's rows attend every token exactly.
@@ -71,6 +76,7 @@ class AquaConfig:
     h2o_ratio: float = 1.0
     selection: str = "magnitude"
     slice_alloc: str = "uniform"
+    k_alloc: str = "uniform"
     token_ratio: float = 1.0
     token_budget: int = 0
     token_sink: int = 16  # one page: the attention-sink tokens models keep looking at (StreamingLLM keeps 4)
@@ -85,6 +91,8 @@ class AquaConfig:
             raise ConfigError(f"selection={self.selection!r} is unknown: use one of {', '.join(SELECTIONS)}")
         if self.slice_alloc not in SLICE_ALLOCS:
             raise ConfigError(f"slice_alloc={self.slice_alloc!r} is unknown: use one of {', '.join(SLICE_ALLOCS)}")
+        if self.k_alloc not in K_ALLOCS:
+            raise ConfigError(f"k_alloc={self.k_alloc!r} is unknown: use one of {', '.join(K_ALLOCS)}")
         object.__setattr__(self, "token_ratio", _ratio("token_ratio", self.token_ratio, 0.0, 1.0, True, False))
         for name in ("token_budget", "token_sink", "token_window"):
             v = getattr(self, name)
@@ -95,9 +103,9 @@ class AquaConfig:
         if self.selects_tokens and self.evicts:
             raise ConfigError("token selection reads a share of a cache that keeps every token, and AQUA-H2O evicts "
                               "tokens from it: use --token-ratio / --token-budget or --h2o-ratio, not both")
-        if self.version not in (1, CONFIG_VERSION):
+        if self.version not in (1, 2, CONFIG_VERSION):
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
-        object.__setattr__(self, "version", CONFIG_VERSION)  # version 1 is version 2 without token selection
+        object.__setattr__(self, "version", CONFIG_VERSION)  # 1 and 2: this version without the newer fields
 
     # Widths (docs/design.md): r = d - round(slice_ratio * d), k = round(k_ratio * r), at least 1.
     def retained_width(self, head_dim: int) -> int:

@@ -159,15 +159,16 @@ def retention_loss(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], k_r
 
 
 def union_fraction(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], key_rms: tuple[torch.Tensor, ...],
-                   k_ratio: float, selection: str) -> float:
+                   k_ratio: float, selection: str, selected: tuple | None = None) -> float:
     """The share of K^'s rows a decode step reads under ``selection``: per layer, KV head and token, the size of
     the union of the g query heads' selected coordinates over d (k/d when the rule shares one selection),
-    averaged. queries[l] [H, N, d], P[l] [Hkv, d, d], key_rms[l] [Hkv, d]."""
+    averaged. queries[l] [H, N, d], P[l] [Hkv, d, d], key_rms[l] [Hkv, d]; selected: k per layer (an allocation;
+    default round(k_ratio d) in every layer)."""
     total, count = 0.0, 0
-    for q, p, rms in zip(queries, P, key_rms):
+    for i, (q, p, rms) in enumerate(zip(queries, P, key_rms)):
         h, n, d = q.shape
         hkv = p.shape[0]
-        k = max(1, round(k_ratio * d))
+        k = max(1, round(k_ratio * d)) if selected is None else selected[i]
         qh = (q.reshape(hkv, h // hkv, n, d) @ p[:, None])[None]  # [1, Hkv, g, N, d]
         idx = select_indices(qh, k, selection, rms)[0]  # [Hkv, g, N, k]
         hit = torch.zeros(hkv, n, d, dtype=torch.bool)

@@ -3,7 +3,7 @@
 ``AquaLM`` is lm_eval's own ``hf`` model (HFLM) with the forward swapped, so tokenisation, batching,
 truncation, rolling windows and stop handling are lm_eval's, item for item:
 
-    model=M [projection=P, k_ratio=..., slice_ratio=..., h2o_ratio=..., selection=..., slice_alloc=...,
+    model=M [projection=P, k_ratio=..., slice_ratio=..., h2o_ratio=..., selection=..., slice_alloc=..., k_alloc=...,
              token_ratio=..., token_budget=..., token_sink=..., token_window=...]
         the PyTorch reference: M loaded as `aqua-export eval` loads it, AQUA applied (attention.apply_aqua)
         for the life of the object (close() restores the model). Token selection acts as in a built folder: a
@@ -77,11 +77,11 @@ class _OrtModel(torch.nn.Module):
 
 
 def _config(k_ratio=1.0, slice_ratio=0.0, h2o_ratio=1.0, selection="magnitude", slice_alloc="uniform",
-            token_ratio=1.0, token_budget=0, token_sink=None, token_window=None) -> AquaConfig:
+            k_alloc="uniform", token_ratio=1.0, token_budget=0, token_sink=None, token_window=None) -> AquaConfig:
     """lm_eval passes model_args as strings: the numbers are converted here, AquaConfig validates them."""
     default = AquaConfig()
     return AquaConfig(k_ratio=float(k_ratio), slice_ratio=float(slice_ratio), h2o_ratio=float(h2o_ratio),
-                      selection=selection, slice_alloc=slice_alloc, token_ratio=float(token_ratio),
+                      selection=selection, slice_alloc=slice_alloc, k_alloc=k_alloc, token_ratio=float(token_ratio),
                       token_budget=int(token_budget),
                       token_sink=default.token_sink if token_sink is None else int(token_sink),
                       token_window=default.token_window if token_window is None else int(token_window))
@@ -89,7 +89,7 @@ def _config(k_ratio=1.0, slice_ratio=0.0, h2o_ratio=1.0, selection="magnitude", 
 
 @register_model("aqua")
 class AquaLM(HFLM):
-    SETTINGS = ("k_ratio", "slice_ratio", "h2o_ratio", "selection", "slice_alloc", "token_ratio", "token_budget",
+    SETTINGS = ("k_ratio", "slice_ratio", "h2o_ratio", "selection", "slice_alloc", "k_alloc", "token_ratio", "token_budget",
                 "token_sink", "token_window")
 
     def __init__(self, model: str | None = None, folder: str | None = None, projection: str | None = None,

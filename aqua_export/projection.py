@@ -9,6 +9,8 @@ Per layer i (docs/design.md, Calibration), float32:
   optional, for --slice-alloc measured (slice_costs.measure_costs; metadata "slice_widths" lists the widths):
     layers.{i}.slice_cost [2, n]      KL of the next-token distribution with only layer i's K^ (row 0) or V
                                       (row 1) cut to each width
+  optional, for --k-alloc measured (slice_costs.measure_select_costs; metadata "select_widths", "select_rule"):
+    layers.{i}.select_cost [n]        the same KL with only layer i selecting k of its coordinates, each k
 metadata: format_version, fingerprint (models.fingerprint, JSON), corpus name and SHA-256, tokens, seq_len, seed, tool.
 """
 
@@ -26,6 +28,7 @@ from .safetensors_io import save as save_safetensors
 
 FORMAT_VERSION = "1"
 TENSORS = ("P", "P_v", "energy", "energy_v", "key_rms")  # per layer, in every artifact
+COSTS = {"slice_cost": ("slice_widths", 2), "select_cost": ("select_widths", None)}  # optional: widths key, rows
 
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -43,14 +46,15 @@ class Projection:
     key_rms: tuple[torch.Tensor, ...]
     metadata: dict
     slice_cost: tuple[torch.Tensor, ...] | None = None  # [2, n] per layer at metadata["slice_widths"]
+    select_cost: tuple[torch.Tensor, ...] | None = None  # [n] per layer at metadata["select_widths"]
 
     @property
     def fingerprint(self) -> dict:
         return json.loads(self.metadata["fingerprint"])
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The artifact's tensors keyed by layer, as ``write`` takes them (slice costs included when measured)."""
-        kinds = TENSORS + (("slice_cost",) if self.slice_cost is not None else ())
+        """The artifact's tensors keyed by layer, as ``write`` takes them (measured costs included)."""
+        kinds = TENSORS + tuple(k for k in COSTS if getattr(self, k) is not None)
         return {f"layers.{i}.{k}": getattr(self, k)[i] for i in range(len(self.P)) for k in kinds}
 
     def check_model(self, model) -> None:
@@ -112,21 +116,24 @@ def load_projection(path: str | Path) -> Projection:
             if err > 1e-4:
                 raise ConfigError(f"projection file {path} is corrupt: layers.{i}.{k} is not orthogonal (error {err:.1e})")
     return Projection(**{k: tuple(v) for k, v in out.items()}, metadata=meta,
-                      slice_cost=_slice_cost(path, tensors, meta, n_layers, d))
+                      **{k: _costs(path, tensors, meta, n_layers, d, k) for k in COSTS})
 
 
-def _slice_cost(path, tensors: dict, meta: dict, n_layers: int, d: int):
-    """The optional measured slice costs: all layers or none, at the metadata's widths (each in [1, d))."""
-    have = [f"layers.{i}.slice_cost" in tensors for i in range(n_layers)]
+def _costs(path, tensors: dict, meta: dict, n_layers: int, d: int, kind: str):
+    """Optional measured costs (``kind`` of COSTS): all layers or none, at the metadata's widths (each in [1, d))."""
+    key, rows = COSTS[kind]
+    what = kind.split("_")[0]
+    have = [f"layers.{i}.{kind}" in tensors for i in range(n_layers)]
     if not any(have):
         return None
     try:
-        widths = [int(w) for w in meta["slice_widths"].split(",")]
+        widths = [int(w) for w in meta[key].split(",")]
     except (KeyError, ValueError):
-        raise ConfigError(f"projection file {path} is corrupt: slice costs without valid slice_widths") from None
-    if not all(have) or sorted(set(widths)) != widths or not all(0 < w < d for w in widths):
-        raise ConfigError(f"projection file {path} is corrupt: slice costs missing for some layers or bad widths")
-    out = tuple(tensors[f"layers.{i}.slice_cost"] for i in range(n_layers))
-    if any(t.shape != (2, len(widths)) or not torch.isfinite(t).all() for t in out):
-        raise ConfigError(f"projection file {path} is corrupt: a slice_cost is not [2, {len(widths)}] finite values")
+        raise ConfigError(f"projection file {path} is corrupt: {what} costs without valid {key}") from None
+    if not all(have) or sorted(set(widths)) != widths or not all(0 < w < d for w in widths) or len(widths) < 2:
+        raise ConfigError(f"projection file {path} is corrupt: {what} costs missing for some layers or bad widths")
+    out = tuple(tensors[f"layers.{i}.{kind}"] for i in range(n_layers))
+    shape = (len(widths),) if rows is None else (rows, len(widths))
+    if any(tuple(t.shape) != shape or not torch.isfinite(t).all() for t in out):
+        raise ConfigError(f"projection file {path} is corrupt: a {kind} is not {list(shape)} finite values")
     return out

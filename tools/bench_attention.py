@@ -60,9 +60,10 @@ RULE = {"head": 0, "group": 1}
 # (h2o_ratio, rule, k_ratio): AQUA-H2O settings whose perplexity is no worse than per-head magnitude at k 0.5
 # (benchmarks/quality.md, with the weighted rule these kernels run as `group`)
 H2O_SETTINGS = [(0.75, "group", 0.75), (0.875, "group", 0.625)]
-# (token_ratio, rule, k_ratio): token selection with the config's sink 16 and window 64 (pages chosen on the
-# scores of k rows of K^, then all of K^ and V for the chosen pages' tokens)
-TOKEN_SETTINGS = [(0.25, "group", 0.5), (0.125, "group", 0.5), (0.125, "group", 0.25), (0.0625, "group", 0.25)]
+# (token_ratio, token_budget, rule, k_ratio): token selection with the config's sink 16 and window 64 (pages chosen
+# on the scores of k rows of K^, then all of K^ and V for the chosen pages' tokens); a ratio or a fixed budget
+TOKEN_SETTINGS = [(0.25, 0, "group", 0.5), (0.125, 0, "group", 0.5), (0.125, 0, "group", 0.25),
+                  (0.0625, 0, "group", 0.25), (1.0, 512, "group", 0.25)]
 SINK, WINDOW = 16, 64
 
 
@@ -163,9 +164,9 @@ def main() -> int:
                 "fused-dense": sess(aqua_attention.OP.model(k=D))}
     for rule, ratio in SETTINGS:
         sessions[rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D), rule=RULE[rule]))
-    for tr, rule, ratio in TOKEN_SETTINGS:
-        sessions["tokens", tr, rule, ratio] = sess(aqua_attention.OP.model(
-            projected=True, k=round(ratio * D), rule=RULE[rule], token_ratio=tr, token_budget=0, token_sink=SINK,
+    for tr, tb, rule, ratio in TOKEN_SETTINGS:
+        sessions["tokens", tr, tb, rule, ratio] = sess(aqua_attention.OP.model(
+            projected=True, k=round(ratio * D), rule=RULE[rule], token_ratio=tr, token_budget=tb, token_sink=SINK,
             token_window=WINDOW))
     for h, rule, ratio in H2O_SETTINGS:
         sessions["h2o", h, rule, ratio] = sess(h2o_attention.OP.model(projected=True, k=round(ratio * D),
@@ -206,12 +207,13 @@ def main() -> int:
                              "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
                              "byte_limit": round(2.0 / (1.0 + u), 3)})
                 print(json.dumps(rows[-1]), flush=True)
-            for tr, rule, ratio in TOKEN_SETTINGS:
+            for tr, tb, rule, ratio in TOKEN_SETTINGS:
                 k = round(ratio * D)
-                u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, 0, SINK, WINDOW)
-                aq = med["tokens", tr, rule, ratio]
-                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k, "token_ratio": tr,
-                             "token_share": round(rho, 4), "union_fraction": round(u, 3),
+                u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, tb, SINK, WINDOW)
+                aq = med["tokens", tr, tb, rule, ratio]
+                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k,
+                             **({"token_budget": tb} if tb else {"token_ratio": tr}), "token_share": round(rho, 4),
+                             "union_fraction": round(u, 3),
                              "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
                              "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
                              "gqa_over_aqua": round(med["gqa"] / aq, 3),

@@ -15,7 +15,8 @@ Variants (all built from the same SmolLM2-135M checkpoint and projection by the 
     gw-k0.625             group-weighted selection at k 0.625 (one set of 40 K^ rows per KV group and step)
     h2o-0.75-gw-k0.75     AQUA-H2O keeping 3/4 of the tokens, group-weighted selection at k 0.75
     tokens-0.125-gw-k0.25 token selection: pages of 1/8 of the tokens (plus sink 16, window 64) chosen on 16 K^ rows
-                          (group-weighted, k 0.25), attended with all 64; tokens-0.0625-gw-k0.25 the same with 1/16
+                          (group-weighted, k 0.25), attended with all 64; tokens-0.0625-gw-k0.25 the same with 1/16,
+                          tokens-b512-gw-k0.25 with a fixed 512 tokens (--token-budget 512)
     ort-genai             onnxruntime-genai's model builder export (-p fp32 -e cpu: GroupQueryAttention)
 
 Rerun: `make bench` (or `.venv/bin/python tools/bench_decode.py`).
@@ -42,7 +43,8 @@ VARIANTS = {"dense": dict(k_ratio=1.0), "aqua-k0.75": dict(k_ratio=0.75), "aqua-
             "gw-k0.625": dict(k_ratio=0.625, selection="group-weighted"),
             "h2o-0.75-gw-k0.75": dict(k_ratio=0.75, h2o_ratio=0.75, selection="group-weighted"),
             "tokens-0.125-gw-k0.25": dict(k_ratio=0.25, selection="group-weighted", token_ratio=0.125),
-            "tokens-0.0625-gw-k0.25": dict(k_ratio=0.25, selection="group-weighted", token_ratio=0.0625)}
+            "tokens-0.0625-gw-k0.25": dict(k_ratio=0.25, selection="group-weighted", token_ratio=0.0625),
+            "tokens-b512-gw-k0.25": dict(k_ratio=0.25, selection="group-weighted", token_budget=512)}
 # the issue's claims, each measured in one run: (context, batch, genai runtime, folders)
 GENAI_RUNS = [(1024, 1, "genai", ["ort-genai", "dense"]),
               (8160, 8, "genai-io", ["ort-genai", "dense", "memory-s0.25-k0.75"])]
@@ -55,7 +57,7 @@ DECODE_VARIANTS = ("dense", "aqua-k0.75", "aqua-k0.5", "memory-s0.25-k0.75", "h2
 TARGET = (8160, 8, ["dense", "gw-k0.625", "h2o-0.75-gw-k0.75"])
 # token selection's claims (benchmarks/tokens.json), each one interleaved run: this project's runtime at 8k, batch 8
 # and 1, against dense; onnxruntime-genai with a real prefill of an 8k prompt, batch 1, against genai's own builder
-TOKENS = ["tokens-0.125-gw-k0.25", "tokens-0.0625-gw-k0.25"]
+TOKENS = ["tokens-0.125-gw-k0.25", "tokens-0.0625-gw-k0.25", "tokens-b512-gw-k0.25"]
 TOKEN_RUNS = [(8160, 8, "aqua", ["dense", *TOKENS]), (8160, 1, "aqua", ["dense", *TOKENS]),
               (8000, 1, "genai", ["ort-genai", "dense", *TOKENS])]
 

@@ -48,14 +48,16 @@ def attention_section(data) -> list[str]:
            "steady state (the context evicted to h of its tokens, one token in and one out per step, buffers "
            "updated in place); its byte limit counts each live slot's heavy (float32) and token (int64). Perplexity "
            "of each setting: `benchmarks/quality.md` (bytes table).", "",
-           "Rows with a token ratio t: token selection (`AquaAttention` with token_ratio t, sink 16, window 64): the "
+           "Rows with a token ratio t (or a budget `bN`: N tokens): token selection (`AquaAttention` with "
+           "token_ratio t or token_budget N, sink 16, window 64): the "
            "k selected rows of K^ score every token, the chosen pages' share rho of the tokens is read whole; byte "
            "limit (K + V) / (u K + rho (K + V)).", "",
            "| T | batch | rule | k_ratio | h2o ratio | token ratio (rho) | union u | fused dense / AQUA | ORT dense / AQUA | "
            "GQA / AQUA | byte limit |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        tok = f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r else "-"
+        tok = (f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r
+               else f"b{r['token_budget']} ({r['token_share']:.3f})" if "token_budget" in r else "-")
         out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r.get('h2o_ratio', '-')} | {tok} | "
                    f"{r['union_fraction']:.2f} | "
                    f"**{r['fused_dense_over_aqua']:.2f}** | {r['ort_dense_over_aqua']:.2f} | {r['gqa_over_aqua']:.2f} | "

@@ -27,13 +27,14 @@ from aqua_export.slice_costs import add_costs  # noqa: E402
 from aqua_export.ops.spec import SLOT_EXTRA_BYTES  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
+import quality_alloc  # noqa: E402
 import quality_long  # noqa: E402
 
 CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
-SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval", "long", "passkey")
+SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval", "long", "passkey", "k-alloc")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
 # AQUA-Memory's allocations compared with uniform at k 0.9 ('measured' also works, after 2 L n forwards that
 # measure its costs: add it here to compare it too)
@@ -223,9 +224,10 @@ def main() -> int:
         atomic_write_bytes(out / "retention.json", json.dumps(rep, sort_keys=True).encode())
     rep = json.loads((out / "retention.json").read_text())
     union = old.get("union", {})
-    if "selection" in sections:  # rows of K^ a step reads, on the evaluation text's first 4096 tokens
+    if sections & {"selection", "k-alloc"}:  # rows of K^ a step reads, on the evaluation text's first 4096 tokens
         queries, _ = evaluate.collect_queries_and_moments(model, corpus.windows(corpus.tokenize(tok, text, 4096),
                                                                                 a.seq_len))
+    if "selection" in sections:
         union = {f"{s}/{k}": evaluate.union_fraction(queries, proj.P, proj.key_rms, k, s) for k, s in grid
                  if k < 1 and s != "static"}  # the rows of the bytes table
 
@@ -233,11 +235,16 @@ def main() -> int:
     long = quality_long.measure_long(model, tok, proj, a.long_tokens) if "long" in sections else old.get("long", {})
     passkey = quality_long.measure_passkey(model, tok, proj, ROOT / "build" / "quality") if "passkey" in sections \
         else old.get("passkey", {})
+    if "k-alloc" in sections:
+        proj = quality_alloc.with_costs(model, tok, proj, proj_path, CALIB)
+        k_alloc = quality_alloc.measure(model, tok, proj, text, queries, a)
+    else:
+        k_alloc = old.get("k_alloc", {})
 
     # the measurements first: a report bug below must not cost them
     atomic_write_bytes(out / "quality.json", json.dumps({"calibration": cal, "results": results, "union": union,
                                                         "lm_eval": lm_grid, "kv_split": split, "long": long,
-                                                        "passkey": passkey},
+                                                        "passkey": passkey, "k_alloc": k_alloc},
                                                        sort_keys=True, indent=1, default=float).encode())
     n_eval = next(iter(results.values()))
     L = []
@@ -325,6 +332,7 @@ def main() -> int:
     if lm_grid:
         L += lm_eval_lines(lm_grid)
     L += quality_long.lines(long, passkey, union)
+    L += quality_alloc.lines(k_alloc)
     L.append("")
     atomic_write_bytes(out / "quality.md", "\n".join(L).encode())
     print((out / "quality.md").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..allocate import layer_widths
+from ..allocate import layer_selected, layer_widths
 from ..config import AquaConfig, ConfigError
 from ..fold import layer_bases
 from ..models import architecture_of, attention_geometry
@@ -46,11 +46,11 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None
                  ) -> Contract:
-    """The graph contract an export of ``model`` with ``config`` has (projection: for an allocated slicing)."""
+    """The graph contract an export of ``model`` with ``config`` has (projection: for an allocated slicing or k)."""
     geo = attention_geometry(model)
     widths, value_widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
     return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], widths=widths,
-                    selected=tuple(config.selected_of(r) for r in widths), value_widths=value_widths,
+                    selected=layer_selected(config, projection, widths), value_widths=value_widths,
                     vocab=model.config.vocab_size,
                     dtype=spec.type_name(dtype), h2o=config.evicts)
 

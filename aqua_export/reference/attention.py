@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from ..allocate import layer_widths
+from ..allocate import layer_selected, layer_widths
 from ..config import AquaConfig, ConfigError
 from ..models import architecture_of, attention_geometry
 from ..ops import rules
@@ -311,16 +311,18 @@ def _register() -> None:
 
 def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                  value_widths: tuple | None = None, probe: Probe | None = None,
-                 tokens: TokenSelection | None = None) -> list[LayerAqua]:
+                 tokens: TokenSelection | None = None, selected: tuple | None = None) -> list[LayerAqua]:
     """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
-    allocate.layer_widths; value_widths alone defaults to widths); tokens: token selection (config's, or None)."""
+    allocate.layer_widths; value_widths alone defaults to widths); tokens: token selection (config's, or None);
+    selected: k per layer (default: config's k allocation over the widths, allocate.layer_selected)."""
     geo = attention_geometry(model)
     d = geo["head_dim"]
     if widths is None:
         widths, value_widths = layer_widths(config, projection, geo["layers"], d)
+    if selected is None:
+        selected = layer_selected(config, projection, widths)
     states = []
-    for i, r in enumerate(widths):
-        k = config.selected_of(r)
+    for i, (r, k) in enumerate(zip(widths, selected, strict=True)):
         rv = None if value_widths is None else value_widths[i]
         vw = r if rv is None else rv
         states.append(LayerAqua(
@@ -350,19 +352,20 @@ class AquaSession:
 @contextlib.contextmanager
 def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                value_widths: tuple | None = None, probe: Probe | None = None, token_rows_from: int | None = None,
-               mean_value: bool = False):
+               mean_value: bool = False, selected: tuple | None = None):
     """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
     cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths); probe: an
     instrument that sees (and may replace) each selection and eviction (Probe). With token selection:
     token_rows_from, the rows at sequence positions >= it select (0: every row, as if each were decoded: what
-    perplexity measures; None: one-token forwards only, as the graph); mean_value: TokenSelection's."""
+    perplexity measures; None: one-token forwards only, as the graph); mean_value: TokenSelection's; selected: k
+    per layer (default: config's k allocation, allocate.layer_selected)."""
     arch = architecture_of(model.config)
     projection.check_model(model)
     arch.check_settings(model.config, config)
     _register()
     tokens = TokenSelection(config.token_ratio, config.token_budget, config.token_sink, config.token_window,
                             token_rows_from, mean_value) if config.selects_tokens else None
-    states = layer_states(model, projection, config, widths, value_widths, probe, tokens)
+    states = layer_states(model, projection, config, widths, value_widths, probe, tokens, selected)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
     try:

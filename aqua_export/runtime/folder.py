@@ -80,8 +80,10 @@ class FolderConfig:
         r = a.retained_width(g.head_dim)
         budget_ok = sum(c.widths) + sum(c.value_widths) == 2 * c.layers * r and \
             max(c.widths + c.value_widths) <= g.head_dim
-        if not budget_ok or (a.slice_alloc == "uniform" and not c.uniform) or \
-                c.selected != tuple(a.selected_of(w) for w in c.widths):
+        uniform_k = tuple(a.selected_of(w) for w in c.widths)
+        k_ok = c.selected == uniform_k if a.k_alloc == "uniform" else \
+            sum(c.selected) == sum(uniform_k) and all(1 <= k <= w for k, w in zip(c.selected, c.widths))
+        if not budget_ok or (a.slice_alloc == "uniform" and not c.uniform) or not k_ok:
             raise ConfigError(f"cache widths K^ {list(c.widths)}, V {list(c.value_widths)}, k {list(c.selected)} "
                               "disagree with the AQUA settings")
 

@@ -1,0 +1,148 @@
+"""The selection width k per layer (allocate.layer_selected, --k-alloc): the same total as uniform, the energy and
+measured costs, the measured costs in the artifact, and the allocation reaching the reference, the contract and a
+parity-checked export."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import CharTokenizer
+from helpers import folder_cfg, tiny_projection
+
+from aqua_export import allocate, models
+from aqua_export import projection as artifact
+from aqua_export import slice_costs
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.reference.attention import apply_aqua
+from aqua_export.runtime.session import native_library
+
+KERNEL = "native" if native_library() is not None else "function"
+
+
+def _tiny(tmp_path, layers=3):
+    model = models.tiny_model("llama", num_hidden_layers=layers)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    return model, tiny_projection(model, tmp_path), d
+
+
+def test_water_fill_stops_each_buffer_at_its_cap():
+    d = 8
+    costs = torch.stack([torch.arange(d, -1, -1.0), 10 * torch.arange(d, -1, -1.0)])
+    assert allocate.water_fill(costs, 10, floor=1, caps=(8, 4)) == (6, 4)  # layer 1 would take 8 uncapped
+    with pytest.raises(ConfigError, match="cannot be spread"):
+        allocate.water_fill(costs, 13, floor=1, caps=(8, 4))
+
+
+@pytest.mark.parametrize("k_ratio", [0.25, 0.5, 0.75])
+def test_energy_allocation_keeps_uniforms_total(tmp_path, k_ratio):
+    model, proj, d = _tiny(tmp_path)
+    uniform = AquaConfig(k_ratio=k_ratio, selection="weighted")
+    ks = allocate.layer_selected(dataclasses.replace(uniform, k_alloc="energy"), proj, (d,) * 3)
+    assert sum(ks) == 3 * uniform.selected_of(d) and all(max(1, d // 8) <= k <= d for k in ks)
+    assert allocate.layer_selected(uniform, None, (d,) * 3) == (uniform.selected_of(d),) * 3
+    # with AQUA-Memory's widths: each k at most its layer's width, the total uniform's over those widths
+    widths = (d, d // 2, 3 * d // 4)
+    ks = allocate.layer_selected(dataclasses.replace(uniform, k_alloc="energy"), proj, widths)
+    assert sum(ks) == sum(uniform.selected_of(r) for r in widths) and all(k <= r for k, r in zip(ks, widths))
+
+
+def test_energy_allocation_follows_the_spectra(tmp_path):
+    """A layer whose energy sits in few coordinates costs little to narrow: it gets the smaller k."""
+    model, proj, d = _tiny(tmp_path)
+    flat = torch.ones(proj.energy[0].shape)
+    peaked = torch.zeros(proj.energy[0].shape)
+    peaked[:, 0] = 1.0
+    skewed = dataclasses.replace(proj, energy=(flat, peaked, flat))
+    ks = allocate.layer_selected(AquaConfig(k_ratio=0.5, k_alloc="energy"), skewed, (d,) * 3)
+    assert ks[1] == max(1, d // 8) and ks[0] + ks[2] == 3 * (d // 2) - ks[1]
+
+
+def test_measured_select_costs_round_trip_and_allocate(tmp_path, char_tok):
+    model, proj, d = _tiny(tmp_path)
+    cfg = AquaConfig(k_ratio=0.5, selection="weighted", k_alloc="measured")
+    with pytest.raises(ConfigError, match="calibrate --select-costs weighted"):
+        allocate.layer_selected(cfg, proj, (d,) * 3)
+    path = tmp_path / "with-costs.safetensors"
+    proj2 = slice_costs.add_select_costs(model, char_tok, proj, path, ["builtin:gpl-3"], "weighted", progress=False)
+    ks = [int(k) for k in proj2.metadata["select_widths"].split(",")]
+    assert ks == sorted(set(ks)) and all(0 < k < d for k in ks) and proj2.metadata["select_rule"] == "weighted"
+    assert len(proj2.select_cost) == 3 and all(c.shape == (len(ks),) for c in proj2.select_cost)
+    assert all((c >= -1e-9).all() for c in proj2.select_cost) and torch.equal(proj2.P[1], proj.P[1])
+    # the narrowest selection costs the most (the curve's shape, on every layer)
+    assert all(c[0] >= c[-1] for c in proj2.select_cost)
+    curve = allocate.select_measured_costs(proj2, cfg)
+    assert curve.shape == (3, d + 1) and (curve[:, d] == 0).all()
+    assert torch.allclose(curve[:, ks], torch.stack(proj2.select_cost).double().clamp_min(0))
+    alloc = allocate.layer_selected(cfg, proj2, (d,) * 3)
+    assert sum(alloc) == 3 * cfg.selected_of(d)
+    with pytest.raises(ConfigError, match="--select-costs magnitude"):  # measured under another rule
+        allocate.layer_selected(dataclasses.replace(cfg, selection="magnitude"), proj2, (d,) * 3)
+    # the optional costs survive a rewrite of the artifact, and a corrupt set is refused in one line
+    assert torch.equal(artifact.load_projection(path).select_cost[2], proj2.select_cost[2])
+    bad = tmp_path / "bad.safetensors"
+    artifact.write(bad, {**proj2.tensors(), "layers.0.select_cost": torch.zeros(2)}, proj2.metadata)
+    with pytest.raises(ConfigError, match=r"a select_cost is not \[%d\] finite" % len(ks)):
+        artifact.load_projection(bad)
+
+
+def test_the_reference_selects_each_layers_k(tmp_path):
+    model, proj, d = _tiny(tmp_path)
+    cfg = AquaConfig(k_ratio=0.5, k_alloc="energy")
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with apply_aqua(model, proj, cfg) as session:
+            assert tuple(s.k for s in session.states) == allocate.layer_selected(cfg, proj, (d,) * 3)
+        with apply_aqua(model, proj, AquaConfig(k_ratio=0.5), selected=(d, 2, d)) as session:
+            assert [s.k for s in session.states] == [d, 2, d]
+            narrow = model(input_ids=ids).logits
+        with apply_aqua(model, proj, AquaConfig(k_ratio=0.5), selected=(d, d, d)):
+            full = model(input_ids=ids).logits
+        dense = model(input_ids=ids).logits
+    assert (full - dense).abs().max() <= 1e-4 and (narrow - dense).abs().max() > 1e-3
+
+
+def test_folder_config_takes_the_allocation(tmp_path):
+    model, proj, d = _tiny(tmp_path)
+    cfg = AquaConfig(k_ratio=0.5, k_alloc="energy")
+    fc = folder_cfg(model, cfg, projection=proj)
+    assert fc.contract.selected == allocate.layer_selected(cfg, proj, (d,) * 3)
+    more = dataclasses.replace(fc.contract, selected=tuple(k + 1 for k in fc.contract.selected))
+    with pytest.raises(ConfigError, match="disagree with the AQUA settings"):
+        dataclasses.replace(fc, contract=more)  # a step would read more than uniform's rows
+    with pytest.raises(ConfigError, match="disagree with the AQUA settings"):  # uniform settings, uneven k
+        dataclasses.replace(fc, aqua=AquaConfig(k_ratio=0.5))
+
+
+def test_an_allocated_export_passes_parity(tmp_path):
+    """k per layer reaches every AquaAttention node, and parity holds against the reference's own allocation."""
+    from aqua_export.export.exporter import export_onnx
+    from aqua_export.parity.harness import run_parity
+
+    model = models.tiny_model("llama", num_hidden_layers=3)
+    proj = tiny_projection(model, tmp_path)
+    cfg = AquaConfig(k_ratio=0.5, selection="weighted", k_alloc="energy")
+    proto = export_onnx(model, proj, cfg, tmp_path / "m.onnx")
+    ks = allocate.layer_selected(cfg, proj, (model.config.hidden_size // model.config.num_attention_heads,) * 3)
+    assert len(set(ks)) > 1  # the test needs an uneven allocation
+    nodes = [n for n in proto.graph.node if n.op_type == "AquaAttention"]
+    assert [next(a.i for a in n.attribute if a.name == "k") for n in nodes] == list(ks)
+    res = run_parity(tmp_path / "m.onnx", folder_cfg(model, cfg, projection=proj), CharTokenizer(), proj, cfg, model,
+                     prompt_tokens=24, steps=4, kernel=KERNEL)
+    assert res["pass"], res
+
+
+def test_measured_without_costs_is_one_line(tmp_path, smollm_projection, capsys):
+    """eval with --k-alloc measured on an artifact without selection costs: one line naming the command that adds
+    them; an unknown allocation is refused by the parser."""
+    from aqua_export.cli import main
+    from aqua_export.projection import write
+
+    path = tmp_path / "proj.safetensors"
+    write(path, smollm_projection.tensors(), smollm_projection.metadata)
+    rc = main(["eval", "--text", "builtin:gpl-3", "--k-ratio", "0.5", "--k-alloc", "measured", "--selection",
+               "weighted", "--projection", str(path), "--tokens", "64", "--seq-len", "32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "calibrate --select-costs weighted" in err
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--text", "builtin:gpl-3", "--k-alloc", "greedy"])
+    assert e.value.code == 2 and "invalid choice: 'greedy'" in capsys.readouterr().err
