@@ -111,7 +111,7 @@ def layer_selected(config: AquaConfig, projection, widths: tuple) -> tuple[int, 
     total spread by ``water_fill`` on config.k_alloc's cost curves (each k in [floor, r_l], floor d / 8 or uniform's
     smallest k if below)."""
     uniform = tuple(config.selected_of(r) for r in widths)
-    if config.k_alloc == "uniform" or uniform == tuple(widths):
+    if not config.allocates_k or uniform == tuple(widths):
         return uniform
     if projection is None:
         raise ConfigError(f"--k-alloc {config.k_alloc} needs a projection")
@@ -131,7 +131,7 @@ def select_measured_costs(projection, config: AquaConfig) -> torch.Tensor:
     """[L, d + 1] from the artifact's measured selection costs (measured with config's rule), linear between the
     measured widths (0 at d)."""
     d = projection.P[0].shape[-1]
-    if projection.select_cost is None or projection.metadata.get("select_rule") != config.selection:
+    if not projection.has_select_costs(config.selection):
         raise ConfigError(f"--k-alloc measured needs selection costs for --selection {config.selection} in the "
                           f"projection: calibrate with `aqua-export calibrate --select-costs {config.selection}` "
                           "(or let the build calibrate)")

@@ -58,7 +58,7 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-{config.selection}"
     if config.slice_alloc != "uniform" and config.slice_ratio:
         name += f"-{config.slice_alloc}"
-    if config.k_alloc != "uniform" and config.k_ratio < 1:
+    if config.allocates_k:
         name += f"-kalloc-{config.k_alloc}"
     if o.dtype != "float32":
         name += f"-{o.dtype}"
@@ -170,27 +170,25 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
     model, tok = models.load(model_spec, dtype="auto")  # the checkpoint's own dtype: no float32 copy
     check_free_space(out_dir.parent, _estimated_bytes(model, o), f"the folder {out_dir}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    calib_texts = calib_texts or ["builtin:python-reference"]
     try:
         _stage(2, "projection: " + (f"reusing {projection_path}" if projection else
-                                   f"calibrating on {', '.join(calib_texts or ['builtin:python-reference'])}"), total)
+                                   f"calibrating on {', '.join(calib_texts)}"), total)
         meter.start("calibrate")
         if projection is None:
-            tensors, meta = calibrate.calibrate(model, tok, texts=calib_texts or ["builtin:python-reference"],
-                                                tokens=calib_tokens)
+            tensors, meta = calibrate.calibrate(model, tok, texts=calib_texts, tokens=calib_tokens)
             write_projection(tmp / "projection.safetensors", tensors, meta)
             projection = load_projection(tmp / "projection.safetensors")
         else:
             projection.check_model(model)
             shutil.copyfile(projection_path, tmp / "projection.safetensors")
         if config.slice_alloc == "measured" and config.slice_ratio and projection.slice_cost is None:
-            projection = add_costs(model, tok, projection, tmp / "projection.safetensors",
-                                            calib_texts or ["builtin:python-reference"])
-        if config.k_alloc == "measured" and config.k_ratio < 1 and (
-                projection.select_cost is None or projection.metadata.get("select_rule") != config.selection):
-            projection = add_select_costs(model, tok, projection, tmp / "projection.safetensors",
-                                          calib_texts or ["builtin:python-reference"], config.selection)
+            projection = add_costs(model, tok, projection, tmp / "projection.safetensors", calib_texts)
+        if config.allocates_k and config.k_alloc == "measured" and not projection.has_select_costs(config.selection):
+            projection = add_select_costs(model, tok, projection, tmp / "projection.safetensors", calib_texts,
+                                          config.selection)
         d = models.attention_geometry(model)["head_dim"]
-        spread = f", spread by --k-alloc {config.k_alloc}" if config.k_alloc != "uniform" else ""
+        spread = f", spread by --k-alloc {config.k_alloc}" if config.allocates_k else ""
         _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)}{spread})", total)
         meter.start("export")
         cfg = _export(model, tok, projection, config, o, tmp, model_spec)
@@ -263,7 +261,7 @@ def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> di
     if config.slice_alloc != "uniform" and config.slice_ratio:
         info["slice_alloc"] = (f"{config.slice_alloc}: layer widths chosen where slicing costs least, the cache's bytes "
                                "those of uniform slicing (allocate.py); onnxruntime-genai takes one width: --runtime aqua")
-    if config.k_alloc != "uniform" and config.k_ratio < 1:
+    if config.allocates_k:
         info["k_alloc"] = (f"{config.k_alloc}: k per layer chosen where a narrower selection costs least, their sum "
                            "uniform's (allocate.py): " + ", ".join(map(str, contract.selected)))
     if config.evicts:

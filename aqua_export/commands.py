@@ -13,8 +13,8 @@ from .config import AquaConfig, ConfigError
 
 def config_of(a) -> AquaConfig:
     return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
-                      slice_alloc=a.slice_alloc, k_alloc=a.k_alloc, token_ratio=a.token_ratio, token_budget=a.token_budget,
-                      token_sink=a.token_sink, token_window=a.token_window)
+                      slice_alloc=a.slice_alloc, k_alloc=a.k_alloc, token_ratio=a.token_ratio,
+                      token_budget=a.token_budget, token_sink=a.token_sink, token_window=a.token_window)
 
 
 def _process_group():

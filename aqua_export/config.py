@@ -140,6 +140,12 @@ class AquaConfig:
         return self.token_ratio < 1.0 or self.token_budget > 0
 
     @property
+    def allocates_k(self) -> bool:
+        """The layers' k are spread by k_alloc rather than each round(k_ratio r_l) (k_ratio 1 leaves nothing to
+        spread)."""
+        return self.k_alloc != "uniform" and self.k_ratio < 1.0
+
+    @property
     def is_dense(self) -> bool:
         return self.k_ratio == 1.0 and self.slice_ratio == 0.0 and self.h2o_ratio == 1.0 and not self.selects_tokens
 

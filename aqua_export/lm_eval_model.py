@@ -89,8 +89,8 @@ def _config(k_ratio=1.0, slice_ratio=0.0, h2o_ratio=1.0, selection="magnitude", 
 
 @register_model("aqua")
 class AquaLM(HFLM):
-    SETTINGS = ("k_ratio", "slice_ratio", "h2o_ratio", "selection", "slice_alloc", "k_alloc", "token_ratio", "token_budget",
-                "token_sink", "token_window")
+    SETTINGS = ("k_ratio", "slice_ratio", "h2o_ratio", "selection", "slice_alloc", "k_alloc", "token_ratio",
+                "token_budget", "token_sink", "token_window")
 
     def __init__(self, model: str | None = None, folder: str | None = None, projection: str | None = None,
                  threads: int = 0, kernel: str = "auto", batch_size: int | str = 1, max_length: int | None = None,

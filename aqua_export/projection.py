@@ -57,6 +57,10 @@ class Projection:
         kinds = TENSORS + tuple(k for k in COSTS if getattr(self, k) is not None)
         return {f"layers.{i}.{k}": getattr(self, k)[i] for i in range(len(self.P)) for k in kinds}
 
+    def has_select_costs(self, selection: str) -> bool:
+        """Whether the artifact holds selection costs measured under ``selection`` (--k-alloc measured's)."""
+        return self.select_cost is not None and self.metadata.get("select_rule") == selection
+
     def check_model(self, model) -> None:
         mine, theirs = self.fingerprint, fingerprint(model)
         if mine != theirs:

@@ -26,7 +26,7 @@ LONG_TEXT, LONG_LENGTH, LONG_TOKENS, LAST = "builtin:licenses", 2048, 4096, 1024
 
 def with_costs(model, tok, proj, proj_path, calib: str):
     """The projection with selection costs for RULE (measured on ``calib`` when the artifact has none)."""
-    if proj.select_cost is not None and proj.metadata.get("select_rule") == RULE:
+    if proj.has_select_costs(RULE):
         return proj
     t = time.perf_counter()
     proj = add_select_costs(model, tok, proj, proj_path, [calib], RULE)

@@ -81,7 +81,7 @@ class FolderConfig:
         budget_ok = sum(c.widths) + sum(c.value_widths) == 2 * c.layers * r and \
             max(c.widths + c.value_widths) <= g.head_dim
         uniform_k = tuple(a.selected_of(w) for w in c.widths)
-        k_ok = c.selected == uniform_k if a.k_alloc == "uniform" else \
+        k_ok = c.selected == uniform_k if not a.allocates_k else \
             sum(c.selected) == sum(uniform_k) and all(1 <= k <= w for k, w in zip(c.selected, c.widths))
         if not budget_ok or (a.slice_alloc == "uniform" and not c.uniform) or not k_ok:
             raise ConfigError(f"cache widths K^ {list(c.widths)}, V {list(c.value_widths)}, k {list(c.selected)} "
