@@ -38,6 +38,7 @@ from .runtime.genai import GenaiGraph
 from .runtime.lm import OrtLM
 
 RUNTIMES = ("aqua", "genai", "genai-io")
+GENAI_PROMPT_CHUNK = 256  # tokens per append_tokens call when a real prompt is prefilled through genai
 
 
 def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", steps: int = 8, rounds: int = 3,
@@ -172,7 +173,9 @@ def _genai_stepper(folder, context, batch, threads, rng, steps, capacity):
     gen = og.Generator(model, params)
     vocab = json.loads((Path(folder) / "genai_config.json").read_text())["model"]["vocab_size"]
     prompt = rng.integers(3, min(1000, vocab), (batch, context))
-    chunk = 1024 if batch == 1 else context  # genai continues a prompt in chunks only at batch 1
+    # genai continues a prompt in chunks only at batch 1; it holds float32 logits for a whole chunk ([1, chunk, vocab]:
+    # 0.5 GiB at 1024 tokens of a 128k vocabulary), so a serving loop appends long prompts in short chunks
+    chunk = GENAI_PROMPT_CHUNK if batch == 1 else context
     for s in range(0, context, chunk):
         gen.append_tokens(prompt[:, s:s + chunk])
     return gen.generate_next_token

@@ -81,12 +81,29 @@ def _round(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)  # halves away from zero
 
 
+SLICE_ELEMENTS = 1 << 22  # weights quantized at a time: the float32 temporaries stay tens of MiB whatever W's size
+
+
 def quantize(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """W [..., N, K] (any float type; computed in float32) -> (packed uint8 [..., N, K / block, block bits / 8],
-    scales float32 [..., N, K / block], zero_points uint8 [..., N, ceil(K / block bits / 8)] or None)."""
+    scales float32 [..., N, K / block], zero_points uint8 [..., N, ceil(K / block bits / 8)] or None).
+
+    Quantization is by rows, so it goes SLICE_ELEMENTS weights at a time: an OLMoE layer's experts (400M weights)
+    would otherwise hold several float32 copies of themselves at once."""
     *lead, n, k = w.shape
+    rows = w.reshape(-1, k)
+    step = max(1, SLICE_ELEMENTS // k)
+    parts = [_quantize_rows(rows[a:a + step], fmt) for a in range(0, rows.shape[0], step)]
+    packed, scale, zp = (None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(3))
+    return (packed.reshape(*lead, n, *packed.shape[1:]), scale.reshape(*lead, n, -1),
+            None if zp is None else zp.reshape(*lead, n, -1))
+
+
+def _quantize_rows(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """quantize on rows W [R, K]."""
+    r, k = w.shape
     b, top = fmt.bits, (1 << fmt.bits) - 1
-    x = w.to(torch.float32).reshape(*lead, n, k // fmt.block, fmt.block)
+    x = w.to(torch.float32).reshape(r, k // fmt.block, fmt.block)
     if fmt.symmetric:
         idx = x.abs().argmax(-1, keepdim=True)
         scale = torch.gather(x, -1, idx)[..., 0] / -(1 << (b - 1))

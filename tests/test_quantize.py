@@ -53,6 +53,22 @@ def test_round_trip_is_row_by_row_and_on_its_grid():
     assert (full - w).abs().max() > 1e-3  # and they are not the weights
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, False)])
+def test_slices_write_the_same_bytes(bits, symmetric, monkeypatch):
+    """quantize goes SLICE_ELEMENTS weights at a time (an expert stack's float32 temporaries would otherwise be
+    several copies of it); slices that cut an expert's rows anywhere give what one pass gives."""
+    from aqua_export import quantize as q
+
+    fmt = WeightFormat(bits=bits, block=32, symmetric=symmetric)
+    w = torch.randn(3, 10, 96, dtype=torch.bfloat16)  # [E, N, K]
+    whole = quantize(w, fmt)
+    monkeypatch.setattr(q, "SLICE_ELEMENTS", 7 * 96)  # 7 rows a slice: slices straddle the experts
+    sliced = quantize(w, fmt)
+    assert [None if t is None else t.shape for t in whole] == [None if t is None else t.shape for t in sliced]
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(whole, sliced))
+    assert whole[0].shape == (3, 10, 3, 32 * bits // 8)
+
+
 @pytest.mark.parametrize("make,needle", [(lambda: WeightFormat(bits=3), "use --weights int4 or int8"),
                                          (lambda: WeightFormat(bits=4, block=24), "--weight-block 24"),
                                          (lambda: WeightFormat(bits=4, accuracy_level=2), "--accuracy-level 2")])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from aqua_export import corpus, evaluate
-from aqua_export.allocate import layer_selected
+from aqua_export.allocate import layer_selected, select_measured_costs
 from aqua_export.config import AquaConfig
 from aqua_export.slice_costs import add_select_costs
 
@@ -32,6 +32,17 @@ def with_costs(model, tok, proj, proj_path, calib: str):
     proj = add_select_costs(model, tok, proj, proj_path, [calib], RULE)
     print(f"selection costs ({RULE}) measured in {time.perf_counter() - t:.0f} s", flush=True)
     return proj
+
+
+def predicted(proj, k: float) -> float:
+    """What the measured costs themselves promise at average k: the sum over layers of each layer's cost at its
+    allocated k over the sum at uniform k (exact if the layers' KL costs added up). Below 0.5 is what the
+    allocation would need; the per-layer curves cap what any per-layer allocation can reach."""
+    cfg = AquaConfig(k_ratio=k, selection=RULE, k_alloc="measured")
+    costs, d = select_measured_costs(proj, cfg), proj.P[0].shape[-1]
+    ks = layer_selected(cfg, proj, (d,) * len(proj.P))
+    uniform = cfg.selected_of(d)
+    return float(sum(costs[i, x] for i, x in enumerate(ks)) / costs[:, uniform].sum())
 
 
 def measure(model, tok, proj, text: str, queries, a) -> dict:
@@ -57,6 +68,8 @@ def measure(model, tok, proj, text: str, queries, a) -> dict:
             ks = layer_selected(cfg, proj, (d,) * n)
             r = ppl(cfg, alloc in LONG)
             r.update(selected=list(ks), union=evaluate.union_fraction(queries, proj.P, proj.key_rms, k, RULE, ks))
+            if alloc == "measured":
+                r["predicted"] = predicted(proj, k)
             out[f"{alloc}/{k}"] = r
             print(f"k-alloc {alloc} k {k}: ppl {r['perplexity']:.4f}, long {r.get('long', float('nan')):.4f}, "
                   f"u {r['union']:.3f}, k per layer {ks} ({r['seconds']:.0f} s)", flush=True)
@@ -90,6 +103,11 @@ def lines(res: dict) -> list[str]:
                  + " | ".join(f"**{r:.2f}**" if r <= 0.5 else f"{r:.2f}" for r in ratios) + " | "
                  + " | ".join(f"{(1 + row[x]['union']) / 2:.3f}" for x in ALLOCS) + " | "
                  + " | ".join(f"{row[x]['long']:.4f}" for x in LONG) + f" | {long_ratio:.2f} |")
+    guess = [res[f"measured/{k}"].get("predicted") for k in K_RATIOS]
+    if all(g is not None for g in guess):
+        L.append("\nWhat the measured costs promise (the ratio if the layers' KL costs added up: the sum of each layer's "
+                 "cost at its allocated k over the sum at uniform k): " + ", ".join(
+                     f"k {k}: {g:.2f}" for k, g in zip(K_RATIOS, guess)) + ".")
     L.append("\nk per layer (first layer first):\n")
     for k in K_RATIOS:
         for x in ALLOCS[1:]:

@@ -82,18 +82,23 @@ def _decode_rows(shapes: dict) -> list[str]:
     for name, r in shapes.items():
         weights = {"aqua": r["build"].get("weights_bytes", 0), "genai": r["builder"].get("weights_bytes", 0),
                    "all": r.get("all_experts_weights_bytes", 0)}
-        for runtime in ("genai", "aqua"):
-            folders = r.get(runtime, {}).get("folders", {})
+        for run_key in ("genai", "aqua", "aqua_short"):
+            runtime = run_key.split("_")[0]
+            folders = r.get(run_key, {}).get("folders", {})
             base = {k: v for k, v in folders.items() if "/genai-" in k}
             dense = {k: v for k, v in folders.items() if "/all-experts-" in k}
             for f, m in folders.items():
                 kind = "genai" if "/genai-" in f else "all" if "/all-experts-" in f else "aqua"
                 label = {"genai": "genai builder int4", "all": "ours, all experts", "aqua": "ours int4 k 0.75"}[kind]
-                cache = r.get("cache_bytes", {}).get(f, r.get("cache_bytes", {}).get(f.replace("/all-experts-", "/aqua-"), 0))
+                own = {"genai": "genai_cache_bytes", "aqua_short": "short_cache_bytes"}.get(run_key, "cache_bytes")
+                caches = r.get(own, r.get("cache_bytes", {}))  # the cache of the row's own context
+                cache = caches.get(f, caches.get(f.replace("/all-experts-", "/aqua-"), 0))
                 vs_b = f"{m['tokens_per_s'] / next(iter(base.values()))['tokens_per_s']:.2f}x" if base else "-"
                 vs_d = f"{m['tokens_per_s'] / next(iter(dense.values()))['tokens_per_s']:.2f}x" if dense else "-"
                 bound = 1.3 * weights[kind] + cache + 2**30
-                ctx = r.get("genai_context", r.get("context", 4096)) if runtime == "genai" else r.get("context", 4096)
+                ctx = r["aqua_short"]["context"] if run_key == "aqua_short" else r.get("context", 4096) \
+                    if runtime == "aqua" else \
+                    f"{r.get('genai_context', r.get('context', 4096))} (chunks of {r.get('genai_prompt_chunk', 1024)})"
                 md.append(f"| {name} | {ctx} | {runtime} | {label} | {m['tokens_per_s']:.2f} | "
                           f"{vs_b} | {vs_d} | "
                           f"{m['peak_rss_mb'] / 1024:.2f} | {bound / 2**30:.2f} |")
@@ -113,7 +118,8 @@ def report_lines() -> list[str]:
           "onnxruntime-genai's model builder (`-p int4 -e cpu`, block 32, accuracy level 4) in the same run, then "
           "decoded at batch 1 (context 4096, or the shape's own window less the steps: TinyLlama's 1.1B has 2048 "
           "positions; in genai a real prompt of the context column's length, 1024 for the largest shapes, whose "
-          "prefill on 2 cores would otherwise take most of an hour) on this 2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
+          "prefill on 2 cores would otherwise take most of an hour, appended in chunks: genai holds float32 logits for "
+          "a whole chunk; the bound counts the cache of the row's own context) on this 2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
           "real prompt prefilled through onnxruntime-genai; aqua: written into the cache). Build peak: the largest "
           "stage's VmHWM; serve peak: the bench process's VmHWM (loading, context and decode).", "",
           *_build_rows(shapes), "", *_decode_rows(shapes)]

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 BUILD_ARGS = ["--k-ratio", "0.75", "--weights", "int4", "--calib-text", "builtin:gpl-3", "--calib-tokens", "2048",
               "--parity-prompt-tokens", "128", "--parity-steps", "16"]
 JSON = ROOT / "benchmarks" / "serving.json"
+SHORT_CONTEXT = 512  # MoE shapes: the chosen experts against all of them where the experts are most of a step
 
 
 def run(cmd: list[str], log: Path) -> dict:
@@ -109,6 +110,8 @@ def measure_shape(name: str, work: Path, res: dict, context: int, steps: int, ro
     then remove them."""
     from moe_dense import all_experts_folder
 
+    from aqua_export.bench import GENAI_PROMPT_CHUNK
+
     ckpt, ours, theirs = work / f"ckpt-{name}", work / f"aqua-{name}", work / f"genai-{name}"
     # a shape's own window bounds the context (TinyLlama's 1.1B: 2048 positions)
     limit = json.loads((ckpt / "config.json").read_text()).get("max_position_embeddings", context + steps + 8)
@@ -118,6 +121,8 @@ def measure_shape(name: str, work: Path, res: dict, context: int, steps: int, ro
         folders = [ours] + ([theirs] if res["builder"]["rc"] == 0 else [])
         res["cache_bytes"] = {str(f): cache_bytes(f, tokens) for f in folders}
         res["genai_context"] = min(context, genai_context)
+        res["genai_cache_bytes"] = {str(f): cache_bytes(f, res["genai_context"] + steps + 4) for f in folders}
+        res["genai_prompt_chunk"] = GENAI_PROMPT_CHUNK
         res["genai"] = bench(folders, "genai", res["genai_context"], steps, rounds)
         print(f"  genai: {json.dumps(res['genai']['folders'])}", flush=True)
         mine = [ours]
@@ -128,6 +133,10 @@ def measure_shape(name: str, work: Path, res: dict, context: int, steps: int, ro
             res["all_experts_weights_bytes"] = sum(p.stat().st_size for p in dense.glob("*.data"))
         res["aqua"] = bench(mine, "aqua", context, steps, rounds)
         print(f"  aqua: {json.dumps(res['aqua']['folders'])}", flush=True)
+        if len(mine) > 1:  # at 4k the cache (the same in both graphs) is much of a step: a short context beside it
+            res["aqua_short"] = bench(mine, "aqua", SHORT_CONTEXT, steps, rounds)
+            res["short_cache_bytes"] = {str(ours): cache_bytes(ours, SHORT_CONTEXT + steps + 4)}
+            print(f"  aqua at {SHORT_CONTEXT}: {json.dumps(res['aqua_short']['folders'])}", flush=True)
     for p in (ckpt, ours, theirs, work / f"all-experts-{name}"):
         shutil.rmtree(p, ignore_errors=True)
     return res

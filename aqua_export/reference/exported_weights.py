@@ -23,7 +23,7 @@ import torch
 
 from ..fold import attention_projections, layer_bases
 from ..models import architecture_of, attention_geometry
-from ..quantize import WeightFormat, roundtrip
+from ..quantize import SLICE_ELEMENTS, WeightFormat, roundtrip
 
 
 class ExportedWeights:
@@ -78,12 +78,9 @@ class ExportedWeights:
         return roundtrip(weight[index], self.fmt)
 
 
-ROUNDTRIP_ELEMENTS = 1 << 22  # weights per slice of _roundtrip_in_place: its temporaries stay tens of MiB
-
-
 def _roundtrip_in_place(t: torch.Tensor, fmt: WeightFormat) -> None:
     """t [..., N, K] (rows of blocks along K) <- its round trip, by slices of its first dimension."""
-    step = max(1, ROUNDTRIP_ELEMENTS // max(1, t[0].numel()))
+    step = max(1, SLICE_ELEMENTS // max(1, t[0].numel()))
     for a in range(0, t.shape[0], step):
         t[a:a + step].copy_(roundtrip(t[a:a + step], fmt))
 
