@@ -96,9 +96,8 @@ def _decode_rows(shapes: dict) -> list[str]:
                 vs_b = f"{m['tokens_per_s'] / next(iter(base.values()))['tokens_per_s']:.2f}x" if base else "-"
                 vs_d = f"{m['tokens_per_s'] / next(iter(dense.values()))['tokens_per_s']:.2f}x" if dense else "-"
                 bound = 1.3 * weights[kind] + cache + 2**30
-                ctx = r["aqua_short"]["context"] if run_key == "aqua_short" else r.get("context", 4096) \
-                    if runtime == "aqua" else \
-                    f"{r.get('genai_context', r.get('context', 4096))} (chunks of {r.get('genai_prompt_chunk', 1024)})"
+                ctx = r[run_key]["context"]  # the bench's own record
+                ctx = f"{ctx} (chunks of {r.get('genai_prompt_chunk', 1024)})" if runtime == "genai" else ctx
                 md.append(f"| {name} | {ctx} | {runtime} | {label} | {m['tokens_per_s']:.2f} | "
                           f"{vs_b} | {vs_d} | "
                           f"{m['peak_rss_mb'] / 1024:.2f} | {bound / 2**30:.2f} |")
