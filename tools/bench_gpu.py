@@ -1,29 +1,32 @@
-"""GPU timings of the Triton TopKGatherDot kernel against dense baselines, as a fraction of memory bandwidth.
+"""GPU correctness and timings of the Triton kernels against torch SDPA, as a share of the memory bandwidth.
 
 Run on a machine with a CUDA GPU (not in CI):  python tools/bench_gpu.py --out benchmarks/gpu_attention.md
 
-Shapes are Llama-3.1-8B's attention at decode (Hkv 8, g 4, d 128, one query token), batch 8, float16,
-T = 16k .. 128k cached tokens. For each T:
+First every kernel is checked against its float64 reference (ops/): fresh random inputs per check, float32,
+float16 and bfloat16, ragged lengths (each sequence hidden for its own number of leading positions), GQA groups
+of 4 and 8, d = 64 and 128, and the caching allocator poisoned with NaN before each run (an unwritten output or
+split shows as NaN). Then, with --tune, the fused kernel's launch (warps, pipeline stages, programs wanted) is
+swept at T = 32k, batch 8. Then the rows, Llama-3.1-8B's attention at decode (Hkv 8, g 4, d 128, one query
+token), bfloat16, per T and batch:
 
-  dense QK       torch.matmul of q [B,Hkv,g,1,d] with the dim-major K [B,Hkv,d,T]: reads all of K
-  aqua QK (k)    the Triton kernel: reads k of r rows of K^ per query row (+ q, + the scores it writes)
-  dense SDPA     torch's scaled_dot_product_attention over K and V [B,Hkv,T,d] (GQA): the whole step
-  aqua step (k)  Triton scores + softmax + probs @ V (unfused: the scores go through memory)
-  fused (k)      the Triton AquaAttention kernel (kernels/triton/aqua_attention.py): q^ = qP, group-shared selection, online
-                 softmax and the value product in one pass over K^'s selected rows and V; "fused dense" is the
-                 same kernel at k = d without P (the same-kernel baseline)
-  h2o step (k)   the Triton H2OAttention kernel (kernels/triton/h2o_attention.py) at h2o 0.5: T/2 + 1 slots, the most recent
-                 T/2 tokens live, one token in, against dense SDPA over all T (the token buffer is restored
-                 before each call; it is 1/64 of the K^ + V bytes)
+  dense SDPA      torch's scaled_dot_product_attention over K and V [B, Hkv, T, d] (GQA, flash-decoding)
+  fused dense     the AquaAttention kernel at k = d without P (the same kernel reading all of K and V)
+  fused k         AquaAttention, group rule, P given: reads k of the d rows of K^, and V
+  tokens k, 1/8   AquaAttention with token selection (the setting benchmarks/quality.md validates: group rule,
+                  k = 32 of 128, token ratio 1/8, sink 16, window 64): the k rows of K^ score every page, the
+                  host chooses pages (ops.rules), the chosen pages are read whole
+  h2o 0.5 k       the H2OAttention kernel at h2o 0.5: T/2 + 1 slots, the most recent T/2 tokens live
 
-Bytes counted are the fewest each variant must move (every input read once, every output written once);
-bandwidth is bytes / median time; the ceiling is a measured device-to-device copy (read + write).
-Correctness is checked first against a float64 reference on fresh random inputs.
+Bytes are the fewest each variant must move (every input read once); bandwidth is bytes / median time of
+triton.testing.do_bench_cudagraph (a step replayed from a captured CUDA graph, as a served decode step is;
+the eager do_bench time beside it, Python's launch costs included); the ceiling is a measured device-to-device
+copy (read + write).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -31,6 +34,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # relative error, per dtype
+TOKENS = dict(token_ratio=0.125, token_sink=16, token_window=64)  # quality.md's validated token setting
+HKV, G, D = 8, 4, 128  # Llama-3.1-8B
 
 
 def copy_bandwidth() -> float:
@@ -42,208 +49,248 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * x.element_size() / (ms * 1e-3)
 
 
-def check(topk_gather_dot, reference) -> list[str]:
-    """Fresh random inputs at odd sizes, float32 and float16, against a float64 reference."""
-    lines = []
-    for seed, (b, hkv, g, t, r, s), k, dt in [(1, (2, 8, 4, 1, 128, 4099), 64, torch.float32),
-                                              (2, (1, 8, 4, 3, 128, 70001), 96, torch.float16),
-                                              (3, (3, 2, 3, 1, 64, 1000), 1, torch.float32)]:
-        gen = torch.Generator().manual_seed(seed)
-        q = torch.randn(b, hkv, g, t, r, generator=gen).to(dt)
-        kc = torch.randn(b, hkv, r, s, generator=gen).to(dt)
-        got = topk_gather_dot(q.cuda(), kc.cuda(), k).double().cpu()
-        ref = reference(q.double(), kc.double(), k)
-        rel = ((got - ref).norm() / ref.norm()).item()
-        ok = torch.isfinite(got).all().item() and rel < (1e-5 if dt == torch.float32 else 2e-3)
-        lines.append(f"check {dt} shape {(b, hkv, g, t, r, s)} k {k}: relative error {rel:.1e} {'ok' if ok else 'FAIL'}")
-        if not ok:
-            raise SystemExit("\n".join(lines))
+def poison() -> None:
+    """Fill the caching allocator's free memory with NaN: the next torch.empty of the kernels reuses it."""
+    x = torch.full((1 << 28,), float("nan"), device="cuda")  # 1 GiB
+    del x
+
+
+def ragged_mask(b: int, t: int, total: int, gen) -> torch.Tensor:
+    """[B, 1, 1, T, L] float32: sequence i hides its first pads[i] positions (left padding), pads random."""
+    mask = torch.zeros(b, 1, 1, t, total)
+    for i in range(1, b):
+        mask[i, ..., :int(torch.randint(1, total // 3, (1,), generator=gen))] = float("-inf")
+    return mask
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float("nan") if not torch.isfinite(got).all() else ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def verdict(line: str, rel: float, dt) -> str:
+    ok = rel == rel and rel < TOLERANCE[dt]
+    line = f"{line}: relative error {rel:.1e} (bound {TOLERANCE[dt]:.0e}) {'ok' if ok else 'FAIL'}"
+    if not ok:
+        raise SystemExit(line)
+    return line
+
+
+ATTENTION_CASES = [  # (b, hkv, g, t, d, L), k, dtype, projected, tokens
+    ((2, 8, 4, 1, 128, 5003), 64, torch.float32, True, False),
+    ((3, 8, 4, 1, 128, 70001), 64, torch.bfloat16, True, False),
+    ((1, 8, 4, 3, 128, 9001), 96, torch.float16, True, False),
+    ((3, 2, 8, 1, 64, 1000), 32, torch.bfloat16, False, False),
+    ((2, 4, 8, 1, 64, 4099), 16, torch.float32, True, False),
+    ((3, 8, 4, 1, 128, 20000), 32, torch.float32, True, True),
+    ((2, 4, 8, 1, 64, 7777), 16, torch.float32, False, True),
+]
+
+
+def check_attention() -> list[str]:
+    """The fused kernel (and its token selection) against the float64 reference. Token selection is checked in
+    float32: in 16-bit a near tie between two pages' scores may choose the other page, a legitimate difference
+    the parity gates account for and a norm bound cannot."""
+    from aqua_export.kernels.triton.aqua_attention import Tokens, aqua_attention
+    from aqua_export.ops.aqua_attention import reference
+
+    lines, gen = [], torch.Generator().manual_seed(5)
+    for (b, hkv, g, t, d, total), k, dt, projected, tokens in ATTENTION_CASES:
+        q = torch.randn(b, hkv, g, t, d, generator=gen).to(dt)
+        kc, vc = torch.randn(b, hkv, d, total, generator=gen).to(dt), torch.randn(b, hkv, total, d, generator=gen).to(dt)
+        mask = ragged_mask(b, t, total, gen)
+        P = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0].to(dt) if projected else None
+        attrs = TOKENS if tokens else {}
+        poison()
+        got = aqua_attention(q.cuda(), kc.cuda(), vc.cuda(), total, mask.cuda(), k, 1,
+                             projection=None if P is None else P.cuda(),
+                             tokens=Tokens(TOKENS["token_ratio"], 0, TOKENS["token_sink"], TOKENS["token_window"])
+                             if tokens else None).cpu()
+        ref = reference(q.double(), kc.double(), vc.double(), total, mask, None if P is None else P.double(), k=k,
+                        rule=1, **attrs)
+        lines.append(verdict(f"AquaAttention {str(dt)[6:]} {(b, hkv, g, t, d, total)} k {k} P {projected} tokens "
+                             f"{tokens}", rel_error(got, ref), dt))
     return lines
 
 
-def bench(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) -> list[dict]:
-    import triton.testing as tt
-
+def check_scores() -> list[str]:
     from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot
+    from aqua_export.ops.topk_gather_dot import reference
 
-    dt, es = torch.float16, 2
-    q = torch.randn(B, hkv, g, 1, d, device="cuda", dtype=dt)
-    kdm = torch.randn(B, hkv, d, T, device="cuda", dtype=dt)  # dim-major K^
-    krm = torch.randn(B, hkv, T, d, device="cuda", dtype=dt)  # row-major K for SDPA
-    v = torch.randn(B, hkv, T, d, device="cuda", dtype=dt)
-    qs = q.reshape(B, hkv * g, 1, d)
-    rows = B * hkv * g
-
-    def med(fn):
-        return tt.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-
-    out = []
-    kv_bytes = B * hkv * T * d * es
-    scores_bytes = rows * T * es
-    t = med(lambda: torch.matmul(q, kdm[:, :, None]))
-    out.append({"T": T, "variant": "dense QK", "bytes": kv_bytes + scores_bytes, "s": t})
-    t = med(lambda: torch.nn.functional.scaled_dot_product_attention(qs, krm, v, enable_gqa=True))
-    out.append({"T": T, "variant": "dense SDPA (K+V)", "bytes": 2 * kv_bytes, "s": t})
-    for k in ks:
-        # union of the group's selections bounds the K^ rows read per KV head: g * k of d at most
-        t = med(lambda: topk_gather_dot(q, kdm, k))
-        out.append({"T": T, "variant": f"aqua QK k={k}", "bytes": kv_bytes * k // d + scores_bytes, "s": t})
-
-        def step():
-            s = topk_gather_dot(q, kdm, k).float().softmax(-1).to(dt)
-            return torch.matmul(s, v[:, :, None])
-        t = med(step)
-        out.append({"T": T, "variant": f"aqua step k={k} (unfused)", "bytes": kv_bytes * k // d + kv_bytes, "s": t})
-    out += bench_fused(T, q, kdm, v, ks, med)
-    for o in out:
-        o["GB/s"] = o["bytes"] / o["s"] / 1e9
-        o["of copy bandwidth"] = o["bytes"] / o["s"] / bw
-    return out
-
-
-def bench_fused(T: int, q, kdm, v, ks: list[int], med) -> list[dict]:
-    """The fused Triton AquaAttention step: dense (k = d, no P) and AQUA (P given, group rule) at each k."""
-    from aqua_export.kernels.triton.aqua_attention import aqua_attention
-
-    B, hkv, g, _, d = q.shape
-    es = q.element_size()
-    mask = torch.zeros(1, 1, 1, 1, T, device="cuda")
-    P = torch.linalg.qr(torch.randn(hkv, d, d, device="cuda"))[0].to(q.dtype)
-    kv_bytes = B * hkv * T * d * es
-    out = [{"T": T, "variant": "fused dense", "bytes": 2 * kv_bytes + 4 * T,
-            "s": med(lambda: aqua_attention(q, kdm, v, T, mask, d, 1))}]
-    for k in ks:
-        out.append({"T": T, "variant": f"fused k={k}", "bytes": kv_bytes * k // d + kv_bytes + 4 * T + P.numel() * es,
-                    "s": med(lambda: aqua_attention(q, kdm, v, T, mask, k, 1, projection=P))})
-    return out
-
-
-def check_fused() -> list[str]:
-    """The fused kernel on the GPU against the float64 reference, with and without P, float32 and float16."""
-    from aqua_export.kernels.triton.aqua_attention import aqua_attention
-    from aqua_export.ops.aqua_attention import reference as attention_reference
-
-    lines = []
-    gen = torch.Generator().manual_seed(5)
-    for (b, hkv, g, t, d, L), k, dt, proj in [((2, 8, 4, 1, 128, 5003), 64, torch.float32, True),
-                                               ((1, 8, 4, 3, 128, 70001), 96, torch.float16, True),
-                                               ((3, 2, 3, 1, 64, 1000), 64, torch.float32, False)]:
-        q = torch.randn(b, hkv, g, t, d, generator=gen).to(dt)
-        kc = torch.randn(b, hkv, d, L, generator=gen).to(dt)
-        vc = torch.randn(b, hkv, L, d, generator=gen).to(dt)
-        mask = torch.zeros(1, 1, 1, t, L)
-        P = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0].to(dt) if proj else None
-        got = aqua_attention(q.cuda(), kc.cuda(), vc.cuda(), L, mask.cuda(), k, 1,
-                             projection=None if P is None else P.cuda()).double().cpu()
-        ref = attention_reference(q.double(), kc.double(), vc.double(), L, mask,
-                                  None if P is None else P.double(), k=k, rule=1)
-        rel = ((got - ref).norm() / ref.norm()).item()
-        ok = torch.isfinite(got).all().item() and rel < (1e-5 if dt == torch.float32 else 2e-3)
-        lines.append(f"check fused AquaAttention {dt} {(b, hkv, g, t, d, L)} k {k} P {proj}: relative error "
-                     f"{rel:.1e} {'ok' if ok else 'FAIL'}")
-        if not ok:
-            raise SystemExit("\n".join(lines))
+    lines, gen = [], torch.Generator().manual_seed(1)
+    for (b, hkv, g, t, r, s), k, rule, dt in [((2, 8, 4, 1, 128, 4099), 64, 1, torch.float32),
+                                              ((1, 8, 4, 3, 128, 70001), 96, 0, torch.float16),
+                                              ((3, 2, 8, 1, 64, 1000), 1, 0, torch.bfloat16)]:
+        q, kc = torch.randn(b, hkv, g, t, r, generator=gen).to(dt), torch.randn(b, hkv, r, s, generator=gen).to(dt)
+        poison()
+        got = topk_gather_dot(q.cuda(), kc.cuda(), k, rule=rule).cpu()
+        lines.append(verdict(f"TopKGatherDot {str(dt)[6:]} {(b, hkv, g, t, r, s)} k {k} rule {rule}",
+                             rel_error(got, reference(q.double(), kc.double(), k=k, rule=rule)), dt))
     return lines
 
 
 def check_h2o() -> list[str]:
-    """The H2O kernel on the GPU against the float64 slot-level reference (a prompt, then a decode step)."""
+    """The H2O kernel against the float64 slot-level reference (a ragged prompt, then a decode step)."""
     from aqua_export.kernels.triton.h2o_attention import h2o_attention
     from aqua_export.ops import h2o_attention as h2o
 
-    gen = torch.Generator().manual_seed(4)
-    b, hkv, g, t, r = 2, 2, 4, 300, 128
-    mask = torch.ones(b, t, dtype=torch.int64)
-    mask[1, :37] = 0
-    ins = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
-           torch.randn(b, hkv, t, r, generator=gen), torch.zeros(b, hkv, 0, r), torch.zeros(b, hkv, 0, r),
-           torch.zeros(b, hkv, 0), torch.zeros(b, hkv, 0, dtype=torch.int64), mask]
-    got = [x.cpu() for x in h2o_attention(*[x.cuda() for x in ins], k=64, rule=1, ratio=0.5)]
-    want = h2o.reference(*ins, k=64, rule=1, ratio=0.5)
-    err = (got[0].double() - want[0].double()).abs().max().item()
-    same = torch.equal(got[4], want[4])
-    line = f"check H2OAttention float32 (2, 2, 4, 300, 128) k 64 h2o 0.5: max error {err:.1e}, same evictions {same}"
-    if err > 1e-4 or not same:
-        raise SystemExit(line + " FAIL")
-    return [line]
+    lines, gen = [], torch.Generator().manual_seed(4)
+    for b, hkv, g, t, r in [(2, 2, 4, 300, 128), (3, 2, 8, 200, 64)]:
+        mask = torch.ones(b, t, dtype=torch.int64)
+        mask[1, :37] = 0
+        ins = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
+               torch.randn(b, hkv, t, r, generator=gen), torch.zeros(b, hkv, 0, r), torch.zeros(b, hkv, 0, r),
+               torch.zeros(b, hkv, 0), torch.zeros(b, hkv, 0, dtype=torch.int64), mask]
+        poison()
+        got = [x.cpu() for x in h2o_attention(*[x.cuda() for x in ins], k=r // 2, rule=1, ratio=0.5)]
+        want = h2o.reference(*ins, k=r // 2, rule=1, ratio=0.5)
+        if not torch.equal(got[4], want[4]):
+            raise SystemExit(f"H2OAttention {(b, hkv, g, t, r)}: the evictions differ from the reference FAIL")
+        lines.append(verdict(f"H2OAttention float32 {(b, hkv, g, t, r)} k {r // 2} h2o 0.5, same evictions",
+                             rel_error(got[0], want[0].double()), torch.float32))
+    return lines
 
 
-def bench_h2o(T: int, B: int, hkv: int, g: int, d: int, ks: list[int], bw: float) -> list[dict]:
-    """One decode step of the H2O kernel at ratio 0.5 (compared with bench()'s dense SDPA over T tokens)."""
+def median_s(fn, graph: bool = False) -> float | None:
+    """Median seconds of fn: eagerly (triton.testing.do_bench: Python's launch costs count where the GPU waits on
+    them), or as replays of a captured CUDA graph (the GPU's own time, as a served step replays it); None when fn
+    cannot be captured (a device sync inside)."""
     import triton.testing as tt
 
+    if not graph:
+        return tt.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+    try:
+        return tt.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e-3
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+
+
+def tune(bw: float) -> tuple[list[str], dict]:
+    """The fused kernel's launch swept at T = 32k, batch 8, k 64: -> (table lines, the fastest launch)."""
+    from aqua_export.kernels.triton.aqua_attention import aqua_attention, split_count
+
+    T, B = 32768, 8
+    q, kdm, v, mask, P = inputs(T, B)
+    nbytes = B * HKV * T * D * 2 * 1.5
+    lines = ["| block | warps | stages | programs wanted | splits | time (us) | of copy bandwidth |",
+             "|---|---|---|---|---|---|---|"]
+    best = None
+    for block, warps, stages, wanted in itertools.product((32, 64, 128), (4, 8), (2, 3), (528, 1056, 2112)):
+        n = split_count(B * HKV, T, block, wanted)
+        s = median_s(lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, splits=n, warps=warps,
+                                            stages=stages, block=block), graph=True)
+        lines.append(f"| {block} | {warps} | {stages} | {wanted} | {n} | {s * 1e6:.1f} | {nbytes / s / bw:.2f} |")
+        if best is None or s < best[0]:
+            best = (s, dict(block=block, warps=warps, stages=stages, wanted=wanted))
+    return lines, best[1]
+
+
+def inputs(T: int, B: int):
+    dt = torch.bfloat16
+    q = torch.randn(B, HKV, G, 1, D, device="cuda", dtype=dt)
+    kdm = torch.randn(B, HKV, D, T, device="cuda", dtype=dt)  # dim-major K^
+    v = torch.randn(B, HKV, T, D, device="cuda", dtype=dt)
+    mask = torch.zeros(1, 1, 1, 1, T, device="cuda")
+    P = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0].to(dt)
+    return q, kdm, v, mask, P
+
+
+def bench(T: int, B: int, launch: dict) -> list[dict]:
+    """One decode step of each variant at T cached tokens, batch B (bf16)."""
+    from aqua_export.kernels.triton.aqua_attention import PROGRAMS_WANTED, Tokens, aqua_attention, block_s, split_count
+
+    q, kdm, v, mask, P = inputs(T, B)
+    krm = kdm.transpose(2, 3).contiguous()  # row-major K for SDPA
+    kv = B * HKV * T * D * 2  # K (or V) bytes
+    block = launch.get("block", block_s(D))
+    n = split_count(B * HKV, T, block, launch.get("wanted", PROGRAMS_WANTED))
+    run = dict(splits=n, warps=launch.get("warps", 4), stages=launch.get("stages", 2), block=block)
+    tokens = Tokens(TOKENS["token_ratio"], 0, TOKENS["token_sink"], TOKENS["token_window"])
+    rows = [("dense SDPA", 2 * kv, lambda: torch.nn.functional.scaled_dot_product_attention(
+                 q.reshape(B, HKV * G, 1, D), krm, v, enable_gqa=True)),
+            ("fused dense", 2 * kv + 4 * T, lambda: aqua_attention(q, kdm, v, T, mask, D, 1, **run)),
+            ("fused k=64", kv // 2 + kv + 4 * T, lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, **run)),
+            ("tokens k=32, 1/8", kv // 4 + 2 * kv // 8 + 4 * T,  # its splits: split_count over the chosen pages
+             lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens, warps=run["warps"],
+                                    stages=run["stages"], block=block))]
+    out = [{"T": T, "B": B, "variant": name, "bytes": nbytes, "s": median_s(fn, graph=True), "eager": median_s(fn)}
+           for name, nbytes, fn in rows]
+    return out + bench_h2o(T, B, q)
+
+
+def bench_h2o(T: int, B: int, q) -> list[dict]:
+    """One decode step of the H2O kernel at ratio 0.5, k 64 (the token buffer restored before each call; it is
+    1/64 of the K^ + V bytes)."""
     from aqua_export.kernels.triton.h2o_attention import h2o_attention
 
-    dt, es = torch.float16, 2
-    live = T // 2
+    dt, live = q.dtype, T // 2
     cap = live + 1
-    key = torch.randn(B, hkv, cap, d, device="cuda", dtype=dt)
-    value = torch.randn(B, hkv, cap, d, device="cuda", dtype=dt)
-    heavy = torch.rand(B, hkv, cap, device="cuda")
-    token = torch.full((B, hkv, cap), -1, dtype=torch.int64, device="cuda")
+    key, value = (torch.randn(B, HKV, cap, D, device="cuda", dtype=dt) for _ in range(2))
+    heavy = torch.rand(B, HKV, cap, device="cuda")
+    token = torch.full((B, HKV, cap), -1, dtype=torch.int64, device="cuda")
     token[..., :live] = torch.arange(T - live, T, device="cuda")  # the most recent half is live
     saved = token.clone()
     mask = torch.ones(B, T + 1, dtype=torch.int64, device="cuda")
-    q = torch.randn(B, hkv, g, 1, d, device="cuda", dtype=dt)
-    kn, vn = (torch.randn(B, hkv, 1, d, device="cuda", dtype=dt) for _ in range(2))
+    kn, vn = (torch.randn(B, HKV, 1, D, device="cuda", dtype=dt) for _ in range(2))
 
-    def med(fn):
-        return tt.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e-3
+    def step():
+        token.copy_(saved)
+        h2o_attention(q, kn, vn, key, value, heavy, token, mask, k=64, rule=1, ratio=0.5)
+    nbytes = B * HKV * cap * (64 * 2 + D * 2 + 2 * 4 + 8)  # the selected rows of K^ and V, heavy read and written, token
+    # eager only: the host checks the slot state (a device sync), so the step cannot be captured
+    return [{"T": T, "B": B, "variant": "h2o 0.5 k=64", "bytes": nbytes, "s": median_s(step), "eager": None}]
 
-    out = []
-    for k in ks:
-        def step():
-            token.copy_(saved)
-            h2o_attention(q, kn, vn, key, value, heavy, token, mask, k=k, rule=1, ratio=0.5)
-        # the fewest: the selected rows of K^ and V once, heavy read and written, token read
-        nbytes = B * hkv * cap * (k * es + d * es + 2 * 4 + 8)
-        out.append({"T": T, "variant": f"h2o 0.5 step k={k}", "bytes": nbytes, "s": med(step)})
-    for o in out:
-        o["GB/s"] = o["bytes"] / o["s"] / 1e9
-        o["of copy bandwidth"] = o["bytes"] / o["s"] / bw
-    return out
+
+def table(rows: list[dict], bw: float) -> list[str]:
+    md = ["| T | batch | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense SDPA | eager (us) | "
+          "eager vs SDPA |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sdpa = next(x for x in rows if (x["T"], x["B"], x["variant"]) == (r["T"], r["B"], "dense SDPA"))
+        s = r["s"] if r["s"] is not None else r["eager"]  # not capturable: its eager time, against SDPA's graph
+        r["GB/s"], r["of copy bandwidth"] = r["bytes"] / s / 1e9, r["bytes"] / s / bw
+        eager = "-" if r["eager"] is None else f"{r['eager'] * 1e6:.1f} | {sdpa['eager'] / r['eager']:.2f}x"
+        md.append(f"| {r['T']} | {r['B']} | {r['variant']}{'' if r['s'] is not None else ' (eager)'} | "
+                  f"{s * 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['GB/s']:.0f} | {r['of copy bandwidth']:.2f} | "
+                  f"{sdpa['s'] / s:.2f}x | {eager} |")
+    return md
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/gpu_attention.md")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="16384,32768,65536,131072")
+    ap.add_argument("--tune", action="store_true", help="sweep the fused kernel's launch first and use the fastest")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA GPU here (run it on a GPU machine)")
-    from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot
-    from aqua_export.ops.topk_gather_dot import reference
-
-    def topk_gather_dot_reference(q, kc, k):
-        return reference(q, kc, k=k)
-
     name = torch.cuda.get_device_name()
-    lines = check(topk_gather_dot, topk_gather_dot_reference) + check_fused() + check_h2o()
+    checks = check_scores() + check_attention() + check_h2o()
+    print("\n".join(checks), flush=True)
     bw = copy_bandwidth()
+    tuned, launch = tune(bw) if a.tune else ([], {})
+    print("\n".join(tuned), flush=True)
     rows = []
     for T in map(int, a.contexts.split(",")):
-        rows += bench(T, a.batch, 8, 4, 128, [64, 96], bw)
-        rows += bench_h2o(T, a.batch, 8, 4, 128, [64, 96], bw)
-        torch.cuda.empty_cache()
-    md = [f"# GPU attention step: the Triton kernels vs dense ({name})", "",
-          f"Written by `python tools/bench_gpu.py` on {name}; torch {torch.__version__}. Llama-3.1-8B attention "
-          f"shapes at decode (Hkv 8, g 4, d 128, one query token), batch {a.batch}, float16. Median of "
-          "triton.testing.do_bench. Bytes = the fewest each variant must move; the ceiling is a measured "
-          f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write).", "", *[f"- {x}" for x in lines], "",
-          "| T | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense QK (fused: vs fused dense; h2o: vs dense SDPA) |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        base = next(x for x in rows if x["T"] == r["T"] and x["variant"] == "dense QK")["s"]
-        if r["variant"].startswith("fused k"):  # the same kernel's dense run
-            base = next(x for x in rows if x["T"] == r["T"] and x["variant"] == "fused dense")["s"]
-        if r["variant"].startswith("h2o"):
-            base = next(x for x in rows if x["T"] == r["T"] and x["variant"].startswith("dense SDPA"))["s"]
-        md.append(f"| {r['T']} | {r['variant']} | {r['s'] * 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['GB/s']:.0f} | "
-                  f"{r['of copy bandwidth']:.2f} | {base / r['s']:.2f}x |")
+        for B in map(int, a.batches.split(",")):
+            rows += bench(T, B, launch)
+            torch.cuda.empty_cache()
+    md = [f"# GPU attention step: the Triton kernels vs torch SDPA ({name})", "",
+          f"Written by `python tools/bench_gpu.py{' --tune' if a.tune else ''}` on {name}; torch {torch.__version__}. "
+          f"Llama-3.1-8B attention shapes at decode (Hkv {HKV}, g {G}, d {D}, one query token), bfloat16. Median "
+          "of graph replays (triton.testing.do_bench_cudagraph), the eager do_bench beside it. Bytes = the fewest "
+          f"each variant must move; the ceiling is a measured device-to-device copy: {bw / 1e9:.0f} GB/s (read + write).", "", "## Checks against float64", "",
+          *[f"- {x}" for x in checks], ""]
+    if tuned:
+        md += ["## The fused kernel's launch (T 32768, batch 8, k 64)", "", *tuned, "",
+               f"Rows below use block {launch['block']}, warps {launch['warps']}, stages {launch['stages']}, "
+               f"programs wanted {launch['wanted']}.", ""]
+    md += ["## Decode step", "", *table(rows, bw)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(md) + "\n")
-    Path(a.out).with_suffix(".json").write_text(json.dumps({"device": name, "copy_bandwidth": bw, "rows": rows}, indent=1))
-    print("\n".join(md))
+    Path(a.out).with_suffix(".json").write_text(json.dumps({"device": name, "copy_bandwidth": bw, "launch": launch,
+                                                            "rows": rows}, indent=1))
+    print("\n".join(md[-len(rows) - 2:]))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,11 @@ def jit(raw, interpret: bool):
     with triton_for(interpret) as (triton, tl):
         scope = {**raw.__globals__, "tl": tl, "GROUP": tl.constexpr(GROUP), "STATIC": tl.constexpr(STATIC),
                  **helpers}
-        _JITTED[raw, interpret] = triton.jit(types.FunctionType(raw.__code__, scope, raw.__name__)), triton
+        fn = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__)
+        # a new function object starts without annotations: copied, or Triton's compiler sees no tl.constexpr
+        # parameter (the interpreter does not care, so only a real GPU would show it)
+        fn.__annotations__, fn.__doc__, fn.__module__ = dict(raw.__annotations__), raw.__doc__, raw.__module__
+        _JITTED[raw, interpret] = triton.jit(fn), triton
     return _JITTED[raw, interpret]
 
 
