@@ -85,7 +85,7 @@ def test_most_pages_bounds_every_choice(tokens):
         mask[1, ..., :total // 2] = float("-inf")
         best = torch.randn(3, 2, -(-total // 16), generator=gen)
         pages = chosen_pages(best, mask, tokens)
-        visible = (mask[:, 0, 0, 0] > -1e37)[:, None].expand(3, 2, total)
+        visible = (mask[:, 0, 0, 0] > rules.MASKED)[:, None].expand(3, 2, total)
         forced = rules.forced_pages(visible, tokens.sink, tokens.window)
         want = rules.select_pages(best, forced, rules.tokens_attended(visible, tokens.ratio, tokens.budget))
         assert (pages >= 0).sum(-1).tolist() == want.sum(-1).flatten().tolist()

@@ -15,10 +15,10 @@ padded to 16 (the tensor cores' smallest M; the two products below are tl.dot):
 
 (token selection at a decode step: page_score_kernel first scores the pages with the selected rows of K^, the
 host chooses pages by ops.rules, and the programs walk only the chosen pages' positions, all r coordinates)
-then merge_kernel, one program per (sequence, KV head, token, query row), merges the splits: out = sum_i o_i e^(m_i - M) /
-sum_i l_i e^(m_i - M). No [B, Hkv, g, T, L] tensor is written. Splits exist so that decode at small batch still
-fills the GPU (flash-decoding). A mask
-entry at or below -1e37 hides its position, and a row hidden everywhere outputs zeros (the CPU kernel's rule).
+then merge_kernel, one program per (sequence, KV head, token, query row), merges the splits:
+out = sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M). No [B, Hkv, g, T, L] tensor is written. Splits exist so
+that decode at small batch still fills the GPU (flash-decoding). A mask entry at or below -1e37 hides its
+position, and a row hidden everywhere outputs zeros (the CPU kernel's rule).
 triton is imported only when the kernel is built; without a GPU ``interpret=True`` runs it in Triton's
 interpreter on the CPU (how the tests check it).
 """
@@ -102,7 +102,7 @@ def aqua_attention_kernel(qs_ptr, rows_ptr, key_ptr, value_ptr, mask_ptr, pages_
         mk = tl.load(mrow + s, mask=in_s, other=float("-inf"))
         vis = in_s & (mk > -1e37)  # the CPU kernel's kHidden
         kb = tl.load(key + c[:, None] * C + s[None, :], mask=rows[:, None] & vis[None, :], other=0.0)
-        if IEEE:  # float32 products, not tf32 (see IEEE in aqua_attention)
+        if IEEE:  # float32 products, not tf32 (_ieee says when)
             sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
         else:
             sc = tl.dot(qs, kb)
@@ -284,7 +284,6 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     kc, vc = key_cache.to(q.dtype).contiguous(), value_cache.to(q.dtype).contiguous()
     mk = mask.to(torch.float32).contiguous()
     mask_batch = 0 if mask.shape[0] == 1 else t * total
-    ieee, block_m = _ieee(q.dtype, interpret), max(16, group_block(g))
     pages, n_pos = q, total
     if tokens is not None and tokens.on:
         if t == 1:
@@ -304,16 +303,17 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     merge, _ = jit(merge_kernel, interpret)
     with triton_for(interpret):  # the interpreter also reads the mode while it runs
         kernel[(b * hkv * t, n)](qs, rows, kc, vc, mk, pages, o, ml, hkv, t, total, cap, n, split_len, mask_batch,
-                                 n_pos, R=r, RV=rv, G=g, SOFTCAP=float(softcap), BLOCK_R=next_pow2(r),
-                                 BLOCK_V=next_pow2(rv), BLOCK_S=block, PAGED=pages is not q, PAGE=PAGE, BLOCK_M=block_m,
-                                 IEEE=ieee, num_warps=warps, num_stages=stages)
+                                 n_pos, R=r, RV=rv, G=g, SOFTCAP=float(softcap), BLOCK_R=qs.shape[2],
+                                 BLOCK_V=next_pow2(rv), BLOCK_S=block, PAGED=pages is not q, PAGE=PAGE,
+                                 BLOCK_M=qs.shape[1], IEEE=_ieee(q.dtype, interpret), num_warps=warps,
+                                 num_stages=stages)
         merge[(b * hkv * t, g)](o, ml, out, t, n, G=g, RV=rv, BLOCK_N=min(32, next_pow2(n)), BLOCK_V=next_pow2(rv))
     return out
 
 
 def _select(q, p, r: int, k: int, rule: int, projected: bool, interpret: bool):
     """select_kernel over every (sequence, KV head, token) -> (qs [rows, BLOCK_M, BLOCK_R] float32, rows
-    [rows, BLOCK_R] int8)."""
+    [rows, BLOCK_R] int8); the kernels that read them take BLOCK_M and BLOCK_R from qs's shape."""
     b, hkv, g, t, d = q.shape
     block_m, block_r = max(16, group_block(g)), next_pow2(r)
     qs = torch.empty(b * hkv * t, block_m, block_r, dtype=torch.float32, device=q.device)
@@ -343,7 +343,6 @@ def _page_scores(qs, rows, g: int, kc, mk, total: int, mask_batch: int, softcap:
     kernel, _ = jit(page_score_kernel, interpret)
     with triton_for(interpret):
         kernel[(b * hkv, -(-total // block))](qs, rows, kc, mk, best, hkv, total, cap, mask_batch, n_pages, R=r,
-                                                G=g,
-                                                SOFTCAP=float(softcap), BLOCK_R=qs.shape[2], BLOCK_S=block, PAGE=PAGE,
-                                                BLOCK_M=qs.shape[1], IEEE=_ieee(kc.dtype, interpret))
+                                                G=g, SOFTCAP=float(softcap), BLOCK_R=qs.shape[2], BLOCK_S=block,
+                                                PAGE=PAGE, BLOCK_M=qs.shape[1], IEEE=_ieee(kc.dtype, interpret))
     return best
