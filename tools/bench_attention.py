@@ -27,7 +27,7 @@ Byte limit: a step reads K and V (dense) or the union u of the group's selected 
 limit = (K + V) / (u K + V); u = k/d for `group`. Queries: q^ coordinate c drawn with the standard deviation
 the calibration measured for it (the embedded model's projection, median layer; iid without the artifact).
 
-Rerun: `.venv/bin/python tools/bench_attention.py` (about 10 minutes on 2 cores; --quick for a smoke run).
+Rerun: `.venv/bin/python tools/bench_attention.py` (under a minute on 2 cores; --quick for a smoke run).
 """
 
 from __future__ import annotations

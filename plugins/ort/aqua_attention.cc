@@ -150,7 +150,8 @@ struct AttentionKernel {
       splits = std::min((kTasksWanted + bh * tiles - 1) / (bh * tiles), std::max<int64_t>(1, len / (4 * kPos)));
     }
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
-    std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0);
+    const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
+    auto& part = call_buffer<float, Buffer::kDensePartials>(n_part);
     AttentionJob<T> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_},
                         {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
                         k_in.GetTensorData<T>(), v_in.GetTensorData<T>(), m_in.GetTensorData<float>(),

@@ -1,18 +1,21 @@
 // AquaAttention's token selection at a decode step (T = 1): read the K^ rows the selection keeps for every token,
 // then all of K^ and V for the chosen tokens only (the rules: aqua_export/ops/rules.py, token selection).
 //
-//   A  score     tasks (batch, kv head, split of L): for each tile of the group's rows, s = q^[I] . K^[I, block]
-//                (k of r key rows read), soft-capped; best[page] = max over the rows and the page's visible tokens
-//   B  choose    per mask row: the visible count n, the forced pages (the first token_sink / last token_window
-//                visible tokens) and want = max(ceil(attended / PAGE), forced), attended = token_budget or
-//                max(1, ceil(ratio n - 1e-6 n - 1e-9)), at most n;
-//                per (batch, kv head): the forced pages, then the best-scored others (a partial top: nth_element;
-//                ties -> the lower page) until want, in ascending page order
-//   C  attend    tasks (batch, kv head, tile, split of the chosen pages): up to kPos positions of chosen pages at a
-//                time, adjacent pages merged into runs, s = q^ . K^[:, run] with all r coordinates, + mask, online
-//                softmax, o += e^(s - m) V[run]; then the splits merge, as the dense pass's do
+//   1  forced   per mask row: the visible count n, the forced pages (the first token_sink / last token_window
+//               visible tokens) and want = max(ceil(attended / PAGE), forced), attended = token_budget or
+//               max(1, ceil(ratio n - 1e-6 n - 1e-9)), at most n
+//   2  score    tasks (batch, kv head, split of L): for each tile of the group's rows, s = q^[I] . K^[I, block]
+//               (k of r key rows read), soft-capped; best[page] = max over the rows and the page's visible tokens
+//   3  attend   tasks (batch, kv head, tile, split of the chosen pages), each first choosing its (batch, kv head)'s
+//               pages, as every task of it does alike: the forced pages, then the best-scored others (a partial
+//               top, nth_element; ties -> the lower page) until want, ascending (microseconds: cheaper than a
+//               pass and a barrier of its own). Then up to kPos positions of its chosen pages at a time, adjacent
+//               pages merged into runs, s = q^ . K^[:, run] with all r coordinates, + mask, online softmax,
+//               o += e^(s - m) V[run]; then the splits merge, as the dense pass's do
 //
-// A page is PAGE = 16 slots: one 64-byte line of each float32 K^ coordinate row (the cache is dim-major).
+// A page is PAGE = 16 slots: one 64-byte line of each float32 K^ coordinate row (the cache is dim-major). A layout
+// with each page's K^ contiguous reads the chosen pages faster but the score pass's k rows slower, by more at
+// k = r/4 (measured: the dim-major layout's two passes are the cheapest pair).
 
 #include "attention_rows.h"
 
@@ -32,8 +35,6 @@ struct PageJob : QueryRows<T>, RowsOut<T> {
   float* best;        // [B * Hkv, pages]: each page's best approximate score
   const char* forced; // [mask_rows, pages]
   const int64_t* want;// [mask_rows]: pages a step attends
-  int32_t* chosen;    // [B * Hkv, pages]: the chosen pages, ascending
-  int64_t* chosen_n;  // [B * Hkv]
   int64_t len, key_stride, value_slots, mask_rows, pages, score_splits, score_len;
   float softcap;
 };
@@ -43,7 +44,7 @@ const float* mask_row(const PageJob<T>& j, int64_t bh) {
   return j.mask + (j.mask_rows == 1 ? 0 : bh / j.heads) * j.len;
 }
 
-// A: the page maxima of one (batch, kv head) over one split of the positions.
+// 2: the page maxima of one (batch, kv head) over one split of the positions.
 template <typename T>
 void score_task(void* data, size_t index) {
   const auto& j = *static_cast<const PageJob<T>*>(data);
@@ -81,16 +82,22 @@ void score_task(void* data, size_t index) {
   }
 }
 
-// B, per mask row: which pages are forced and how many pages a step attends.
+// Per mask row: which pages are forced and how many pages a step attends. Only the ends are scanned for the
+// forced tokens (the count is one vectorised pass), so a row costs O(L / 16), not a branch per slot.
 void forced_pages(const float* mrow, int64_t len, int64_t pages, const TokenRule& rule, char* forced, int64_t& want) {
   int64_t n = 0;
   for (int64_t i = 0; i < len; ++i) n += mrow[i] > kHidden;
   std::fill(forced, forced + pages, 0);
-  int64_t count = 0, n_forced = 0;
-  for (int64_t i = 0; i < len; ++i) {
-    if (!(mrow[i] > kHidden)) continue;
-    ++count;
-    if ((count <= rule.sink || n - count < rule.window) && !forced[i / kPage]) forced[i / kPage] = 1, ++n_forced;
+  int64_t n_forced = 0;
+  const auto force = [&](int64_t i) {
+    if (!forced[i / kPage]) forced[i / kPage] = 1, ++n_forced;
+  };
+  const int64_t sink = std::min(rule.sink, n), window = std::min(rule.window, n);
+  for (int64_t i = 0, seen = 0; seen < sink; ++i) {
+    if (mrow[i] > kHidden) force(i), ++seen;
+  }
+  for (int64_t i = len - 1, seen = 0; seen < window; --i) {
+    if (mrow[i] > kHidden) force(i), ++seen;
   }
   const double x = static_cast<double>(n);
   const int64_t by_ratio = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rule.ratio * x - 1e-6 * x - 1e-9)));
@@ -98,33 +105,31 @@ void forced_pages(const float* mrow, int64_t len, int64_t pages, const TokenRule
   want = std::max((attended + kPage - 1) / kPage, n_forced);
 }
 
-// B, per (batch, kv head): the forced pages and the best-scored others, ascending.
+// Per (batch, kv head) bh: the forced pages and the best-scored others, ascending, into chosen; returns their
+// count.
 template <typename T>
-void choose_task(void* data, size_t index) {
-  const auto& j = *static_cast<const PageJob<T>*>(data);
-  const int64_t bh = static_cast<int64_t>(index), row = j.mask_rows == 1 ? 0 : bh / j.heads;
+int64_t choose_pages(const PageJob<T>& j, int64_t bh, int32_t* chosen) {
+  const int64_t row = j.mask_rows == 1 ? 0 : bh / j.heads;
   const float* best = j.best + bh * j.pages;
   const char* forced = j.forced + row * j.pages;
-  int32_t* chosen = j.chosen + bh * j.pages;
-  static thread_local std::vector<int32_t> free_pages;
+  static thread_local std::vector<std::pair<float, int32_t>> free_pages;  // (-score, page): ascending = best first
   free_pages.clear();
   int64_t n = 0;
   for (int64_t p = 0; p < j.pages; ++p) {
     if (forced[p]) {
       chosen[n++] = static_cast<int32_t>(p);
     } else if (best[p] > -INFINITY) {  // a page with a visible token (NaN: none)
-      free_pages.push_back(static_cast<int32_t>(p));
+      free_pages.emplace_back(-best[p], static_cast<int32_t>(p));
     }
   }
   const int64_t more = std::min<int64_t>(std::max<int64_t>(j.want[row] - n, 0), free_pages.size());
   if (more < static_cast<int64_t>(free_pages.size())) {
-    std::nth_element(free_pages.begin(), free_pages.begin() + more, free_pages.end(), [best](int32_t a, int32_t b) {
-      return best[a] > best[b] || (best[a] == best[b] && a < b);
-    });
+    // pairs compare by score, then page: ties go to the lower page
+    std::nth_element(free_pages.begin(), free_pages.begin() + more, free_pages.end());
   }
-  std::copy(free_pages.begin(), free_pages.begin() + more, chosen + n);
+  for (int64_t i = 0; i < more; ++i) chosen[n + i] = free_pages[i].second;
   std::sort(chosen, chosen + n + more);
-  j.chosen_n[bh] = n + more;
+  return n + more;
 }
 
 // Up to kPos positions of a row's chosen pages, adjacent pages merged into runs (n positions from slot `start`,
@@ -174,7 +179,7 @@ void prefetch_values(const Chunk& ch, const T* value, int64_t rv) {
   }
 }
 
-// C: one tile of the group's rows over one split of the chosen pages, all r coordinates.
+// 3: one tile of the group's rows over one split of the chosen pages, all r coordinates.
 template <typename T>
 void attend_task(void* data, size_t task_index) {
   const auto& j = *static_cast<const PageJob<T>*>(data);
@@ -193,9 +198,11 @@ void attend_task(void* data, size_t task_index) {
     m[rr] = -INFINITY, l[rr] = 0.0f, mb[rr] = mg;
     std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, 0.0f);
   }
-  const int64_t count = j.chosen_n[bh], per = (count + j.splits - 1) / j.splits;
+  static thread_local std::vector<int32_t> chosen_pages;
+  chosen_pages.resize(static_cast<size_t>(j.pages));
+  const int32_t* chosen = chosen_pages.data();
+  const int64_t count = choose_pages(j, bh, chosen_pages.data()), per = (count + j.splits - 1) / j.splits;
   const int64_t c1 = std::min(count, (split + 1) * per);
-  const int32_t* chosen = j.chosen + bh * j.pages;
   const float* mrow = mask_row(j, bh);
   const T* key = j.key + bh * j.r * j.key_stride;
   const T* value = j.value + bh * j.value_slots * j.rv;
@@ -235,24 +242,24 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const T* key, 
   const int64_t score_splits =
       bh < kTasksWanted ? std::min((kTasksWanted + bh - 1) / bh, std::max<int64_t>(1, len / kScoreBlock)) : 1;
   const int64_t score_len = ((len + score_splits - 1) / score_splits + kPage - 1) / kPage * kPage;
-  std::vector<float> best(static_cast<size_t>(bh * pages));
-  std::vector<char> forced(static_cast<size_t>(mask_rows * pages));
-  std::vector<int64_t> want(static_cast<size_t>(mask_rows)), chosen_n(static_cast<size_t>(bh));
-  std::vector<int32_t> chosen(static_cast<size_t>(bh * pages));
+  // score_task fills every page of best, forced_pages every row of forced and want
+  auto& best = call_buffer<float, Buffer::kPageBest>(static_cast<size_t>(bh * pages));
+  auto& forced = call_buffer<char, Buffer::kPageForced>(static_cast<size_t>(mask_rows * pages));
+  auto& want = call_buffer<int64_t, Buffer::kPageWant>(static_cast<size_t>(mask_rows));
   for (int64_t row = 0; row < mask_rows; ++row) {
     forced_pages(mask + row * len, len, pages, rule, forced.data() + row * pages, want[row]);
   }
   const int64_t most = *std::max_element(want.begin(), want.end());
-  int64_t splits = 1;
+  int64_t splits = 1;  // a split of at least one block of positions, so one sequence's heads keep both cores busy
   if (bh * tiles < kTasksWanted) {
-    splits = std::min((kTasksWanted + bh * tiles - 1) / (bh * tiles), std::max<int64_t>(1, most * kPage / (4 * kPos)));
+    splits = std::min((kTasksWanted + bh * tiles - 1) / (bh * tiles), std::max<int64_t>(1, most * kPage / kPos));
   }
-  std::vector<float> part(splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0);
+  const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
+  auto& part = call_buffer<float, Buffer::kPagePartials>(n_part);
   PageJob<T> job{q, {out, part.data(), rv, tiles, splits}, key, value, mask, best.data(), forced.data(),
-                 want.data(), chosen.data(), chosen_n.data(), len, key_stride, value_slots, mask_rows, pages,
+                 want.data(), len, key_stride, value_slots, mask_rows, pages,
                  score_splits, score_len, softcap};
   ctx.ParallelFor(&score_task<T>, static_cast<size_t>(bh * score_splits), 0, &job);
-  ctx.ParallelFor(&choose_task<T>, static_cast<size_t>(bh), 0, &job);
   ctx.ParallelFor(&attend_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
   if (splits > 1) ctx.ParallelFor(&merge_task<T, PageJob<T>>, static_cast<size_t>(bh * tiles), 0, &job);
 }

@@ -98,7 +98,8 @@ struct H2OKernel {
       ORT_CXX_API_THROW("H2OAttention: k must be in [1, r], r and rv <= 512, rule in {0, 1, 2}, ratio in (0, 1]", ORT_INVALID_ARGUMENT);
     }
     const int64_t* mask = m_in.GetTensorData<int64_t>();
-    std::vector<int64_t> before(static_cast<size_t>(b * (len + 1)));
+    // [b, len + 1]: visible tokens before each position
+    auto& before = call_buffer<int64_t, Buffer::kH2OVisibleBefore>(static_cast<size_t>(b * (len + 1)));
     int64_t need = 0;
     for (int64_t bb = 0; bb < b; ++bb) {
       int64_t* row = before.data() + bb * (len + 1);
