@@ -198,10 +198,8 @@ void attend_task(void* data, size_t task_index) {
     m[rr] = -INFINITY, l[rr] = 0.0f, mb[rr] = mg;
     std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, 0.0f);
   }
-  static thread_local std::vector<int32_t> chosen_pages;
-  chosen_pages.resize(static_cast<size_t>(j.pages));
-  const int32_t* chosen = chosen_pages.data();
-  const int64_t count = choose_pages(j, bh, chosen_pages.data()), per = (count + j.splits - 1) / j.splits;
+  int32_t* chosen = call_buffer<int32_t, Buffer::kPageChosen>(static_cast<size_t>(j.pages)).data();
+  const int64_t count = choose_pages(j, bh, chosen), per = (count + j.splits - 1) / j.splits;
   const int64_t c1 = std::min(count, (split + 1) * per);
   const float* mrow = mask_row(j, bh);
   const T* key = j.key + bh * j.r * j.key_stride;
