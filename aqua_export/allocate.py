@@ -71,11 +71,11 @@ def measured_costs(projection, head_dim: int) -> torch.Tensor:
         raise ConfigError("--slice-alloc measured needs slice costs in the projection: calibrate with "
                           "`aqua-export calibrate --slice-costs` (or let the build calibrate)")
     x = [int(w) for w in projection.metadata["slice_widths"].split(",")]
-    out = [_curve(x, cost, head_dim) for layer in projection.slice_cost for cost in layer]
+    out = [measured_curve(x, cost, head_dim) for layer in projection.slice_cost for cost in layer]
     return torch.stack(out).reshape(len(projection.slice_cost), 2, head_dim + 1)
 
 
-def _curve(widths: list, cost: torch.Tensor, d: int) -> torch.Tensor:
+def measured_curve(widths: list, cost: torch.Tensor, d: int) -> torch.Tensor:
     """[d + 1] float64: measured costs at ``widths`` (and 0 at d), linear in between; below the narrowest width its
     slope goes on (costs only grow as columns go)."""
     x = np.array(widths + [d], np.float64)
@@ -136,4 +136,4 @@ def select_measured_costs(projection, config: AquaConfig) -> torch.Tensor:
                           f"projection: calibrate with `aqua-export calibrate --select-costs {config.selection}` "
                           "(or let the build calibrate)")
     x = [int(w) for w in projection.metadata["select_widths"].split(",")]
-    return torch.stack([_curve(x, c, d) for c in projection.select_cost])
+    return torch.stack([measured_curve(x, c, d) for c in projection.select_cost])

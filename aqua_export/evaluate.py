@@ -54,11 +54,12 @@ def check_windows(tokens: int, seq_len: int) -> None:
 
 def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: Projection | None = None,
                config: AquaConfig | None = None, progress: bool = False, mean_value: bool = False,
-               last: int = 0) -> dict:
+               last: int = 0, selected: tuple | None = None, probe=None) -> dict:
     """Perplexity of ``text``'s first ``tokens`` in non-overlapping windows of seq_len, with AQUA applied (token
     selection on every row, as if each token were decoded; mean_value: SparQ's correction, to measure it).
     last > 0: only each window's last ``last`` tokens are scored, and only their rows select tokens: the rest is
-    their prompt, attended exactly as a served prompt is (a long-context measure at a fraction of the cost)."""
+    their prompt, attended exactly as a served prompt is (a long-context measure at a fraction of the cost).
+    selected (k per layer) and probe: apply_aqua's."""
     config = config or AquaConfig()
     check_windows(tokens, seq_len)
     ids = corpus.tokenize(tok, text, tokens)
@@ -72,7 +73,8 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
 
     # token selection on every row, as if each token were decoded (a prompt's rows would attend exactly)
     rows_from = max(0, seq_len - 1 - last) if last else 0
-    ctx = apply_aqua(model, projection, config, token_rows_from=rows_from, mean_value=mean_value) \
+    ctx = apply_aqua(model, projection, config, token_rows_from=rows_from, mean_value=mean_value, selected=selected,
+                     probe=probe) \
         if projection is not None else contextlib.nullcontext()
     total, count = 0.0, 0
     with torch.no_grad(), ctx:

@@ -23,7 +23,7 @@ SLICE_WIDTHS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)  # of d: where measure_cos
 SELECT_WIDTHS = (0.125, 0.25, 0.375, 0.5, 0.75)  # of d: the k measure_select_costs gives a layer
 
 
-class _Costs:
+class Costs:
     """KL(dense || changed) of the next-token distributions over ``tokens`` tokens of ``texts``, per change."""
 
     def __init__(self, model, tok, projection, texts: list[str], tokens: int, seq_len: int):
@@ -60,7 +60,7 @@ def measure_costs(model, tok, projection, texts: list[str], tokens: int = 1024, 
     geo = attention_geometry(model)
     n, d = geo["layers"], geo["head_dim"]
     widths = _widths(SLICE_WIDTHS, d)
-    costs = _Costs(model, tok, projection, texts, tokens, seq_len)
+    costs = Costs(model, tok, projection, texts, tokens, seq_len)
     full = (d,) * n
     out = {}
     bar = tqdm(total=2 * n * len(widths), desc="slice costs", unit="cut", disable=not progress)
@@ -88,7 +88,7 @@ def measure_select_costs(model, tok, projection, texts: list[str], selection: st
     geo = attention_geometry(model)
     n, d = geo["layers"], geo["head_dim"]
     ks = _widths(SELECT_WIDTHS, d)
-    costs = _Costs(model, tok, projection, texts, tokens, seq_len)
+    costs = Costs(model, tok, projection, texts, tokens, seq_len)
     config = AquaConfig(selection=selection)
     out = {}
     bar = tqdm(total=n * len(ks), desc="selection costs", unit="k", disable=not progress)

@@ -17,7 +17,6 @@ same average k; ratio = allocated increase / uniform's. Byte accounting under a 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,15 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aqua_export import corpus, models  # noqa: E402
-from aqua_export.allocate import _curve, water_fill  # noqa: E402
+from aqua_export import corpus, evaluate, models  # noqa: E402
+from aqua_export.allocate import measured_curve, water_fill  # noqa: E402
 from aqua_export.config import AquaConfig  # noqa: E402
-from aqua_export.evaluate import _nll  # noqa: E402
 from aqua_export.ops.rules import select_indices  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 from aqua_export.projection import load_projection  # noqa: E402
-from aqua_export.reference.attention import apply_aqua  # noqa: E402
-from aqua_export.slice_costs import SELECT_WIDTHS, _Costs  # noqa: E402
+from aqua_export.slice_costs import SELECT_WIDTHS, Costs  # noqa: E402
 
 RULE, CALIB, EVAL = "weighted", "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (0.5, 0.4, 0.3)
@@ -70,14 +67,14 @@ def head_costs(model, tok, proj) -> np.ndarray:
     """[L, Hkv, len(SELECT_WIDTHS)] measured KL costs."""
     n, hkv, d = len(proj.P), proj.P[0].shape[0], proj.P[0].shape[-1]
     widths = [round(w * d) for w in SELECT_WIDTHS]
-    costs, cfg = _Costs(model, tok, proj, [CALIB], 512, 512), AquaConfig(k_ratio=0.5, selection=RULE)
+    costs, cfg = Costs(model, tok, proj, [CALIB], 512, 512), AquaConfig(k_ratio=0.5, selection=RULE)
     out = np.zeros((n, hkv, len(widths)))
     for layer in range(n):
+        selected = tuple(d - 1 if x == layer else d for x in range(n))  # only this layer asks the probe
         for h in range(hkv):
             for i, w in enumerate(widths):
-                table = {x: [d] * hkv for x in range(n)}
-                table[layer][h] = w
-                out[layer, h, i] = costs.kl(cfg, selected=layer_ks(table, d), probe=HeadK({layer: table[layer]}))
+                ks = [w if x == h else d for x in range(hkv)]
+                out[layer, h, i] = costs.kl(cfg, selected=selected, probe=HeadK({layer: ks}))
         print(f"layer {layer}: {np.round(out[layer], 5).tolist()}", flush=True)
     return out
 
@@ -90,17 +87,14 @@ def main() -> int:
     n, hkv, d = len(proj.P), proj.P[0].shape[0], proj.P[0].shape[-1]
     costs = head_costs(model, tok, proj)
     widths = [round(w * d) for w in SELECT_WIDTHS]
-    curves = torch.stack([_curve(widths, torch.from_numpy(costs[x, h]), d) for x in range(n) for h in range(hkv)])
+    curves = torch.stack([measured_curve(widths, torch.from_numpy(costs[x, h]), d)
+                          for x in range(n) for h in range(hkv)])
     per_layer = curves.reshape(n, hkv, d + 1).sum(1)
-    windows = corpus.windows(corpus.tokenize(tok, corpus.read_text(EVAL), 100_000), 512)
+    text = corpus.read_text(EVAL)
 
     def ppl(cfg, selected=None, probe=None) -> float:
-        total = count = 0.0
-        with torch.no_grad(), apply_aqua(model, proj, cfg, selected=selected, probe=probe):
-            for w in windows:
-                s, c = _nll(model, w, 0)
-                total, count = total + s, count + c
-        return math.exp(total / count)
+        return evaluate.perplexity(model, tok, text, tokens=100_000, seq_len=512, projection=proj, config=cfg,
+                                   selected=selected, probe=probe)["perplexity"]
 
     res = {"dense": ppl(AquaConfig()), "costs": costs.round(7).tolist(), "widths": widths, "rows": []}
     for k in K_RATIOS:
