@@ -12,7 +12,8 @@ from aqua_export.ops import rules
 if IMPLEMENTATIONS["triton"].unavailable():
     pytest.skip(IMPLEMENTATIONS["triton"].unavailable(), allow_module_level=True)
 
-from aqua_export.kernels.triton.aqua_attention import Tokens, aqua_attention, chosen_pages, split_count  # noqa: E402
+from aqua_export.kernels.triton.aqua_attention import aqua_attention, split_count  # noqa: E402
+from aqua_export.kernels.triton.tokens import Tokens, choose  # noqa: E402
 from aqua_export.kernels.triton.h2o_attention import block_s  # noqa: E402
 from aqua_export.kernels.triton.topk_gather_dot import block_sizes, topk_gather_dot  # noqa: E402
 
@@ -23,7 +24,7 @@ def test_block_sizes():
     assert block_sizes(64, 16384) == (64, 128)
     assert block_sizes(48, 5) == (64, 16)
     assert block_sizes(8, 7) == (8, 16)
-    assert block_s(4, 64, 40) == 32  # H2O: r = 64, g = 4: 32 slots per block
+    assert block_s(40) == 64 and block_s(10) == 16 and block_s(5000) == 64  # H2O: slots per block
 
 
 def test_split_count_fills_the_gpu_and_keeps_whole_blocks():
@@ -63,29 +64,57 @@ def test_gpu_present_or_reason():
 def test_compiled_kernels_see_their_constexpr_parameters():
     """The compiled (non-interpreted) binding keeps every kernel's tl.constexpr annotations: without them Triton's
     compiler refuses tl.arange(0, BLOCK) on a GPU, which the CPU interpreter never shows."""
-    from aqua_export.kernels.triton.aqua_attention import (aqua_attention_kernel, merge_kernel, page_score_kernel,
-                                                           select_kernel)
-    from aqua_export.kernels.triton.h2o_attention import h2o_attention_kernel
-    from aqua_export.kernels.triton.select import jit
+    from aqua_export.kernels.triton.aqua_attention import aqua_attention_kernel, merge_kernel
+    from aqua_export.kernels.triton.h2o_attention import evict_kernel, heavy_kernel, score_kernel, tables_kernel
+    from aqua_export.kernels.triton.h2o_attention import merge_kernel as h2o_merge_kernel
+    from aqua_export.kernels.triton.select import jit, select_kernel
+    from aqua_export.kernels.triton.tokens import choose_kernel, page_score_kernel
     from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot_kernel
 
-    for raw in (select_kernel, aqua_attention_kernel, merge_kernel, page_score_kernel, h2o_attention_kernel,
+    h2o_kernels = (tables_kernel, score_kernel, h2o_merge_kernel, heavy_kernel, evict_kernel)
+    for raw in (select_kernel, aqua_attention_kernel, merge_kernel, page_score_kernel, choose_kernel, *h2o_kernels,
                 topk_gather_dot_kernel):
         compiled, _ = jit(raw, False)
         declared = {n for n, a in raw.__annotations__.items() if "constexpr" in str(a)}
         assert declared and {p.name for p in compiled.params if p.is_constexpr} == declared, raw.__name__
 
 
-@pytest.mark.parametrize("tokens", [Tokens(0.125, 0, 16, 64), Tokens(1.0, 40, 0, 0), Tokens(0.5, 0, 33, 0)])
-def test_most_pages_bounds_every_choice(tokens):
-    """The host's page count (no device sync) never cuts a row's chosen pages, on ragged masks."""
+@pytest.mark.parametrize("tokens", [Tokens(0.125, 0, 16, 64), Tokens(1.0, 40, 0, 0), Tokens(0.5, 0, 33, 0),
+                                    Tokens(0.3, 0, 0, 17)])
+def test_choose_kernel_is_the_page_rule(tokens):
+    """choose_kernel (on the device, no host sync) chooses exactly rules.select_pages' pages, on ragged masks, with
+    ties among the scores (integer-valued) and -0.0 against +0.0, and its list (most_pages long) cuts none."""
     gen = torch.Generator().manual_seed(3)
     for total in (1, 15, 16, 17, 300, 1000):
         mask = torch.zeros(3, 1, 1, 1, total)
         mask[1, ..., :total // 2] = float("-inf")
-        best = torch.randn(3, 2, -(-total // 16), generator=gen)
-        pages = chosen_pages(best, mask, tokens)
+        mask[2, ..., 3:total // 3] = float("-inf")
         visible = (mask[:, 0, 0, 0] > rules.MASKED)[:, None].expand(3, 2, total)
+        n_pages = -(-total // 16)
+        best = torch.randint(-3, 4, (3, 2, n_pages), generator=gen).float()
+        best[best == 0] = torch.tensor([0.0, -0.0])[torch.randint(0, 2, (int((best == 0).sum()),), generator=gen)]
+        count = torch.nn.functional.pad(visible.int(), (0, n_pages * 16 - total)).reshape(3, 2, n_pages, 16).sum(-1)
+        best = best.masked_fill(count == 0, float("-inf"))
+        got = choose(best.reshape(6, -1).to(DEV), count.reshape(6, -1).int().to(DEV), tokens, total,
+                     interpret=DEV == "cpu").cpu()
         forced = rules.forced_pages(visible, tokens.sink, tokens.window)
         want = rules.select_pages(best, forced, rules.tokens_attended(visible, tokens.ratio, tokens.budget))
-        assert (pages >= 0).sum(-1).tolist() == want.sum(-1).flatten().tolist()
+        chosen = torch.zeros(6, n_pages + 1, dtype=torch.bool)
+        chosen.scatter_(1, torch.where(got >= 0, got, n_pages).long(), True)
+        assert torch.equal(chosen[:, :n_pages], want.reshape(6, -1)), (tokens, total)
+        assert all(torch.equal(row[row >= 0], row[row >= 0].sort().values) for row in got)  # ascending
+
+
+def test_h2o_tables_are_the_rules():
+    """tables_kernel's prefix sums (in blocks, carried) and budgets equal rules.budget over the cumulative real
+    tokens, for a ratio that float32 would round (0.3) and a mask longer than a block."""
+    from aqua_export.kernels.triton.h2o_attention import _tables
+
+    gen = torch.Generator().manual_seed(6)
+    mask = (torch.rand(3, 20000, generator=gen) > 0.2).long()
+    mask[1, :700] = 0
+    for ratio in (0.3, 0.5, 1.0):
+        before, keep = (x.cpu() for x in _tables(mask.to(DEV), ratio, interpret=DEV == "cpu"))
+        want = torch.nn.functional.pad(mask.cumsum(1), (1, 0))
+        assert torch.equal(before, want)
+        assert torch.equal(keep, rules.budget(ratio, want[:, 1:]))

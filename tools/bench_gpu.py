@@ -12,9 +12,10 @@ token), bfloat16, per T and batch:
   dense SDPA      torch's scaled_dot_product_attention over K and V [B, Hkv, T, d] (GQA, flash-decoding)
   fused dense     the AquaAttention kernel at k = d without P (the same kernel reading all of K and V)
   fused k         AquaAttention, group rule, P given: reads k of the d rows of K^, and V
-  tokens k, 1/8   AquaAttention with token selection (the setting benchmarks/quality.md validates: group rule,
-                  k = 32 of 128, token ratio 1/8, sink 16, window 64): the k rows of K^ score every page, the
-                  host chooses pages (ops.rules), the chosen pages are read whole
+  tokens k, 1/8   AquaAttention with token selection (a setting benchmarks/quality.md validates: group rule,
+                  k = 32 of 128, token ratio 1/8, sink 16, window 64): the k rows of K^ score every page, a
+                  kernel chooses the pages (ops.rules), the chosen pages are read whole
+  tokens k, 512   the same with a budget of 512 tokens (the setting the token-selection issue was resolved at)
   h2o 0.5 k       the H2OAttention kernel at h2o 0.5: T/2 + 1 slots, the most recent T/2 tokens live
 
 Bytes are the fewest each variant must move (every input read once); bandwidth is bytes / median time of
@@ -36,15 +37,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # relative error, per dtype
-TOKENS = dict(token_ratio=0.125, token_sink=16, token_window=64)  # quality.md's validated token setting
+TOKENS = dict(token_ratio=0.125, token_sink=16, token_window=64)  # quality.md's validated token settings:
+BUDGET = dict(token_budget=512, token_sink=16, token_window=64)  # 1/8 of the tokens, or 512 (the issue's)
 HKV, G, D = 8, 4, 128  # Llama-3.1-8B
 
 
-def token_setting():
-    """TOKENS as the Triton host's Tokens (its fields are the attributes without the prefix)."""
-    from aqua_export.kernels.triton.aqua_attention import Tokens
+def token_setting(attrs: dict = TOKENS):
+    """Node attributes (TOKENS, BUDGET) as the Triton host's Tokens (its fields are the names without the prefix)."""
+    from aqua_export.kernels.triton.tokens import Tokens
 
-    return Tokens(**{name.removeprefix("token_"): value for name, value in TOKENS.items()})
+    return Tokens(**{name.removeprefix("token_"): value for name, value in attrs.items()})
 
 
 def copy_bandwidth() -> float:
@@ -182,7 +184,7 @@ def tune(bw: float) -> tuple[list[str], dict]:
     lines = ["| block | warps | stages | programs wanted | splits | time (us) | of copy bandwidth |",
              "|---|---|---|---|---|---|---|"]
     best = None
-    for block, warps, stages, wanted in itertools.product((32, 64, 128), (4, 8), (2, 3), (528, 1056, 2112)):
+    for block, warps, stages, wanted in itertools.product((64, 128, 256), (4, 8), (2, 3), (1056, 2112)):
         n = split_count(B * HKV, T, block, wanted)
         s = median_s(lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, splits=n, warps=warps,
                                             stages=stages, block=block), graph=True)
@@ -205,6 +207,7 @@ def inputs(T: int, B: int):
 def bench(T: int, B: int, launch: dict) -> list[dict]:
     """One decode step of each variant at T cached tokens, batch B (bf16)."""
     from aqua_export.kernels.triton.aqua_attention import PROGRAMS_WANTED, aqua_attention, block_s, split_count
+    from aqua_export.ops.rules import attended_share
 
     q, kdm, v, mask, P = inputs(T, B)
     krm = kdm.transpose(2, 3).contiguous()  # row-major K for SDPA
@@ -212,14 +215,16 @@ def bench(T: int, B: int, launch: dict) -> list[dict]:
     block = launch.get("block", block_s(D))
     n = split_count(B * HKV, T, block, launch.get("wanted", PROGRAMS_WANTED))
     run = dict(splits=n, warps=launch.get("warps", 4), stages=launch.get("stages", 2), block=block)
-    tokens = token_setting()
+    tokens, budget = token_setting(), token_setting(BUDGET)
     rows = [("dense SDPA", 2 * kv, lambda: torch.nn.functional.scaled_dot_product_attention(
                  q.reshape(B, HKV * G, 1, D), krm, v, enable_gqa=True)),
             ("fused dense", 2 * kv + 4 * T, lambda: aqua_attention(q, kdm, v, T, mask, D, 1, **run)),
             ("fused k=64", kv // 2 + kv + 4 * T,
              lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, **run)),
             ("tokens k=32, 1/8", kv // 4 + 2 * kv // 8 + 4 * T,  # its splits: split_count over the chosen pages
-             lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens, **{**run, "splits": None}))]
+             lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens, **{**run, "splits": None})),
+            ("tokens k=32, 512", kv // 4 + 2 * kv * min(1.0, attended_share(T, 1.0, 512, 16, 64)) + 4 * T,
+             lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=budget, **{**run, "splits": None}))]
     out = [{"T": T, "B": B, "variant": name, "bytes": nbytes, "s": median_s(fn, graph=True), "eager": median_s(fn)}
            for name, nbytes, fn in rows]
     return out + bench_h2o(T, B, q)
@@ -230,8 +235,10 @@ def bench_h2o(T: int, B: int, q) -> list[dict]:
     1/64 of the K^ + V bytes)."""
     from aqua_export.kernels.triton.h2o_attention import h2o_attention
 
+    from aqua_export.ops import rules
+
     dt, live = q.dtype, T // 2
-    cap = live + 1
+    cap = rules.slots_needed(0.5, [T + 1])  # what the node needs after T + 1 tokens: it never widens here
     key, value = (torch.randn(B, HKV, cap, D, device="cuda", dtype=dt) for _ in range(2))
     heavy = torch.rand(B, HKV, cap, device="cuda")
     token = torch.full((B, HKV, cap), -1, dtype=torch.int64, device="cuda")
@@ -242,11 +249,36 @@ def bench_h2o(T: int, B: int, q) -> list[dict]:
 
     def step():
         token.copy_(saved)
-        h2o_attention(q, kn, vn, key, value, heavy, token, mask, k=64, rule=1, ratio=0.5)
+        # the state was checked when built (check_state: a device sync, which a captured step cannot hold)
+        h2o_attention(q, kn, vn, key, value, heavy, token, mask, k=64, rule=1, ratio=0.5, check=False)
     # the selected rows of K^ and V, heavy read and written, token read
     nbytes = B * HKV * cap * (64 * 2 + D * 2 + 2 * 4 + 8)
-    # eager only: the host checks the slot state (a device sync), so the step cannot be captured
-    return [{"T": T, "B": B, "variant": "h2o 0.5 k=64", "bytes": nbytes, "s": median_s(step), "eager": None}]
+    return [{"T": T, "B": B, "variant": "h2o 0.5 k=64", "bytes": nbytes, "s": median_s(step, graph=True),
+             "eager": median_s(step)}]
+
+
+def parts(T: int = 32768, B: int = 8) -> list[str]:
+    """Where a step's time goes (graph replays of each launch group alone), at T, batch B: the fused kernel's
+    selection, and token selection's four stages."""
+    from aqua_export.kernels.triton.aqua_attention import aqua_attention
+    from aqua_export.kernels.triton.select import select
+    from aqua_export.kernels.triton.tokens import choose, page_scores
+
+    q, kdm, v, mask, P = inputs(T, B)
+    tokens = token_setting()
+    qs, idx = select(q, P, D, 32, 1, True, False)
+    best, count = page_scores(qs, idx, G, kdm, mask, T, 0.0, False)
+    rows = [("select k=64 (fused)", lambda: select(q, P, D, 64, 1, True, False)),
+            ("select k=32 (tokens)", lambda: select(q, P, D, 32, 1, True, False)),
+            ("page scores k=32", lambda: page_scores(qs, idx, G, kdm, mask, T, 0.0, False)),
+            ("choose pages", lambda: choose(best, count, tokens, T, False)),
+            ("whole token step, 1/8", lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens)),
+            ("whole token step, 512", lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P,
+                                                             tokens=token_setting(BUDGET))),
+            ("whole fused k=64 step", lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P))]
+    lines = [f"| part (T {T}, batch {B}) | time (us) |", "|---|---|"]
+    lines += [f"| {name} | {median_s(fn, graph=True) * 1e6:.1f} |" for name, fn in rows]
+    return lines
 
 
 def table(rows: list[dict], bw: float) -> list[str]:
@@ -278,6 +310,8 @@ def main() -> None:
     bw = copy_bandwidth()
     tuned, launch = tune(bw) if a.tune else ([], {})
     print("\n".join(tuned), flush=True)
+    split = parts()
+    print("\n".join(split), flush=True)
     rows = []
     for T in map(int, a.contexts.split(",")):
         for B in map(int, a.batches.split(",")):
@@ -294,7 +328,7 @@ def main() -> None:
         md += ["## The fused kernel's launch (T 32768, batch 8, k 64)", "", *tuned, "",
                f"Rows below use block {launch['block']}, warps {launch['warps']}, stages {launch['stages']}, "
                f"programs wanted {launch['wanted']}.", ""]
-    md += ["## Decode step", "", *table(rows, bw)]
+    md += ["## Where the time goes", "", *split, "", "## Decode step", "", *table(rows, bw)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(md) + "\n")
     Path(a.out).with_suffix(".json").write_text(json.dumps({"device": name, "copy_bandwidth": bw, "launch": launch,

@@ -4,13 +4,15 @@ so one test drives every implementation alike.
 
     select           the selection rank rule as one jit helper, the interpreter switch, binding a kernel to a mode
     topk_gather_dot  TopKGatherDot (also compiled ahead of time into the TensorRT plugin)
-    aqua_attention   AquaAttention, flash-decoding splits merged on the host
+    aqua_attention   AquaAttention, flash-decoding splits merged by a kernel
+    tokens           token selection at a decode step: pages scored and chosen on the device
     h2o_attention    H2OAttention over slot buffers updated in place
 """
 
 from __future__ import annotations
 
-from .aqua_attention import Tokens, aqua_attention
+from .aqua_attention import aqua_attention
+from .tokens import Tokens
 from .h2o_attention import h2o_attention
 from .topk_gather_dot import topk_gather_dot
 

@@ -8,14 +8,16 @@ plugins/ort/aqua_attention.cc) for the PyTorch host.
 One program per (sequence, KV head, token, split of the L positions), holding the g query rows of the group
 padded to 16 (the tensor cores' smallest M; the two products below are tl.dot):
 
-    q [g, d] --x P (chunks of d)--> q^ [g, r] --selection (select.py)--> q_sel (others zeroed)
-    per block of 64 positions:  K^[union rows, block] (only the selected rows load: with the group rule exactly k)
+    select_kernel (select.py), once per (sequence, KV head, token):
+        q [g, d] --x P (chunks of d)--> q^ [g, r] --selection--> idx [U]: the group's union of kept coordinates,
+        qs [16, U]: q^ there, each row's unkept ones zeroed          (U = k with the group rule)
+    per block of 64 positions:  K^[idx, block] (a dense [U, 64] tile: only the union's rows load)
         --> s [16, block] --softcap?, + mask--> online softmax (m, l)  -->  o [16, rv] += e^(s - m) V[block]
     --> the split's (o, m, l)
 
-(token selection at a decode step: page_score_kernel first scores the pages with the selected rows of K^, the
-host chooses pages by ops.rules, and the programs walk only the chosen pages' positions, all r coordinates)
-then merge_kernel, one program per (sequence, KV head, token, query row), merges the splits:
+(token selection at a decode step, tokens.py: page_score_kernel scores the pages with the union's rows of K^,
+choose_kernel chooses them on the device by ops.rules, and the programs walk only the chosen pages' positions,
+all r coordinates) then merge_kernel, one program per (sequence, KV head, token, query row), merges the splits:
 out = sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M). No [B, Hkv, g, T, L] tensor is written. Splits exist so
 that decode at small batch still fills the GPU (flash-decoding). A mask entry at or below -1e37 hides its
 position, and a row hidden everywhere outputs zeros (the CPU kernel's rule).
@@ -27,87 +29,40 @@ from __future__ import annotations
 
 import torch
 
-from dataclasses import dataclass
-
-from ...ops import rules
 from ...ops.spec import PAGE, RULE_NAMES
-from .select import group_block, jit, next_pow2, triton_for
+from .select import ieee, jit, next_pow2, select, triton_for
+from .tokens import Tokens, chosen_pages
 
-tl = keep_of = query_rows = None  # the kernels' free names, bound per mode by select.jit (triton is imported only there)
+tl = selected_rows = key_tile = scores_of = None  # the kernels' free names, bound per mode by select.jit
 
 PROGRAMS_WANTED = 1056  # (sequence, KV head, token) programs times splits: 8 per SM of an H100's 132 (bench_gpu --tune)
 
 
-def select_kernel(q_ptr, p_ptr, qs_ptr, rows_ptr, T, D: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
-                  K: tl.constexpr, RULE: tl.constexpr, PROJECT: tl.constexpr, HKV: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    """The selection, once per (sequence, KV head, token) -> qs [rows, BLOCK_M, BLOCK_R] float32: q^ with the
-    unselected coordinates zeroed, rows past g zero (the tensor cores' M of 16); rows [rows, BLOCK_R] int8: the
-    union of the group's selections (the rows of K^ that load)."""
-    row = tl.program_id(0)  # (b * Hkv + h) * T + t
-    tt = row % T
-    bh = row // T
-    j = tl.arange(0, BLOCK_G)
-    in_g = j < G
-    c = tl.arange(0, BLOCK_R)
-    in_r = c < R
-    q_row = q_ptr + ((bh * G + j) * T + tt) * D  # [BLOCK_G] pointers to the g rows of this token
-    qg = query_rows(q_row, p_ptr + (bh % HKV) * D * R, in_g, c, in_r, D, R, PROJECT, BLOCK_G, BLOCK_D, CHUNK_D, BLOCK_R)
-    # coordinate i kept iff fewer than K coordinates beat it (ties: the lower index)
-    keep = keep_of(qg, c, in_r, R, K, RULE) & in_g[:, None]
-    out = qs_ptr + row * BLOCK_M * BLOCK_R
-    tl.store(out + j[:, None] * BLOCK_R + c[None, :], tl.where(keep, qg, 0.0), mask=in_g[:, None])
-    m_id = tl.arange(0, BLOCK_M)  # the padding rows, stored rather than assembled in registers (see aqua_attention)
-    tl.store(out + m_id[:, None] * BLOCK_R + c[None, :], tl.zeros([BLOCK_M, BLOCK_R], tl.float32),
-             mask=(m_id >= G)[:, None])
-    tl.store(rows_ptr + row * BLOCK_R + c, (tl.max(keep.to(tl.int32), axis=0) > 0).to(tl.int8))
-
-
-def aqua_attention_kernel(qs_ptr, rows_ptr, key_ptr, value_ptr, mask_ptr, pages_ptr, o_ptr, ml_ptr,
-                          HKV, T, L, C, SPLITS, SPLIT_LEN, MASK_BATCH, N_POS,
+def aqua_attention_kernel(qs_ptr, idx_ptr, key_ptr, value_ptr, mask_ptr, pages_ptr, o_ptr, ml_ptr,
+                          HKV, T, L, C, SPLITS, SPLIT_LEN, MASK_BATCH, N_POS, N_LIST,
                           R: tl.constexpr, RV: tl.constexpr, G: tl.constexpr, SOFTCAP: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
                           PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
     row = tl.program_id(0)  # (b * Hkv + h) * T + t
     sp = tl.program_id(1)
     tt = row % T
     bh = row // T
     b = bh // HKV
-    c = tl.arange(0, BLOCK_R)
     v = tl.arange(0, BLOCK_V)
     in_v = v < RV
     m_id = tl.arange(0, BLOCK_M)
-    qs = tl.load(qs_ptr + (row * BLOCK_M + m_id[:, None]) * BLOCK_R + c[None, :])  # select_kernel's
-    if not IEEE:
-        qs = qs.to(key_ptr.dtype.element_ty)
-    rows = (tl.load(rows_ptr + row * BLOCK_R + c) != 0) & (c < R)
+    qs, krow, use = selected_rows(qs_ptr, idx_ptr, key_ptr, row, bh, R, C, BLOCK_U, BLOCK_M, IEEE)
     # -- one pass over this split's positions: online softmax and the value product
-    key = key_ptr + bh * R * C
-    value = value_ptr + bh * C * RV
+    value = value_ptr + bh.to(tl.int64) * C * RV
     mrow = mask_ptr + b * MASK_BATCH + tt * L
+    pages = pages_ptr + bh * N_LIST
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     p0 = sp * SPLIT_LEN
-    for s0 in range(p0, tl.minimum(N_POS, p0 + SPLIT_LEN), BLOCK_S):
-        at = s0 + tl.arange(0, BLOCK_S)  # the split's positions, or its places in the row's chosen pages
-        in_s = (at < N_POS) & (at < p0 + SPLIT_LEN)
-        if PAGED:  # pages_ptr [B * Hkv, N_POS / PAGE]: the chosen pages ascending, -1 past the last
-            pg = tl.load(pages_ptr + bh * (N_POS // PAGE) + at // PAGE, mask=in_s, other=-1)
-            s = pg * PAGE + at % PAGE
-            in_s = in_s & (pg >= 0) & (s < L)
-        else:
-            s = at
-        mk = tl.load(mrow + s, mask=in_s, other=float("-inf"))
-        vis = in_s & (mk > -1e37)  # the CPU kernel's kHidden
-        kb = tl.load(key + c[:, None] * C + s[None, :], mask=rows[:, None] & vis[None, :], other=0.0)
-        if IEEE:  # float32 products, not tf32 (_ieee says when)
-            sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
-        else:
-            sc = tl.dot(qs, kb)
-        if SOFTCAP > 0.0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at both ends
-            sc = (1.0 - 2.0 / (tl.exp(2.0 * sc / SOFTCAP) + 1.0)) * SOFTCAP
+    for s0 in range(p0, tl.minimum(N_POS, p0 + SPLIT_LEN), BLOCK_S):  # splits are whole blocks
+        kb, s, ok = key_tile(krow, use, s0, pages, N_LIST, C, BLOCK_U, BLOCK_S, PAGED, PAGE)
+        sc, mk, vis = scores_of(qs, kb, s, ok, mrow, L, SOFTCAP, IEEE)
         sc = tl.where(vis[None, :], sc + mk[None, :], float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         base = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -161,36 +116,6 @@ def merge_kernel(o_ptr, ml_ptr, out_ptr, T, SPLITS, G: tl.constexpr, RV: tl.cons
     tl.store(out_ptr + ((bh * G + j) * T + tt) * RV + v, res.to(out_ptr.dtype.element_ty), mask=v < RV)
 
 
-def page_score_kernel(qs_ptr, rows_ptr, key_ptr, mask_ptr, best_ptr, HKV, L, C, MASK_BATCH, N_PAGES,
-                      R: tl.constexpr, G: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_S: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
-    """Token selection's score pass at a decode step: one program per (sequence, KV head, block of positions)
-    -> best [B * Hkv, N_PAGES]: each page's largest approximate score over the group's rows and its visible
-    positions (-inf: none visible); only the selected rows of K^ load."""
-    bh = tl.program_id(0)  # a decode step: T = 1, so select_kernel's row is the (sequence, KV head)
-    blk = tl.program_id(1)
-    c = tl.arange(0, BLOCK_R)
-    m_id = tl.arange(0, BLOCK_M)
-    qs = tl.load(qs_ptr + (bh * BLOCK_M + m_id[:, None]) * BLOCK_R + c[None, :])
-    if not IEEE:
-        qs = qs.to(key_ptr.dtype.element_ty)
-    rows = (tl.load(rows_ptr + bh * BLOCK_R + c) != 0) & (c < R)
-    s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
-    mk = tl.load(mask_ptr + (bh // HKV) * MASK_BATCH + s, mask=s < L, other=float("-inf"))
-    vis = (s < L) & (mk > -1e37)
-    kb = tl.load(key_ptr + bh * R * C + c[:, None] * C + s[None, :], mask=rows[:, None] & vis[None, :], other=0.0)
-    if IEEE:
-        sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
-    else:
-        sc = tl.dot(qs, kb)
-    if SOFTCAP > 0.0:
-        sc = (1.0 - 2.0 / (tl.exp(2.0 * sc / SOFTCAP) + 1.0)) * SOFTCAP
-    sc = tl.where((m_id < G)[:, None] & vis[None, :], sc, float("-inf"))
-    best = tl.max(tl.reshape(tl.max(sc, axis=0), [BLOCK_S // PAGE, PAGE]), axis=1)
-    page = blk * (BLOCK_S // PAGE) + tl.arange(0, BLOCK_S // PAGE)
-    tl.store(best_ptr + bh * N_PAGES + page, best, mask=page < N_PAGES)
-
-
 def _kernel(interpret: bool):
     return jit(aqua_attention_kernel, interpret)
 
@@ -229,41 +154,6 @@ def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, p
     return r
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """The node's token-selection attributes (ops/aqua_attention.py TOKEN_ATTRS)."""
-
-    ratio: float = 1.0
-    budget: int = 0
-    sink: int = 0
-    window: int = 0
-
-    @property
-    def on(self) -> bool:
-        return self.ratio < 1 or self.budget > 0
-
-
-def most_pages(tokens: Tokens, total: int, n_pages: int) -> int:
-    """The most pages any row of a step over ``total`` positions can choose (ops.rules.pages_wanted's bound, from
-    host integers: no device sync, so a step can be captured in a CUDA graph): the attended tokens' pages plus
-    the forced sink and window pages, each run possibly straddling one more page."""
-    attended = tokens.budget if tokens.budget else int(rules.budget(tokens.ratio, total))
-    forced = -(-tokens.sink // PAGE) + -(-tokens.window // PAGE) + 2
-    return max(1, min(n_pages, -(-min(attended, total) // PAGE) + forced))
-
-
-def chosen_pages(best: torch.Tensor, mask: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-    """best [B, Hkv, P] (page_score_kernel), mask [B|1, 1, 1, 1, L] -> [B * Hkv, n] int32: each row's chosen pages
-    (ops.rules.select_pages) ascending, -1 past its last; n = most_pages."""
-    b, hkv, n_pages = best.shape
-    visible = (mask[:, 0, 0, 0] > rules.MASKED)[:, None].expand(b, hkv, mask.shape[-1])
-    forced = rules.forced_pages(visible, tokens.sink, tokens.window)
-    chosen = rules.select_pages(best, forced, rules.tokens_attended(visible, tokens.ratio, tokens.budget))
-    ids = torch.where(chosen, torch.arange(n_pages, device=best.device), n_pages).sort(-1).values
-    ids = ids[..., :most_pages(tokens, mask.shape[-1], n_pages)]
-    return torch.where(ids < n_pages, ids, -1).to(torch.int32).reshape(b * hkv, -1).contiguous()
-
-
 def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule: int = 0, softcap: float = 0.0,
                    projection=None, interpret: bool | None = None, splits: int | None = None,
                    tokens: Tokens | None = None, warps: int = 4, stages: int = 2, block: int | None = None):
@@ -284,14 +174,16 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     kc, vc = key_cache.to(q.dtype).contiguous(), value_cache.to(q.dtype).contiguous()
     mk = mask.to(torch.float32).contiguous()
     mask_batch = 0 if mask.shape[0] == 1 else t * total
-    pages, n_pos = q, total
-    if tokens is not None and tokens.on:
-        if t == 1:
-            qs, rows = _select(q, p, r, k, rule, projection is not None, interpret)
-            pages = chosen_pages(_page_scores(qs, rows, g, kc, mk, total, mask_batch, softcap, interpret), mk, tokens)
-            n_pos = pages.shape[1] * PAGE
-        k = r  # the chosen tokens, or a prompt's, are attended with every coordinate
-    qs, rows = _select(q, p, r, k, rule, projection is not None, interpret)
+    pages, n_pos, n_list = q, total, 0
+    if tokens is not None and tokens.on and t == 1:
+        # the pages chosen on the k selected coordinates, then attended with every coordinate
+        sel, sel_idx, qs, idx = select(q, p, r, k, rule, projection is not None, interpret, full=True)
+        pages = chosen_pages(sel, sel_idx, g, kc, mk, total, softcap, tokens, interpret)
+        n_list = pages.shape[1]
+        n_pos = n_list * PAGE
+    else:  # a prompt with token selection attends every token with every coordinate
+        k = r if tokens is not None and tokens.on else k
+        qs, idx = select(q, p, r, k, rule, projection is not None, interpret)
     block = block or block_s(max(r, rv))
     n = splits or split_count(b * hkv * t, n_pos, block)
     split_len = -(-(-(-n_pos // n)) // block) * block  # whole blocks
@@ -302,47 +194,10 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     kernel, _ = _kernel(interpret)
     merge, _ = jit(merge_kernel, interpret)
     with triton_for(interpret):  # the interpreter also reads the mode while it runs
-        kernel[(b * hkv * t, n)](qs, rows, kc, vc, mk, pages, o, ml, hkv, t, total, cap, n, split_len, mask_batch,
-                                 n_pos, R=r, RV=rv, G=g, SOFTCAP=float(softcap), BLOCK_R=qs.shape[2],
+        kernel[(b * hkv * t, n)](qs, idx, kc, vc, mk, pages, o, ml, hkv, t, total, cap, n, split_len, mask_batch,
+                                 n_pos, n_list, R=r, RV=rv, G=g, SOFTCAP=float(softcap), BLOCK_U=qs.shape[2],
                                  BLOCK_V=next_pow2(rv), BLOCK_S=block, PAGED=pages is not q, PAGE=PAGE,
-                                 BLOCK_M=qs.shape[1], IEEE=_ieee(q.dtype, interpret), num_warps=warps,
+                                 BLOCK_M=qs.shape[1], IEEE=ieee(q.dtype, interpret), num_warps=warps,
                                  num_stages=stages)
         merge[(b * hkv * t, g)](o, ml, out, t, n, G=g, RV=rv, BLOCK_N=min(32, next_pow2(n)), BLOCK_V=next_pow2(rv))
     return out
-
-
-def _select(q, p, r: int, k: int, rule: int, projected: bool, interpret: bool):
-    """select_kernel over every (sequence, KV head, token) -> (qs [rows, BLOCK_M, BLOCK_R] float32, rows
-    [rows, BLOCK_R] int8); the kernels that read them take BLOCK_M and BLOCK_R from qs's shape."""
-    b, hkv, g, t, d = q.shape
-    block_m, block_r = max(16, group_block(g)), next_pow2(r)
-    qs = torch.empty(b * hkv * t, block_m, block_r, dtype=torch.float32, device=q.device)
-    rows = torch.empty(b * hkv * t, block_r, dtype=torch.int8, device=q.device)
-    kernel, _ = jit(select_kernel, interpret)
-    with triton_for(interpret):
-        kernel[(b * hkv * t,)](q, p, qs, rows, t, D=d, R=r, G=g, K=k, RULE=rule, PROJECT=projected, HKV=hkv,
-                               BLOCK_G=group_block(g), BLOCK_D=next_pow2(d), CHUNK_D=min(16, next_pow2(d)),
-                               BLOCK_R=block_r, BLOCK_M=block_m)
-    return qs, rows
-
-
-def _ieee(dtype, interpret: bool) -> bool:
-    """The products in float32 ("ieee", not tf32): for float32 caches, and in the interpreter, whose tl.dot
-    reads bfloat16 operands wrongly (Triton 3.9: relative error 1e9); 16-bit operands on a GPU use the tensor
-    cores, their probabilities rounded to the cache's dtype as flash attention does."""
-    return dtype == torch.float32 or interpret
-
-
-def _page_scores(qs, rows, g: int, kc, mk, total: int, mask_batch: int, softcap: float,
-                 interpret: bool) -> torch.Tensor:
-    """page_score_kernel's best [B, Hkv, P] for a decode step (qs, rows: _select's at the node's k)."""
-    b, hkv, r, cap = kc.shape
-    n_pages = -(-total // PAGE)
-    block = block_s(r)
-    best = torch.empty(b, hkv, n_pages, dtype=torch.float32, device=kc.device)
-    kernel, _ = jit(page_score_kernel, interpret)
-    with triton_for(interpret):
-        kernel[(b * hkv, -(-total // block))](qs, rows, kc, mk, best, hkv, total, cap, mask_batch, n_pages, R=r,
-                                                G=g, SOFTCAP=float(softcap), BLOCK_R=qs.shape[2], BLOCK_S=block,
-                                                PAGE=PAGE, BLOCK_M=qs.shape[1], IEEE=_ieee(kc.dtype, interpret))
-    return best

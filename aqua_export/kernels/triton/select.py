@@ -1,6 +1,8 @@
 """What the Triton kernels share: the interpreter switch, binding a kernel to a mode (``jit``), block-size helpers,
-a group's q^ rows (``query_rows``) and the selection rule as one jit helper, ``keep_of`` (ops.rules is its definition; plugins/ort/aqua_ops.h is the
-C++ twin).
+a group's q^ rows (``query_rows``), the selection rule as one jit helper, ``keep_of`` (ops.rules is its definition;
+plugins/ort/aqua_ops.h is the C++ twin), and the selection computed once per (sequence, KV head, token) by
+``select_kernel``, compacted to the group's union of coordinates, with the jit helpers that read it back
+(``selected_rows``), load K^ tiles of those rows (``key_tile``) and score them (``scores_of``).
 
 The selection is computed as a rank rather than a sort, so it is exact and branch-free: coordinate c is kept iff
 fewer than k coordinates beat it, where j beats c when score_j > score_c, or they are equal and j < c (ties go to
@@ -16,7 +18,9 @@ import os
 import types
 from contextlib import contextmanager
 
-from ...ops.spec import GROUP, STATIC
+import torch
+
+from ...ops.spec import GROUP, MAGNITUDE, STATIC
 
 _JITTED: dict = {}  # (function, interpret) -> (jitted, triton)
 tl = None  # keep_of's free name, bound per mode by jit (triton is imported only there)
@@ -48,16 +52,21 @@ def triton_for(interpret: bool):
 
 def keep_of(qg, c, in_r, R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr):
     """(jit helper) qg [G, BLOCK_R] float32 query rows (one row, or a GQA group's), c = arange(BLOCK_R), in_r = c < R
-    -> keep [G, BLOCK_R]: the coordinates each row keeps (the group rule gives every row the same set)."""
+    -> keep [G, BLOCK_R]: the coordinates each row keeps (the group rule gives every row the same set, ranked
+    once; K >= R keeps every coordinate without a rank)."""
+    if K >= R:
+        return tl.broadcast_to(in_r[None, :], qg.shape)
+    if RULE == MAGNITUDE:
+        a = tl.where(in_r[None, :], tl.abs(qg), -1.0)
+        beats = (a[:, None, :] > a[:, :, None]) | ((a[:, None, :] == a[:, :, None]) & (c[None, None, :] < c[None, :, None]))
+        return (tl.sum(beats.to(tl.int32), axis=2) < K) & in_r[None, :]
     if RULE == GROUP:
-        a = tl.zeros_like(qg) + tl.sum(tl.abs(qg), axis=0)[None, :]
-    elif RULE == STATIC:
-        a = tl.zeros_like(qg) + (R - c).to(tl.float32)[None, :]
+        a1 = tl.sum(tl.abs(qg), axis=0)
     else:
-        a = tl.abs(qg)
-    a = tl.where(in_r[None, :], a, -1.0)
-    beats = (a[:, None, :] > a[:, :, None]) | ((a[:, None, :] == a[:, :, None]) & (c[None, None, :] < c[None, :, None]))
-    return (tl.sum(beats.to(tl.int32), axis=2) < K) & in_r[None, :]
+        a1 = (R - c).to(tl.float32)
+    a1 = tl.where(in_r, a1, -1.0)
+    beats1 = (a1[None, :] > a1[:, None]) | ((a1[None, :] == a1[:, None]) & (c[None, :] < c[:, None]))
+    return tl.broadcast_to(((tl.sum(beats1.to(tl.int32), axis=1) < K) & in_r)[None, :], qg.shape)
 
 
 def query_rows(q_row, p_ptr, in_g, c, in_r, D: tl.constexpr, R: tl.constexpr, PROJECT: tl.constexpr,
@@ -77,19 +86,112 @@ def query_rows(q_row, p_ptr, in_g, c, in_r, D: tl.constexpr, R: tl.constexpr, PR
     return qg
 
 
-HELPERS = (keep_of, query_rows)  # the jit helpers every kernel's scope binds
+def select_kernel(q_ptr, p_ptr, qs_ptr, idx_ptr, qf_ptr, idxf_ptr, T, D: tl.constexpr, R: tl.constexpr,
+                  G: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr, PROJECT: tl.constexpr, HKV: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr, FULL: tl.constexpr):
+    """The selection, once per (sequence, KV head, token), compacted to the union of the group's selected
+    coordinates: idx [rows, BLOCK_U] int32, the union's coordinates ascending, -1 past its last; qs [rows,
+    BLOCK_M, BLOCK_U] float32, q^ at those coordinates with each row's unselected ones zeroed, rows past g and
+    places past the union zero (the tensor cores' M of 16). The kernels that read K^ then load a dense
+    [BLOCK_U, block] tile: only the rows they need, no masked-off lanes. FULL: also the selection of every
+    coordinate (qf [rows, BLOCK_M, BLOCK_R], idxf [rows, BLOCK_R]; token selection attends with all r) from the
+    same q^, so a token step projects once."""
+    row = tl.program_id(0)  # (b * Hkv + h) * T + t
+    tt = row % T
+    bh = row // T
+    j = tl.arange(0, BLOCK_G)
+    in_g = j < G
+    c = tl.arange(0, BLOCK_R)
+    in_r = c < R
+    q_row = q_ptr + ((bh * G + j) * T + tt) * D  # [BLOCK_G] pointers to the g rows of this token
+    qg = query_rows(q_row, p_ptr + (bh % HKV) * D * R, in_g, c, in_r, D, R, PROJECT, BLOCK_G, BLOCK_D, CHUNK_D, BLOCK_R)
+    # coordinate i kept iff fewer than K coordinates beat it (ties: the lower index)
+    keep = keep_of(qg, c, in_r, R, K, RULE) & in_g[:, None]
+    union = tl.max(keep.to(tl.int32), axis=0)  # [BLOCK_R] 0/1
+    place = tl.cumsum(union, axis=0) - 1  # each union coordinate's place, ascending
+    n = tl.sum(union, axis=0)
+    u = tl.arange(0, BLOCK_U)
+    m_id = tl.arange(0, BLOCK_M)
+    out = qs_ptr + row * BLOCK_M * BLOCK_U
+    # three disjoint parts of qs, so no store overlaps another: the union's places of the g rows, the padding
+    # rows, the places past the union
+    tl.store(out + j[:, None] * BLOCK_U + place[None, :], tl.where(keep, qg, 0.0),
+             mask=in_g[:, None] & (union > 0)[None, :])
+    tl.store(out + m_id[:, None] * BLOCK_U + u[None, :], tl.zeros([BLOCK_M, BLOCK_U], tl.float32),
+             mask=(m_id >= G)[:, None] | (u >= n)[None, :])
+    tl.store(idx_ptr + row * BLOCK_U + place, c, mask=union > 0)
+    tl.store(idx_ptr + row * BLOCK_U + u, tl.full([BLOCK_U], -1, tl.int32), mask=u >= n)
+    if FULL:
+        full = qf_ptr + row * BLOCK_M * BLOCK_R
+        tl.store(full + m_id[:, None] * BLOCK_R + c[None, :], tl.zeros([BLOCK_M, BLOCK_R], tl.float32),
+                 mask=(m_id >= G)[:, None] | (c >= R)[None, :])
+        tl.store(full + j[:, None] * BLOCK_R + c[None, :], qg, mask=in_g[:, None] & in_r[None, :])
+        tl.store(idxf_ptr + row * BLOCK_R + c, tl.where(in_r, c, -1))
+
+
+def selected_rows(qs_ptr, idx_ptr, key_ptr, row, bh, R: tl.constexpr, C, BLOCK_U: tl.constexpr,
+                  BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+    """(jit helper) -> (qs [BLOCK_M, BLOCK_U] in the products' dtype, [BLOCK_U] pointers to the rows of K^ the
+    union selects (row 0 where unused), [BLOCK_U] in use) for select_kernel's row ``row`` and sequence-head bh."""
+    u = tl.arange(0, BLOCK_U)
+    qs = tl.load(qs_ptr + (row * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_U + u[None, :])
+    if not IEEE:
+        qs = qs.to(key_ptr.dtype.element_ty)
+    idx = tl.load(idx_ptr + row * BLOCK_U + u)
+    use = idx >= 0
+    return qs, key_ptr + bh.to(tl.int64) * R * C + tl.where(use, idx, 0).to(tl.int64) * C, use
+
+
+def key_tile(krow, use, s0, pages_ptr, N_LIST, C, BLOCK_U: tl.constexpr, BLOCK_S: tl.constexpr,
+             PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """(jit helper) -> (K^ [BLOCK_U, BLOCK_S] at the block's positions, the positions [BLOCK_S], in range
+    [BLOCK_S]). Unpaged: positions s0 + arange, loaded under the capacity C only, so the loads stay 16-byte
+    vectors (a mask that varies inside a vector would split them); positions past L hold whatever the cache has
+    there and the caller discards their scores. Paged (pages_ptr: the row's chosen pages, -1 past the last):
+    the block covers BLOCK_S / PAGE list places, each page's PAGE positions contiguous."""
+    if PAGED:
+        at = s0 // PAGE + tl.arange(0, BLOCK_S // PAGE)
+        pg = tl.load(pages_ptr + at, mask=at < N_LIST, other=-1)
+        s2 = pg[:, None] * PAGE + tl.arange(0, PAGE)[None, :]  # [NPG, PAGE]
+        ok2 = (pg >= 0)[:, None] & (s2 < C)
+        kb = tl.load(krow[:, None, None] + s2[None, :, :], mask=use[:, None, None] & ok2[None, :, :], other=0.0)
+        return tl.reshape(kb, [BLOCK_U, BLOCK_S]), tl.reshape(s2, [BLOCK_S]), tl.reshape(ok2, [BLOCK_S])
+    s = tl.multiple_of(s0, BLOCK_S) + tl.arange(0, BLOCK_S)
+    in_c = s < C
+    kb = tl.load(krow[:, None] + s[None, :], mask=use[:, None] & in_c[None, :], other=0.0)
+    return kb, s, in_c
+
+
+def scores_of(qs, kb, s, ok, mrow, L, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """(jit helper) -> (softcap(q^[I] . K^[I, s]) [BLOCK_M, BLOCK_S], the mask there [BLOCK_S], the visible
+    positions [BLOCK_S]: in range, before L, mask above -1e37)."""
+    mk = tl.load(mrow + s, mask=ok & (s < L), other=float("-inf"))
+    vis = ok & (s < L) & (mk > -1e37)  # the CPU kernel's kHidden
+    if IEEE:  # float32 products, not tf32 (ieee says when)
+        sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
+    else:
+        sc = tl.dot(qs, kb)
+    if SOFTCAP > 0.0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at both ends
+        sc = (1.0 - 2.0 / (tl.exp(2.0 * sc / SOFTCAP) + 1.0)) * SOFTCAP
+    return sc, mk, vis
+
+
+HELPERS = (keep_of, query_rows, selected_rows, key_tile, scores_of)  # the jit helpers every kernel's scope binds
 
 
 def jit(raw, interpret: bool):
-    """raw: a kernel (or a helper) written as a plain module-level function whose free names are tl, GROUP, STATIC
-    and the HELPERS -> (it as a @triton.jit function of the mode, triton). Triton's interpreter re-executes a
-    kernel's source in the function's globals (closures are lost), so each mode's names live in a scope of its own:
-    one process can interpret the kernels and compile them ahead of time (the TensorRT plugin) side by side."""
+    """raw: a kernel (or a helper) written as a plain module-level function whose free names are tl, the rule
+    codes (MAGNITUDE, GROUP, STATIC) and the HELPERS -> (it as a @triton.jit function of the mode, triton).
+    Triton's interpreter re-executes a kernel's source in the function's globals (closures are lost), so each
+    mode's names live in a scope of its own: one process can interpret the kernels and compile them ahead of
+    time (the TensorRT plugin) side by side."""
     if (raw, interpret) in _JITTED:
         return _JITTED[raw, interpret]
     helpers = {} if raw in HELPERS else {h.__name__: jit(h, interpret)[0] for h in HELPERS}
     with triton_for(interpret) as (triton, tl):
         scope = {**raw.__globals__, "tl": tl, "GROUP": tl.constexpr(GROUP), "STATIC": tl.constexpr(STATIC),
+                 "MAGNITUDE": tl.constexpr(MAGNITUDE),
                  **helpers}
         fn = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__)
         # a new function object starts without annotations: copied, or Triton's compiler sees no tl.constexpr
@@ -107,3 +209,36 @@ def next_pow2(n: int) -> int:
 def group_block(g: int) -> int:
     """BLOCK_G: the group's g query rows padded to a power of two (the group rule loads them together)."""
     return next_pow2(g)
+
+
+def union_block(r: int, g: int, k: int, rule: int) -> int:
+    """BLOCK_U: the most coordinates a group's union can hold (k for the shared rules, g k for per-row
+    magnitude, at most r), padded to a power of two of at least 16 (tl.dot's smallest K)."""
+    most = k if rule in (GROUP, STATIC) else g * k
+    return max(16, next_pow2(min(r, most)))
+
+
+def select(q, p, r: int, k: int, rule: int, projected: bool, interpret: bool, full: bool = False):
+    """select_kernel over every (sequence, KV head, token) of q [B, Hkv, g, T, d] (P [Hkv, d, r] when projected)
+    -> (qs [rows, BLOCK_M, BLOCK_U] float32, idx [rows, BLOCK_U] int32), and with ``full`` the same for every
+    coordinate after them (qf, idxf: BLOCK_U = BLOCK_R); the kernels that read them take BLOCK_M and BLOCK_U from
+    qs's shape."""
+    b, hkv, g, t, d = q.shape
+    rows, block_m, block_u, block_r = b * hkv * t, max(16, group_block(g)), union_block(r, g, k, rule), next_pow2(r)
+    qs = torch.empty(rows, block_m, block_u, dtype=torch.float32, device=q.device)
+    idx = torch.empty(rows, block_u, dtype=torch.int32, device=q.device)
+    qf = torch.empty(rows, block_m, block_r, dtype=torch.float32, device=q.device) if full else qs
+    idxf = torch.empty(rows, block_r, dtype=torch.int32, device=q.device) if full else idx
+    kernel, _ = jit(select_kernel, interpret)
+    with triton_for(interpret):
+        kernel[(rows,)](q, p, qs, idx, qf, idxf, t, D=d, R=r, G=g, K=k, RULE=rule, PROJECT=projected, HKV=hkv,
+                        BLOCK_G=group_block(g), BLOCK_D=next_pow2(d), CHUNK_D=min(16, next_pow2(d)), BLOCK_R=block_r,
+                        BLOCK_M=block_m, BLOCK_U=block_u, FULL=full)
+    return (qs, idx, qf, idxf) if full else (qs, idx)
+
+
+def ieee(dtype, interpret: bool) -> bool:
+    """The products in float32 ("ieee", not tf32): for float32 caches, and in the interpreter, whose tl.dot
+    reads bfloat16 operands wrongly (Triton 3.9: relative error 1e9); 16-bit operands on a GPU use the tensor
+    cores, their probabilities rounded to the cache's dtype as flash attention does."""
+    return dtype == torch.float32 or interpret
