@@ -33,7 +33,7 @@ from ...ops.spec import PAGE, RULE_NAMES
 from .select import ieee, jit, next_pow2, select, triton_for
 from .tokens import Tokens, chosen_pages
 
-tl = selected_rows = key_tile = scores_of = None  # the kernels' free names, bound per mode by select.jit
+tl = selected_rows = key_tile = scores_of = online_step = merge_parts = None  # bound per mode by select.jit
 
 PROGRAMS_WANTED = 1056  # (sequence, KV head, token) programs times splits: 8 per SM of an H100's 132 (bench_gpu --tune)
 
@@ -64,17 +64,8 @@ def aqua_attention_kernel(qs_ptr, idx_ptr, key_ptr, value_ptr, mask_ptr, pages_p
         kb, s, ok = key_tile(krow, use, s0, pages, N_LIST, C, BLOCK_U, BLOCK_S, PAGED, PAGE)
         sc, mk, vis = scores_of(qs, kb, s, ok, mrow, L, SOFTCAP, IEEE)
         sc = tl.where(vis[None, :], sc + mk[None, :], float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        base = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m - base)  # 0 while nothing was visible (m = -inf)
-        e = tl.exp(sc - base[:, None])
         vb = tl.load(value + s[:, None] * RV + v[None, :], mask=vis[:, None] & in_v[None, :], other=0.0)
-        acc = acc * alpha + tl.sum(e, axis=1)
-        if IEEE:
-            o = o * alpha[:, None] + tl.dot(e, vb.to(tl.float32), input_precision="ieee")
-        else:
-            o = o * alpha[:, None] + tl.dot(e.to(vb.dtype), vb)
-        m = m_new
+        m, acc, o = online_step(m, acc, o, sc, vb, IEEE)
     part = row * SPLITS + sp
     in_m = m_id < G
     tl.store(o_ptr + (part * G + m_id[:, None]) * RV + v[None, :], o, mask=in_m[:, None] & in_v[None, :])
@@ -92,26 +83,9 @@ def merge_kernel(o_ptr, ml_ptr, out_ptr, T, SPLITS, G: tl.constexpr, RV: tl.cons
     j = tl.program_id(1)  # the query row in the group
     tt = row % T
     bh = row // T
-    i = tl.arange(0, BLOCK_N)
     v = tl.arange(0, BLOCK_V)
-    top = tl.full([], float("-inf"), tl.float32)
-    den = tl.zeros([], tl.float32)
-    num = tl.zeros([BLOCK_V], tl.float32)
-    for n0 in range(0, SPLITS, BLOCK_N):
-        part = row * SPLITS + n0 + i
-        in_n = n0 + i < SPLITS
-        li = tl.load(ml_ptr + (part * G + j) * 2 + 1, mask=in_n, other=0.0)
-        mi = tl.load(ml_ptr + (part * G + j) * 2, mask=in_n, other=float("-inf"))
-        mi = tl.where(li > 0.0, mi, float("-inf"))  # a split that saw nothing visible: o = 0, l = 0
-        oi = tl.load(o_ptr + (part * G + j)[:, None] * RV + v[None, :], mask=in_n[:, None] & (v < RV)[None, :],
-                     other=0.0)
-        new = tl.maximum(top, tl.max(mi, axis=0))
-        base = tl.where(new > float("-inf"), new, 0.0)
-        a_old = tl.exp(top - base)
-        a_new = tl.where(li > 0.0, tl.exp(mi - base), 0.0)
-        den = den * a_old + tl.sum(li * a_new, axis=0)
-        num = num * a_old + tl.sum(oi * a_new[:, None], axis=0)
-        top = new
+    top, den, num = merge_parts(o_ptr, ml_ptr, row * SPLITS, SPLITS, j, tl.full([], float("-inf"), tl.float32),
+                                tl.zeros([], tl.float32), tl.zeros([BLOCK_V], tl.float32), G, RV, BLOCK_N, BLOCK_V)
     res = num / tl.where(den > 0.0, den, 1.0)  # hidden rows: 0 / 1
     tl.store(out_ptr + ((bh * G + j) * T + tt) * RV + v, res.to(out_ptr.dtype.element_ty), mask=v < RV)
 

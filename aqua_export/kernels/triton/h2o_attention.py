@@ -35,7 +35,7 @@ from ...ops import rules
 from ...ops.spec import FREE, RULE_NAMES
 from .select import ieee, jit, next_pow2, select, triton_for
 
-tl = selected_rows = key_tile = None  # the kernels' free names, bound per mode by select.jit
+tl = selected_rows = key_tile = capped = products = online_step = merge_parts = least_heavy = None  # select.jit
 
 PROGRAMS_WANTED = 1056  # (sequence, KV head) programs times splits, as aqua_attention's
 TABLE_BLOCK = 8192  # positions per step of tables_kernel's running sum: its steps are latency, so few and wide
@@ -64,25 +64,10 @@ def score_kernel(qs_ptr, idx_ptr, key_ptr, value_ptr, token_ptr, sc_ptr, o_ptr, 
         kb, s, in_s = key_tile(krow, use, s0, token, 0, CAP, BLOCK_U, BLOCK_S, False, 16)
         live = tl.load(token + s, mask=in_s, other=-1) >= 0
         free = tl.minimum(free, tl.min(tl.where(in_s & ~live, s, CAP), axis=0))
-        if IEEE:  # float32 products, not tf32 (select.ieee says when)
-            sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
-        else:
-            sc = tl.dot(qs, kb)
-        if SOFTCAP > 0.0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at both ends
-            sc = (1.0 - 2.0 / (tl.exp(2.0 * sc / SOFTCAP) + 1.0)) * SOFTCAP
+        sc = products(qs, kb, SOFTCAP, IEEE)
         tl.store(scores + s[None, :], sc, mask=(m_id < G)[:, None] & in_s[None, :])  # the heavy pass's
-        sc = tl.where(live[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        base = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m - base)  # 0 while nothing was live (m = -inf)
-        e = tl.exp(sc - base[:, None])
         vb = tl.load(value + s[:, None] * RV + v[None, :], mask=live[:, None] & in_v[None, :], other=0.0)
-        acc = acc * alpha + tl.sum(e, axis=1)
-        if IEEE:
-            o = o * alpha[:, None] + tl.dot(e, vb.to(tl.float32), input_precision="ieee")
-        else:
-            o = o * alpha[:, None] + tl.dot(e.to(vb.dtype), vb)
-        m = m_new
+        m, acc, o = online_step(m, acc, o, tl.where(live[None, :], sc, float("-inf")), vb, IEEE)
     part = bh * SPLITS + sp
     in_m = m_id < G
     tl.store(o_ptr + (part * G + m_id[:, None]) * RV + v[None, :], o, mask=in_m[:, None] & in_v[None, :])
@@ -107,34 +92,19 @@ def merge_kernel(qs_ptr, idx_ptr, kn_ptr, vn_ptr, key_ptr, value_ptr, heavy_ptr,
     real_v = tl.load(mask_ptr + b * L + pos + v * 0) != 0
     free = CAP
     for n0 in range(0, SPLITS, BLOCK_N):
-        free = tl.minimum(free, tl.min(tl.load(free_ptr + bh * SPLITS + n0 + i, mask=n0 + i < SPLITS, other=CAP), axis=0))
+        part_free = tl.load(free_ptr + bh * SPLITS + n0 + i, mask=n0 + i < SPLITS, other=CAP)
+        free = tl.minimum(free, tl.min(part_free, axis=0))
     u = tl.arange(0, BLOCK_U)
     idx = tl.load(idx_ptr + row * BLOCK_U + u)
     kn_sel = tl.load(kn_ptr + row * R + tl.where(idx >= 0, idx, 0), mask=idx >= 0, other=0.0).to(tl.float32)
     vn = tl.load(vn_ptr + row * RV + v, mask=in_v, other=0.0)
     heavy_new = tl.zeros([], tl.float32)
     for j in tl.static_range(G):
-        s_new = tl.sum(tl.load(qs_ptr + (row * BLOCK_M + j) * BLOCK_U + u) * kn_sel, axis=0)
-        if SOFTCAP > 0.0:
-            s_new = (1.0 - 2.0 / (tl.exp(2.0 * s_new / SOFTCAP) + 1.0)) * SOFTCAP
+        s_new = capped(tl.sum(tl.load(qs_ptr + (row * BLOCK_M + j) * BLOCK_U + u) * kn_sel, axis=0), SOFTCAP)
         # the new token is one more split (m = its score, l = 1, o = its value) when it is real
-        top = tl.where(real, s_new, float("-inf"))
-        den = tl.where(real, 1.0, 0.0)
-        num = tl.where(real_v, vn.to(tl.float32), 0.0)
-        for n0 in range(0, SPLITS, BLOCK_N):
-            part = bh * SPLITS + n0 + i
-            in_n = n0 + i < SPLITS
-            li = tl.load(ml_ptr + (part * G + j) * 2 + 1, mask=in_n, other=0.0)
-            mi = tl.where(li > 0.0, tl.load(ml_ptr + (part * G + j) * 2, mask=in_n, other=float("-inf")), float("-inf"))
-            oi = tl.load(o_ptr + (part * G + j)[:, None] * RV + v[None, :], mask=in_n[:, None] & in_v[None, :],
-                         other=0.0)
-            top_new = tl.maximum(top, tl.max(mi, axis=0))
-            base = tl.where(top_new > float("-inf"), top_new, 0.0)
-            a_old = tl.exp(top - base)
-            a_new = tl.where(li > 0.0, tl.exp(mi - base), 0.0)
-            den = den * a_old + tl.sum(li * a_new, axis=0)
-            num = num * a_old + tl.sum(oi * a_new[:, None], axis=0)
-            top = top_new
+        top, den, num = merge_parts(o_ptr, ml_ptr, bh * SPLITS, SPLITS, j, tl.where(real, s_new, float("-inf")),
+                                    tl.where(real, 1.0, 0.0), tl.where(real_v, vn.to(tl.float32), 0.0), G, RV,
+                                    BLOCK_N, BLOCK_V)
         inv = tl.where(den > 0.0, 1.0 / tl.maximum(den, 1e-30), 0.0)  # no live slot: out 0
         tl.store(out_ptr + ((bh * G + j) * T + tt) * RV + v, (num * inv).to(out_ptr.dtype.element_ty), mask=in_v)
         top = tl.where(top > float("-inf"), top, 0.0)
@@ -144,7 +114,8 @@ def merge_kernel(qs_ptr, idx_ptr, kn_ptr, vn_ptr, key_ptr, value_ptr, heavy_ptr,
     # -- real? the new token into the first free slot (the host sized the buffers so that there is one)
     c = tl.arange(0, BLOCK_R)
     key = key_ptr + bh.to(tl.int64) * R * CAP
-    tl.store(key + c * CAP + free, tl.load(kn_ptr + row * R + c, mask=c < R), mask=(c < R) & (tl.load(mask_ptr + b * L + pos + c * 0) != 0))
+    real_c = tl.load(mask_ptr + b * L + pos + c * 0) != 0
+    tl.store(key + c * CAP + free, tl.load(kn_ptr + row * R + c, mask=c < R), mask=(c < R) & real_c)
     tl.store(value_ptr + (bh.to(tl.int64) * CAP + free) * RV + v, vn, mask=in_v & real_v)
     tl.store(token_ptr + bh.to(tl.int64) * CAP + free, pos.to(tl.int64), mask=real)
     tl.store(heavy_ptr + bh.to(tl.int64) * CAP + free, heavy_new, mask=real)
@@ -192,14 +163,7 @@ def heavy_kernel(heavy_ptr, token_ptr, sc_ptr, stat_ptr, slot_ptr, mask_ptr, bef
         seen_at = tl.load(before_ptr + b * (L + 1) + tk, mask=is_live, other=0)
         cand = is_live & (n - seen_at > budget // 2)
         n_live += tl.sum(is_live.to(tl.int32), axis=0)
-        h_min = tl.min(tl.where(cand, hv, float("inf")), axis=0)
-        at_min = cand & (hv == h_min)
-        t_max = tl.max(tl.where(at_min, tk, -1), axis=0)
-        s_max = tl.max(tl.where(at_min & (tk == t_max), s, -1), axis=0)
-        better = (h_min < best_h) | ((h_min == best_h) & (t_max > best_t))
-        best_h = tl.where(better, h_min, best_h)
-        best_t = tl.where(better, t_max, best_t)
-        best_s = tl.where(better, s_max, best_s)
+        best_h, best_t, best_s = least_heavy(hv, tk, s, cand, best_h, best_t, best_s)
     part = bh * SPLITS + sp
     tl.store(cand_h_ptr + part, best_h)
     tl.store(cand_t_ptr + part, best_t)
@@ -224,14 +188,7 @@ def evict_kernel(cand_h_ptr, cand_t_ptr, cand_s_ptr, cand_n_ptr, token_ptr, mask
         t = tl.load(cand_t_ptr + part, mask=in_n, other=-1)
         s = tl.load(cand_s_ptr + part, mask=in_n, other=-1)
         n_live += tl.sum(tl.load(cand_n_ptr + part, mask=in_n, other=0), axis=0)
-        h_min = tl.min(h, axis=0)
-        at_min = in_n & (s >= 0) & (h == h_min)
-        t_max = tl.max(tl.where(at_min, t, -1), axis=0)
-        s_max = tl.max(tl.where(at_min & (t == t_max), s, -1), axis=0)
-        better = (h_min < best_h) | ((h_min == best_h) & (t_max > best_t))
-        best_h = tl.where(better, h_min, best_h)
-        best_t = tl.where(better, t_max, best_t)
-        best_s = tl.where(better, s_max, best_s)
+        best_h, best_t, best_s = least_heavy(h, t, s, in_n & (s >= 0), best_h, best_t, best_s)
     real = tl.load(mask_ptr + b * L + pos) != 0
     budget = tl.load(keep_ptr + b * L + pos)
     tl.store(token_ptr + bh.to(tl.int64) * CAP + best_s, -1, mask=real & (n_live > budget) & (best_s >= 0))
@@ -341,7 +298,7 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
         if not x.is_contiguous():
             raise ValueError("H2OAttention: the slot buffers must be contiguous (they are updated in place)")
     _steps(q.contiguous(), key_new.to(dt).contiguous(), value_new.to(dt).contiguous(), key, value, heavy, token,
-           mask.contiguous(), before, keep, out, k, rule, softcap, interpret, block or block_s(cap), warps, stages,
+           mask, before, keep, out, k, rule, softcap, interpret, block or block_s(cap), warps, stages,
            heavy_block or min(HEAVY_BLOCK, next_pow2(cap)))
     return out, key, value, heavy, token
 

@@ -163,32 +163,101 @@ def key_tile(krow, use, s0, pages_ptr, N_LIST, C, BLOCK_U: tl.constexpr, BLOCK_S
     return kb, s, in_c
 
 
+def capped(sc, SOFTCAP: tl.constexpr):
+    """(jit helper) softcap(sc) = SOFTCAP tanh(sc / SOFTCAP) when SOFTCAP > 0, written 1 - 2 / (exp(2x) + 1) so
+    that it saturates correctly at both ends."""
+    if SOFTCAP > 0.0:
+        sc = (1.0 - 2.0 / (tl.exp(2.0 * sc / SOFTCAP) + 1.0)) * SOFTCAP
+    return sc
+
+
+def products(qs, kb, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """(jit helper) qs [BLOCK_M, BLOCK_U], kb [BLOCK_U, BLOCK_S] -> capped(qs . kb) [BLOCK_M, BLOCK_S] float32:
+    float32 products ("ieee", not tf32) when IEEE (ieee says when), else the tensor cores on 16-bit operands."""
+    if IEEE:
+        sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
+    else:
+        sc = tl.dot(qs, kb)
+    return capped(sc, SOFTCAP)
+
+
 def scores_of(qs, kb, s, ok, mrow, L, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """(jit helper) -> (softcap(q^[I] . K^[I, s]) [BLOCK_M, BLOCK_S], the mask there [BLOCK_S], the visible
     positions [BLOCK_S]: in range, before L, mask above -1e37)."""
     mk = tl.load(mrow + s, mask=ok & (s < L), other=float("-inf"))
     vis = ok & (s < L) & (mk > -1e37)  # the CPU kernel's kHidden
-    if IEEE:  # float32 products, not tf32 (ieee says when)
-        sc = tl.dot(qs, kb.to(tl.float32), input_precision="ieee")
+    return products(qs, kb, SOFTCAP, IEEE), mk, vis
+
+
+def online_step(m, acc, o, sc, vb, IEEE: tl.constexpr):
+    """(jit helper) one block of an online softmax: running max m [BLOCK_M], sum acc [BLOCK_M] and value
+    product o [BLOCK_M, BLOCK_V], the block's scores sc [BLOCK_M, BLOCK_S] (-inf where hidden) and values vb
+    [BLOCK_S, BLOCK_V] (zero where hidden) -> the new (m, acc, o). Probabilities are rounded to the values'
+    dtype for the tensor cores (as flash attention does) unless IEEE."""
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    base = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp(m - base)  # 0 while nothing was visible (m = -inf)
+    e = tl.exp(sc - base[:, None])
+    acc = acc * alpha + tl.sum(e, axis=1)
+    if IEEE:
+        o = o * alpha[:, None] + tl.dot(e, vb.to(tl.float32), input_precision="ieee")
     else:
-        sc = tl.dot(qs, kb)
-    if SOFTCAP > 0.0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at both ends
-        sc = (1.0 - 2.0 / (tl.exp(2.0 * sc / SOFTCAP) + 1.0)) * SOFTCAP
-    return sc, mk, vis
+        o = o * alpha[:, None] + tl.dot(e.to(vb.dtype), vb)
+    return m_new, acc, o
 
 
-HELPERS = (keep_of, query_rows, selected_rows, key_tile, scores_of)  # the jit helpers every kernel's scope binds
+def merge_parts(o_ptr, ml_ptr, first, SPLITS, j, top, den, num, G: tl.constexpr, RV: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(jit helper) query row j's split results (o [parts, G, RV], (m, l) [parts, G, 2]; parts first ..
+    first + SPLITS) folded, BLOCK_N at a time, into a running (top, den [], num [BLOCK_V]): the max, the sum of
+    l e^(m - top) and of o e^(m - top); a split that saw nothing visible (l = 0) counts for nothing."""
+    i = tl.arange(0, BLOCK_N)
+    v = tl.arange(0, BLOCK_V)
+    for n0 in range(0, SPLITS, BLOCK_N):
+        part = first + n0 + i
+        in_n = n0 + i < SPLITS
+        li = tl.load(ml_ptr + (part * G + j) * 2 + 1, mask=in_n, other=0.0)
+        mi = tl.load(ml_ptr + (part * G + j) * 2, mask=in_n, other=float("-inf"))
+        mi = tl.where(li > 0.0, mi, float("-inf"))
+        oi = tl.load(o_ptr + (part * G + j)[:, None] * RV + v[None, :], mask=in_n[:, None] & (v < RV)[None, :],
+                     other=0.0)
+        new = tl.maximum(top, tl.max(mi, axis=0))
+        base = tl.where(new > float("-inf"), new, 0.0)
+        a_old = tl.exp(top - base)
+        a_new = tl.where(li > 0.0, tl.exp(mi - base), 0.0)
+        den = den * a_old + tl.sum(li * a_new, axis=0)
+        num = num * a_old + tl.sum(oi * a_new[:, None], axis=0)
+        top = new
+    return top, den, num
+
+
+def least_heavy(h, t, s, ok, best_h, best_t, best_s):
+    """(jit helper) H2O's eviction candidate of a block folded into the running one (best_h, best_t, best_s):
+    among the entries ok, the smallest heavy h, ties to the later token t, then its slot s."""
+    h_min = tl.min(tl.where(ok, h, float("inf")), axis=0)
+    at_min = ok & (h == h_min)
+    t_max = tl.max(tl.where(at_min, t, -1), axis=0)
+    s_max = tl.max(tl.where(at_min & (t == t_max), s, -1), axis=0)
+    better = (h_min < best_h) | ((h_min == best_h) & (t_max > best_t))
+    return tl.where(better, h_min, best_h), tl.where(better, t_max, best_t), tl.where(better, s_max, best_s)
+
+
+# the jit helpers every kernel's scope binds; a helper's scope binds those before it (it calls only them)
+HELPERS = (keep_of, query_rows, selected_rows, key_tile, capped, products, scores_of, online_step, merge_parts,
+           least_heavy)
 
 
 def jit(raw, interpret: bool):
     """raw: a kernel (or a helper) written as a plain module-level function whose free names are tl, the rule
-    codes (MAGNITUDE, GROUP, STATIC) and the HELPERS -> (it as a @triton.jit function of the mode, triton).
+    codes (MAGNITUDE, GROUP, STATIC) and the HELPERS (for a helper, those before it) -> (it as a @triton.jit
+    function of the mode, triton).
     Triton's interpreter re-executes a kernel's source in the function's globals (closures are lost), so each
     mode's names live in a scope of its own: one process can interpret the kernels and compile them ahead of
     time (the TensorRT plugin) side by side."""
     if (raw, interpret) in _JITTED:
         return _JITTED[raw, interpret]
-    helpers = {} if raw in HELPERS else {h.__name__: jit(h, interpret)[0] for h in HELPERS}
+    bound = HELPERS[:HELPERS.index(raw)] if raw in HELPERS else HELPERS
+    helpers = {h.__name__: jit(h, interpret)[0] for h in bound}
     with triton_for(interpret) as (triton, tl):
         scope = {**raw.__globals__, "tl": tl, "GROUP": tl.constexpr(GROUP), "STATIC": tl.constexpr(STATIC),
                  "MAGNITUDE": tl.constexpr(MAGNITUDE),
