@@ -21,7 +21,8 @@ import torch
 
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
-from .export.exporter import TOKENS_NEED_FUSED, contract_for, export_onnx
+from .export.contract import Contract
+from .export.exporter import CACHE_NEEDS_FUSED, TOKENS_NEED_FUSED, contract_for, export_onnx
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -64,6 +65,8 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-{o.dtype}"
     if o.weights.quantized:
         name += f"-{o.weights.name}"
+    if o.cache_dtype not in (None, o.dtype):
+        name += f"-kv-{o.cache_dtype}"
     if o.backend != "onnx":
         name += f"-{o.backend}"
     return Path("engines") / name
@@ -119,12 +122,17 @@ class BuildOptions:
     trt_limits: tuple[int, int, int] = (8, 4096, 1024)
     force: bool = False  # replace an existing --out that this tool built
     weights: WeightFormat = WeightFormat()  # the linear layers' storage: float (dtype) or int4 / int8 blocks
+    cache_dtype: str | None = None  # the KV cache's float type (contract.Contract): None = dtype
 
 
 def _check(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
+    if o.cache_dtype not in (None, o.dtype):
+        if o.backend != "onnx":
+            raise ConfigError(CACHE_NEEDS_FUSED)
+        Contract.check_cache_dtype(o.dtype, o.cache_dtype, config.evicts)  # the contract's refusals, before any work
     if o.backend == "tensorrt" and config.evicts:
         raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
     if o.backend == "tensorrt" and config.selects_tokens:
@@ -222,10 +230,10 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
                         external_data=o.external_data, progress=lambda i, n: bar.update(1),
-                        fused=o.backend != "tensorrt", weights=o.weights)
+                        fused=o.backend != "tensorrt", weights=o.weights, cache_dtype=o.cache_dtype)
     bar.close()
     tok.save_pretrained(tmp)
-    contract = contract_for(model, config, DTYPES[o.dtype], projection)
+    contract = contract_for(model, config, DTYPES[o.dtype], projection, o.cache_dtype)
     cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract,
                        context_length=getattr(model.config, "max_position_embeddings", None),
                        fingerprint=models.fingerprint(model), info=_info(proto, contract, config, o, tmp),

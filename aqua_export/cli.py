@@ -93,6 +93,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                                         "nothing else (a user's file in it: refused)")
     ap.add_argument("--dtype", default="float32", choices=list(FLOAT_TYPES),
                     help="weights, activations and KV cache of the export (default %(default)s)")
+    ap.add_argument("--cache-dtype", choices=list(FLOAT_TYPES),
+                    help="the KV cache's type (default: --dtype's): float16 under float32 halves the bytes a CPU "
+                         "decode step reads at long context, as llama.cpp's default cache does (new tokens are "
+                         "rounded to it; parity gates the export on the same rounding and reports the distance)")
     ap.add_argument("--weights", default="float", choices=["float", "int4", "int8"],
                     help="the linear layers, MoE experts, output layer and embedding: float (--dtype), or int4 / int8 "
                          "blocks (ONNX Runtime's MatMulNBits, QMoE, GatherBlockQuantized; float32 activations), what CPU "
@@ -134,7 +138,7 @@ def build_main(argv: list[str]) -> int:
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
                         trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force,
-                        weights=weights)
+                        weights=weights, cache_dtype=a.cache_dtype)
     out = build(a.model, commands.config_of(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")

@@ -30,17 +30,19 @@ class OnnxRuntime:
     def supports(self, op) -> bool:
         return op.body is not None
 
-    def session(self, op, dtype: str, projected: bool, attrs: dict):
-        key = (op.name, dtype, projected, tuple(sorted(attrs.items())))
+    def session(self, op, dtype: str, projected: bool, attrs: dict, cache_dtype: str | None = None):
+        key = (op.name, dtype, cache_dtype, projected, tuple(sorted(attrs.items())))
         if key not in self._sessions:
-            model = op.model(dtype, projected=projected, **attrs)
+            model = op.model(dtype, projected=projected, cache_dtype=cache_dtype, **attrs)
             self._sessions[key] = make_session(model.SerializeToString(), kernel=self.kernel)
         return self._sessions[key]
 
-    def run(self, op, inputs: list, projected: bool, dtype: str, attrs: dict) -> list[torch.Tensor]:
+    def run(self, op, inputs: list, projected: bool, dtype: str, attrs: dict,
+            cache_dtype: str | None = None) -> list[torch.Tensor]:
         names = list(op.input_names) + [PROJECTION] * projected
         feed = {n: np.asarray(x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in zip(names, inputs)}
-        return [torch.from_numpy(np.asarray(o)) for o in self.session(op, dtype, projected, attrs).run(None, feed)]
+        sess = self.session(op, dtype, projected, attrs, cache_dtype)
+        return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, feed)]
 
 
 class Triton:
@@ -62,7 +64,8 @@ class Triton:
 
         return op.name in HOSTS
 
-    def run(self, op, inputs: list, projected: bool, dtype: str, attrs: dict) -> list[torch.Tensor]:
+    def run(self, op, inputs: list, projected: bool, dtype: str, attrs: dict,
+            cache_dtype: str | None = None) -> list[torch.Tensor]:
         from aqua_export.kernels.triton import HOSTS
 
         moved = [x.to(self.device) if isinstance(x, torch.Tensor) and x.dim() > 1 else x for x in inputs]

@@ -31,7 +31,8 @@ class Case:
     interpreter runs in CI time (run there only on a GPU). only: the implementations it applies to (default all).
     unlike(inputs): another answer output 0 must differ from by > 1e-2 (the case can fail). check(outputs, inputs):
     a further assertion; versus_reference False: only that (behaviour the reference does not define). error: a bad
-    input the validating implementations refuse with this message."""
+    input the validating implementations refuse with this message. cache_dtype: the "C" ports' type (the caches: a
+    float16 cache under a float32 query), default dtype."""
 
     id: str
     inputs: Callable[[], list]
@@ -44,6 +45,7 @@ class Case:
     check: Callable | None = None
     versus_reference: bool = True
     error: str | None = None
+    cache_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,10 @@ SCORES = [
 # AquaAttention
 # --------------------------------------------------------------------------------------------
 
-def _attention_inputs(shape, dtype=torch.float32, rv=None, scale=1.0, d=None, hidden_row=False):
+def _attention_inputs(shape, dtype=torch.float32, rv=None, scale=1.0, d=None, hidden_row=False, cache=None):
     q, kc, vc, length, mask = attention_inputs(shape, dtype, rv=rv)
+    if cache is not None:  # the caches of another float type (contract cache_dtype)
+        kc, vc = kc.to(cache), vc.to(cache)
     if hidden_row:
         mask[1] = MIN  # a query row the mask hides from every position (a padding token)
     ins = [q * scale, kc, vc, _length(length), mask]
@@ -194,6 +198,15 @@ ATTENTION = [
     Case("tokens-projects", lambda: _attention_inputs((1, 2, 3, 1, 64, 300, 300), d=64),
          {"k": 32, "rule": 1, **_tokens(ratio=0.3)}, projected=True, unlike=lambda ins: aqua_attention.reference(
              *_unprojected(ins), k=32, rule=1, **_tokens(ratio=0.3))),
+    # a float32 graph caching float16 (contract cache_dtype): the caches' values are exact in float64, so float32's
+    # tolerance holds; decode split over threads, Llama's d = 128 (value vectors of 64), a prompt, projected, tokens
+    *[Case(f"cache-float16-{'x'.join(map(str, s))}{'-projects' if d else ''}{'-tokens' if tok else ''}",
+           lambda s=s, d=d: _attention_inputs(s, d=d, cache=torch.float16),
+           {"k": s[4] // 2, "rule": 1, **(_tokens(ratio=0.25) if tok else {})}, projected=d is not None,
+           cache_dtype="float16", only=("function", "native"))
+      for s, d, tok in (((1, 2, 3, 1, 64, 700, 700), None, False), ((2, 1, 4, 1, 128, 300, 320), None, False),
+                        ((2, 2, 3, 5, 16, 40, 40), None, False), ((1, 2, 3, 1, 64, 300, 300), 64, False),
+                        ((1, 2, 3, 1, 64, 700, 700), None, True), ((3, 2, 3, 1, 32, 90, 130), 32, True))],
     Case("tokens-float16", lambda: _attention_inputs((2, 3, 3, 1, 32, 200, 256), torch.float16),
          {"k": 16, "rule": 1, **_tokens(ratio=0.3)}, dtype="float16"),
     Case("tokens-softcap", lambda: _attention_inputs((2, 2, 3, 1, 16, 150, 160), scale=4.0),

@@ -1,5 +1,6 @@
 """The one-command build on the embedded model (slow), and its bad-input paths (fast: they fail before work)."""
 
+import dataclasses
 import json
 
 import onnx
@@ -26,6 +27,9 @@ def proj(tmp_path, smollm_projection):
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt: TensorRT is not installed here"),
     (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "--parity-prompt-tokens must be >= 16"),
+    (["--k-ratio", "0.5", "--cache-dtype", "float16", "--backend", "tensorrt"], "TensorRT's separate nodes take one"),
+    (["--k-ratio", "0.5", "--cache-dtype", "float16", "--h2o-ratio", "0.5"], "AQUA-H2O's slot buffers are kept"),
+    (["--k-ratio", "0.5", "--dtype", "float16", "--cache-dtype", "float32"], "a float16 graph caches float16"),
 ])
 def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
     rc = main(["--model", "llama", "--out", str(tmp_path / "o")] + args)
@@ -147,6 +151,34 @@ def test_float16_build(tmp_path, proj):
 
 
 @pytest.mark.slow
+def test_float16_cache_build(tmp_path, proj, capsys):
+    """A float32 graph caching float16 (--cache-dtype float16): the gates run on the same graph caching float32
+    and pass as a float32 build's do; the folder's own run agrees with it on top-1 (the rounding's logit differences
+    reported); the cache inputs and outputs are float16, everything else float32; it runs."""
+    out = tmp_path / "kv16"
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--cache-dtype", "float16", "--projection", str(proj),
+                 "--out", str(out), "--parity-steps", "8", "--parity-prompt-tokens", "128"]) == 0
+    par = json.loads((out / "parity.json").read_text())
+    assert par["pass"] and par["dtype"] == "float32" and par["ort_vs_reference"]["reference"] == "float64"
+    fr, c = par["ort_vs_reference"], par["cache_rounding"]
+    assert max(fr["max_abs_logit_diff_prefill"], fr["max_abs_logit_diff_decode"]) <= fr["tolerance"] <= 2e-3
+    assert c["pass"] and c["cache_dtype"] == "float16" and c["top1_agreement"] >= 0.95
+    # the rounding shows (float16 K^ and V are not float32's), far above the float32 gate's bound
+    assert c["max_abs_logit_diff_decode"] > fr["tolerance"]
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(m.graph.input) + list(m.graph.output)}
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    assert types["past_key_values.3.key"] == types["present.29.value"] == f16 and types["logits"] == f32
+    assert sum(n.name.endswith("/CastCache") for n in m.graph.node) == 2 * 30
+    cfg = FolderConfig.from_folder(out)
+    assert cfg.contract.cache_dtype == "float16" and "float16" in cfg.info["layout"]["key"]
+    assert cfg.contract.cache_bytes(1, 100) * 2 == dataclasses.replace(cfg.contract, cache_dtype="float32").cache_bytes(1, 100)
+    capsys.readouterr()
+    assert main(["run", str(out), "--prompt", "The license says", "--max-new-tokens", "8"]) == 0
+    assert len(capsys.readouterr().out.strip()) > 0
+
+
+@pytest.mark.slow
 def test_memory_h2o_build(tmp_path, proj):
     """AQUA-Memory (energy-allocated: each layer's own width) and AQUA-H2O together on the embedded model: narrow
     caches of different widths, eviction in the graph, parity under ORT's selection and ORT's evictions
@@ -226,7 +258,10 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
                 (AquaConfig(k_ratio=0.75, selection="weighted"), BuildOptions()),
                 (AquaConfig(k_ratio=0.75, slice_ratio=0.25), BuildOptions()),
                 (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), BuildOptions()),
-                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt"))]
+                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt")),
+                (AquaConfig(k_ratio=0.75), BuildOptions(cache_dtype="float16")),
+                (AquaConfig(k_ratio=0.75), BuildOptions(cache_dtype="float32"))]
     names = [default_out("llama", c, o).name for c, o in variants]
-    assert names[0] == "llama-k0.75" and len(set(names)) == len(names), names
+    assert names[0] == "llama-k0.75" and len(set(names[:-1])) == len(names) - 1, names
     assert names[1] == "llama-k0.75-float16" and names[4] == "llama-k0.75-h0.5"
+    assert names[6] == "llama-k0.75-kv-float16" and names[7] == names[0]  # float32 is the float32 graph's own cache

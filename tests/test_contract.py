@@ -35,6 +35,25 @@ def test_names_shapes_and_round_trip():
         h2o.genai_io()
 
 
+def test_cache_dtype():
+    """The KV buffers' type: the graph's by default (and for folders written before the field), float16 under a
+    float32 graph (half the cache bytes), nothing else; it round-trips."""
+    ct, narrow = _contract(), _contract(cache_dtype="float16")
+    assert ct.cache_dtype == "float32" and Contract.from_dict({k: v for k, v in ct.to_dict().items()
+                                                               if k != "cache_dtype"}) == ct
+    assert Contract.from_dict(json.loads(json.dumps(narrow.to_dict()))) == narrow
+    specs = {t.name: t.dtype for t in narrow.inputs() + narrow.outputs()}
+    assert specs["past_key_values.1.key"] == specs["present.2.value"] == "float16" and specs["logits"] == "float32"
+    assert narrow.empty_buffer("value", 1, 4, 0).dtype == np.float16
+    assert 2 * narrow.cache_bytes(2, 10) == ct.cache_bytes(2, 10) and "float16" in narrow.layout()["key"]
+    assert _contract(dtype="float16").cache_dtype == "float16"
+    for kw, needle in (({"dtype": "float16", "cache_dtype": "float32"}, "a float16 graph caches float16"),
+                       ({"cache_dtype": "float16", "h2o": True}, "AQUA-H2O's slot buffers"),
+                       ({"cache_dtype": "int8"}, "contract.cache_dtype must be one of")):
+        with pytest.raises(ConfigError, match=needle):
+            _contract(**kw)
+
+
 def test_layers_of_different_widths():
     """AQUA-Memory's allocated slicing: each layer's buffers are as wide as that layer caches."""
     ct = _contract(widths=[16, 8, 12], selected=[12, 6, 9], value_widths=[4, 20, 12])

@@ -14,7 +14,8 @@ from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.runtime.text import encode_prompts
 
 SETTINGS = {"dense": AquaConfig(), "k0.75": AquaConfig(k_ratio=0.75), "k0.5": AquaConfig(k_ratio=0.5),
-            "memory-s0.25-k0.75": AquaConfig(k_ratio=0.75, slice_ratio=0.25)}
+            "memory-s0.25-k0.75": AquaConfig(k_ratio=0.75, slice_ratio=0.25), "k0.75-kv-float16": AquaConfig(k_ratio=0.75)}
+OPTIONS = {"k0.75-kv-float16": BuildOptions(cache_dtype="float16")}  # a float16 cache under the float32 graph
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The GNU General Public License is a free, copyleft license for",
            "Once upon a time",
@@ -29,7 +30,7 @@ def folders(smollm, smollm_projection, tmp_path_factory):
     out = {}
     for name, cfg in SETTINGS.items():
         d = tmp_path_factory.mktemp(name)
-        _export(model, tok, smollm_projection, cfg, BuildOptions(), d, "llama").seal(d)
+        _export(model, tok, smollm_projection, cfg, OPTIONS.get(name, BuildOptions()), d, "llama").seal(d)
         out[name] = d
     return out
 

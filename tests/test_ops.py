@@ -65,9 +65,9 @@ def test_op_matches_reference(entry, case, name):
     ins = case.inputs()
     if case.error:
         with pytest.raises(Exception, match=case.error):
-            impl.run(entry.op, ins, case.projected, case.dtype, case.attrs)
+            impl.run(entry.op, ins, case.projected, case.dtype, case.attrs, case.cache_dtype)
         return
-    got = impl.run(entry.op, ins, case.projected, case.dtype, case.attrs)
+    got = impl.run(entry.op, ins, case.projected, case.dtype, case.attrs, case.cache_dtype)
     if case.versus_reference:
         want = entry.op.reference(*[_widened(x) for x in ins], **case.attrs)
         _compare(entry, case, got, want if isinstance(want, (tuple, list)) else (want,))
@@ -172,19 +172,22 @@ def test_group_rule_shares_one_selection():
 
 
 @pytest.mark.skipif(native_library() is None, reason="native kernel not built (run `make plugin`)")
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
-def test_native_kernel_runs_not_the_body(op, tmp_path):
-    """Profiling shows each op's node ran as the library's kernel (a library missing an op would silently run its
-    function body instead)."""
+@pytest.mark.parametrize("op,cache_dtype", [(op, None) for op in OPS] +
+                         [(op, "float16") for op in OPS if any(p.type == "C" for p in op.inputs)],
+                         ids=lambda x: getattr(x, "name", x))
+def test_native_kernel_runs_not_the_body(op, cache_dtype, tmp_path):
+    """Profiling shows each op's node ran as the library's kernel (a library missing an op, or the op at a type pair,
+    would silently run its function body instead), float16 caches under a float32 query too."""
     import onnxruntime as ort
 
     entry = next(e for e in CATALOGUE if e.op is op)
-    case = next(c for c in entry.cases if not c.error and not c.projected and c.dtype == "float32")
+    case = next(c for c in entry.cases if not c.error and not c.projected and c.dtype == "float32"
+                and c.cache_dtype == cache_dtype)
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / op.name)
     so.register_custom_ops_library(str(native_library()))
-    sess = ort.InferenceSession(op.model(**case.attrs).SerializeToString(), so)
+    sess = ort.InferenceSession(op.model(cache_dtype=cache_dtype, **case.attrs).SerializeToString(), so)
     ins = case.inputs()
     sess.run(None, {n: x.numpy() for n, x in zip(op.input_names, ins)})
     ran = {e["args"].get("op_name") for e in json.load(open(sess.end_profiling())) if e.get("cat") == "Node"}

@@ -121,14 +121,17 @@ def report_lines() -> list[str]:
           "a whole chunk; the bound counts the cache of the row's own context) on this 2-core CPU machine with `aqua-export bench` (a fresh process per folder and round; genai: the context is a "
           "real prompt prefilled through onnxruntime-genai; aqua: written into the cache). Build peak: the largest "
           "stage's VmHWM; serve peak: the bench process's VmHWM (loading, context and decode).", "",
-          *_build_rows(shapes), "", *_decode_rows(shapes)]
+          *[f"- rows `{n}`: built with `{r['build_args']}`" for n, r in shapes.items()
+            if r.get("build_args", "") != build_args],
+          "", *_build_rows(shapes), "", *_decode_rows(shapes)]
     if "quality" in results:
         q = results["quality"]
         ref = q.get("aqua float32", {}).get("perplexity")
         md += ["", "### Int4 quality (the embedded trained model)", "",
                "`python tools/serving.py --quality`: perplexity through `aqua-export eval --folder` on builtin:gpl-3 "
                "(8,192 tokens, windows of 512) of folders built from the embedded SmolLM2-135M-Instruct: ours dense "
-               "(k 1) float32 and int4 (block 32, symmetric, accuracy level 4), ours int4 at k 0.75, and "
+               "(k 1) float32 and int4 (block 32, symmetric, accuracy level 4), ours int4 at k 0.75, the float32 and the int4 "
+               "k 0.75 folders again with a float16 cache (`--cache-dtype float16`), and "
                "onnxruntime-genai's builder int4 (block 32, accuracy level 4) of the same checkpoint.", "",
                "| folder | perplexity | vs genai builder int4 | vs float32 |", "|---|---|---|---|"]
         base = q.get("genai builder int4", {}).get("perplexity")

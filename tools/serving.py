@@ -7,6 +7,7 @@ every token, as this project's graph computed MoE layers before QMoE). The int4 
 of the embedded trained model's folders (ours and the builder's int4, the float32 folder) on one text.
 
     python tools/serving.py [--shapes 1.1B,8B,OLMoE-1B-7B] [--context 4096] [--work build/serving]
+                            [--cache-dtype float16]   # the folders cache float16 (rows "<shape>, float16 cache")
     python tools/serving.py --quality                 # the embedded model's int4 perplexities only
     python tools/serving.py --report-only             # rewrite benchmarks/scale.md from the JSONs
 
@@ -46,8 +47,8 @@ def run(cmd: list[str], log: Path) -> dict:
             "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2), "log": str(log)}
 
 
-def build_ours(ckpt: Path, out: Path) -> dict:
-    res = run([sys.executable, "-m", "aqua_export", "--model", str(ckpt), "--out", str(out), "--force", *BUILD_ARGS],
+def build_ours(ckpt: Path, out: Path, args: list[str]) -> dict:
+    res = run([sys.executable, "-m", "aqua_export", "--model", str(ckpt), "--out", str(out), "--force", *args],
               out.parent / f"{out.name}.log")
     if res["rc"] == 0:
         cfg = json.loads((out / "aqua_config.json").read_text())
@@ -84,7 +85,8 @@ def cache_bytes(folder: Path, tokens: int) -> int:
     return 2 * dec["num_hidden_layers"] * dec["num_key_value_heads"] * dec["head_size"] * tokens * 4
 
 
-def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int, genai_context: int) -> dict:
+def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int, genai_context: int,
+                args: list[str]) -> dict:
     from checkpoints import write_checkpoint
 
     ckpt = work / f"ckpt-{name}"
@@ -93,7 +95,7 @@ def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int, ge
     res = {"params": params, "disk_bytes": disk}
     print(f"{name}: {params / 1e9:.2f}B parameters, {disk / 2**30:.2f} GiB", flush=True)
     ours, theirs = work / f"aqua-{name}", work / f"genai-{name}"
-    res["build"] = build_ours(ckpt, ours)
+    res["build"] = build_ours(ckpt, ours, args)
     print(f"  build: rc {res['build']['rc']} in {res['build']['seconds']} s", flush=True)
     res["builder"] = build_genai(ckpt, theirs)
     if res["builder"]["rc"]:
@@ -144,13 +146,16 @@ def measure_shape(name: str, work: Path, res: dict, context: int, steps: int, ro
 
 def quality(work: Path) -> dict:
     """The embedded trained model: our dense int4 folder (block 32, symmetric) against the builder's int4 of the same
-    checkpoint, both against our float32 folder, and our int4 at the used-by k 0.75, on builtin:gpl-3."""
+    checkpoint, both against our float32 folder, our int4 at the used-by k 0.75, and both ends with a float16 cache,
+    on builtin:gpl-3."""
     from aqua_export import models
 
     ckpt = models.resolve("llama")[0]
     common = ["--calib-text", "builtin:python-reference", "--parity-steps", "8"]
     ours = {"aqua float32": [], "aqua int4": ["--weights", "int4"],
-            "aqua int4, k 0.75": ["--weights", "int4", "--k-ratio", "0.75"]}
+            "aqua int4, k 0.75": ["--weights", "int4", "--k-ratio", "0.75"],
+            "aqua float32, float16 cache": ["--cache-dtype", "float16"],
+            "aqua int4, k 0.75, float16 cache": ["--weights", "int4", "--k-ratio", "0.75", "--cache-dtype", "float16"]}
     folders = {name: work / f"q-{i}" for i, name in enumerate([*ours, "genai builder int4"])}
     for name, extra in ours.items():
         run([sys.executable, "-m", "aqua_export", "--model", "llama", "--out", str(folders[name]), "--force", *common,
@@ -178,7 +183,9 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "build" / "serving"))
     ap.add_argument("--quality", action="store_true", help="only the embedded model's int4 perplexities")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--cache-dtype", choices=["float16"], help="build with --cache-dtype (recorded as its own rows)")
     a = ap.parse_args()
+    args = BUILD_ARGS + ["--cache-dtype", a.cache_dtype] * bool(a.cache_dtype)
     from scale_report import write_report
 
     results = json.loads(JSON.read_text()) if JSON.exists() else {}
@@ -190,8 +197,9 @@ def main() -> None:
         else:
             results.setdefault("shapes", {})
             for name in a.shapes.split(","):
-                results["shapes"][name] = {**serve_shape(name, work, a.context, a.steps, a.rounds, a.genai_context),
-                                           "build_args": " ".join(BUILD_ARGS)}
+                key = f"{name}, {a.cache_dtype} cache" if a.cache_dtype else name
+                results["shapes"][key] = {**serve_shape(name, work, a.context, a.steps, a.rounds, a.genai_context,
+                                                        args), "build_args": " ".join(args)}
                 JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
         JSON.write_text(json.dumps(results, indent=1, sort_keys=True))
     write_report()

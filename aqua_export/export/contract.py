@@ -9,6 +9,8 @@ the layers, unless AQUA-Memory's slicing is allocated: allocate.py), the decoder
     attention_mask            [batch, total]                 int64   every token so far (0 = padding), new included
     past_key_values.{i}.key   [batch, kv_heads, past, r]     K^ buffer, memory dim-major (see below)
     past_key_values.{i}.value [batch, kv_heads, past, rv]    V buffer (P_v's basis), memory token-major
+  both of cache_dtype: the graph's dtype, or float16 under a float32 graph (half the cache's bytes, what a CPU
+  decode step at long context mostly reads; the new tokens are rounded to it as they are written)
   and H2O graphs also (The H2O state, below)
     past_key_values.{i}.heavy [batch, kv_heads, past]        float32 accumulated attention of each slot
     past_key_values.{i}.token [batch, kv_heads, past]        int64   which token a slot holds, -1 = free
@@ -70,6 +72,7 @@ class Contract:
     dtype: str = "float32"
     h2o: bool = False
     version: int = CONTRACT_VERSION
+    cache_dtype: str | None = None  # the K^ / V buffers' float type; None (folders written before it): dtype
 
     def __post_init__(self):
         def positive(name, v):
@@ -90,10 +93,25 @@ class Contract:
                 raise ConfigError(f"contract.selected {k} exceeds contract.widths {r} at layer {i}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"contract.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cache_dtype is None:
+            object.__setattr__(self, "cache_dtype", self.dtype)
+        self.check_cache_dtype(self.dtype, self.cache_dtype, self.h2o)
         if not isinstance(self.h2o, bool):
             raise ConfigError(f"contract.h2o must be true or false, got {self.h2o!r}")
         if self.version != CONTRACT_VERSION:
             raise ConfigError(f"graph contract version {self.version} is not this tool's ({CONTRACT_VERSION})")
+
+    @staticmethod
+    def check_cache_dtype(dtype: str, cache_dtype: str, h2o: bool) -> None:
+        """One ConfigError line for a cache type the graph cannot have: its own dtype, or float16 under float32
+        (not for AQUA-H2O, whose node keeps its slot buffers in the graph's dtype)."""
+        if cache_dtype not in DTYPES:
+            raise ConfigError(f"contract.cache_dtype must be one of {DTYPES}, got {cache_dtype!r}")
+        if cache_dtype != dtype and (dtype, cache_dtype) != ("float32", "float16"):
+            raise ConfigError(f"a {dtype} graph caches {dtype}: --cache-dtype float16 is for float32 graphs")
+        if cache_dtype != dtype and h2o:
+            raise ConfigError("AQUA-H2O's slot buffers are kept in the graph's dtype: drop --cache-dtype, or use "
+                              "--k-ratio / --token-budget without --h2o-ratio")
 
     # ---------------------------------------------------------------- names
     INPUT_IDS = "input_ids"
@@ -123,7 +141,7 @@ class Contract:
 
     # ---------------------------------------------------------------- I/O
     def _buffer_spec(self, name: str, kind: str, slots: str, layer: int) -> TensorSpec:
-        dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.dtype)
+        dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.cache_dtype)
         width = {"key": self.widths, "value": self.value_widths}.get(kind)
         shape = ("batch", self.kv_heads, slots) + ((width[layer],) if width else ())
         return TensorSpec(name, dtype, shape)
@@ -155,7 +173,7 @@ class Contract:
     # ---------------------------------------------------------------- the cache
     def cache_bytes(self, batch: int, slots: int) -> int:
         """Bytes of every layer's buffers for ``batch`` sequences of ``slots`` slots each."""
-        elem = np.dtype(self.dtype).itemsize
+        elem = np.dtype(self.cache_dtype).itemsize
         per_slot = sum(w + rv for w, rv in zip(self.widths, self.value_widths)) * elem
         if self.h2o:
             per_slot += self.layers * (4 + 8)  # heavy (float32) and token (int64) per slot

@@ -42,7 +42,7 @@ from onnx import TensorProto
 
 from ..fold import attention_projections
 from ..ops import aqua_attention, cache_update, h2o_attention, topk_gather_dot, value_product
-from ..ops.spec import DOMAIN
+from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
 from .blocks import Blocks, stack
 from .builder import GraphBuilder, onnx_type
@@ -125,9 +125,9 @@ class DecoderGraph(Blocks):
     def inputs(self) -> dict:
         """Declares the contract's inputs; returns their names plus values every layer shares: total (the
         sequence length so far, [1]) and position_ids (cumsum(attention_mask) - 1)."""
-        gb, c, types = self.gb, self.gb.const, {"int64": TensorProto.INT64, "bool": TensorProto.BOOL}
+        gb, c, types = self.gb, self.gb.const, {"int64": TensorProto.INT64, "bool": TensorProto.BOOL, **ONNX}
         for t in self.contract.inputs():
-            gb.input(t.name, types.get(t.dtype, self.p.elem), list(t.shape))
+            gb.input(t.name, types[t.dtype], list(t.shape))
         ct = self.contract
         io = {"input_ids": ct.INPUT_IDS, "attention_mask": ct.ATTENTION_MASK}
         io["total"] = gb.op("/model/total_length", "Shape", [ct.ATTENTION_MASK], start=1, end=2)
@@ -142,9 +142,9 @@ class DecoderGraph(Blocks):
 
     def outputs(self) -> None:
         """Declares the contract's outputs (the nodes made them under these names)."""
-        types = {"float32": F32, "int64": TensorProto.INT64}
+        types = {"int64": TensorProto.INT64, **ONNX}
         for t in self.contract.outputs():
-            self.gb.output(t.name, types.get(t.dtype, self.p.elem), list(t.shape))
+            self.gb.output(t.name, types[t.dtype], list(t.shape))
 
     def rotary(self, position_ids: str, inv_freq: torch.Tensor, scale: float) -> tuple:
         """What _rope rotates with, one per distinct rotary embedding (Gemma 3's local and global ones). ONNX Runtime
@@ -331,8 +331,12 @@ class DecoderGraph(Blocks):
     def _cache(self, n: str, i: int, kh: str, v: str, io: dict) -> tuple[str, str]:
         """k^, v [B,Hkv,T,r] -> (K^ as [B,Hkv,r,C] over present.{i}.key's memory, present.{i}.value). The
         native update writes a shared buffer in place; the key view is a Reshape (no copy); TopKGatherDot and
-        ValueProduct read only the L filled slots."""
+        ValueProduct read only the L filled slots. A float16 cache under a float32 graph: the new tokens are cast
+        as they are written (AquaAttention reads float16 caches whatever its query's type)."""
         gb, c, ct = self.gb, self.gb.const, self.contract
+        if ct.cache_dtype != ct.dtype:
+            kh = gb.op(f"{n}/k/CastCache", "Cast", [kh], to=ONNX[ct.cache_dtype])
+            v = gb.op(f"{n}/v/CastCache", "Cast", [v], to=ONNX[ct.cache_dtype])
         kc = gb.op(f"{n}/k/CacheUpdate", KEY_UPDATE, [ct.past(i, "key"), kh, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "key")])[0]
         vc = gb.op(f"{n}/v/CacheUpdate", VALUE_UPDATE, [ct.past(i, "value"), v, io["total"]], domain=self.domain,

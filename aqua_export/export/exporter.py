@@ -30,6 +30,10 @@ TOKENS_NEED_FUSED = ("token selection is a mode of the fused AquaAttention node,
                      "build with --backend onnx")
 
 
+CACHE_NEEDS_FUSED = ("--cache-dtype float16 under a float32 graph is read by AquaAttention's ONNX Runtime kernels; "
+                     "TensorRT's separate nodes take one type: build it with --backend onnx, or drop --cache-dtype")
+
+
 def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat(),
                      fused: bool = True) -> None:
     """Refuse, in one line each, what the export cannot represent."""
@@ -44,15 +48,16 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
         raise ConfigError(TOKENS_NEED_FUSED)
 
 
-def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None
-                 ) -> Contract:
-    """The graph contract an export of ``model`` with ``config`` has (projection: for an allocated slicing or k)."""
+def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None,
+                 cache_dtype: str | None = None) -> Contract:
+    """The graph contract an export of ``model`` with ``config`` has (projection: for an allocated slicing or k;
+    cache_dtype: the K^ / V buffers' type, default dtype)."""
     geo = attention_geometry(model)
     widths, value_widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
     return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], widths=widths,
                     selected=layer_selected(config, projection, widths), value_widths=value_widths,
                     vocab=model.config.vocab_size,
-                    dtype=spec.type_name(dtype), h2o=config.evicts)
+                    dtype=spec.type_name(dtype), h2o=config.evicts, cache_dtype=cache_dtype)
 
 
 def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, fused: bool,
@@ -74,18 +79,21 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
                 external_data: bool | None = None, progress=None, fused: bool = True,
-                weights: WeightFormat = WeightFormat()):
+                weights: WeightFormat = WeightFormat(), cache_dtype: str | None = None):
     """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
     weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
     fused: attention as one AquaAttention node (False: separate nodes, what TensorRT's plugin takes).
     weights: how the linear layers, the experts, the output layer and the embedding are stored (quantize.py;
-    norms, biases, the projections and a MoE router stay in ``dtype``).
+    norms, biases, the projections and a MoE router stay in ``dtype``). cache_dtype: the KV buffers' type
+    (contract.Contract), default dtype.
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
     check_exportable(model, projection, config, weights, fused)
     register_schemas()
     path = Path(path)
-    ct = contract_for(model, config, dtype, projection)
+    ct = contract_for(model, config, dtype, projection, cache_dtype)
+    if ct.cache_dtype != ct.dtype and not fused:
+        raise ConfigError(CACHE_NEEDS_FUSED)
     plan = plan_for(model, config, ct, dtype, fused, weights)
     if external_data is None:
         external_data = sum(t.numel() for t in model.parameters()) * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE

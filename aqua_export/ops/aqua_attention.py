@@ -3,6 +3,7 @@ Triton kernels/triton/aqua_attention.py).
 
     query_hat [B, Hkv, g, T, r] (or the query q [B, Hkv, g, T, d] and projection P [Hkv, d, r]: q^ = q P)
     key_cache [B, Hkv, r, C] (dim-major K^)   value_cache [B, Hkv, C, rv]   total_length [1]   mask [B|1, 1, 1, T, L]
+    (both caches of the query's float type, or float16 under a float32 query: the contract's cache_dtype)
         -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
 
 Token selection (attributes token_ratio < 1 or token_budget > 0; ops.rules): a decode step (T = 1) scores pages with
@@ -78,6 +79,7 @@ def body(opset: int, projected: bool = False, tokens: bool = False):
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
         --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask--> Softmax --CastLike--> MatMul V[:L] --> out
+    (K^ and V cast like the query: a float16 cache under a float32 graph)
 
     tokens: the token-selection form (_token_nodes): the softmax takes the exact scores, a decode step's unchosen
     pages hidden. An ONNX function cannot test whether an optional input is present, so a graph carries the body of
@@ -96,7 +98,8 @@ def body(opset: int, projected: bool = False, tokens: bool = False):
     tail = [
         H.make_node("Softmax", ["logits"], ["probs_f"], axis=-1),
         H.make_node("CastLike", ["probs_f", "query_hat"], ["probs"]),
-        H.make_node("Slice", ["value_cache", "zero_1", "total_length", "axis_2"], ["value_l"]),
+        H.make_node("Slice", ["value_cache", "zero_1", "total_length", "axis_2"], ["value_s"]),
+        H.make_node("CastLike", ["value_s", "query_hat"], ["value_l"]),
         H.make_node("Unsqueeze", ["value_l", "axis_2"], ["value_g"]),
         H.make_node("MatMul", ["probs", "value_g"], ["out"]),
     ]
@@ -200,7 +203,7 @@ def _token_nodes() -> list:
 
 OP = OpDef("AquaAttention",
            "out = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L], one pass over the cache; K^ dim-major",
-           inputs=(Port("query_hat", rank=5), Port("key_cache"), Port("value_cache"), LENGTH,
+           inputs=(Port("query_hat", rank=5), Port("key_cache", "C"), Port("value_cache", "C"), LENGTH,
                    Port("mask", "float", 5)),
            outputs=(Port("out", rank=5),), attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS),
            body=body, reference=reference, projectable=True,

@@ -73,7 +73,10 @@ def score_nodes(scores: str) -> list:
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
         H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
-        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_l"]),
+        H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_s"]),
+        # a float16 cache under a float32 query (contract cache_dtype) widened; of the query's type, nothing
+        # (ONNX Runtime drops a Cast to the type it has)
+        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"]),
         H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
         H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
     ]

@@ -1,7 +1,8 @@
 """A custom node's signature as data (OpDef), from which its ONNX schema and its one-node model are made.
 
-A port's type is "T" (the node's float type: float32, float16 or bfloat16) or a fixed element type; its rank sizes
-the one-node model's dynamic shape. An op module declares one OpDef with its function body and float64 reference;
+A port's type is "T" (the node's float type: float32, float16 or bfloat16), "C" (a cache's float type: T's, or
+float16 under a float32 T, the contract's cache_dtype) or a fixed element type; its rank sizes the one-node model's
+dynamic shape. An op module declares one OpDef with its function body and float64 reference;
 kernels, tests and benchmarks build models of a single node from it (``model``)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ ELEMENT = {"int64": 7, "float": 1}  # onnx.TensorProto.INT64 / FLOAT
 @dataclass(frozen=True)
 class Port:
     name: str
-    type: str = "T"  # "T", or a fixed element type of ELEMENT
+    type: str = "T"  # "T", "C" (a cache), or a fixed element type of ELEMENT
     rank: int = 4
     doc: str = ""
 
@@ -76,7 +77,7 @@ class OpDef:
         kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "string": OpSchema.AttrType.STRING}
 
         def formal(p: Port, optional: bool = False):
-            t = "T" if p.type == "T" else f"tensor({p.type})"
+            t = p.type if p.type in ("T", "C") else f"tensor({p.type})"
             if optional:
                 return OpSchema.FormalParameter(p.name, t, p.doc, param_option=OpSchema.FormalParameterOption.Optional)
             return OpSchema.FormalParameter(p.name, t, p.doc)
@@ -85,7 +86,8 @@ class OpDef:
             self.name, DOMAIN, OPSET_VERSION, doc=self.doc,
             inputs=[formal(p) for p in self.inputs] + [formal(PROJECTION_PORT, True)] * self.projectable,
             outputs=[formal(p) for p in self.outputs],
-            type_constraints=[("T", list(FLOATS), "float types")],
+            type_constraints=[("T", list(FLOATS), "float types")] +
+            [("C", list(FLOATS), "the caches' float types")] * any(p.type == "C" for p in self.inputs),
             attributes=[OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.required)
                         for a in self.attributes]))
 
@@ -93,9 +95,11 @@ class OpDef:
         """Its function body of that form (the forms it does not have are ignored)."""
         return self.body(opset, projected, **{k: v for k, v in form.items() if k in dict(self.forms)})
 
-    def model(self, dtype: str = "float32", opset: int = OPSET, projected: bool = False, **attributes):
+    def model(self, dtype: str = "float32", opset: int = OPSET, projected: bool = False, cache_dtype: str | None = None,
+              **attributes):
         """A one-node model of this op with its function body (kernel tests and benchmarks): inputs and outputs
-        named as the node's ports (projected: P as the last input, and input 0 the unprojected query); optional
+        named as the node's ports (projected: P as the last input, and input 0 the unprojected query; "C" ports of
+        cache_dtype, default dtype); optional
         attributes at their defaults and the plugin attributes filled in; the body of the form (forms) whose
         attributes are given."""
         form = {f: True for f, names in self.forms if any(n in attributes for n in names)}
@@ -110,10 +114,10 @@ class OpDef:
         ports = list(self.inputs) + [PROJECTION_PORT] * projected
         node = H.make_node(self.name, [p.name for p in ports], list(self.output_names), domain=DOMAIN,
                            name=f"/op/{self.name}", **attributes)
-        et = ONNX[dtype]
+        types = {"T": ONNX[dtype], "C": ONNX[cache_dtype or dtype]}
 
         def info(p: Port):
-            return H.make_tensor_value_info(p.name, et if p.type == "T" else ELEMENT[p.type], [None] * p.rank)
+            return H.make_tensor_value_info(p.name, types.get(p.type) or ELEMENT[p.type], [None] * p.rank)
 
         graph = H.make_graph([node], self.name, [info(p) for p in ports], [info(p) for p in self.outputs])
         return H.make_model(graph, opset_imports=[H.make_opsetid("", opset), H.make_opsetid(DOMAIN, OPSET_VERSION)],

@@ -23,7 +23,7 @@ TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "t
                          "own_top1": 0.95}}
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
          "pages": "token pages near-ties", "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
-         "ort_k1_vs_hf": "ORT at k = r vs HF"}
+         "ort_k1_vs_hf": "ORT at k = r vs HF", "cache_rounding": "float16 cache vs float32 cache"}
 
 
 def diffs(a, b) -> tuple[float, float]:

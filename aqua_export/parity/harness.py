@@ -23,6 +23,11 @@ error is not the reference's: measured against float64 it was 0.4x-2.3x the refe
 through MatMulNBits' blockwise sums), hence 5x. The near-tie bounds are set the same way from the boundary scores'
 relative error (parity_probe). float16 builds are compared with the float32 reference under fixed allowances for
 float16's own rounding (TOLERANCE).
+
+A float16 cache under a float32 graph (contract cache_dtype) rounds each new K^ and V to float16, which the reference
+does not: every gate above runs the graph with its cache float32 (rewrites.float32_cache), and the folder's own run
+is compared with that one (top-1 gated as the native kernel's is, the logit differences reported: what the cache's
+rounding costs). The kernels' float16-cache paths are checked against float64 by the op catalogue.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import torch
 
 from .. import corpus
 from ..config import AquaConfig
-from ..export.rewrites import float32_weight_casts, float_activations, graph_variant, selection_outputs, set_k
+from ..export.rewrites import (float32_cache, float32_weight_casts, float_activations, graph_variant,
+                               selection_outputs, set_k)
 from ..meter import stage_bar
 from ..projection import Projection
 from ..reference.attention import apply_aqua
@@ -116,13 +122,17 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     h2o = config.evicts
     lean = cfg.dtype == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
     base = (float32_weight_casts,) if lean else ()
+    narrow = cfg.contract.cache_dtype != cfg.contract.dtype  # a float16 cache: the gated runs cache float32
+    wide = (float32_cache,) if narrow else ()
+    wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
     # quantized folders: the gated runs keep activations float32 (the folder's own level is the main run's)
     gated = (float_activations,) if cfg.weights.quantized and cfg.weights.accuracy_level else ()
 
     @contextlib.contextmanager
-    def session(tag, k, *transforms, lm_cfg=None, probe=None):
-        with graph_variant(model_path, tag, *base, *transforms) as path:
-            lm = OrtLM(make_session(path, kernel=k, lean=lean), lm_cfg or cfg, probe=probe)
+    def session(tag, k, *transforms, lm_cfg=None, probe=None, own_cache=False):
+        with graph_variant(model_path, tag, *base, *(() if own_cache else wide), *transforms) as path:
+            lm = OrtLM(make_session(path, kernel=k, lean=lean), lm_cfg or (cfg if own_cache else wide_cfg),
+                       probe=probe)
             try:
                 yield lm
             finally:
@@ -130,9 +140,13 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
 
     runs: dict = {"float16_weights": "cast per node at run time" if lean else None}
     progress("ONNX Runtime, the folder's graph")
-    with session("main", kernel) as lm:
+    with session("main", kernel, own_cache=True) as lm:
         runs["main"] = _ort_trace(lm, ids, steps)
     toks = runs["main"][1]
+    if narrow:
+        progress("ONNX Runtime, the folder's graph with its cache float32")
+        with session("cache", kernel) as lm:
+            runs["cache"] = (_ort_trace(lm, ids, steps, tokens=toks)[0], toks)
     pages = config.selects_tokens
     if sparse or h2o or pages:
         progress("ONNX Runtime, the graph with its selections exposed")
@@ -159,10 +173,10 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
             runs["native"] = (_ort_trace(lm, ids, steps, tokens=toks)[0], rec.live if h2o else None)
     # the trace the values are gated on: the one whose selections are exposed, or the float32-activation one
     runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (sparse or h2o or pages or gated) else \
-        runs["main"][0]
+        runs.get("cache", runs["main"])[0]
     if not config.is_dense and config.slice_ratio == 0:
         progress("ONNX Runtime, the graph with k = r")
-        no_evict = dataclasses.replace(cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF does not evict
+        no_evict = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF: no eviction
         # slice 0: every layer is d wide, so one k = r fits all nodes
         with session("k_eq_r", "auto", *gated, set_k(cfg.contract.widths[0]), lm_cfg=no_evict) as dense:
             runs["k_eq_r"] = _ort_trace(dense, ids, steps, tokens=toks)[0]
@@ -195,6 +209,8 @@ def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, confi
         _quantization_reports(res, runs, model, ids, projection, config, tol, cfg)
     _reference_phase(res, runs, model, ids, projection, config, tol, sparse, weights)
     _versus_hf(res, runs, model, ids, config, tol, weights)
+    if "cache" in runs:
+        _cache_rounding(res, runs, tol, cfg.contract.cache_dtype)
     res["failed"] = [GATES[g] for g in GATES if g in res and not res[g].get("pass", True)]
     res["pass"] = not res["failed"]
     return res
@@ -203,7 +219,7 @@ def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, confi
 def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, weights=None) -> None:
     """The PyTorch side of every AQUA comparison, on the tokens the ONNX Runtime runs were fed (weights: a quantized
     folder's, exported_weights.ExportedWeights)."""
-    ort_trace, toks = runs["main"]
+    ort_trace, toks = runs.get("cache", runs["main"])  # the export as the reference computes it (cache float32)
     h2o = config.evicts
     exact = tol["near_tie"] is not None  # float32 builds: float64 runs measure float32's own error
 
@@ -247,6 +263,17 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
         res["native_vs_function_body"] = nf
 
 
+def _cache_rounding(res: dict, runs: dict, tol: dict, cache_dtype: str) -> None:
+    """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
+    gated as the native kernel's is (a near-tie may flip under the cache's rounding), the logit differences reported
+    (what the narrower cache costs)."""
+    c = compare(runs["main"][0], runs["cache"][0], tol["aqua"], tol.get("logit_tie"))
+    c["pass"] = c["top1_agreement_beyond_ties"] >= tol["own_top1"] or c["top1_differing"] <= 1
+    c["gate"] = f"top-1 agreement >= {tol['own_top1']} or at most one forward differing (logit differences reported)"
+    c["cache_dtype"] = cache_dtype
+    res["cache_rounding"] = c
+
+
 def _versus_hf(res: dict, runs: dict, model, ids, config: AquaConfig, tol: dict, weights=None) -> None:
     """The folder's graph (a dense build) or its k = r variant against HF transformers, no AQUA at all (with a
     quantized folder's weights: HF's model on the same dequantized weights)."""
@@ -270,7 +297,7 @@ def _quantization_reports(res, runs, model, ids, projection, config, tol, cfg) -
     """What the weight format changes, reported beside the gates on the export (they test the export, not the
     quantizer): the folder as it runs (its accuracy level's int8 activations, ONNX Runtime's kernel choice) against
     the same graph with float32 activations, and against the reference on the unquantized weights."""
-    main, toks = runs["main"]
+    main, toks = runs.get("cache", runs["main"])
     keep = ("max_abs_logit_diff_prefill", "max_abs_logit_diff_decode", "top1_agreement")
     if cfg.weights.accuracy_level:
         res["activation_accuracy"] = {k: v for k, v in compare(main, runs["gated"], tol["aqua"], None).items()

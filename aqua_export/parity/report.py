@@ -63,6 +63,12 @@ def summary_lines(res: dict) -> list[str]:
                      f"its own: top-1 {n['top1_agreement']:.3f}; max |dlogit| prefill {n['max_abs_logit_diff_prefill']:.2e}, "
                      f"decode {n['max_abs_logit_diff_decode']:.2e} (reported: one near-tie row selected differently "
                      f"moves the logits after it by a whole q_i k_i term): {_verdict(n)}")
+    if "cache_rounding" in res:
+        c = res["cache_rounding"]
+        lines.append(f"[gate: top-1, one flip allowed] the folder's {c['cache_dtype']} cache vs the same graph caching "
+                     f"float32 (the gates above ran that one): top-1 {c['top1_agreement']:.3f}; max |dlogit| prefill "
+                     f"{c['max_abs_logit_diff_prefill']:.2e}, decode {c['max_abs_logit_diff_decode']:.2e} (reported: "
+                     f"the cache's rounding): {_verdict(c)}")
     if "activation_accuracy" in res:
         a = res["activation_accuracy"]
         lines.append(f"[report] the folder's int8 activations (its accuracy level) vs float32 ones: top-1 "

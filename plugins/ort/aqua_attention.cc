@@ -2,7 +2,8 @@
 // (contract: aqua_export/export/contract.py; the ops: aqua_export/ops/).
 //
 //   query_hat   [B, Hkv, g, T, r]    q^ with the attention scale folded in
-//   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key)
+//   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key); both caches float32 or float16,
+//                                    whatever the query's type (contract cache_dtype)
 //   value_cache [B, Hkv, Cv, rv]     present.value (rv: V's width, r unless AQUA-Memory cuts K^ and V apart)
 //   total_length [1] int64           L <= C, Cv: the slots filled so far
 //   mask        [B|1, 1, 1, T, L]    float32, added to the scores (0 or float32 min)
@@ -32,18 +33,18 @@ namespace {
 
 using namespace aqua;
 
-template <typename T>
+template <typename T, typename C>
 struct AttentionJob : QueryRows<T>, RowsOut<T> {
-  const T* key;
-  const T* value;
+  const C* key;
+  const C* value;
   const float* mask;
   int64_t len, key_stride, value_slots, mask_batch_stride, split_len;
   float softcap;
 };
 
-template <typename T>
+template <typename T, typename C>
 void attention_task(void* data, size_t task_index) {
-  const auto& j = *static_cast<const AttentionJob<T>*>(data);
+  const auto& j = *static_cast<const AttentionJob<T, C>*>(data);
   const int64_t task = static_cast<int64_t>(task_index);
   const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
   const int64_t rows = j.g * j.t;
@@ -63,8 +64,8 @@ void attention_task(void* data, size_t task_index) {
     mrow[rr] = j.mask + (bh / j.heads) * j.mask_batch_stride + tt * j.len;
   }
   const int64_t p0 = split * j.split_len, p1 = std::min(j.len, p0 + j.split_len);
-  const T* key = j.key + bh * j.r * j.key_stride;
-  const T* value = j.value + bh * j.value_slots * j.rv;
+  const C* key = j.key + bh * j.r * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * j.rv;
   for (int64_t s0 = p0; s0 < p1; s0 += kPos) {
     const int64_t n = std::min(kPos, p1 - s0);
     const float* mb[kRows];
@@ -81,7 +82,8 @@ void attention_task(void* data, size_t task_index) {
   finish_rows<T>(j, j, task, bh, tile, nr, o, m, l);
 }
 
-template <typename T>
+// T: the query's and output's element type; C: the caches' (a float32 graph may cache float16: contract cache_dtype).
+template <typename T, typename C>
 struct AttentionKernel {
   explicit AttentionKernel(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -140,7 +142,7 @@ struct AttentionKernel {
     const int64_t k = tokens_.on() ? r : k_;
     const QueryRows<T> query{q_in.GetTensorData<T>(), p_data, qs[1], qs[2], qs[3], qs[4], r, k_, rule_};
     if (tokens_.on() && qs[3] == 1) {
-      attend_pages<T>(ctx, query, k_in.GetTensorData<T>(), v_in.GetTensorData<T>(), m_in.GetTensorData<float>(),
+      attend_pages<T, C>(ctx, query, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
                       out.GetTensorMutableData<T>(), qs[0], rv, len, ks[3], vs[2], ms[0], softcap_, tokens_);
       return;
     }
@@ -152,12 +154,12 @@ struct AttentionKernel {
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
     const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
     auto& part = call_buffer<float, Buffer::kDensePartials>(n_part);
-    AttentionJob<T> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_},
+    AttentionJob<T, C> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_},
                         {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
-                        k_in.GetTensorData<T>(), v_in.GetTensorData<T>(), m_in.GetTensorData<float>(),
+                        k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
                         len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, split_len, softcap_};
-    ctx.ParallelFor(&attention_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
-    if (splits > 1) ctx.ParallelFor(&merge_task<T, AttentionJob<T>>, static_cast<size_t>(bh * tiles), 0, &job);
+    ctx.ParallelFor(&attention_task<T, C>, static_cast<size_t>(bh * tiles * splits), 0, &job);
+    if (splits > 1) ctx.ParallelFor(&merge_task<T, AttentionJob<T, C>>, static_cast<size_t>(bh * tiles), 0, &job);
   }
 
   int64_t k_, rule_;
@@ -165,8 +167,9 @@ struct AttentionKernel {
   TokenRule tokens_;
 };
 
-template <typename T>
-struct AttentionOp : CpuOp<AttentionOp<T>, AttentionKernel<T>, T, 6, 3, 4, 5> {
+// inputs 1 and 2 (key_cache, value_cache) of type C
+template <typename T, typename C = T>
+struct AttentionOp : CpuOp<AttentionOp<T, C>, AttentionKernel<T, C>, T, 6, 3, 4, 5, C, 0b110u> {
   const char* GetName() const { return "AquaAttention"; }
 };
 
@@ -177,8 +180,10 @@ namespace aqua {
 void add_attention_ops(Ort::CustomOpDomain& domain) {
   static AttentionOp<float> f32;
   static AttentionOp<Ort::Float16_t> f16;
+  static AttentionOp<float, Ort::Float16_t> f32_cache16;  // a float32 graph with a float16 cache
   domain.Add(&f32);
   domain.Add(&f16);
+  domain.Add(&f32_cache16);
 }
 
 }  // namespace aqua

@@ -13,6 +13,9 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace aqua {
 
@@ -20,6 +23,26 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
+
+// x[0..n) -> out[0..n) float32. A float16 cache (contract cache_dtype) is read through this in vectors of 8 where the
+// CPU converts them (F16C: one instruction per 8); Ort::Float16_t's own conversion is a scalar bit-level routine
+// that held a float16 cache's key pass at a fraction of the bandwidth its halved bytes allow.
+inline void widen(const Ort::Float16_t* x, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  }
+#endif
+  for (; i < n; ++i) out[i] = x[i].ToFloat();
+}
+
+// x[0..n) as float32 values: float rows where they are, float16 ones widened into buf (n elements).
+inline const float* as_floats(const float* x, int64_t /*n*/, float* /*buf*/) { return x; }
+inline const float* as_floats(const Ort::Float16_t* x, int64_t n, float* buf) {
+  widen(x, n, buf);
+  return buf;
+}
 
 // The nodes' `rule` attribute (aqua_export/ops/spec.py: MAGNITUDE 0, GROUP 1, STATIC 2). The weighted rules
 // reach the kernels as magnitude / group: export folds rms(k^) into P.
@@ -74,6 +97,11 @@ inline f8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline f8 load8(const Ort::Float16_t* p) {
+  float x[8];
+  widen(p, 8, x);
+  return load8(x);
+}
 
 constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
 
@@ -230,8 +258,13 @@ void accumulate(const T* __restrict key, int64_t stride, const int32_t* uni, int
         __builtin_prefetch(k2 + i0 + kKeyAhead), __builtin_prefetch(k3 + i0 + kKeyAhead);
       }
       const int64_t i1 = std::min(n, i0 + kLine);
+      alignas(64) float buf[4][kLine];  // float16 segments widened (float32 ones are read in place)
+      const float* f0 = as_floats(k0 + i0, i1 - i0, buf[0]) - i0;
+      const float* f1 = as_floats(k1 + i0, i1 - i0, buf[1]) - i0;
+      const float* f2 = as_floats(k2 + i0, i1 - i0, buf[2]) - i0;
+      const float* f3 = as_floats(k3 + i0, i1 - i0, buf[3]) - i0;
       for (int64_t i = i0; i < i1; ++i) {
-        const float a0 = load(k0, i), a1 = load(k1, i), a2 = load(k2, i), a3 = load(k3, i);
+        const float a0 = f0[i], a1 = f1[i], a2 = f2[i], a3 = f3[i];
         for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] += w[0][rr] * a0 + w[1][rr] * a1 + w[2][rr] * a2 + w[3][rr] * a3;
       }
     }
@@ -260,7 +293,7 @@ void accumulate_rows(int nr, const T* key, int64_t stride, const int32_t* uni, i
 
 // o[rr][0..r) += p[rr][i] * V[i][0..r) over n positions (V rows r apart; p rows p_pitch apart, o rows o_pitch
 // apart): the value product of AquaAttention and H2OAttention.
-//   float32, r a multiple of 8: GCC/Clang vector registers, one pass over each V row for up to 64 columns with the
+//   r a multiple of 8 (float32, or float16 widened 8 at a time): GCC/Clang vector registers, one pass over each V row for up to 64 columns with the
 //     row kValueAhead positions on prefetched (a pass per column tile, without prefetch, ran at half the machine's
 //     streaming bandwidth on 2 cores);
 //   otherwise: column tiles of kCols with NR x kCols accumulators (o read and written once per call).
@@ -290,16 +323,17 @@ void add_value_tile(const float* p, int64_t p_pitch, const T* __restrict v, int6
   }
 }
 
-template <int NR, int W, bool Ahead>
-void add_value_vectors(const float* p, int64_t p_pitch, const float* __restrict v, int64_t n, int64_t r,
+template <int NR, int W, bool Ahead, typename T>
+void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, int64_t n, int64_t r,
                        float* __restrict o, int64_t o_pitch) {
+  constexpr int kPerLine = 64 / (8 * sizeof(T));  // vectors of 8 per 64-byte line: one prefetch each
   f8 acc[NR][W];
   for (int rr = 0; rr < NR; ++rr) {
     for (int w = 0; w < W; ++w) acc[rr][w] = load8(o + rr * o_pitch + 8 * w);
   }
   for (int64_t i = 0; i < n; ++i) {
     if constexpr (Ahead) {
-      for (int w = 0; w < W; w += 2) __builtin_prefetch(v + (i + kValueAhead) * r + 8 * w);
+      for (int w = 0; w < W; w += kPerLine) __builtin_prefetch(v + (i + kValueAhead) * r + 8 * w);
     }
     f8 vv[W];
     for (int w = 0; w < W; ++w) vv[w] = load8(v + i * r + 8 * w);
@@ -316,7 +350,7 @@ void add_value_vectors(const float* p, int64_t p_pitch, const float* __restrict 
 template <int NR, bool Ahead, typename T>
 void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o, int64_t o_pitch) {
   int64_t c0 = 0;
-  if constexpr (std::is_same_v<T, float>) {
+  {  // float32 and float16 rows alike (load8 widens float16)
     for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
     if (c0 + 32 <= r) add_value_vectors<NR, 4, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch), c0 += 32;
     for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
@@ -378,9 +412,10 @@ constexpr ONNXTensorElementDataType element_type() {
 
 // What every op of the library declares alike: a CPU kernel of element type T (float or float16) with
 // NInputs inputs of which the first NRequired must be given, input `LengthAt` an int64 total_length (none when
-// out of range), input `FloatAt` float32 whatever T is (none when out of range), and one output of type T.
+// out of range), input `FloatAt` float32 whatever T is (none when out of range), the inputs whose bits are set in
+// `CacheInputs` of type C (the cache's element type, contract cache_dtype), and one output of type T.
 template <typename Self, typename K, typename T, size_t NInputs, size_t LengthAt, size_t FloatAt = 99,
-          size_t NRequired = NInputs>
+          size_t NRequired = NInputs, typename C = T, unsigned CacheInputs = 0>
 struct CpuOp : Ort::CustomOpBase<Self, K> {
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i < NRequired ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED
@@ -392,6 +427,7 @@ struct CpuOp : Ort::CustomOpBase<Self, K> {
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i == LengthAt) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     if (i == FloatAt) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if ((CacheInputs >> i) & 1u) return element_type<C>();
     return element_type<T>();
   }
   size_t GetOutputTypeCount() const { return 1; }

@@ -27,10 +27,10 @@ constexpr int64_t kPage = 16;  // ops/spec.py PAGE
 // each K^ row than the attention's kPos (a row's segment is a stream; short ones never reach streaming speed)
 constexpr int64_t kScoreBlock = 1024;
 
-template <typename T>
+template <typename T, typename C>
 struct PageJob : QueryRows<T>, RowsOut<T> {
-  const T* key;
-  const T* value;
+  const C* key;
+  const C* value;
   const float* mask;  // [mask_rows, L]
   float* best;        // [B * Hkv, pages]: each page's best approximate score
   const char* forced; // [mask_rows, pages]
@@ -39,22 +39,22 @@ struct PageJob : QueryRows<T>, RowsOut<T> {
   float softcap;
 };
 
-template <typename T>
-const float* mask_row(const PageJob<T>& j, int64_t bh) {
+template <typename T, typename C>
+const float* mask_row(const PageJob<T, C>& j, int64_t bh) {
   return j.mask + (j.mask_rows == 1 ? 0 : bh / j.heads) * j.len;
 }
 
 // 2: the page maxima of one (batch, kv head) over one split of the positions.
-template <typename T>
+template <typename T, typename C>
 void score_task(void* data, size_t index) {
-  const auto& j = *static_cast<const PageJob<T>*>(data);
+  const auto& j = *static_cast<const PageJob<T, C>*>(data);
   const int64_t split = static_cast<int64_t>(index) % j.score_splits, bh = static_cast<int64_t>(index) / j.score_splits;
   const int64_t p0 = split * j.score_len, p1 = std::min(j.len, p0 + j.score_len);
   if (p0 >= p1) return;
   float* best = j.best + bh * j.pages;
   std::fill(best + p0 / kPage, best + (p1 + kPage - 1) / kPage, -INFINITY);
   const float* mrow = mask_row(j, bh);
-  const T* key = j.key + bh * j.r * j.key_stride;
+  const C* key = j.key + bh * j.r * j.key_stride;
   alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
   alignas(64) static thread_local float s[kRows * kScoreBlock];
   static thread_local int32_t uni[kMaxWidth];
@@ -107,8 +107,8 @@ void forced_pages(const float* mrow, int64_t len, int64_t pages, const TokenRule
 
 // Per (batch, kv head) bh: the forced pages and the best-scored others, ascending, into chosen; returns their
 // count.
-template <typename T>
-int64_t choose_pages(const PageJob<T>& j, int64_t bh, int32_t* chosen) {
+template <typename T, typename C>
+int64_t choose_pages(const PageJob<T, C>& j, int64_t bh, int32_t* chosen) {
   const int64_t row = j.mask_rows == 1 ? 0 : bh / j.heads;
   const float* best = j.best + bh * j.pages;
   const char* forced = j.forced + row * j.pages;
@@ -180,9 +180,9 @@ void prefetch_values(const Chunk& ch, const T* value, int64_t rv) {
 }
 
 // 3: one tile of the group's rows over one split of the chosen pages, all r coordinates.
-template <typename T>
+template <typename T, typename C>
 void attend_task(void* data, size_t task_index) {
-  const auto& j = *static_cast<const PageJob<T>*>(data);
+  const auto& j = *static_cast<const PageJob<T, C>*>(data);
   const int64_t task = static_cast<int64_t>(task_index);
   const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
   const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
@@ -202,8 +202,8 @@ void attend_task(void* data, size_t task_index) {
   const int64_t count = choose_pages(j, bh, chosen), per = (count + j.splits - 1) / j.splits;
   const int64_t c1 = std::min(count, (split + 1) * per);
   const float* mrow = mask_row(j, bh);
-  const T* key = j.key + bh * j.r * j.key_stride;
-  const T* value = j.value + bh * j.value_slots * j.rv;
+  const C* key = j.key + bh * j.r * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * j.rv;
   const int64_t c0 = split * per;
   prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key, j.key_stride, j.r);
   for (Chunk ch = gather_chunk(chosen, c0, c1, j.len); ch.nruns > 0; ch = gather_chunk(chosen, ch.end, c1, j.len)) {
@@ -228,8 +228,8 @@ void attend_task(void* data, size_t task_index) {
 
 }  // namespace
 
-template <typename T>
-void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const T* key, const T* value, const float* mask,
+template <typename T, typename C>
+void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const float* mask,
                   T* out, int64_t batch, int64_t rv, int64_t len, int64_t key_stride, int64_t value_slots,
                   int64_t mask_rows, float softcap, const TokenRule& rule) {
   const int64_t bh = batch * q.heads, pages = (len + kPage - 1) / kPage, tiles = (q.g + kRows - 1) / kRows;
@@ -254,20 +254,23 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const T* key, 
   }
   const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
   auto& part = call_buffer<float, Buffer::kPagePartials>(n_part);
-  PageJob<T> job{q, {out, part.data(), rv, tiles, splits}, key, value, mask, best.data(), forced.data(),
+  PageJob<T, C> job{q, {out, part.data(), rv, tiles, splits}, key, value, mask, best.data(), forced.data(),
                  want.data(), len, key_stride, value_slots, mask_rows, pages,
                  score_splits, score_len, softcap};
-  ctx.ParallelFor(&score_task<T>, static_cast<size_t>(bh * score_splits), 0, &job);
-  ctx.ParallelFor(&attend_task<T>, static_cast<size_t>(bh * tiles * splits), 0, &job);
-  if (splits > 1) ctx.ParallelFor(&merge_task<T, PageJob<T>>, static_cast<size_t>(bh * tiles), 0, &job);
+  ctx.ParallelFor(&score_task<T, C>, static_cast<size_t>(bh * score_splits), 0, &job);
+  ctx.ParallelFor(&attend_task<T, C>, static_cast<size_t>(bh * tiles * splits), 0, &job);
+  if (splits > 1) ctx.ParallelFor(&merge_task<T, PageJob<T, C>>, static_cast<size_t>(bh * tiles), 0, &job);
 }
 
-template void attend_pages<float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
-                                  const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                                  const TokenRule&);
-template void attend_pages<Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
-                                           const Ort::Float16_t*, const Ort::Float16_t*, const float*,
-                                           Ort::Float16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                           float, const TokenRule&);
+template void attend_pages<float, float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
+                                         const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                         float, const TokenRule&);
+template void attend_pages<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
+                                                           const Ort::Float16_t*, const Ort::Float16_t*, const float*,
+                                                           Ort::Float16_t*, int64_t, int64_t, int64_t, int64_t,
+                                                           int64_t, int64_t, float, const TokenRule&);
+template void attend_pages<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&, const Ort::Float16_t*,
+                                                  const Ort::Float16_t*, const float*, float*, int64_t, int64_t,
+                                                  int64_t, int64_t, int64_t, int64_t, float, const TokenRule&);
 
 }  // namespace aqua

@@ -144,8 +144,8 @@ struct TokenRule {
 
 // One decode step (T = 1) of AquaAttention with token selection: pages scored with the selected coordinates,
 // chosen (ops/rules.py select_pages), attended with all r. Inputs as AquaAttention's; mask rows [mask_rows, L].
-template <typename T>
-void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const T* key, const T* value, const float* mask,
+template <typename T, typename C>
+void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const float* mask,
                   T* out, int64_t batch, int64_t rv, int64_t len, int64_t key_stride, int64_t value_slots,
                   int64_t mask_rows, float softcap, const TokenRule& rule);
 
