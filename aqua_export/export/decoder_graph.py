@@ -51,6 +51,7 @@ from .contract import Contract
 F32 = TensorProto.FLOAT
 ATTENTION, H2O, SCORES = aqua_attention.OP.name, h2o_attention.OP.name, topk_gather_dot.OP.name
 KEY_UPDATE, VALUE_UPDATE, VALUE_PRODUCT = cache_update.KEY.name, cache_update.VALUE.name, value_product.OP.name
+CACHE_CAST = "CastCache"  # the node names' last part of the casts rounding new k^ / v to a float16 cache
 
 
 @dataclass(frozen=True)
@@ -335,8 +336,8 @@ class DecoderGraph(Blocks):
         as they are written (AquaAttention reads float16 caches whatever its query's type)."""
         gb, c, ct = self.gb, self.gb.const, self.contract
         if ct.cache_dtype != ct.dtype:
-            kh = gb.op(f"{n}/k/CastCache", "Cast", [kh], to=ONNX[ct.cache_dtype])
-            v = gb.op(f"{n}/v/CastCache", "Cast", [v], to=ONNX[ct.cache_dtype])
+            kh = gb.op(f"{n}/k/{CACHE_CAST}", "Cast", [kh], to=ONNX[ct.cache_dtype])
+            v = gb.op(f"{n}/v/{CACHE_CAST}", "Cast", [v], to=ONNX[ct.cache_dtype])
         kc = gb.op(f"{n}/k/CacheUpdate", KEY_UPDATE, [ct.past(i, "key"), kh, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "key")])[0]
         vc = gb.op(f"{n}/v/CacheUpdate", VALUE_UPDATE, [ct.past(i, "value"), v, io["total"]], domain=self.domain,

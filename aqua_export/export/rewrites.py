@@ -5,7 +5,7 @@ that it shares model.onnx.data, opened by path, removed after):
     set_k(k)               every attention node scores k coordinates, evicts and selects nothing (the graph at k = r)
     selection_outputs      the attention nodes inlined, each layer's TopK indices exposed as graph outputs
     float_activations      quantized folders: MatMulNBits / QMoE with float32 activations (accuracy_level 0)
-    float32_cache          float16 caches under a float32 graph: the caches float32 (the graph the reference computes)
+    float32_cache(ct)      float16 caches under a float32 graph: the caches float32 (the graph the reference computes)
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 from ..ops.catalogue import OPS
-from ..ops.spec import DOMAIN
+from ..ops.spec import DOMAIN, ONNX
 from .builder import load_graph, save_graph
+from .decoder_graph import CACHE_CAST
 
 
 @contextlib.contextmanager
@@ -117,24 +118,22 @@ def selection_outputs(m):
     return m
 
 
-def float32_cache(m):
-    """The graph with its float16 KV buffers (contract cache_dtype) float32: the past / present inputs and outputs
-    retyped and the casts that round the new tokens to float16 (decoder_graph's */CastCache) made Identity. What is
-    left is the export the reference computes; the folder's own run shows what the float16 cache changes."""
-    from onnx import TensorProto
+def float32_cache(ct):
+    """The graph of contract ``ct`` with its KV buffers (float16: ct.cache_dtype) in ct.dtype: the past / present
+    inputs and outputs retyped and the casts that round the new tokens (decoder_graph.CACHE_CAST) made Identity. What
+    is left is the export the reference computes; the folder's own run shows what the float16 cache changes."""
+    wide = ONNX[ct.dtype]
+    buffers = {name(i, kind) for i in range(ct.layers) for kind in ct.KV for name in (ct.past, ct.present)}
 
-    def is_cache(name: str) -> bool:
-        return name.startswith(("past_key_values.", "present.")) and name.endswith((".key", ".value"))
-
-    for v in list(m.graph.input) + list(m.graph.output):
-        if is_cache(v.name) and v.type.tensor_type.elem_type == TensorProto.FLOAT16:
-            v.type.tensor_type.elem_type = TensorProto.FLOAT
-    for n in m.graph.node:
-        if n.op_type == "Cast" and n.name.endswith("/CastCache"):
-            n.op_type = "Identity"
-            del n.attribute[:]
-    del m.graph.value_info[:]  # intermediate types inferred before: recomputed by the runtime
-    return m
+    def transform(m):
+        for v in list(m.graph.input) + list(m.graph.output):
+            if v.name in buffers:
+                v.type.tensor_type.elem_type = wide
+        for n in m.graph.node:
+            if n.op_type == "Cast" and n.name.endswith(f"/{CACHE_CAST}"):
+                n.op_type = "Identity"
+                del n.attribute[:]
+    return transform
 
 
 def float_activations(m):

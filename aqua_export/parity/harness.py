@@ -123,7 +123,7 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     lean = cfg.dtype == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
     base = (float32_weight_casts,) if lean else ()
     narrow = cfg.contract.cache_dtype != cfg.contract.dtype  # a float16 cache: the gated runs cache float32
-    wide = (float32_cache,) if narrow else ()
+    wide = (float32_cache(cfg.contract),) if narrow else ()
     wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
     # quantized folders: the gated runs keep activations float32 (the folder's own level is the main run's)
     gated = (float_activations,) if cfg.weights.quantized and cfg.weights.accuracy_level else ()
@@ -252,12 +252,9 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
             res[choice]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement_beyond_ties"] >= tol["top1"]
     if "native" in runs:
         native, native_log = runs["native"]
-        nf = compare(native, runs["debug"]["trace"], tol["aqua"], tol.get("logit_tie"))
         # each side selects on its own here (the native kernel takes no forced indices): their score sums round
         # differently, later layers' q^ differ in the last bits, and a near-tie row can flip
-        nf["pass"] = nf["top1_agreement_beyond_ties"] >= tol["own_top1"] or nf["top1_differing"] <= 1
-        nf["gate"] = (f"top-1 agreement >= {tol['own_top1']} or at most one forward differing, on the same tokens "
-                      "(logit differences reported)")
+        nf = _top1_gate(native, runs["debug"]["trace"], tol)
         if h2o:  # reported: a near-tie of two heavy sums can flip, and the logits gate above judges the outcome
             nf["eviction"] = eviction_agreement(native_log, runs["debug"]["live"])
         res["native_vs_function_body"] = nf
@@ -267,11 +264,17 @@ def _cache_rounding(res: dict, runs: dict, tol: dict, cache_dtype: str) -> None:
     """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
     gated as the native kernel's is (a near-tie may flip under the cache's rounding), the logit differences reported
     (what the narrower cache costs)."""
-    c = compare(runs["main"][0], runs["cache"][0], tol["aqua"], tol.get("logit_tie"))
+    res["cache_rounding"] = {**_top1_gate(runs["main"][0], runs["cache"][0], tol), "cache_dtype": cache_dtype}
+
+
+def _top1_gate(trace, other, tol: dict) -> dict:
+    """Two ONNX Runtime traces on the same tokens, each choosing on its own: gated on top-1 agreement (>= own_top1,
+    or at most one forward differing: a near-tie may flip), the logit differences reported."""
+    c = compare(trace, other, tol["aqua"], tol.get("logit_tie"))
     c["pass"] = c["top1_agreement_beyond_ties"] >= tol["own_top1"] or c["top1_differing"] <= 1
-    c["gate"] = f"top-1 agreement >= {tol['own_top1']} or at most one forward differing (logit differences reported)"
-    c["cache_dtype"] = cache_dtype
-    res["cache_rounding"] = c
+    c["gate"] = (f"top-1 agreement >= {tol['own_top1']} or at most one forward differing, on the same tokens "
+                 "(logit differences reported)")
+    return c
 
 
 def _versus_hf(res: dict, runs: dict, model, ids, config: AquaConfig, tol: dict, weights=None) -> None:

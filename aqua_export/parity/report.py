@@ -25,6 +25,13 @@ def _values_line(label: str, g: dict) -> str:
             f"{_verdict(g)}")
 
 
+def _top1_line(what: str, c: dict, why: str) -> str:
+    """A top-1 gate's line (harness._top1_gate): its agreement, and the logit differences reported with their cause."""
+    return (f"[gate: top-1, one flip allowed] {what}: top-1 {c['top1_agreement']:.3f}; max |dlogit| prefill "
+            f"{c['max_abs_logit_diff_prefill']:.2e}, decode {c['max_abs_logit_diff_decode']:.2e} (reported: {why}): "
+            f"{_verdict(c)}")
+
+
 def summary_lines(res: dict) -> list[str]:
     """parity.json in words: each figure, what it compares, whether it is a gate and whether it passed."""
     r = res["ort_vs_reference"]
@@ -58,17 +65,13 @@ def summary_lines(res: dict) -> list[str]:
                      f"{e['decisions_differing']} of {e['decisions']} decisions, largest accumulator gap "
                      f"{e['max_gap_of_differing']:.1e}{bound}: {_verdict(e)}")
     if "native_vs_function_body" in res:
-        n = res["native_vs_function_body"]
-        lines.append(f"[gate: top-1, one flip allowed] native kernel vs the graph's function body, each selecting on "
-                     f"its own: top-1 {n['top1_agreement']:.3f}; max |dlogit| prefill {n['max_abs_logit_diff_prefill']:.2e}, "
-                     f"decode {n['max_abs_logit_diff_decode']:.2e} (reported: one near-tie row selected differently "
-                     f"moves the logits after it by a whole q_i k_i term): {_verdict(n)}")
+        lines.append(_top1_line("native kernel vs the graph's function body, each selecting on its own",
+                                res["native_vs_function_body"],
+                                "one near-tie row selected differently moves the logits after it by a whole q_i k_i term"))
     if "cache_rounding" in res:
         c = res["cache_rounding"]
-        lines.append(f"[gate: top-1, one flip allowed] the folder's {c['cache_dtype']} cache vs the same graph caching "
-                     f"float32 (the gates above ran that one): top-1 {c['top1_agreement']:.3f}; max |dlogit| prefill "
-                     f"{c['max_abs_logit_diff_prefill']:.2e}, decode {c['max_abs_logit_diff_decode']:.2e} (reported: "
-                     f"the cache's rounding): {_verdict(c)}")
+        lines.append(_top1_line(f"the folder's {c['cache_dtype']} cache vs the same graph caching float32 (the gates "
+                                "above ran that one)", c, "the cache's rounding"))
     if "activation_accuracy" in res:
         a = res["activation_accuracy"]
         lines.append(f"[report] the folder's int8 activations (its accuracy level) vs float32 ones: top-1 "
