@@ -3,8 +3,11 @@ the reference at k = r against lm_eval's own `hf` model, a built folder against 
 CLI, and bad input (fast: it fails before any model loads).
 
 Tolerances: per item, accuracies must be identical (the issue's bar); log-likelihoods (sums over a whole
-continuation or paragraph) within 1e-3 at k = r, within 0.15 at k 0.75, where ONNX Runtime and PyTorch may pick a
-different coordinate at a near-tie of |q^| (parity.py's near-tie accounting) and the sum runs over up to 200 tokens.
+continuation or paragraph, up to 200 tokens) within 1e-3 at k = r and within LL_TOL at k 0.75. The folder is built
+with the static rule there: a query-aware rule lets ONNX Runtime and PyTorch keep different coordinates where two
+|q^| tie to within float32 rounding, and one such row (1 of 24,030 in a paragraph with lm_eval's BOS prefix, its
+gap 7e-6) moved a paragraph's sum by 0.51 while the two agreed to 7e-5 under one selection. Parity gates that case
+(parity/harness.py); this test checks lm_eval's plumbing for a folder, so it keeps the selections equal.
 """
 
 import json
@@ -17,6 +20,7 @@ from aqua_export.config import ConfigError
 
 lm_eval_model = pytest.importorskip("aqua_export.lm_eval_model", reason="lm_eval is not installed (pip install -e .)")
 LIMIT = 6
+LL_TOL = 0.02  # float32 sums of up to 200 per-token log-probabilities, under the same selection on both sides
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,11 @@ def _same_items(a, b, ll_tol):
                 assert np.abs(_scores(x) - _scores(y)).max() <= ll_tol, (task, x["doc_id"])
 
 
+def _largest_difference(a, b) -> float:
+    return max(float(np.abs(_scores(x) - _scores(y)).max()) for task in lm_eval_model.LOCAL_TASKS if task != "aqua_copy"
+               for x, y in zip(a["samples"][task], b["samples"][task]))
+
+
 @pytest.mark.slow
 def test_reference_at_k_r_equals_lm_evals_hf_model(proj_file):
     """AQUA applied at k = r (the operator runs, every coordinate kept) gives lm_eval's `hf` results item by item."""
@@ -68,14 +77,16 @@ def test_reference_at_k_r_equals_lm_evals_hf_model(proj_file):
 @pytest.mark.slow
 def test_built_folder_equals_the_reference_at_k075(tmp_path, proj_file):
     out = tmp_path / "eng"
-    assert main(["--model", "llama", "--k-ratio", "0.75", "--projection", str(proj_file), "--out", str(out),
-                 "--parity-steps", "4", "--parity-prompt-tokens", "16"]) == 0
+    assert main(["--model", "llama", "--k-ratio", "0.75", "--selection", "static", "--projection", str(proj_file),
+                 "--out", str(out), "--parity-steps", "4", "--parity-prompt-tokens", "16"]) == 0
     with lm_eval_model.AquaLM(folder=str(out), threads=2, batch_size=4) as lm:
-        assert lm.aqua_config.k_ratio == 0.75
+        assert (lm.aqua_config.k_ratio, lm.aqua_config.selection) == (0.75, "static")
         ort = _run(lm)
-    with lm_eval_model.AquaLM(model="llama", projection=str(proj_file), k_ratio=0.75, batch_size=4) as lm:
+    with lm_eval_model.AquaLM(model="llama", projection=str(proj_file), k_ratio=0.75, selection="static",
+                              batch_size=4) as lm:
         ref = _run(lm)
-    _same_items(ort, ref, 0.15)
+    print(f"largest log-likelihood difference: {_largest_difference(ort, ref):.2e} (bound {LL_TOL})")
+    _same_items(ort, ref, LL_TOL)
 
 
 @pytest.mark.slow
