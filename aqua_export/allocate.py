@@ -1,4 +1,5 @@
-"""AQUA-Memory's widths: one budget, spread over the layers, and over K^ and V, where slicing costs least.
+"""Budgets spread where they cost least: AQUA-Memory's widths over the layers and over K^ and V, and the selection
+width k over the layers and their heads.
 
 slice_ratio fixes the cache's bytes: 2 L r columns per KV head (K^ and V of L layers) with r = d - round(slice_ratio
 * d), as uniform slicing caches. An allocation gives layer l a K^ width r_l and a V width rv_l with
@@ -16,16 +17,26 @@ Given the 2 L cost curves, ``water_fill`` starts every one at the floor (d / 4) 
 columns one at a time to the curve whose cost drops most (exact for convex costs, which both are up to
 measurement noise).
 
-The selection width k is spread the same way (``layer_selected``, config.k_alloc): k_ratio fixes the average, the
-layers' k sum to uniform's sum of round(k_ratio r_l), so under the group rules a step reads exactly the rows of K^
-uniform reads (per-head rules: the union of the group's selections, measured). Per layer, not per KV head: the
-kernels take k as a node attribute (one per layer), and a per-head k would split every kernel's tile of the
-group's rows.
+The selection width k is spread in two steps (config.k_alloc; k_ratio fixes the average):
 
-    energy    cost(k) = the share of the q/k stack's calibrated energy beyond the k leading coordinates, summed
-              over heads (what a static selection of k drops; the query-aware rules drop less, alike in every layer)
-    measured  cost(k) = the mean KL of the next-token distribution when only that layer selects k (its rule, the
-              artifact's layers.{i}.select_cost [n] at metadata "select_widths", for the rule "select_rule")
+  over layers (``layer_selected``): the layers' budgets k_l sum to uniform's sum of round(k_ratio r_l), spread by
+    ``water_fill`` on each layer's cost curve (each k_l in [floor, r_l], floor d / 8 or uniform's smallest k);
+  over a layer's heads, per decode step (``head_prices``): the layer's Hkv g k_l coordinates are shared by its
+    heads, each head's selection scores times its price (ops.rules, pooled), so a step spends them where the
+    query's large coordinates are, at the rate a head's dropped scores cost. Not for the static rule (it does not
+    read the query) nor AQUA-H2O (its node takes one k per row): those keep k_l per row.
+
+    energy    layers: cost(k) = the share of the q/k stack's calibrated energy beyond the k leading coordinates,
+              summed over heads; heads: one price (the pooled selection ranks the scores as they are)
+    measured  from the artifact's costs (slice_costs.measure_select_costs, for the rule "select_rule"). Heads first:
+              cost_h(k) = the mean KL of the next-token distribution when only KV head h of layer l selects k,
+              E_h(k) = the squared selection score its rows drop at k; price_h = sqrt(geometric mean over the
+              measured k of cost_h(k) / E_h(k)) (``prices_of``), so the pooled selection keeps the coordinates whose
+              dropping would cost most (price^2 score^2 ~ KL). Then layers: cost(k) = the KL when only layer l
+              selects k, its heads pooling at those prices (what a step of it then costs), linear in between.
+
+The union u of a step's rows of K^ stays measured (evaluate.union_fraction): under the group rules u is the group's
+count, so a step reads exactly uniform's rows in all.
 """
 
 from __future__ import annotations
@@ -116,10 +127,31 @@ def layer_selected(config: AquaConfig, projection, widths: tuple) -> tuple[int, 
     if projection is None:
         raise ConfigError(f"--k-alloc {config.k_alloc} needs a projection")
     d = projection.P[0].shape[-1]
-    costs = select_energy_costs(projection) if config.k_alloc == "energy" else select_measured_costs(projection,
-                                                                                                     config)
+    costs = select_energy_costs(projection) if config.k_alloc == "energy" else \
+        select_measured_costs(projection, config)
     floor = min(min(uniform), max(1, d // 8))
     return water_fill(costs, sum(uniform), floor, caps=widths)
+
+
+def head_prices(config: AquaConfig, projection) -> tuple | None:
+    """Per layer the KV heads' prices ([Hkv] floats) under which a step's heads share the layer's k (ops.rules,
+    pooled), or None where each row selects its own k (uniform allocation, k_ratio 1, the static rule, H2O)."""
+    if not config.shares_k:
+        return None
+    if config.k_alloc == "energy":
+        return tuple((1.0,) * p.shape[0] for p in projection.P)
+    check_select_costs(projection, config)
+    return prices_of(projection.select_head_cost, projection.select_head_energy)
+
+
+def prices_of(head_cost, head_energy) -> tuple:
+    """Per layer [Hkv] prices from each head's measured costs and dropped selection scores ([Hkv, m] per layer,
+    at the same widths): sqrt of the geometric mean over the widths of KL per squared score dropped."""
+    out = []
+    for cost, energy in zip(head_cost, head_energy):
+        ratio = cost.double().clamp_min(1e-12) / energy.double().clamp_min(1e-30)  # [Hkv, m]
+        out.append(tuple(float(x) for x in ratio.log().mean(-1).exp().sqrt()))
+    return tuple(out)
 
 
 def select_energy_costs(projection) -> torch.Tensor:
@@ -127,13 +159,17 @@ def select_energy_costs(projection) -> torch.Tensor:
     return energy_costs(projection)[:, 0]
 
 
-def select_measured_costs(projection, config: AquaConfig) -> torch.Tensor:
-    """[L, d + 1] from the artifact's measured selection costs (measured with config's rule), linear between the
-    measured widths (0 at d)."""
-    d = projection.P[0].shape[-1]
+def check_select_costs(projection, config: AquaConfig) -> None:
     if not projection.has_select_costs(config.selection):
         raise ConfigError(f"--k-alloc measured needs selection costs for --selection {config.selection} in the "
                           f"projection: calibrate with `aqua-export calibrate --select-costs {config.selection}` "
                           "(or let the build calibrate)")
+
+
+def select_measured_costs(projection, config: AquaConfig) -> torch.Tensor:
+    """[L, d + 1] from the artifact's measured layer costs (measured with config's rule, the heads pooling),
+    linear between the measured widths (0 at d)."""
+    check_select_costs(projection, config)
+    d = projection.P[0].shape[-1]
     x = [int(w) for w in projection.metadata["select_widths"].split(",")]
     return torch.stack([measured_curve(x, c, d) for c in projection.select_cost])

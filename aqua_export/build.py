@@ -22,7 +22,7 @@ import torch
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
 from .export.contract import Contract
-from .export.exporter import CACHE_NEEDS_FUSED, TOKENS_NEED_FUSED, contract_for, export_onnx
+from .export.exporter import CACHE_NEEDS_FUSED, SHARED_K_NEEDS_FUSED, TOKENS_NEED_FUSED, contract_for, export_onnx
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -137,6 +137,8 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
         raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
     if o.backend == "tensorrt" and config.selects_tokens:
         raise ConfigError(TOKENS_NEED_FUSED)
+    if o.backend == "tensorrt" and config.shares_k:
+        raise ConfigError(SHARED_K_NEEDS_FUSED.format(alloc=config.k_alloc))
     if o.backend == "tensorrt":
 
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written

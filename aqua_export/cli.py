@@ -52,11 +52,12 @@ def _config_args(p, k_default: float = 1.0):
                         "calibrated spectra), measured (on measured costs of slicing: the projection's slice costs, "
                         "measured by the build or `calibrate --slice-costs`) (default %(default)s)")
     p.add_argument("--k-alloc", default="uniform", choices=K_ALLOCS,
-                   help="how the selection width spreads over the layers, --k-ratio their average (the same rows of "
-                        "K^ per step under the group rules): uniform (every layer selects --k-ratio of its width), "
-                        "energy (water-filling on the calibrated spectra), measured (on each layer's measured cost "
-                        "of a narrower selection under --selection: measured by the build or `calibrate "
-                        "--select-costs`) (default %(default)s)")
+                   help="how the selection width spreads, --k-ratio its average (the same rows of K^ per step under "
+                        "the group rules): uniform (every query row selects --k-ratio of its width), energy (over "
+                        "the layers by water-filling on the calibrated spectra; a layer's heads share its k per "
+                        "token), measured (over the layers by their measured costs of a narrower selection under "
+                        "--selection, the heads sharing each layer's k at measured prices: measured by the build or "
+                        "`calibrate --select-costs`) (default %(default)s)")
     p.add_argument("--token-ratio", type=float, default=1.0,
                    help="token selection: share of the visible tokens a decode step attends, in (0, 1]; the k "
                         "selected coordinates score pages of 16 tokens, the chosen ones get exact attention, nothing "
@@ -176,8 +177,9 @@ def _calibrate_parser(sub) -> None:
                    help="also measure each layer's cost of slicing its K^ and its V (for --slice-alloc measured): 12 "
                         "cuts per layer, a 1,024-token forward each, on --text (default builtin:python-reference)")
     p.add_argument("--select-costs", choices=SELECTIONS, metavar="SELECTION",
-                   help="also measure each layer's cost of a narrower selection under this rule (for --k-alloc "
-                        "measured): 5 k per layer, a 512-token forward each, on --text")
+                   help="also measure the costs of a narrower selection under this rule (for --k-alloc measured): 3 "
+                        "k per KV head (the heads' prices), then 5 k per layer with its heads sharing k, a 512-token "
+                        "forward each, on --text")
     p.set_defaults(fn=commands.cmd_calibrate)
 
 

@@ -60,10 +60,12 @@ class AquaConfig:
     slice_alloc: how AQUA-Memory's budget (slice_ratio of every layer's width, on average) is spread over the
                  layers: 'uniform' (the paper: every layer drops the same share), 'energy' (water-filling on
                  the calibrated spectra) or 'measured' (on each layer's measured cost of slicing; allocate.py).
-    k_alloc:     how the selection width is spread over the layers: 'uniform' (every layer selects k_ratio of its
-                 width), 'energy' (water-filling on the calibrated spectra) or 'measured' (on each layer's measured
-                 cost of a narrower selection); the layers' k sum to uniform's, so a step reads the same rows of K^
-                 under the group rules (allocate.py).
+    k_alloc:     how the selection width is spread: 'uniform' (every query row selects k_ratio of its layer's
+                 width), 'energy' (over layers by water-filling on the calibrated spectra; a layer's heads share its
+                 k per token, by their selection scores) or 'measured' (over layers by each layer's measured cost of
+                 a narrower selection; the heads share the layer's k at prices from each KV head's measured cost).
+                 The layers' k sum to uniform's, and every token's rows select as many coordinates in all
+                 (allocate.py).
     token_ratio: token selection, share of the visible tokens a decode step attends, in (0, 1]; 1 = all. The
                  approximate scores (the k selected coordinates) choose pages of tokens (ops.rules), which get exact
                  attention (all r coordinates); nothing is evicted, and a prompt's rows attend every token exactly.
@@ -144,6 +146,12 @@ class AquaConfig:
         """The layers' k are spread by k_alloc rather than each round(k_ratio r_l) (k_ratio 1 leaves nothing to
         spread)."""
         return self.k_alloc != "uniform" and self.k_ratio < 1.0
+
+    @property
+    def shares_k(self) -> bool:
+        """A layer's heads share its k per token (allocate.head_prices): an allocation under a rule that reads the
+        query, without H2O."""
+        return self.allocates_k and self.selection != "static" and self.h2o_ratio == 1.0
 
     @property
     def is_dense(self) -> bool:

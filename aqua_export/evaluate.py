@@ -25,7 +25,7 @@ from . import corpus
 from .calibrate import Moments, projection_tensors, recording
 from .config import AquaConfig, ConfigError
 from .models import attention_geometry
-from .ops.rules import select_indices
+from .ops.rules import select_indices, selection_keep
 from .outputs import atomic_write_bytes
 from .projection import Projection
 from .reference.attention import apply_aqua
@@ -161,21 +161,20 @@ def retention_loss(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], k_r
 
 
 def union_fraction(queries: list[torch.Tensor], P: tuple[torch.Tensor, ...], key_rms: tuple[torch.Tensor, ...],
-                   k_ratio: float, selection: str, selected: tuple | None = None) -> float:
+                   k_ratio: float, selection: str, selected: tuple | None = None, prices: tuple | None = None) -> float:
     """The share of K^'s rows a decode step reads under ``selection``: per layer, KV head and token, the size of
     the union of the g query heads' selected coordinates over d (k/d when the rule shares one selection),
     averaged. queries[l] [H, N, d], P[l] [Hkv, d, d], key_rms[l] [Hkv, d]; selected: k per layer (an allocation;
-    default round(k_ratio d) in every layer)."""
+    default round(k_ratio d) in every layer); prices: per layer the heads' prices, the pooled selection
+    (allocate.head_prices), or None."""
     total, count = 0.0, 0
     for i, (q, p, rms) in enumerate(zip(queries, P, key_rms)):
         h, n, d = q.shape
         hkv = p.shape[0]
         k = max(1, round(k_ratio * d)) if selected is None else selected[i]
         qh = (q.reshape(hkv, h // hkv, n, d) @ p[:, None])[None]  # [1, Hkv, g, N, d]
-        idx = select_indices(qh, k, selection, rms)[0]  # [Hkv, g, N, k]
-        hit = torch.zeros(hkv, n, d, dtype=torch.bool)
-        for j in range(idx.shape[1]):
-            hit.scatter_(-1, idx[:, j], True)
+        keep = selection_keep(qh, k, selection, rms, None if prices is None else prices[i])[0]  # [Hkv, g, N, d]
+        hit = keep.any(1)
         total += float(hit.sum()) / d
         count += hkv * n
     return total / count

@@ -9,8 +9,14 @@ Per layer i (docs/design.md, Calibration), float32:
   optional, for --slice-alloc measured (slice_costs.measure_costs; metadata "slice_widths" lists the widths):
     layers.{i}.slice_cost [2, n]      KL of the next-token distribution with only layer i's K^ (row 0) or V
                                       (row 1) cut to each width
-  optional, for --k-alloc measured (slice_costs.measure_select_costs; metadata "select_widths", "select_rule"):
-    layers.{i}.select_cost [n]        the same KL with only layer i selecting k of its coordinates, each k
+  optional, for --k-alloc measured (slice_costs.measure_select_costs; metadata "select_rule", "select_widths",
+  "select_head_widths"), all three or the set is not used:
+    layers.{i}.select_head_cost [Hkv, m]    the same KL with only KV head h of layer i selecting k of its
+                                            coordinates (its g query rows), each k of select_head_widths
+    layers.{i}.select_head_energy [Hkv, m]  the mean squared selection score those rows drop at each k (dense run):
+                                            with select_head_cost, the head's price (allocate.head_prices)
+    layers.{i}.select_cost [n]              the KL with only layer i selecting k, its heads sharing k at those
+                                            prices (ops.rules, pooled), each k of select_widths
 metadata: format_version, fingerprint (models.fingerprint, JSON), corpus name and SHA-256, tokens, seq_len, seed, tool.
 """
 
@@ -28,7 +34,10 @@ from .safetensors_io import save as save_safetensors
 
 FORMAT_VERSION = "1"
 TENSORS = ("P", "P_v", "energy", "energy_v", "key_rms")  # per layer, in every artifact
-COSTS = {"slice_cost": ("slice_widths", 2), "select_cost": ("select_widths", None)}  # optional: widths key, rows
+# optional: widths key, rows (an int, "kv_heads", or None: one row)
+COSTS = {"slice_cost": ("slice_widths", 2), "select_cost": ("select_widths", None),
+         "select_head_cost": ("select_head_widths", "kv_heads"),
+         "select_head_energy": ("select_head_widths", "kv_heads")}
 
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -47,6 +56,8 @@ class Projection:
     metadata: dict
     slice_cost: tuple[torch.Tensor, ...] | None = None  # [2, n] per layer at metadata["slice_widths"]
     select_cost: tuple[torch.Tensor, ...] | None = None  # [n] per layer at metadata["select_widths"]
+    select_head_cost: tuple[torch.Tensor, ...] | None = None  # [Hkv, m] per layer at metadata["select_head_widths"]
+    select_head_energy: tuple[torch.Tensor, ...] | None = None  # [Hkv, m] per layer, the same widths
 
     @property
     def fingerprint(self) -> dict:
@@ -59,7 +70,8 @@ class Projection:
 
     def has_select_costs(self, selection: str) -> bool:
         """Whether the artifact holds selection costs measured under ``selection`` (--k-alloc measured's)."""
-        return self.select_cost is not None and self.metadata.get("select_rule") == selection
+        return None not in (self.select_cost, self.select_head_cost, self.select_head_energy) and \
+            self.metadata.get("select_rule") == selection
 
     def check_model(self, model) -> None:
         mine, theirs = self.fingerprint, fingerprint(model)
@@ -120,16 +132,17 @@ def load_projection(path: str | Path) -> Projection:
             if err > 1e-4:
                 raise ConfigError(f"projection file {path} is corrupt: layers.{i}.{k} is not orthogonal (error {err:.1e})")
     return Projection(**{k: tuple(v) for k, v in out.items()}, metadata=meta,
-                      **{k: _costs(path, tensors, meta, n_layers, d, k) for k in COSTS})
+                      **{k: _costs(path, tensors, meta, n_layers, hkv, d, k) for k in COSTS})
 
 
-def _costs(path, tensors: dict, meta: dict, n_layers: int, d: int, kind: str):
+def _costs(path, tensors: dict, meta: dict, n_layers: int, hkv: int, d: int, kind: str):
     """Optional measured costs (``kind`` of COSTS): all layers or none, at the metadata's widths (each in [1, d))."""
     key, rows = COSTS[kind]
     what = kind.split("_")[0]
     have = [f"layers.{i}.{kind}" in tensors for i in range(n_layers)]
     if not any(have):
         return None
+    rows = hkv if rows == "kv_heads" else rows
     try:
         widths = [int(w) for w in meta[key].split(",")]
     except (KeyError, ValueError):

@@ -31,7 +31,8 @@ class OnnxRuntime:
         return op.body is not None
 
     def session(self, op, dtype: str, projected: bool, attrs: dict, cache_dtype: str | None = None):
-        key = (op.name, dtype, cache_dtype, projected, tuple(sorted(attrs.items())))
+        key = (op.name, dtype, cache_dtype, projected,
+               tuple(sorted((n, tuple(v) if isinstance(v, list) else v) for n, v in attrs.items())))
         if key not in self._sessions:
             model = op.model(dtype, projected=projected, cache_dtype=cache_dtype, **attrs)
             self._sessions[key] = make_session(model.SerializeToString(), kernel=self.kernel)

@@ -151,6 +151,11 @@ def _tokens(ratio=1.0, budget=0, sink=4, window=8) -> dict:
     return {"token_ratio": ratio, "token_budget": budget, "token_sink": sink, "token_window": window}
 
 
+def _prices(hkv: int) -> list:
+    """Unequal head prices (a case of shared k): the cheap head gives coordinates to the dear ones."""
+    return [0.5, 2.0, 1.0, 1.5][:hkv]
+
+
 def _dense(r):
     """The answer without token selection, every token exact (a token case must differ from it)."""
     return lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=r)
@@ -207,6 +212,27 @@ ATTENTION = [
       for s, d, tok in (((1, 2, 3, 1, 64, 700, 700), None, False), ((2, 1, 4, 1, 128, 300, 320), None, False),
                         ((2, 2, 3, 5, 16, 40, 40), None, False), ((1, 2, 3, 1, 64, 300, 300), 64, False),
                         ((1, 2, 3, 1, 64, 700, 700), None, True), ((3, 2, 3, 1, 32, 90, 130), 32, True))],
+    # shared k (head_prices, allocate's k sharing): per token the heads share Hkv g' k coordinates at their prices;
+    # a row may keep none or all r. Decode split over threads or programs, batched prompts, projected, token
+    # selection, float16, a float16 cache; the static rule ignores the prices (the last case: a price per kv head
+    # or refused)
+    *[Case(f"shared-k-{'x'.join(map(str, s))}-rule{rule}{'-projects' if d else ''}{'-tokens' if tok else ''}-{dt}",
+           lambda s=s, d=d, dt=dt, c=c: _attention_inputs(s, getattr(torch, dt), d=d, cache=c),
+           {"k": s[4] // 4, "rule": rule, "head_prices": _prices(s[1]), **(_tokens(ratio=0.25) if tok else {})},
+           dtype=dt, projected=d is not None, cache_dtype=None if c is None else "float16",
+           only=() if c is None else ("function", "native"),
+           unlike=None if rule == 2 else lambda ins, s=s, rule=rule, d=d: aqua_attention.reference(
+               *(_unprojected(ins) if d else [x.double() if x.is_floating_point() else x for x in ins]), k=s[4] // 4, rule=rule, **(_tokens(ratio=0.25) if tok else {})))
+      for s, rule, d, tok, dt, c in (((1, 3, 3, 1, 64, 700, 700), 0, None, False, "float32", None),
+                                     ((2, 2, 3, 5, 16, 40, 40), 0, None, False, "float32", None),
+                                     ((2, 3, 3, 1, 32, 90, 130), 1, None, False, "float32", None),
+                                     ((1, 2, 3, 1, 64, 300, 300), 0, 64, False, "float32", None),
+                                     ((1, 2, 3, 1, 64, 700, 700), 0, None, True, "float32", None),
+                                     ((2, 3, 3, 2, 32, 120, 128), 0, None, False, "float16", None),
+                                     ((2, 1, 4, 1, 128, 300, 320), 0, None, False, "float32", torch.float16),
+                                     ((2, 2, 3, 3, 16, 40, 40), 2, None, False, "float32", None))],
+    Case("shared-k-prices-per-kv-head", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)),
+         {"k": 8, "head_prices": [1.0, 2.0, 3.0]}, only=("native", "triton"), error="one price per kv head"),
     Case("tokens-float16", lambda: _attention_inputs((2, 3, 3, 1, 32, 200, 256), torch.float16),
          {"k": 16, "rule": 1, **_tokens(ratio=0.3)}, dtype="float16"),
     Case("tokens-softcap", lambda: _attention_inputs((2, 2, 3, 1, 16, 150, 160), scale=4.0),

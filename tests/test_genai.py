@@ -14,7 +14,9 @@ from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.runtime.text import encode_prompts
 
 SETTINGS = {"dense": AquaConfig(), "k0.75": AquaConfig(k_ratio=0.75), "k0.5": AquaConfig(k_ratio=0.5),
-            "memory-s0.25-k0.75": AquaConfig(k_ratio=0.75, slice_ratio=0.25), "k0.75-kv-float16": AquaConfig(k_ratio=0.75)}
+            "memory-s0.25-k0.75": AquaConfig(k_ratio=0.75, slice_ratio=0.25), "k0.75-kv-float16": AquaConfig(k_ratio=0.75),
+            # k spread over the layers, each layer's heads sharing it per token (head_prices on every node)
+            "k0.5-alloc-energy": AquaConfig(k_ratio=0.5, k_alloc="energy")}
 OPTIONS = {"k0.75-kv-float16": BuildOptions(cache_dtype="float16")}  # a float16 cache under the float32 graph
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The GNU General Public License is a free, copyleft license for",
@@ -25,7 +27,7 @@ STEPS = 64
 
 @pytest.fixture(scope="module")
 def folders(smollm, smollm_projection, tmp_path_factory):
-    """The four settings exported into folders by the build's own export stage (parity is test_build's)."""
+    """The settings exported into folders by the build's own export stage (parity is test_build's)."""
     model, tok = smollm
     out = {}
     for name, cfg in SETTINGS.items():

@@ -12,6 +12,8 @@ token), bfloat16, per T and batch:
   dense SDPA      torch's scaled_dot_product_attention over K and V [B, Hkv, T, d] (GQA, flash-decoding)
   fused dense     the AquaAttention kernel at k = d without P (the same kernel reading all of K and V)
   fused k         AquaAttention, group rule, P given: reads k of the d rows of K^, and V
+  fused k pooled  the same with the heads sharing the layer's k per token at unequal prices (--k-alloc): the same
+                  rows of K^ in all, a KV head reading anywhere from 0 to d of them
   tokens k, 1/8   AquaAttention with token selection (a setting benchmarks/quality.md validates: group rule,
                   k = 32 of 128, token ratio 1/8, sink 16, window 64): the k rows of K^ score every page, a
                   kernel chooses the pages (ops.rules), the chosen pages are read whole
@@ -84,40 +86,45 @@ def verdict(line: str, rel: float, dt) -> str:
     return line
 
 
-ATTENTION_CASES = [  # (b, hkv, g, t, d, L), k, dtype, projected, tokens
-    ((2, 8, 4, 1, 128, 5003), 64, torch.float32, True, False),
-    ((3, 8, 4, 1, 128, 70001), 64, torch.bfloat16, True, False),
-    ((1, 8, 4, 3, 128, 9001), 96, torch.float16, True, False),
-    ((3, 2, 8, 1, 64, 1000), 32, torch.bfloat16, False, False),
-    ((2, 4, 8, 1, 64, 4099), 16, torch.float32, True, False),
-    ((3, 8, 4, 1, 128, 20000), 32, torch.float32, True, True),
-    ((2, 4, 8, 1, 64, 7777), 16, torch.float32, False, True),
+ATTENTION_CASES = [  # (b, hkv, g, t, d, L), k, dtype, projected, tokens, pooled (the heads share k at PRICES)
+    ((2, 8, 4, 1, 128, 5003), 64, torch.float32, True, False, False),
+    ((3, 8, 4, 1, 128, 70001), 64, torch.bfloat16, True, False, False),
+    ((1, 8, 4, 3, 128, 9001), 96, torch.float16, True, False, False),
+    ((3, 2, 8, 1, 64, 1000), 32, torch.bfloat16, False, False, False),
+    ((2, 4, 8, 1, 64, 4099), 16, torch.float32, True, False, False),
+    ((3, 8, 4, 1, 128, 20000), 32, torch.float32, True, True, False),
+    ((2, 4, 8, 1, 64, 7777), 16, torch.float32, False, True, False),
+    ((2, 8, 4, 1, 128, 5003), 64, torch.float32, True, False, True),
+    ((1, 8, 4, 3, 128, 9001), 32, torch.float32, True, True, True),
 ]
+PRICES = (0.5, 2.0, 1.0, 1.5, 0.75, 1.25, 3.0, 1.0)  # per KV head: a pooled node's head_prices
 
 
 def check_attention() -> list[str]:
-    """The fused kernel (and its token selection) against the float64 reference. Token selection is checked in
-    float32: in 16-bit a near tie between two pages' scores may choose the other page, a legitimate difference
-    the parity gates account for and a norm bound cannot."""
+    """The fused kernel (and its token selection and pooled selection) against the float64 reference. Token and
+    pooled selection are checked in float32: in 16-bit a near tie between two pages' (or priced coordinates')
+    scores may choose the other one, a legitimate difference the parity gates account for and a norm bound
+    cannot."""
     from aqua_export.kernels.triton.aqua_attention import aqua_attention
     from aqua_export.ops.aqua_attention import reference
 
     lines, gen = [], torch.Generator().manual_seed(5)
-    for (b, hkv, g, t, d, total), k, dt, projected, tokens in ATTENTION_CASES:
+    for (b, hkv, g, t, d, total), k, dt, projected, tokens, pooled in ATTENTION_CASES:
         q = torch.randn(b, hkv, g, t, d, generator=gen).to(dt)
         kc = torch.randn(b, hkv, d, total, generator=gen).to(dt)
         vc = torch.randn(b, hkv, total, d, generator=gen).to(dt)
         mask = ragged_mask(b, t, total, gen)
         P = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0].to(dt) if projected else None
         attrs = TOKENS if tokens else {}
+        prices = list(PRICES[:hkv]) if pooled else None
         poison()
         got = aqua_attention(q.cuda(), kc.cuda(), vc.cuda(), total, mask.cuda(), k, 1,
                              projection=None if P is None else P.cuda(),
-                             tokens=token_setting() if tokens else None).cpu()
+                             tokens=token_setting() if tokens else None, prices=prices).cpu()
         ref = reference(q.double(), kc.double(), vc.double(), total, mask, None if P is None else P.double(), k=k,
-                        rule=1, **attrs)
+                        rule=1, head_prices=prices, **attrs)
         lines.append(verdict(f"AquaAttention {str(dt)[6:]} {(b, hkv, g, t, d, total)} k {k} P {projected} tokens "
-                             f"{tokens}", rel_error(got, ref), dt))
+                             f"{tokens} pooled {pooled}", rel_error(got, ref), dt))
     return lines
 
 
@@ -221,6 +228,9 @@ def bench(T: int, B: int, launch: dict) -> list[dict]:
             ("fused dense", 2 * kv + 4 * T, lambda: aqua_attention(q, kdm, v, T, mask, D, 1, **run)),
             ("fused k=64", kv // 2 + kv + 4 * T,
              lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, **run)),
+            # the heads share the layer's k per token: the same rows of K^ in all (group rule), spread unevenly
+            ("fused k=64 pooled", kv // 2 + kv + 4 * T,
+             lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, prices=PRICES, **run)),
             ("tokens k=32, 1/8", kv // 4 + 2 * kv // 8 + 4 * T,  # its splits: split_count over the chosen pages
              lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens, **{**run, "splits": None})),
             ("tokens k=32, 512", kv // 4 + 2 * kv * min(1.0, attended_share(T, 1.0, 512, 16, 64)) + 4 * T,

@@ -1,7 +1,8 @@
-"""A study for the k allocation (issue 29): what a k per (layer, KV head) would give over a k per layer, before any
-kernel takes one. The reference emulates it: a layer whose heads differ selects under its own k < r, and a probe
-(reference.attention.Probe, the parity instrument) hands each KV head the leading k_h of its rule's ranking
-(trailing entries repeat the first, so exactly k_h coordinates are kept; k_h = r keeps all).
+"""A study for the k allocation (issue 29): what a fixed k per (layer, KV head) would give over a k per layer, the
+alternative to the pooled selection the kernels take (docs/design.md says why pooled). The reference emulates it:
+a layer whose heads differ selects under its own k < r, and a probe (reference.attention.Probe, the parity
+instrument) hands each KV head the leading k_h of its rule's ranking (trailing entries repeat the first, so exactly
+k_h coordinates are kept; k_h = r keeps all).
 
 Costs: per (layer, KV head) and k in SELECT_WIDTHS (of 64), the mean KL(dense || only that head selecting k) of the
 next-token distributions over 512 tokens of the calibration text (builtin:python-reference), rule `weighted`.

@@ -39,6 +39,7 @@ that has them is updated in place, as above. Positions are still cumsum(attentio
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,7 @@ class Contract:
     h2o: bool = False
     version: int = CONTRACT_VERSION
     cache_dtype: str | None = None  # the K^ / V buffers' float type; None (folders written before it): dtype
+    prices: tuple | None = None  # per layer [kv_heads] floats: its heads share its k per token (allocate.head_prices)
 
     def __post_init__(self):
         def positive(name, v):
@@ -91,6 +93,8 @@ class Contract:
         for i, (r, k) in enumerate(zip(self.widths, self.selected)):
             if k > r:
                 raise ConfigError(f"contract.selected {k} exceeds contract.widths {r} at layer {i}")
+        if self.prices is not None:
+            object.__setattr__(self, "prices", self._checked_prices(self.prices))
         if self.dtype not in DTYPES:
             raise ConfigError(f"contract.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.cache_dtype is None:
@@ -100,6 +104,24 @@ class Contract:
             raise ConfigError(f"contract.h2o must be true or false, got {self.h2o!r}")
         if self.version != CONTRACT_VERSION:
             raise ConfigError(f"graph contract version {self.version} is not this tool's ({CONTRACT_VERSION})")
+
+    def _checked_prices(self, prices) -> tuple:
+        """contract.prices as a tuple of tuples: one positive finite price per KV head and layer, no H2O."""
+        ok = isinstance(prices, (list, tuple)) and len(prices) == self.layers and all(
+            isinstance(row, (list, tuple)) and len(row) == self.kv_heads and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in row)
+            for row in prices)
+        if not ok:
+            raise ConfigError(f"contract.prices must list {self.kv_heads} positive prices per layer ({self.layers}), "
+                              f"got {prices!r}")
+        if self.h2o:
+            raise ConfigError("contract.prices: AQUA-H2O's node takes one k per row (no shared k)")
+        return tuple(tuple(float(x) for x in row) for row in prices)
+
+    def head_prices(self, i: int) -> list | None:
+        """Layer i's AquaAttention head_prices attribute (every node of a shared-k graph carries one: the graph has
+        one body), or None."""
+        return None if self.prices is None else list(self.prices[i])
 
     @staticmethod
     def check_cache_dtype(dtype: str, cache_dtype: str, h2o: bool) -> None:

@@ -301,9 +301,10 @@ class DecoderGraph(Blocks):
             a = self._attend_separate(n, q, kc, vc, mask, io, attrs)
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
             kc, vc = self._cache(n, i, kh, v, io)
+            prices = self.contract.head_prices(i)  # the heads share the layer's k (allocate.head_prices)
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask] + [proj] * (proj is not None),
                       domain=self.domain, softcap=float(p.attn_softcap or 0.0), **attrs,
-                      **(p.tokens or {}))  # [B, Hkv, g, T, rv]
+                      **(p.tokens or {}), **({} if prices is None else {"head_prices": prices}))  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])
         return self._linear(f"{n}/o_proj", a, wo, bo)

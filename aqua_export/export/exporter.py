@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..allocate import layer_selected, layer_widths
+from ..allocate import head_prices, layer_selected, layer_widths
 from ..config import AquaConfig, ConfigError
 from ..fold import layer_bases
 from ..models import architecture_of, attention_geometry
@@ -28,6 +28,11 @@ from .decoder_graph import DecoderGraph, Plan
 
 TOKENS_NEED_FUSED = ("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
                      "build with --backend onnx")
+
+
+SHARED_K_NEEDS_FUSED = ("--k-alloc {alloc} shares each layer's k among its heads per token, a mode of the fused "
+                        "AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: build with "
+                        "--backend onnx, or use --k-alloc uniform or --selection static")
 
 
 CACHE_NEEDS_FUSED = ("--cache-dtype float16 under a float32 graph is read by AquaAttention's ONNX Runtime kernels; "
@@ -56,8 +61,8 @@ def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, 
     widths, value_widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
     return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], widths=widths,
                     selected=layer_selected(config, projection, widths), value_widths=value_widths,
-                    vocab=model.config.vocab_size,
-                    dtype=spec.type_name(dtype), h2o=config.evicts, cache_dtype=cache_dtype)
+                    vocab=model.config.vocab_size, dtype=spec.type_name(dtype), h2o=config.evicts,
+                    cache_dtype=cache_dtype, prices=head_prices(config, projection))
 
 
 def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, fused: bool,
@@ -94,6 +99,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     ct = contract_for(model, config, dtype, projection, cache_dtype)
     if ct.cache_dtype != ct.dtype and not fused:
         raise ConfigError(CACHE_NEEDS_FUSED)
+    if ct.prices is not None and not fused:
+        raise ConfigError(SHARED_K_NEEDS_FUSED.format(alloc=config.k_alloc))
     plan = plan_for(model, config, ct, dtype, fused, weights)
     if external_data is None:
         external_data = sum(t.numel() for t in model.parameters()) * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
@@ -105,7 +112,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                                     "plugin_version": spec.PLUGIN_VERSION})
         _decoder(g, model, projection, config, progress)
         m = gb.model("aqua_decoder", {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION, MS: 1},
-                     function_bodies(spec.OPSET, plan.projects_query, plan.tokens is not None), "aqua-export")
+                     function_bodies(spec.OPSET, plan.projects_query, plan.tokens is not None, ct.prices is not None),
+                     "aqua-export")
     finally:
         store.close()
     if dtype == torch.float16:

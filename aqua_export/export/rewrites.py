@@ -3,7 +3,7 @@ that it shares model.onnx.data, opened by path, removed after):
 
     float32_weight_casts   float16 folders: explicit per-node weight casts (no float32 copy of the weights)
     set_k(k)               every attention node scores k coordinates, evicts and selects nothing (the graph at k = r)
-    selection_outputs      the attention nodes inlined, each layer's TopK indices exposed as graph outputs
+    selection_outputs      the attention nodes inlined, each layer's TopK indices (or shared-k keep mask) exposed
     float_activations      quantized folders: MatMulNBits / QMoE with float32 activations (accuracy_level 0)
     float32_cache(ct)      float16 caches under a float32 graph: the caches float32 (the graph the reference computes)
 """
@@ -107,14 +107,27 @@ def set_k(k: int):
 
 
 def selection_outputs(m):
-    """The graph with its attention nodes inlined and each layer's TopK indices as extra outputs, in layer order."""
+    """The graph with its attention nodes inlined and each layer's selection as extra outputs, in layer order: the
+    TopK indices of a row's coordinates (and of token selection's pages), or a shared-k node's keep mask (its
+    pool_keep [B,Hkv,g,T,r] bool, nodes.pool_nodes) in place of its coordinates' TopKs."""
     import onnx
     import onnx.inliner
 
     own = {n.name for n in m.graph.node if n.op_type == "TopK"}  # the graph's own TopKs (an MoE router's)
     m = onnx.inliner.inline_local_functions(m)
-    for n in (x for x in m.graph.node if x.op_type == "TopK" and x.name not in own):
-        m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
+
+    def call(name):  # the inliner suffixes each call's names: <name>__<i>
+        return name.split("__")[0], name.rpartition("__")[2]
+
+    pooled = {call(n.output[0])[1] for n in m.graph.node if n.output and call(n.output[0])[0] == "pool_keep"}
+    for n in m.graph.node:
+        if n.op_type == "TopK" and n.name not in own:
+            base, at = call(n.output[1])
+            if at in pooled and (base == "top_indices" or base.startswith("pool_")):
+                continue
+            m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
+        elif n.output and call(n.output[0])[0] == "pool_keep":
+            m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[0], onnx.TensorProto.BOOL, None))
     return m
 
 

@@ -10,6 +10,9 @@ Token selection (attributes token_ratio < 1 or token_budget > 0; ops.rules): a d
 q^[I] . K^[I, :L], keeps the pages rules.select_pages chooses and attends over their tokens with all r coordinates;
 a prompt (T > 1) attends every token with all r coordinates. A graph of token selection carries that form of the
 body (body(tokens=True)), every other graph the plain one.
+
+Shared k (attribute head_prices [Hkv]; allocate.head_prices): per token the layer's heads share Hkv g k coordinates,
+ranked by selection score times the head's price (ops.rules, pooled); the body's "pooled" form.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from .table import PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, LENGTH, RULE_ATTR
 
 SOFTCAP_ATTR = Attr("softcap", "float", "tanh soft-cap of the scores, 0 = none", required=False, default=0.0)
+PRICES_ATTR = Attr("head_prices", "floats", "[Hkv]: the heads share the layer's k per token, each head's selection "
+                   "scores times its price (ops.rules, pooled); absent: each row keeps its own k", required=False)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
                     required=False),
                Attr("token_budget", "int", "token selection: tokens a decode step attends (0: by token_ratio)",
@@ -37,14 +42,14 @@ TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visib
 
 def reference(query_hat, key_cache, value_cache, total_length, mask, projection: torch.Tensor | None = None, *,
               k: int, rule: int = 0, softcap: float = 0.0, token_ratio: float = 1.0, token_budget: int = 0,
-              token_sink: int = 0, token_window: int = 0, **plugin) -> torch.Tensor:
-    """The node in PyTorch, scores and softmax in float64; mask float32 (0 = attend, very negative = hidden).
-    Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
+              token_sink: int = 0, token_window: int = 0, head_prices=None, **plugin) -> torch.Tensor:
+    """The node in PyTorch, scores and softmax in float64; mask float32 (0 = attend, very negative = hidden);
+    head_prices [Hkv] or None (shared k). Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
     total = int(total_length)
     if projection is not None:
         query_hat = query_hat @ projection[:, None].to(query_hat.dtype)
     keys = key_cache[..., :total].unsqueeze(2)
-    s = (rules.keep_selected(query_hat, k, rule) @ keys).to(torch.float64)
+    s = (rules.keep_selected(query_hat, k, rule, head_prices) @ keys).to(torch.float64)
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     mask = mask.to(torch.float64)
@@ -74,7 +79,7 @@ def _selected(query_hat, keys, approx, mask, softcap, ratio, budget, sink, windo
 BASE_ATTRS = ["k", "rule", "softcap", "plugin_namespace", "plugin_version"]
 
 
-def body(opset: int, projected: bool = False, tokens: bool = False):
+def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False):
     """The portable body (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
@@ -84,8 +89,9 @@ def body(opset: int, projected: bool = False, tokens: bool = False):
     tokens: the token-selection form (_token_nodes): the softmax takes the exact scores, a decode step's unchosen
     pages hidden. An ONNX function cannot test whether an optional input is present, so a graph carries the body of
     the form its nodes use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
+    pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes).
     """
-    head = projection_nodes() * projected + score_nodes("scores_t") + [
+    head = projection_nodes() * projected + score_nodes("scores_t", pooled) + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -107,7 +113,7 @@ def body(opset: int, projected: bool = False, tokens: bool = False):
     inputs = ["query" if projected else "query_hat", *OP.input_names[1:]]
     return H.make_function(DOMAIN, OP.name, inputs + [PROJECTION] * projected, ["out"], head + middle + tail,
                            [H.make_opsetid("", opset)],
-                           attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens)
+                           attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens + [PRICES_ATTR.name] * pooled)
 
 
 def _token_nodes() -> list:
@@ -205,6 +211,7 @@ OP = OpDef("AquaAttention",
            "out = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L], one pass over the cache; K^ dim-major",
            inputs=(Port("query_hat", rank=5), Port("key_cache", "C"), Port("value_cache", "C"), LENGTH,
                    Port("mask", "float", 5)),
-           outputs=(Port("out", rank=5),), attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS),
+           outputs=(Port("out", rank=5),),
+           attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR),
            body=body, reference=reference, projectable=True,
-           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)),))
+           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,))))

@@ -16,8 +16,8 @@ def register_schemas() -> None:
         op.register()
 
 
-def function_bodies(opset: int, projected: bool = False, tokens: bool = False) -> list:
+def function_bodies(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False) -> list:
     """Every op's body: a runtime without the native library runs these (projected: the attention nodes,
-    AquaAttention or H2OAttention, take P; tokens: AquaAttention selects tokens; aqua_attention.body says why a
-    graph carries one form)."""
-    return [op.bodied(opset, projected, tokens=tokens) for op in OPS]
+    AquaAttention or H2OAttention, take P; tokens: AquaAttention selects tokens; pooled: its heads share k, every
+    AquaAttention node carrying head_prices; aqua_attention.body says why a graph carries one form)."""
+    return [op.bodied(opset, projected, tokens=tokens, pooled=pooled) for op in OPS]

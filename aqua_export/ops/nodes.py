@@ -26,11 +26,13 @@ def const(name: str, value, kind=None):
     return H.make_node("Constant", [], [name], value=H.make_tensor(name, kind, dims, vals))
 
 
-def selection_nodes() -> list:
+def selection_nodes(pooled: bool = False) -> list:
     """query_hat [B,Hkv,g,T,r] -> q_selected: the k coordinates the rule keeps, the others zeroed.
 
         score = |q^|  (rule 0)   |  ReduceSum over g of |q^|, expanded (rule 1)   |  r, r-1, ..., 1 (rule 2)
         TopK(score, k; ties -> lower index) --idx--> ScatterElements(1s into 0s) --> q^ * keep
+    pooled (the node's head_prices; rules, pooled): rules 0 and 1 keep the layer's Hkv g' k best priced scores
+    instead (pool_nodes); the static rule as above.
     """
     def scalar(name, value, kind=TensorProto.FLOAT):
         return H.make_node("Constant", [], [name], value=H.make_tensor(name, kind, [], [value]))
@@ -62,14 +64,58 @@ def selection_nodes() -> list:
         scalar("one", 1.0), H.make_node("CastLike", ["one", "query_hat"], ["one_t"]),
         H.make_node("Expand", ["one_t", "i_shape"], ["ones"]),
         H.make_node("ScatterElements", ["zeros", "top_indices", "ones"], ["keep"], axis=-1),
-        H.make_node("Mul", ["query_hat", "keep"], ["q_selected"]),
+    ] + (pool_nodes() if pooled else []) + [
+        H.make_node("Mul", ["query_hat", "pool_keep_t" if pooled else "keep"], ["q_selected"]),
     ]
 
 
-def score_nodes(scores: str) -> list:
+def pool_nodes() -> list:
+    """magnitude [B,Hkv,g,T,r], group_sum [B,Hkv,1,T,r], keep (the per-row selection), k_1d, the attribute
+    head_prices [Hkv] -> pool_keep [B,Hkv,g,T,r] bool (what parity exposes) and pool_keep_t (as the query).
+
+        priced = float32(score) * price[kv head]  --Transpose, Reshape--> [B, T, Hkv g' r] (the flat index order)
+        TopK(Hkv g' k; ties -> lower index) --ScatterElements--> back to [B,Hkv,g',T,r]   (g' = g, or 1: rule 1)
+        pool_keep = static ? keep : group ? expand(pooled over group_sum) : pooled over magnitude
+    """
+    n = H.make_node
+    out = [n("Constant", [], ["pool_prices"]), const("pool_price_shape", [-1, 1, 1, 1]),
+           n("Reshape", ["pool_prices", "pool_price_shape"], ["pool_price_col"]),
+           const("pool_lead", [0, 0, -1])]
+    out[0].attribute.append(AttributeProto(name="value_floats", ref_attr_name="head_prices",
+                                           type=AttributeProto.FLOATS))
+    for tag, score in (("h", "magnitude"), ("g", "group_sum")):
+        x = f"pool_{tag}_"
+        out += [
+            n("Cast", [score], [x + "f"], to=TensorProto.FLOAT), n("Mul", [x + "f", "pool_price_col"], [x + "priced"]),
+            n("Transpose", [x + "priced"], [x + "tr"], perm=[0, 3, 1, 2, 4]),  # [B, T, Hkv, g', r]
+            n("Shape", [x + "tr"], [x + "shape"]), n("Reshape", [x + "tr", "pool_lead"], [x + "flat"]),
+            n("Shape", [x + "tr"], [x + "hkv"], start=2, end=3), n("Shape", [x + "tr"], [x + "g"], start=3, end=4),
+            n("Mul", [x + "hkv", x + "g"], [x + "rows"]), n("Mul", [x + "rows", "k_1d"], [x + "n"]),
+            n("TopK", [x + "flat", x + "n"], [x + "top", x + "idx"], axis=-1, largest=1, sorted=1),
+            n("Shape", [x + "flat"], [x + "flat_shape"]),
+            n("ConstantOfShape", [x + "flat_shape"], [x + "zeros"],
+              value=H.make_tensor(x + "z", TensorProto.FLOAT, [1], [0.0])),
+            n("Shape", [x + "idx"], [x + "idx_shape"]),
+            n("ConstantOfShape", [x + "idx_shape"], [x + "ones"],
+              value=H.make_tensor(x + "o", TensorProto.FLOAT, [1], [1.0])),
+            n("ScatterElements", [x + "zeros", x + "idx", x + "ones"], [x + "kept"], axis=-1),
+            n("Reshape", [x + "kept", x + "shape"], [x + "kept_tr"]),
+            n("Transpose", [x + "kept_tr"], [x + "keep"], perm=[0, 2, 3, 1, 4]),
+        ]
+    return out + [
+        n("Expand", ["pool_g_keep", "q_shape"], ["pool_g_wide"]),
+        n("Where", ["is_group", "pool_g_wide", "pool_h_keep"], ["pool_shared"]),
+        n("CastLike", ["keep", "pool_shared"], ["pool_row_keep"]),
+        n("Where", ["is_static", "pool_row_keep", "pool_shared"], ["pool_keep_f"]),
+        n("Cast", ["pool_keep_f"], ["pool_keep"], to=TensorProto.BOOL),
+        n("CastLike", ["pool_keep", "query_hat"], ["pool_keep_t"]),
+    ]
+
+
+def score_nodes(scores: str, pooled: bool = False) -> list:
     """query_hat, key_cache, total_length -> ``scores`` = q_selected @ K^[:, :, :, :total_length] (the head of the
-    TopKGatherDot and AquaAttention bodies)."""
-    return selection_nodes() + [
+    TopKGatherDot and AquaAttention bodies; pooled: selection_nodes')."""
+    return selection_nodes(pooled) + [
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
         H.make_node("Constant", [], ["axis_3"], value_ints=[3]),

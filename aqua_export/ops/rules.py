@@ -8,6 +8,10 @@ Selection (per query row of q^ [..., Hkv, g, T, r]):
     score   magnitude |q^_i|  |  group: sum over the GQA group's g rows of |q^_i|  |  static: r - i (the first k)
             (weighted rules: the score times rms(k^_i))
     keep    the k largest scores; ties go to the lower index
+    pooled  (a node with head prices, allocate's k sharing; not the static rule) a layer's heads share one budget:
+            per token, the Hkv g' k largest of score * price[kv head] over all (kv head, row, coordinate) of the
+            layer (g' = g, or 1 for the group rules' one set per group), scores and products in float32; ties go
+            to the lower flat index (kv head, row, coordinate). A row may keep anywhere from 0 to r coordinates.
 
 Token selection (per sequence, KV head and decode step; L visible tokens, scores from the selected coordinates):
 
@@ -70,13 +74,43 @@ def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tens
     return idx.expand(*qh.shape[:-1], k)
 
 
-def keep_selected(query_hat: torch.Tensor, k: int, rule: int) -> torch.Tensor:
-    """query_hat [..., Hkv, g, T, r] with every coordinate the node's ``rule`` (a code) does not keep zeroed: the
-    operand of the selected dot product (zeros add exact zeros, so this equals gathering the k coordinates)."""
+def pooled_keep(score: torch.Tensor, k: int, prices) -> torch.Tensor:
+    """score [..., Hkv, g', T, r] (selection_score), prices [Hkv] -> keep [..., Hkv, g', T, r] bool: per token the
+    Hkv g' k largest priced scores of the layer (the module docstring's pooled selection)."""
+    *lead, hkv, g, t, r = score.shape
+    priced = score.float() * torch.as_tensor(prices, dtype=torch.float32).reshape(hkv, 1, 1, 1)
+    flat = priced.movedim(-2, -4).reshape(*lead, t, hkv * g * r)  # [..., T, Hkv g' r]: the flat index order
+    idx = torch.sort(flat, dim=-1, descending=True, stable=True).indices[..., :hkv * g * k]
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
+    return keep.reshape(*lead, t, hkv, g, r).movedim(-4, -2)
+
+
+def pooled_margin(score: torch.Tensor, k: int, prices) -> tuple[torch.Tensor, torch.Tensor]:
+    """selection_margin of the pooled selection: (the layer's K-th largest priced score, its relative margin over
+    the (K+1)-th) per token, [..., 1, 1, T], K = Hkv g' k."""
+    *lead, hkv, g, t, r = score.shape
+    priced = score.float() * torch.as_tensor(prices, dtype=torch.float32).reshape(hkv, 1, 1, 1)
+    kth, gap = selection_margin(priced.movedim(-2, -4).reshape(*lead, t, hkv * g * r), hkv * g * k)
+    return kth[..., None, None, :], gap[..., None, None, :]
+
+
+def selection_keep(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tensor | None = None,
+                   prices=None) -> torch.Tensor:
+    """qh [..., Hkv, g, T, r] -> keep [..., Hkv, g, T, r] bool: the coordinates each query row keeps (top k per
+    row, or pooled over the layer's heads when ``prices`` [Hkv] is given and the rule reads the query)."""
+    if prices is None or SELECTIONS[selection][0] == STATIC:
+        idx = select_indices(qh, k, selection, key_rms)
+        return torch.zeros_like(qh, dtype=torch.bool).scatter_(-1, idx, True)
+    return pooled_keep(selection_score(qh, selection, key_rms), k, prices).expand(qh.shape)
+
+
+def keep_selected(query_hat: torch.Tensor, k: int, rule: int, prices=None) -> torch.Tensor:
+    """query_hat [..., Hkv, g, T, r] with every coordinate the node's ``rule`` (a code; pooled under ``prices``)
+    does not keep zeroed: the operand of the selected dot product (zeros add exact zeros, so this equals gathering
+    the kept coordinates)."""
     if k >= query_hat.shape[-1]:
         return query_hat
-    idx = select_indices(query_hat, k, RULE_NAMES[rule])
-    return query_hat * torch.zeros_like(query_hat).scatter_(-1, idx, 1.0)
+    return query_hat * selection_keep(query_hat, k, RULE_NAMES[rule], prices=prices).to(query_hat.dtype)
 
 
 def selection_margin(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

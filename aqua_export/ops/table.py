@@ -27,7 +27,7 @@ class Port:
 @dataclass(frozen=True)
 class Attr:
     name: str
-    kind: str  # "int" | "float" | "string"
+    kind: str  # "int" | "float" | "floats" | "string"
     doc: str
     required: bool = True
     default: object = None  # of an optional attribute: what a node without it means (function bodies read it)
@@ -74,7 +74,8 @@ class OpDef:
 
         if onnx.defs.has(self.name, DOMAIN):
             return
-        kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "string": OpSchema.AttrType.STRING}
+        kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "string": OpSchema.AttrType.STRING,
+                 "floats": OpSchema.AttrType.FLOATS}
 
         def formal(p: Port, optional: bool = False):
             t = p.type if p.type in ("T", "C") else f"tensor({p.type})"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ops.rules import heavy_margin, page_margin, pages_wanted, selection_margin, selection_score
+from ..ops.rules import heavy_margin, page_margin, pages_wanted, pooled_margin, selection_margin, selection_score
 
 NOISE_FACTOR = 5.0  # a bound is at least this many times the reference's float32 error (harness.py says why 5)
 
@@ -57,12 +57,17 @@ class ReplayProbe:
         self.forward += 1
 
     def select(self, st, qh: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-        kth, gap = selection_margin(selection_score(qh, st.selection, st.key_rms), st.k)
+        """own: indices [B, Hkv, g, T, k], or a shared-k layer's keep mask [B, Hkv, g, T, r] (the graph's too)."""
+        score = selection_score(qh, st.selection, st.key_rms)
+        kth, gap = selection_margin(score, st.k) if st.prices is None else pooled_margin(score, st.k, st.prices)
         self.boundary.append(kth.double().numpy())
         if self.selections is None:
             return own
         forced = torch.from_numpy(self.selections[self.forward][st.index])
-        differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)
+        if own.dtype == torch.bool:
+            differ = (own != forced).any(-1)
+        else:
+            differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)
         gap = gap.expand(differ.shape)
         self.flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
         return forced

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from ..allocate import layer_selected, layer_widths
+from ..allocate import head_prices, layer_selected, layer_widths
 from ..config import AquaConfig, ConfigError
 from ..models import architecture_of, attention_geometry
 from ..ops import rules
@@ -44,13 +44,14 @@ def approx_scores(qh: torch.Tensor, kh: torch.Tensor, k: int, selection: str,
                   key_rms: torch.Tensor | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
     """qh [B, Hkv, g, Tq, r], kh [B, Hkv, S, r] -> q^[I] . k^[:, I]^T, [B, Hkv, g, Tq, S] (unscaled).
 
-    idx [B, Hkv, g, Tq, k], when given, is used as I instead of selecting (parity under a shared selection).
+    idx [B, Hkv, g, Tq, k] (or a keep mask [B, Hkv, g, Tq, r] bool: the pooled selection's), when given, is used
+    as I instead of selecting (parity under a shared selection).
     """
     r = qh.shape[-1]
     if k < r:
         if idx is None:
             idx = select_indices(qh, k, selection, key_rms)
-        keep = torch.zeros_like(qh).scatter_(-1, idx, 1.0)
+        keep = idx.to(qh.dtype) if idx.dtype == torch.bool else torch.zeros_like(qh).scatter_(-1, idx, 1.0)
         qh = qh * keep  # zeroed coordinates add exact zeros: same as gathering I
     return qh @ kh[:, :, None].transpose(-1, -2)
 
@@ -108,6 +109,7 @@ class LayerAqua:
     index: int = 0  # the layer's index
     tokens: TokenSelection | None = None  # token selection, or None
     probe: "Probe | None" = field(default=None, repr=False)  # apply_aqua's probe (parity), or None
+    prices: tuple | None = None  # [Hkv] floats: the heads share the layer's k per step (rules, pooled), or None
     fresh: tuple | None = field(default=None, repr=False)
 
     @property
@@ -149,7 +151,8 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
         kh, v = key @ P_r[None], st.values_in(value)
     idx = None
     if st.k < st.r:
-        idx = select_indices(qh, st.k, st.selection, st.key_rms)
+        idx = select_indices(qh, st.k, st.selection, st.key_rms) if st.prices is None else \
+            rules.selection_keep(qh, st.k, st.selection, st.key_rms, st.prices)  # a keep mask
         if st.probe is not None:
             idx = st.probe.select(st, qh, idx)
     allowed, is_real = _visible(layer, attention_mask, b, hkv, tq, kh.shape[2], query.device)
@@ -311,16 +314,19 @@ def _register() -> None:
 
 def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                  value_widths: tuple | None = None, probe: Probe | None = None,
-                 tokens: TokenSelection | None = None, selected: tuple | None = None) -> list[LayerAqua]:
+                 tokens: TokenSelection | None = None, selected: tuple | None = None,
+                 prices: tuple | None = None) -> list[LayerAqua]:
     """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
     allocate.layer_widths; value_widths alone defaults to widths); tokens: token selection (config's, or None);
-    selected: k per layer (default: config's k allocation over the widths, allocate.layer_selected)."""
+    selected: k per layer (default: config's k allocation over the widths, allocate.layer_selected); prices: per
+    layer the heads' prices or None (default: config's, allocate.head_prices; with ``selected`` given, none)."""
     geo = attention_geometry(model)
     d = geo["head_dim"]
     if widths is None:
         widths, value_widths = layer_widths(config, projection, geo["layers"], d)
     if selected is None:
         selected = layer_selected(config, projection, widths)
+        prices = head_prices(config, projection) if prices is None else prices
     states = []
     for i, (r, k) in enumerate(zip(widths, selected, strict=True)):
         rv = None if value_widths is None else value_widths[i]
@@ -329,7 +335,7 @@ def layer_states(model, projection: Projection, config: AquaConfig, widths: tupl
             P_r=projection.P[i][:, :, :r].contiguous(), r=r, k=k, d=d, selection=config.selection,
             key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv, index=i,
             P_v_r=projection.P_v[i][:, :, :vw].contiguous() if vw < d else None,
-            tokens=tokens, probe=probe,
+            tokens=tokens, probe=probe, prices=None if prices is None or k >= r else prices[i],
         ))
     return states
 
@@ -352,20 +358,21 @@ class AquaSession:
 @contextlib.contextmanager
 def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                value_widths: tuple | None = None, probe: Probe | None = None, token_rows_from: int | None = None,
-               mean_value: bool = False, selected: tuple | None = None):
+               mean_value: bool = False, selected: tuple | None = None, prices: tuple | None = None):
     """Run ``model`` with AQUA attention inside the block; the model is restored exactly on exit. widths: the
     cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths); probe: an
     instrument that sees (and may replace) each selection and eviction (Probe). With token selection:
     token_rows_from, the rows at sequence positions >= it select (0: every row, as if each were decoded: what
     perplexity measures; None: one-token forwards only, as the graph); mean_value: TokenSelection's; selected: k
-    per layer (default: config's k allocation, allocate.layer_selected)."""
+    per layer (default: config's k allocation, allocate.layer_selected); prices: per layer the heads' prices
+    (layer_states')."""
     arch = architecture_of(model.config)
     projection.check_model(model)
     arch.check_settings(model.config, config)
     _register()
     tokens = TokenSelection(config.token_ratio, config.token_budget, config.token_sink, config.token_window,
                             token_rows_from, mean_value) if config.selects_tokens else None
-    states = layer_states(model, projection, config, widths, value_widths, probe, tokens, selected)
+    states = layer_states(model, projection, config, widths, value_widths, probe, tokens, selected, prices)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
     try:

@@ -83,6 +83,7 @@ class FolderConfig:
         uniform_k = tuple(a.selected_of(w) for w in c.widths)
         k_ok = c.selected == uniform_k if not a.allocates_k else \
             sum(c.selected) == sum(uniform_k) and all(1 <= k <= w for k, w in zip(c.selected, c.widths))
+        k_ok = k_ok and (c.prices is not None) == a.shares_k  # shared k: prices exactly when the settings share
         if not budget_ok or (a.slice_alloc == "uniform" and not c.uniform) or not k_ok:
             raise ConfigError(f"cache widths K^ {list(c.widths)}, V {list(c.value_widths)}, k {list(c.selected)} "
                               "disagree with the AQUA settings")

@@ -12,7 +12,8 @@
 //     -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
 //   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap;
 //     token_ratio, token_budget, token_sink, token_window: token selection (aqua_tokens.cc; a prompt then attends
-//     every token with all r coordinates)
+//     every token with all r coordinates); head_prices [Hkv] (optional): the heads share Hkv g' k coordinates per
+//     token (aqua_ops.h PoolCut; pool_cut_task finds each token's cut before any task selects)
 //
 // No [B, Hkv, g, T, L] tensor exists: tasks of (batch, kv head, tile of up to 4 query rows, split of the L
 // positions), each walking its positions in blocks of kPos:
@@ -92,6 +93,11 @@ struct AttentionKernel {
     softcap_ = ki.GetAttribute<float>("softcap");
     tokens_ = {float_attribute(ki, "token_ratio", 1.0f), int_attribute(ki, "token_budget", 0),
                int_attribute(ki, "token_sink", 0), int_attribute(ki, "token_window", 0)};
+    try {  // optional: a pooled node (ops/rules.py), the heads sharing the layer's k
+      prices_ = ki.GetAttributes<float>("head_prices");
+    } catch (const Ort::Exception&) {
+      prices_.clear();
+    }
   }
 
   void Compute(OrtKernelContext* context) {
@@ -134,13 +140,27 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: token_ratio must be in (0, 1], token_budget, token_sink and token_window "
                         ">= 0", ORT_INVALID_ARGUMENT);
     }
+    if (!prices_.empty() && static_cast<int64_t>(prices_.size()) != qs[1]) {
+      ORT_CXX_API_THROW("AquaAttention: head_prices must hold one price per kv head", ORT_INVALID_ARGUMENT);
+    }
     auto out = ctx.GetOutput(0, std::vector<int64_t>{qs[0], qs[1], qs[2], qs[3], rv});
     const int64_t bh = qs[0] * qs[1], rows = qs[2] * qs[3];
     if (bh * rows == 0) return;
     const T* p_data = p_value != nullptr ? p_in.GetTensorData<T>() : nullptr;
     // token selection: a decode step attends the chosen pages (aqua_tokens.cc), a prompt every token with all r
     const int64_t k = tokens_.on() ? r : k_;
-    const QueryRows<T> query{q_in.GetTensorData<T>(), p_data, qs[1], qs[2], qs[3], qs[4], r, k_, rule_};
+    QueryRows<T> query{q_in.GetTensorData<T>(), p_data, qs[1], qs[2], qs[3], qs[4], r, k_, rule_};
+    if (!prices_.empty()) {  // each token's cut of the pooled selection, before any task selects
+      auto& value = call_buffer<float, Buffer::kPoolValue>(static_cast<size_t>(qs[0] * qs[3]));
+      auto& index = call_buffer<int64_t, Buffer::kPoolIndex>(static_cast<size_t>(qs[0] * qs[3]));
+      query.prices = prices_.data();
+      if (pooled(query, k_)) {
+        PoolJob<T> pool{query, k_, value.data(), index.data()};
+        ctx.ParallelFor(&pool_cut_task<T>, static_cast<size_t>(qs[0] * qs[3]), 0, &pool);
+        query.cut_value = value.data();
+        query.cut_index = index.data();
+      }
+    }
     if (tokens_.on() && qs[3] == 1) {
       attend_pages<T, C>(ctx, query, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
                       out.GetTensorMutableData<T>(), qs[0], rv, len, ks[3], vs[2], ms[0], softcap_, tokens_);
@@ -154,7 +174,8 @@ struct AttentionKernel {
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
     const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
     auto& part = call_buffer<float, Buffer::kDensePartials>(n_part);
-    AttentionJob<T, C> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_},
+    AttentionJob<T, C> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_, query.prices,
+                            query.cut_value, query.cut_index},
                         {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
                         k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
                         len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, split_len, softcap_};
@@ -165,6 +186,7 @@ struct AttentionKernel {
   int64_t k_, rule_;
   float softcap_;
   TokenRule tokens_;
+  std::vector<float> prices_;  // empty: each row keeps its own k
 };
 
 // inputs 1 and 2 (key_cache, value_cache) of type C

@@ -62,14 +62,16 @@ inline void top_k(const float* score, int64_t r, int64_t k, int64_t* order) {
 }
 
 // The selections of the g query rows of one (batch, kv head, token): q [g][r] (float copies) ->
-// idx [g][k]. Per head: top-k |q_j|; group: one top-k of sum_j |q_j| shared by all g; static: 0..k-1.
-inline void select_group(const float* q, int64_t g, int64_t r, int64_t k, int64_t rule, int64_t* idx) {
+// idx [g][k] (rows `stride` apart, default k). Per head: top-k |q_j|; group: one top-k of sum_j |q_j| shared by all g; static: 0..k-1.
+inline void select_group(const float* q, int64_t g, int64_t r, int64_t k, int64_t rule, int64_t* idx,
+                         int64_t stride = 0) {
+  const int64_t s = stride > 0 ? stride : k;
   static thread_local std::vector<float> score;  // per-call scratch, reused: no allocation per token
   static thread_local std::vector<int64_t> order;
   score.resize(static_cast<size_t>(r));
   order.resize(static_cast<size_t>(r));
   if (rule == kStatic || k == r) {
-    for (int64_t j = 0; j < g; ++j) std::iota(idx + j * k, idx + (j + 1) * k, int64_t{0});
+    for (int64_t j = 0; j < g; ++j) std::iota(idx + j * s, idx + j * s + k, int64_t{0});
     return;
   }
   if (rule == kGroup) {
@@ -78,13 +80,65 @@ inline void select_group(const float* q, int64_t g, int64_t r, int64_t k, int64_
       for (int64_t c = 0; c < r; ++c) score[c] += std::fabs(q[j * r + c]);
     }
     top_k(score.data(), r, k, order.data());
-    for (int64_t j = 0; j < g; ++j) std::copy(order.begin(), order.begin() + k, idx + j * k);
+    for (int64_t j = 0; j < g; ++j) std::copy(order.begin(), order.begin() + k, idx + j * s);
     return;
   }
   for (int64_t j = 0; j < g; ++j) {
     for (int64_t c = 0; c < r; ++c) score[c] = std::fabs(q[j * r + c]);
     top_k(score.data(), r, k, order.data());
-    std::copy(order.begin(), order.begin() + k, idx + j * k);
+    std::copy(order.begin(), order.begin() + k, idx + j * s);
+  }
+}
+
+// The pooled selection (ops/rules.py; a node with head_prices): per token a layer's heads share Hkv g' k
+// coordinates, ranked by score * price[kv head] in float32 (g' = g, or 1 under the group rule), ties to the lower
+// flat index (kv head, row, coordinate). A cut is that token's K-th ranked entry: a coordinate is kept when its
+// priced score beats it (ranks at or before it).
+struct PoolCut {
+  float price;  // of the row's kv head
+  float value;  // the K-th priced score of the token
+  int64_t index;  // its flat index
+};
+
+// A row's (or group's) score[0..r) at flat offset `base` -> idx[0..n) the coordinates it keeps; returns n.
+inline int64_t pooled_row(const float* score, int64_t r, const PoolCut& cut, int64_t base, int64_t* idx) {
+  int64_t n = 0;
+  for (int64_t c = 0; c < r; ++c) {
+    const float p = score[c] * cut.price;
+    if (p > cut.value || (p == cut.value && base + c <= cut.index)) idx[n++] = c;
+  }
+  return n;
+}
+
+// The selection scores of one (batch, kv head, token): q [g][r] -> score [g'][r], |q_j| per row, or one row of
+// sum_j |q_j| under the group rule (summed in select_group's order).
+inline void row_scores(const float* q, int64_t g, int64_t r, int64_t rule, float* score) {
+  if (rule == kGroup) {
+    std::fill(score, score + r, 0.0f);
+    for (int64_t j = 0; j < g; ++j) {
+      for (int64_t c = 0; c < r; ++c) score[c] += std::fabs(q[j * r + c]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < g * r; ++i) score[i] = std::fabs(q[i]);
+}
+
+// select_group under a pooled cut: idx [g][r] (row j's kept coordinates at idx + j r), count [g].
+inline void select_pooled(const float* q, int64_t g, int64_t r, int64_t rule, int64_t kvh, const PoolCut& cut,
+                          int64_t* idx, int64_t* count) {
+  static thread_local std::vector<float> score;
+  score.resize(static_cast<size_t>(g * r));
+  row_scores(q, g, r, rule, score.data());
+  if (rule == kGroup) {
+    const int64_t n = pooled_row(score.data(), r, cut, kvh * r, idx);
+    for (int64_t j = 0; j < g; ++j) {
+      std::copy(idx, idx + n, idx + j * r);
+      count[j] = n;
+    }
+    return;
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    count[j] = pooled_row(score.data() + j * r, r, cut, (kvh * g + j) * r, idx + j * r);
   }
 }
 
@@ -204,7 +258,7 @@ inline void merge_splits(const float* first, int64_t step, int64_t splits, int64
 }
 
 // The per-call buffers (call_buffer): one tag each, so no two uses share one.
-enum class Buffer { kDensePartials, kPageBest, kPageForced, kPageWant, kPageChosen, kPagePartials, kH2OVisibleBefore };
+enum class Buffer { kPoolValue, kPoolIndex, kDensePartials, kPageBest, kPageForced, kPageWant, kPageChosen, kPagePartials, kH2OVisibleBefore };
 
 // A per-call buffer of n elements, kept by the calling thread between calls. Its elements are stale: each use
 // writes what it reads. Fresh vectors of tens to hundreds of KB cost 15-27 us a call here (measured: glibc hands

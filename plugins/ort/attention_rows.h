@@ -20,37 +20,103 @@ struct QueryRows {
   const T* q;
   const T* proj;  // null: q is q^
   int64_t heads, g, t, qw, r, k, rule;
+  const float* prices = nullptr;  // [heads]: the pooled selection (aqua_ops.h PoolCut), or null
+  const float* cut_value = nullptr;  // [B][T] each token's cut (pool_cut)
+  const int64_t* cut_index = nullptr;
 };
 
+// The g query rows of (batch, kv head) `bh` at token tt as float q^ [g][r].
+template <typename T>
+void load_rows(const QueryRows<T>& j, int64_t bh, int64_t tt, float* q) {
+  for (int64_t hh = 0; hh < j.g; ++hh) {
+    const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.qw;
+    if (j.proj == nullptr) {
+      for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
+    } else {
+      project(src, j.proj + (bh % j.heads) * j.qw * j.r, j.qw, j.r, q + hh * j.r);
+    }
+  }
+}
+
+// Whether rows selecting k coordinates share them across the layer's heads (a pooled node; not the static rule).
+template <typename T>
+bool pooled(const QueryRows<T>& j, int64_t k) {
+  return j.prices != nullptr && k < j.r && j.rule != kStatic;
+}
+
+// The cut of the pooled selection under k for token `at` = b T + tt (cut_value / cut_index [batch][T]): the K-th of
+// the layer's Hkv g' r priced scores, K = Hkv g' k, ranked as PoolCut says.
+template <typename T>
+void pool_cut(const QueryRows<T>& j, int64_t at, int64_t k, float* value, int64_t* index) {
+  static thread_local std::vector<float> q, priced;  // scratch reused across tokens: no allocation per token
+  static thread_local std::vector<int64_t> order;
+  const int64_t gp = j.rule == kGroup ? 1 : j.g, n = j.heads * gp * j.r, want = j.heads * gp * k;
+  const int64_t b = at / j.t, tt = at % j.t;
+  q.resize(static_cast<size_t>(j.g * j.r));
+  priced.resize(static_cast<size_t>(n));
+  order.resize(static_cast<size_t>(n));
+  for (int64_t h = 0; h < j.heads; ++h) {
+    load_rows(j, b * j.heads + h, tt, q.data());
+    float* row = priced.data() + h * gp * j.r;
+    row_scores(q.data(), j.g, j.r, j.rule, row);
+    for (int64_t i = 0; i < gp * j.r; ++i) row[i] *= j.prices[h];
+  }
+  std::iota(order.begin(), order.end(), int64_t{0});
+  const float* p = priced.data();
+  std::nth_element(order.begin(), order.begin() + (want - 1), order.end(), [p](int64_t a, int64_t c) {
+    return p[a] > p[c] || (p[a] == p[c] && a < c);
+  });
+  value[at] = p[order[want - 1]];
+  index[at] = order[want - 1];
+}
+
+// What the cut tasks share (the kernel's ParallelFor: one task per token of the batch).
+template <typename T>
+struct PoolJob {
+  QueryRows<T> rows;
+  int64_t k;
+  float* value;
+  int64_t* index;
+};
+
+template <typename T>
+void pool_cut_task(void* data, size_t task_index) {
+  const auto& j = *static_cast<const PoolJob<T>*>(data);
+  pool_cut(j.rows, static_cast<int64_t>(task_index), j.k, j.value, j.index);
+}
+
 // The rows of tile `tile` of (batch, kv head) `bh`, each keeping k of its r coordinates under the rule (k = r:
-// all), laid out densely: wbuf[c][rr] = q^[rr][c] where row rr keeps c, else 0; uni[0..nu) the union of the
-// coordinates kept, ascending; returns nu.
+// all; a pooled node: what the token's cut keeps), laid out densely: wbuf[c][rr] = q^[rr][c] where row rr keeps c,
+// else 0; uni[0..nu) the union of the coordinates kept, ascending; returns nu.
 template <typename T>
 int64_t tile_weights(const QueryRows<T>& j, int64_t k, int64_t bh, int64_t tile, int nr, float* wbuf, int32_t* uni) {
   static thread_local std::vector<float> q;  // scratch reused across tasks: no allocation per tile
-  static thread_local std::vector<int64_t> idx;
+  static thread_local std::vector<int64_t> idx;  // row h's kept coordinates at idx + h r
+  static thread_local std::vector<int64_t> count;
   static thread_local std::vector<char> mark;
   q.resize(static_cast<size_t>(j.g * j.r));
-  idx.resize(static_cast<size_t>(j.g * k));
+  idx.resize(static_cast<size_t>(j.g * j.r));
+  count.resize(static_cast<size_t>(j.g));
   mark.assign(static_cast<size_t>(j.r), 0);
   std::fill(wbuf, wbuf + kRows * j.r, 0.0f);
+  const bool pool = pooled(j, k);
   int64_t loaded = -1;
   for (int rr = 0; rr < nr; ++rr) {
     const int64_t row = tile * kRows + rr, tt = row / j.g, h = row % j.g;
     if (tt != loaded) {
-      for (int64_t hh = 0; hh < j.g; ++hh) {
-        const T* src = j.q + ((bh * j.g + hh) * j.t + tt) * j.qw;
-        if (j.proj == nullptr) {
-          for (int64_t c = 0; c < j.r; ++c) q[hh * j.r + c] = load(src, c);
-        } else {
-          project(src, j.proj + (bh % j.heads) * j.qw * j.r, j.qw, j.r, q.data() + hh * j.r);
-        }
+      load_rows(j, bh, tt, q.data());
+      if (pool) {
+        const int64_t at = (bh / j.heads) * j.t + tt, kvh = bh % j.heads;
+        select_pooled(q.data(), j.g, j.r, j.rule, kvh, PoolCut{j.prices[kvh], j.cut_value[at], j.cut_index[at]},
+                      idx.data(), count.data());
+      } else {
+        select_group(q.data(), j.g, j.r, k, j.rule, idx.data(), j.r);
+        std::fill(count.begin(), count.end(), k);
       }
-      select_group(q.data(), j.g, j.r, k, j.rule, idx.data());
       loaded = tt;
     }
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t c = idx[h * k + i];
+    for (int64_t i = 0; i < count[h]; ++i) {
+      const int64_t c = idx[h * j.r + i];
       wbuf[c * kRows + rr] = q[h * j.r + c];
       mark[c] = 1;
     }

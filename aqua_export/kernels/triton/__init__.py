@@ -3,6 +3,7 @@ catalogue's references are called (the op's inputs in port order, then P when pr
 so one test drives every implementation alike.
 
     select           the selection rank rule as one jit helper, the interpreter switch, binding a kernel to a mode
+    pool             each token's cut of the pooled selection (a node with head_prices)
     topk_gather_dot  TopKGatherDot (also compiled ahead of time into the TensorRT plugin)
     aqua_attention   AquaAttention, flash-decoding splits merged by a kernel
     tokens           token selection at a decode step: pages scored and chosen on the device
@@ -22,10 +23,11 @@ def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **
 
 
 def _attention(query_hat, key_cache, value_cache, total_length, mask, projection=None, *, k, rule=0, softcap=0.0,
-               interpret=None, token_ratio=1.0, token_budget=0, token_sink=0, token_window=0, **plugin):
+               interpret=None, token_ratio=1.0, token_budget=0, token_sink=0, token_window=0, head_prices=None,
+               **plugin):
     tokens = Tokens(token_ratio, token_budget, token_sink, token_window)
     return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), mask, k, rule, softcap, projection,
-                           interpret, tokens=tokens),)
+                           interpret, tokens=tokens, prices=head_prices),)
 
 
 def _h2o(*inputs, k, rule=0, softcap=0.0, ratio=0.5, interpret=None, **plugin):

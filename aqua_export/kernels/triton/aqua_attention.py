@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.spec import PAGE, RULE_NAMES
+from ...ops.spec import PAGE, RULE_NAMES, STATIC
+from .pool import pool_cuts
 from .select import ieee, jit, next_pow2, select, triton_for
 from .tokens import Tokens, chosen_pages
 
@@ -106,7 +107,7 @@ def split_count(rows: int, length: int, block: int, wanted: int = PROGRAMS_WANTE
     return max(1, min(-(-wanted // max(rows, 1)), -(-length // block)))
 
 
-def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, projection, tokens) -> int:
+def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, projection, tokens, prices) -> int:
     """The shapes the node accepts (the CPU kernel's checks); returns r."""
     if query.dim() != 5 or key_cache.dim() != 4 or value_cache.dim() != 4 or mask.dim() != 5:
         raise ValueError("AquaAttention: expected query [B,Hkv,g,T,d], key_cache [B,Hkv,r,C], value_cache "
@@ -125,18 +126,21 @@ def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, p
     if tokens is not None and (not 0 < tokens.ratio <= 1 or min(tokens.budget, tokens.sink, tokens.window) < 0):
         raise ValueError("AquaAttention: token_ratio must be in (0, 1], token_budget, token_sink and token_window "
                          ">= 0")
+    if prices is not None and len(prices) != hkv:
+        raise ValueError("AquaAttention: head_prices must hold one price per kv head")
     return r
 
 
 def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule: int = 0, softcap: float = 0.0,
                    projection=None, interpret: bool | None = None, splits: int | None = None,
-                   tokens: Tokens | None = None, warps: int = 4, stages: int = 2, block: int | None = None):
+                   tokens: Tokens | None = None, warps: int = 4, stages: int = 2, block: int | None = None,
+                   prices=None):
     """The node on the GPU (or in the interpreter): out [B, Hkv, g, T, rv] in query's dtype. splits: of the
     positions per (sequence, KV head, token); None chooses (split_count). tokens: token selection (a decode step
     scores pages with page_score_kernel and attends the chosen ones with all r coordinates; a prompt attends every
     token with all r). warps, stages, block (positions per block): the main kernel's launch (tools/bench_gpu.py
-    tunes them)."""
-    r = _check(query, key_cache, value_cache, total, mask, k, rule, projection, tokens)
+    tunes them). prices: [Hkv], the heads share the layer's k per token (ops.rules, pooled; pool.py)."""
+    r = _check(query, key_cache, value_cache, total, mask, k, rule, projection, tokens, prices)
     b, hkv, g, t, d = query.shape
     cap, rv = key_cache.shape[3], value_cache.shape[3]
     if b * hkv * g * t * rv == 0 or total == 0:
@@ -149,15 +153,18 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     mk = mask.to(torch.float32).contiguous()
     mask_batch = 0 if mask.shape[0] == 1 else t * total
     pages, n_pos, n_list = q, total, 0
+    prompt_exact = tokens is not None and tokens.on and t > 1  # a prompt under token selection: every coordinate
+    pool = pool_cuts(q, p, prices, r, k, rule, projection is not None, interpret) \
+        if prices is not None and k < r and rule != STATIC and not prompt_exact else None
     if tokens is not None and tokens.on and t == 1:
         # the pages chosen on the k selected coordinates, then attended with every coordinate
-        sel, sel_idx, qs, idx = select(q, p, r, k, rule, projection is not None, interpret, full=True)
+        sel, sel_idx, qs, idx = select(q, p, r, k, rule, projection is not None, interpret, full=True, pool=pool)
         pages = chosen_pages(sel, sel_idx, g, kc, mk, total, softcap, tokens, interpret)
         n_list = pages.shape[1]
         n_pos = n_list * PAGE
     else:  # a prompt with token selection attends every token with every coordinate
-        k = r if tokens is not None and tokens.on else k
-        qs, idx = select(q, p, r, k, rule, projection is not None, interpret)
+        k = r if prompt_exact else k
+        qs, idx = select(q, p, r, k, rule, projection is not None, interpret, pool=pool)
     block = block or block_s(max(r, rv))
     n = splits or split_count(b * hkv * t, n_pos, block)
     split_len = -(-(-(-n_pos // n)) // block) * block  # whole blocks

@@ -50,6 +50,35 @@ def triton_for(interpret: bool):
             os.environ["TRITON_INTERPRET"] = previous
 
 
+def ordered_key(x):
+    """(jit helper) float32 x -> int64 keys in the floats' order (-0.0 as +0.0, which compare equal)."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+def kth_key(key, cand, need):
+    """(jit helper) key [N] (ordered_key), cand [N] the entries that compete -> the need-th largest key among
+    them, found by a 4-way search on the keys: count(key >= lo) >= need > count(key > hi) throughout, and each
+    step counts three thresholds in one reduction (21-bit fields of an int64), so the range shrinks 4x a step: 16
+    steps cover 2^32 keys (need 0: it climbs past every key)."""
+    lo = tl.min(tl.where(cand, key, 2147483647), axis=0)
+    hi = tl.max(tl.where(cand, key, -2147483648), axis=0)
+    for _ in range(16):
+        t1 = lo + (hi - lo + 1) // 4
+        t2 = lo + (hi - lo + 1) // 2
+        t3 = lo + (hi - lo + 1) * 3 // 4
+        packed = tl.where(cand, (key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
+                          + ((key >= t3).to(tl.int64) << 42), 0)
+        counts = tl.sum(packed, axis=0)
+        ok1 = (counts & 0x1FFFFF) >= need
+        ok2 = ((counts >> 21) & 0x1FFFFF) >= need
+        ok3 = (counts >> 42) >= need
+        new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
+        hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+        lo = new_lo
+    return lo
+
+
 def keep_of(qg, c, in_r, R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr):
     """(jit helper) qg [G, BLOCK_R] float32 query rows (one row, or a GQA group's), c = arange(BLOCK_R), in_r = c < R
     -> keep [G, BLOCK_R]: the coordinates each row keeps (the group rule gives every row the same set, ranked
@@ -69,6 +98,26 @@ def keep_of(qg, c, in_r, R: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr):
     return tl.broadcast_to(((tl.sum(beats1.to(tl.int32), axis=1) < K) & in_r)[None, :], qg.shape)
 
 
+def priced_rows(qg, j, c, h, price, G: tl.constexpr, R: tl.constexpr, RULE: tl.constexpr):
+    """(jit helper) KV head h's query rows qg [BLOCK_G, BLOCK_R] (padding zero), j / c their row and coordinate
+    numbers, price its price -> (score * price [BLOCK_G, BLOCK_R] float32, each entry's flat index in the layer's
+    pooled order (kv head, row, coordinate)): |q^| per row, or under GROUP the group's summed |q^| on every row
+    (one set per group: row 0's index). ops.rules' pooled selection."""
+    if RULE == GROUP:
+        a = tl.sum(tl.abs(qg), axis=0) * price
+        return tl.broadcast_to(a[None, :], qg.shape), tl.broadcast_to((h * R + c)[None, :], qg.shape)
+    return tl.abs(qg) * price, (h * G + j[:, None]) * R + c[None, :]
+
+
+def pooled_keep(qg, j, c, in_g, in_r, h, price, cut_v, cut_i, G: tl.constexpr, R: tl.constexpr,
+                RULE: tl.constexpr):
+    """(jit helper) -> keep [BLOCK_G, BLOCK_R]: what the token's pooled cut (cut_v, cut_i: the layer's K-th
+    priced score and its flat index, pool.py) keeps of KV head h's rows: a priced score above the cut, or equal
+    to it at a flat index no later (ties to the lower flat index)."""
+    s, flat = priced_rows(qg, j, c, h, price, G, R, RULE)
+    return ((s > cut_v) | ((s == cut_v) & (flat <= cut_i))) & in_g[:, None] & in_r[None, :]
+
+
 def query_rows(q_row, p_ptr, in_g, c, in_r, D: tl.constexpr, R: tl.constexpr, PROJECT: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """(jit helper) q_row [G] pointers to a token's g query rows, p_ptr its KV head's P [D, R] -> q^ [G, BLOCK_R]
@@ -86,17 +135,19 @@ def query_rows(q_row, p_ptr, in_g, c, in_r, D: tl.constexpr, R: tl.constexpr, PR
     return qg
 
 
-def select_kernel(q_ptr, p_ptr, qs_ptr, idx_ptr, qf_ptr, idxf_ptr, T, D: tl.constexpr, R: tl.constexpr,
-                  G: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr, PROJECT: tl.constexpr, HKV: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr, FULL: tl.constexpr):
+def select_kernel(q_ptr, p_ptr, qs_ptr, idx_ptr, qf_ptr, idxf_ptr, price_ptr, cutv_ptr, cuti_ptr, T, D: tl.constexpr,
+                  R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RULE: tl.constexpr, PROJECT: tl.constexpr,
+                  HKV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr, FULL: tl.constexpr,
+                  POOLED: tl.constexpr):
     """The selection, once per (sequence, KV head, token), compacted to the union of the group's selected
     coordinates: idx [rows, BLOCK_U] int32, the union's coordinates ascending, -1 past its last; qs [rows,
     BLOCK_M, BLOCK_U] float32, q^ at those coordinates with each row's unselected ones zeroed, rows past g and
     places past the union zero (the tensor cores' M of 16). The kernels that read K^ then load a dense
     [BLOCK_U, block] tile: only the rows they need, no masked-off lanes. FULL: also the selection of every
     coordinate (qf [rows, BLOCK_M, BLOCK_R], idxf [rows, BLOCK_R]; token selection attends with all r) from the
-    same q^, so a token step projects once."""
+    same q^, so a token step projects once. POOLED: the rows keep what their token's pooled cut keeps (cutv, cuti
+    [B * T], pool.py; price [Hkv]) instead of K each."""
     row = tl.program_id(0)  # (b * Hkv + h) * T + t
     tt = row % T
     bh = row // T
@@ -106,8 +157,12 @@ def select_kernel(q_ptr, p_ptr, qs_ptr, idx_ptr, qf_ptr, idxf_ptr, T, D: tl.cons
     in_r = c < R
     q_row = q_ptr + ((bh * G + j) * T + tt) * D  # [BLOCK_G] pointers to the g rows of this token
     qg = query_rows(q_row, p_ptr + (bh % HKV) * D * R, in_g, c, in_r, D, R, PROJECT, BLOCK_G, BLOCK_D, CHUNK_D, BLOCK_R)
-    # coordinate i kept iff fewer than K coordinates beat it (ties: the lower index)
-    keep = keep_of(qg, c, in_r, R, K, RULE) & in_g[:, None]
+    if POOLED:
+        at = (bh // HKV) * T + tt
+        keep = pooled_keep(qg, j, c, in_g, in_r, bh % HKV, tl.load(price_ptr + bh % HKV), tl.load(cutv_ptr + at),
+                           tl.load(cuti_ptr + at), G, R, RULE)
+    else:  # coordinate i kept iff fewer than K coordinates beat it (ties: the lower index)
+        keep = keep_of(qg, c, in_r, R, K, RULE) & in_g[:, None]
     union = tl.max(keep.to(tl.int32), axis=0)  # [BLOCK_R] 0/1
     place = tl.cumsum(union, axis=0) - 1  # each union coordinate's place, ascending
     n = tl.sum(union, axis=0)
@@ -243,8 +298,8 @@ def least_heavy(h, t, s, ok, best_h, best_t, best_s):
 
 
 # the jit helpers every kernel's scope binds; a helper's scope binds those before it (it calls only them)
-HELPERS = (keep_of, query_rows, selected_rows, key_tile, capped, products, scores_of, online_step, merge_parts,
-           least_heavy)
+HELPERS = (ordered_key, kth_key, keep_of, priced_rows, pooled_keep, query_rows, selected_rows, key_tile, capped,
+           products, scores_of, online_step, merge_parts, least_heavy)
 
 
 def jit(raw, interpret: bool):
@@ -280,29 +335,32 @@ def group_block(g: int) -> int:
     return next_pow2(g)
 
 
-def union_block(r: int, g: int, k: int, rule: int) -> int:
+def union_block(r: int, g: int, k: int, rule: int, pooled: bool = False) -> int:
     """BLOCK_U: the most coordinates a group's union can hold (k for the shared rules, g k for per-row
-    magnitude, at most r), padded to a power of two of at least 16 (tl.dot's smallest K)."""
-    most = k if rule in (GROUP, STATIC) else g * k
+    magnitude, r when pooled, at most r), padded to a power of two of at least 16 (tl.dot's smallest K)."""
+    most = r if pooled else k if rule in (GROUP, STATIC) else g * k
     return max(16, next_pow2(min(r, most)))
 
 
-def select(q, p, r: int, k: int, rule: int, projected: bool, interpret: bool, full: bool = False):
+def select(q, p, r: int, k: int, rule: int, projected: bool, interpret: bool, full: bool = False, pool=None):
     """select_kernel over every (sequence, KV head, token) of q [B, Hkv, g, T, d] (P [Hkv, d, r] when projected)
     -> (qs [rows, BLOCK_M, BLOCK_U] float32, idx [rows, BLOCK_U] int32), and with ``full`` the same for every
     coordinate after them (qf, idxf: BLOCK_U = BLOCK_R); the kernels that read them take BLOCK_M and BLOCK_U from
-    qs's shape."""
+    qs's shape. pool: (prices [Hkv] float32, cut values, cut indices [B * T]; pool.pool_cuts) for a pooled node."""
     b, hkv, g, t, d = q.shape
-    rows, block_m, block_u, block_r = b * hkv * t, max(16, group_block(g)), union_block(r, g, k, rule), next_pow2(r)
+    rows, block_m, block_r = b * hkv * t, max(16, group_block(g)), next_pow2(r)
+    block_u = union_block(r, g, k, rule, pool is not None)
+    price, cut_v, cut_i = pool if pool is not None else (q, q, q)  # pointers a plain selection never reads
     qs = torch.empty(rows, block_m, block_u, dtype=torch.float32, device=q.device)
     idx = torch.empty(rows, block_u, dtype=torch.int32, device=q.device)
     qf = torch.empty(rows, block_m, block_r, dtype=torch.float32, device=q.device) if full else qs
     idxf = torch.empty(rows, block_r, dtype=torch.int32, device=q.device) if full else idx
     kernel, _ = jit(select_kernel, interpret)
     with triton_for(interpret):
-        kernel[(rows,)](q, p, qs, idx, qf, idxf, t, D=d, R=r, G=g, K=k, RULE=rule, PROJECT=projected, HKV=hkv,
-                        BLOCK_G=group_block(g), BLOCK_D=next_pow2(d), CHUNK_D=min(16, next_pow2(d)), BLOCK_R=block_r,
-                        BLOCK_M=block_m, BLOCK_U=block_u, FULL=full)
+        kernel[(rows,)](q, p, qs, idx, qf, idxf, price, cut_v, cut_i, t, D=d, R=r, G=g, K=k, RULE=rule,
+                        PROJECT=projected, HKV=hkv, BLOCK_G=group_block(g), BLOCK_D=next_pow2(d),
+                        CHUNK_D=min(16, next_pow2(d)), BLOCK_R=block_r, BLOCK_M=block_m, BLOCK_U=block_u, FULL=full,
+                        POOLED=pool is not None)
     return (qs, idx, qf, idxf) if full else (qs, idx)
 
 

@@ -9,8 +9,8 @@ chosen on the device with no host round trip, so a step can be captured in a CUD
     choose_kernel, per (sequence, KV head), every page score in registers:
         forced = the pages of the first `sink` and the last `window` visible tokens (prefix sums of count)
         want   = max(ceil(attended / PAGE), forced pages), attended = budget(ratio, visible) or the fixed budget
-        the other pages' best-scored want - forced: the threshold found by a 4-way search on the scores'
-        ordered bits (16 steps, each one count of three thresholds), ties at it to the lower page (a prefix sum)
+        the other pages' best-scored want - forced: the threshold found by select.kth_key (a 4-way search on
+        the scores' ordered bits), ties at it to the lower page (a prefix sum)
         --> pages [B * Hkv, N_LIST]: the chosen pages ascending, -1 past the last (N_LIST = most_pages)
 
 aqua_attention then walks only those pages' positions with every coordinate.
@@ -26,7 +26,8 @@ from ...ops import rules
 from ...ops.spec import PAGE
 from .select import ieee, jit, next_pow2, triton_for
 
-tl = selected_rows = key_tile = scores_of = None  # the kernels' free names, bound per mode by select.jit
+# the kernels' free names, bound per mode by select.jit
+tl = selected_rows = key_tile = scores_of = ordered_key = kth_key = None
 
 SCORE_BLOCK = 256  # positions per page_score_kernel program: a [32, 256] bfloat16 tile of K^ is 16 KB
 
@@ -80,26 +81,8 @@ def choose_kernel(best_ptr, count_ptr, pages_ptr, N_PAGES, N_LIST, RATIO, BUDGET
     n_forced = tl.sum(forced.to(tl.int32), axis=0)
     need = tl.maximum((attended + PAGE - 1) // PAGE, n_forced) - n_forced
     cand = in_p & ~forced & (score > float("-inf"))
-    # the scores' ordered bits: a signed int32 order equal to the floats' (+0.0 for -0.0, which compare equal)
-    bits = (score + 0.0).to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    lo = tl.min(tl.where(cand, key, 2147483647), axis=0)
-    hi = tl.max(tl.where(cand, key, -2147483648), axis=0)
-    # the need-th largest key: count(key >= lo) >= need > count(key > hi). Each step counts three thresholds in
-    # one reduction (21-bit fields of an int64), so the range shrinks 4x a step: 16 steps cover 2^32 keys
-    for _ in range(16):
-        t1 = lo + (hi - lo + 1) // 4
-        t2 = lo + (hi - lo + 1) // 2
-        t3 = lo + (hi - lo + 1) * 3 // 4
-        packed = tl.where(cand, (key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
-                          + ((key >= t3).to(tl.int64) << 42), 0)
-        counts = tl.sum(packed, axis=0)
-        ok1 = (counts & 0x1FFFFF) >= need
-        ok2 = ((counts >> 21) & 0x1FFFFF) >= need
-        ok3 = (counts >> 42) >= need
-        new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
-        hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
-        lo = new_lo
+    key = ordered_key(score)
+    lo = kth_key(key, cand, need)  # the need-th largest candidate score
     above = cand & (key > lo)
     tie = cand & (key == lo)
     n_above = tl.sum(above.to(tl.int32), axis=0)
