@@ -15,12 +15,14 @@ differ by a whole q_i k_i term. So parity is checked in two parts:
 The unforced comparison (each side with its own selection) is reported too.
 
 Bounds from the noise they measure: a float32 run is compared with the float64 forward of the same model on the
-same tokens (precision.computing_in), and the bound is max(floor, 5 x the float32 reference's own error on those
+same tokens (precision.computing_in), and the bound is max(floor, 10 x the float32 reference's own error on those
 forwards). Two correct float32 implementations differ by their rounding, which depends on the instruction set the
 CPU's kernels use (AVX-512 or not) and on how much the model amplifies it (the embedded model at k = 1: ~40x its
 dense error), so a fixed bound at float32's error passes on one machine and fails on the next. ONNX Runtime's own
 error is not the reference's: measured against float64 it was 0.4x-2.3x the reference's over the builds here (2.3x
-through MatMulNBits' blockwise sums), hence 5x. The near-tie bounds are set the same way from the boundary scores'
+through MatMulNBits' blockwise sums), and 5.8x at k = 1 with PyTorch and MKL held to SSE4.2 (make test's second
+run), where the reference's own error fell to 2.6e-3 while ONNX Runtime's stayed at 1.5e-2 (1.1e-2 and 1.6e-2 on
+the other instruction-set mixes): one forward's error estimates the noise only to a few times, hence 10x. The near-tie bounds are set the same way from the boundary scores'
 relative error (parity_probe). float16 builds are compared with the float32 reference under fixed allowances for
 float16's own rounding (TOLERANCE).
 
