@@ -152,7 +152,8 @@ def lines(res: dict) -> list[str]:
     L.append("\nUniform's curve: " + ", ".join(
         f"k {k}: {res[f'uniform/{k}']['perplexity']:.4f} at bytes {_bytes(res[f'uniform/{k}']['union']):.4f}"
         for k in sorted(K_RATIOS + K_GRID)) + ".")
-    L += ["\n### With the other modes\n", "| settings | windows | uniform | measured | ratio |", "|---|---|---|---|---|"]
+    L += ["\n### With the other modes\n", "| settings | windows | uniform | measured | ratio |",
+          "|---|---|---|---|---|"]
     for label, _, long in COMBINED:
         row, key = res["combined"][label], "long" if long else "perplexity"
         base = dense[key]

@@ -74,12 +74,19 @@ def select_indices(qh: torch.Tensor, k: int, selection: str, key_rms: torch.Tens
     return idx.expand(*qh.shape[:-1], k)
 
 
+def pooled_scores(score: torch.Tensor, prices) -> torch.Tensor:
+    """score [..., Hkv, g', T, r] (selection_score), prices [Hkv] -> the priced scores in float32 as [..., T, Hkv g' r]:
+    each token's row in the pooled selection's flat index order (kv head, row, coordinate)."""
+    *lead, hkv, g, t, r = score.shape
+    priced = score.float() * torch.as_tensor(prices, dtype=torch.float32).reshape(hkv, 1, 1, 1)
+    return priced.movedim(-2, -4).reshape(*lead, t, hkv * g * r)
+
+
 def pooled_keep(score: torch.Tensor, k: int, prices) -> torch.Tensor:
     """score [..., Hkv, g', T, r] (selection_score), prices [Hkv] -> keep [..., Hkv, g', T, r] bool: per token the
     Hkv g' k largest priced scores of the layer (the module docstring's pooled selection)."""
     *lead, hkv, g, t, r = score.shape
-    priced = score.float() * torch.as_tensor(prices, dtype=torch.float32).reshape(hkv, 1, 1, 1)
-    flat = priced.movedim(-2, -4).reshape(*lead, t, hkv * g * r)  # [..., T, Hkv g' r]: the flat index order
+    flat = pooled_scores(score, prices)
     idx = torch.sort(flat, dim=-1, descending=True, stable=True).indices[..., :hkv * g * k]
     keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
     return keep.reshape(*lead, t, hkv, g, r).movedim(-4, -2)
@@ -88,9 +95,8 @@ def pooled_keep(score: torch.Tensor, k: int, prices) -> torch.Tensor:
 def pooled_margin(score: torch.Tensor, k: int, prices) -> tuple[torch.Tensor, torch.Tensor]:
     """selection_margin of the pooled selection: (the layer's K-th largest priced score, its relative margin over
     the (K+1)-th) per token, [..., 1, 1, T], K = Hkv g' k."""
-    *lead, hkv, g, t, r = score.shape
-    priced = score.float() * torch.as_tensor(prices, dtype=torch.float32).reshape(hkv, 1, 1, 1)
-    kth, gap = selection_margin(priced.movedim(-2, -4).reshape(*lead, t, hkv * g * r), hkv * g * k)
+    hkv, g = score.shape[-4:-2]
+    kth, gap = selection_margin(pooled_scores(score, prices), hkv * g * k)
     return kth[..., None, None, :], gap[..., None, None, :]
 
 
