@@ -223,6 +223,7 @@ def bench(T: int, B: int, launch: dict) -> list[dict]:
     n = split_count(B * HKV, T, block, launch.get("wanted", PROGRAMS_WANTED))
     run = dict(splits=n, warps=launch.get("warps", 4), stages=launch.get("stages", 2), block=block)
     tokens, budget = token_setting(), token_setting(BUDGET)
+    prices = torch.tensor(PRICES, dtype=torch.float32, device="cuda")  # on the device: the step stays capturable
     rows = [("dense SDPA", 2 * kv, lambda: torch.nn.functional.scaled_dot_product_attention(
                  q.reshape(B, HKV * G, 1, D), krm, v, enable_gqa=True)),
             ("fused dense", 2 * kv + 4 * T, lambda: aqua_attention(q, kdm, v, T, mask, D, 1, **run)),
@@ -230,7 +231,7 @@ def bench(T: int, B: int, launch: dict) -> list[dict]:
              lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, **run)),
             # the heads share the layer's k per token: the same rows of K^ in all (group rule), spread unevenly
             ("fused k=64 pooled", kv // 2 + kv + 4 * T,
-             lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, prices=PRICES, **run)),
+             lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, prices=prices, **run)),
             ("tokens k=32, 1/8", kv // 4 + 2 * kv // 8 + 4 * T,  # its splits: split_count over the chosen pages
              lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens, **{**run, "splits": None})),
             ("tokens k=32, 512", kv // 4 + 2 * kv * min(1.0, attended_share(T, 1.0, 512, 16, 64)) + 4 * T,

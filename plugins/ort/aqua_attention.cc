@@ -174,8 +174,9 @@ struct AttentionKernel {
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
     const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
     auto& part = call_buffer<float, Buffer::kDensePartials>(n_part);
-    AttentionJob<T, C> job{{query.q, query.proj, query.heads, query.g, query.t, query.qw, r, k, rule_, query.prices,
-                            query.cut_value, query.cut_index},
+    QueryRows<T> at_k = query;
+    at_k.k = k;  // r for a prompt under token selection
+    AttentionJob<T, C> job{at_k,
                         {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
                         k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
                         len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, split_len, softcap_};

@@ -61,31 +61,36 @@ inline void top_k(const float* score, int64_t r, int64_t k, int64_t* order) {
   }
 }
 
+// The selection scores of one (batch, kv head, token): q [g][r] -> score [g'][r], |q_j| per row, or one row of
+// sum_j |q_j| under the group rule (what select_group and the pooled selection rank).
+inline void row_scores(const float* q, int64_t g, int64_t r, int64_t rule, float* score) {
+  if (rule == kGroup) {
+    std::fill(score, score + r, 0.0f);
+    for (int64_t j = 0; j < g; ++j) {
+      for (int64_t c = 0; c < r; ++c) score[c] += std::fabs(q[j * r + c]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < g * r; ++i) score[i] = std::fabs(q[i]);
+}
+
 // The selections of the g query rows of one (batch, kv head, token): q [g][r] (float copies) ->
-// idx [g][k] (rows `stride` apart, default k). Per head: top-k |q_j|; group: one top-k of sum_j |q_j| shared by all g; static: 0..k-1.
+// idx [g][k] (rows `stride` apart, default k). Per head: top-k |q_j|; group: one top-k of sum_j |q_j| shared by all
+// g; static: 0..k-1.
 inline void select_group(const float* q, int64_t g, int64_t r, int64_t k, int64_t rule, int64_t* idx,
                          int64_t stride = 0) {
   const int64_t s = stride > 0 ? stride : k;
   static thread_local std::vector<float> score;  // per-call scratch, reused: no allocation per token
   static thread_local std::vector<int64_t> order;
-  score.resize(static_cast<size_t>(r));
+  score.resize(static_cast<size_t>(g * r));
   order.resize(static_cast<size_t>(r));
   if (rule == kStatic || k == r) {
     for (int64_t j = 0; j < g; ++j) std::iota(idx + j * s, idx + j * s + k, int64_t{0});
     return;
   }
-  if (rule == kGroup) {
-    std::fill(score.begin(), score.end(), 0.0f);
-    for (int64_t j = 0; j < g; ++j) {
-      for (int64_t c = 0; c < r; ++c) score[c] += std::fabs(q[j * r + c]);
-    }
-    top_k(score.data(), r, k, order.data());
-    for (int64_t j = 0; j < g; ++j) std::copy(order.begin(), order.begin() + k, idx + j * s);
-    return;
-  }
+  row_scores(q, g, r, rule, score.data());
   for (int64_t j = 0; j < g; ++j) {
-    for (int64_t c = 0; c < r; ++c) score[c] = std::fabs(q[j * r + c]);
-    top_k(score.data(), r, k, order.data());
+    if (rule != kGroup || j == 0) top_k(score.data() + (rule == kGroup ? 0 : j * r), r, k, order.data());
     std::copy(order.begin(), order.begin() + k, idx + j * s);
   }
 }
@@ -108,19 +113,6 @@ inline int64_t pooled_row(const float* score, int64_t r, const PoolCut& cut, int
     if (p > cut.value || (p == cut.value && base + c <= cut.index)) idx[n++] = c;
   }
   return n;
-}
-
-// The selection scores of one (batch, kv head, token): q [g][r] -> score [g'][r], |q_j| per row, or one row of
-// sum_j |q_j| under the group rule (summed in select_group's order).
-inline void row_scores(const float* q, int64_t g, int64_t r, int64_t rule, float* score) {
-  if (rule == kGroup) {
-    std::fill(score, score + r, 0.0f);
-    for (int64_t j = 0; j < g; ++j) {
-      for (int64_t c = 0; c < r; ++c) score[c] += std::fabs(q[j * r + c]);
-    }
-    return;
-  }
-  for (int64_t i = 0; i < g * r; ++i) score[i] = std::fabs(q[i]);
 }
 
 // select_group under a pooled cut: idx [g][r] (row j's kept coordinates at idx + j r), count [g].

@@ -139,7 +139,8 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     positions per (sequence, KV head, token); None chooses (split_count). tokens: token selection (a decode step
     scores pages with page_score_kernel and attends the chosen ones with all r coordinates; a prompt attends every
     token with all r). warps, stages, block (positions per block): the main kernel's launch (tools/bench_gpu.py
-    tunes them). prices: [Hkv], the heads share the layer's k per token (ops.rules, pooled; pool.py)."""
+    tunes them). prices: [Hkv], the heads share the layer's k per token (ops.rules, pooled; pool.py): a float32 tensor
+    on the device keeps the step free of host copies."""
     r = _check(query, key_cache, value_cache, total, mask, k, rule, projection, tokens, prices)
     b, hkv, g, t, d = query.shape
     cap, rv = key_cache.shape[3], value_cache.shape[3]

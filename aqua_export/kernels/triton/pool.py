@@ -60,7 +60,9 @@ def pool_cut_kernel(priced_ptr, cutv_ptr, cuti_ptr, N, NEED, BLOCK_N: tl.constex
 
 def pool_cuts(q, p, prices, r: int, k: int, rule: int, projected: bool, interpret: bool):
     """q [B, Hkv, g, T, d] (P [Hkv, d, r] when projected), prices [Hkv] -> select.select's pool: (prices float32,
-    cut values [B * T] float32, cut indices [B * T] int32), each token's cut of the pooled selection at k < r."""
+    cut values [B * T] float32, cut indices [B * T] int32), each token's cut of the pooled selection at k < r.
+    prices given as a float32 tensor on q's device is used as is (no copy: a step stays capturable in a CUDA graph);
+    a list is copied there."""
     b, hkv, g, t, d = q.shape
     gp = 1 if rule == GROUP else g
     n = hkv * gp * r
