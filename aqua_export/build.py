@@ -22,7 +22,8 @@ import torch
 from . import __version__, calibrate, models
 from .config import AquaConfig, ConfigError
 from .export.contract import Contract
-from .export.exporter import CACHE_NEEDS_FUSED, SHARED_K_NEEDS_FUSED, TOKENS_NEED_FUSED, contract_for, export_onnx
+from .export.exporter import (CACHE_NEEDS_FUSED, GRAPH_OPS, SHARED_K_NEEDS_FUSED, STANDARD_NEEDS_FLOAT,
+                              TOKENS_NEED_FUSED, contract_for, export_onnx)
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -35,6 +36,7 @@ from .quantize import WeightFormat
 from .runtime import genai
 from .runtime.folder import FolderConfig, Geometry
 from .runtime.session import default_kernel
+from .runtime.text import write_tokenizer
 from .runtime.tensorrt import build_engine
 from .runtime.tensorrt_plugin import require_tensorrt
 from .slice_costs import add_costs, add_select_costs
@@ -67,6 +69,8 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
         name += f"-{o.weights.name}"
     if o.cache_dtype not in (None, o.dtype):
         name += f"-kv-{o.cache_dtype}"
+    if o.ops != "onnxruntime":
+        name += f"-ops-{o.ops}"
     if o.backend != "onnx":
         name += f"-{o.backend}"
     return Path("engines") / name
@@ -123,12 +127,17 @@ class BuildOptions:
     force: bool = False  # replace an existing --out that this tool built
     weights: WeightFormat = WeightFormat()  # the linear layers' storage: float (dtype) or int4 / int8 blocks
     cache_dtype: str | None = None  # the KV cache's float type (contract.Contract): None = dtype
+    ops: str = "onnxruntime"  # the nodes around the custom ones (exporter.GRAPH_OPS)
 
 
 def _check(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
     if o.parity_prompt < 16 or o.parity_steps < 1:
         raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
+    if o.ops not in GRAPH_OPS:
+        raise ConfigError(f"unknown --ops {o.ops!r}: use one of {', '.join(GRAPH_OPS)}")
+    if o.ops == "standard" and o.weights.quantized:
+        raise ConfigError(STANDARD_NEEDS_FLOAT)
     if o.cache_dtype not in (None, o.dtype):
         if o.backend != "onnx":
             raise ConfigError(CACHE_NEEDS_FUSED)
@@ -232,9 +241,9 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
                         external_data=o.external_data, progress=lambda i, n: bar.update(1),
-                        fused=o.backend != "tensorrt", weights=o.weights, cache_dtype=o.cache_dtype)
+                        fused=o.backend != "tensorrt", weights=o.weights, cache_dtype=o.cache_dtype, ops=o.ops)
     bar.close()
-    tok.save_pretrained(tmp)
+    write_tokenizer(tok, tmp)
     contract = contract_for(model, config, DTYPES[o.dtype], projection, o.cache_dtype)
     cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract,
                        context_length=getattr(model.config, "max_position_embeddings", None),
@@ -263,6 +272,7 @@ def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> di
                    "H2OAttention per layer" if config.evicts else
                    "AquaAttention per layer" if o.backend != "tensorrt" else
                    "TopKGatherDot, Softmax, ValueProduct per layer"],
+        "graph_ops": o.ops,
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",
         **{p.key: p.value for p in proto.metadata_props if p.key == "float16_cast"},
         "tools": {"aqua-export": __version__, "torch": torch.__version__, "transformers": transformers.__version__,

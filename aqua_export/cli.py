@@ -111,6 +111,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     help="ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes the activations to int8 per block "
                          "(the fast CPU path; onnxruntime-genai's builder's default), 0 / 1 keep them float32 "
                          "(default %(default)s)")
+    ap.add_argument("--ops", default="onnxruntime", choices=["onnxruntime", "standard"],
+                    help="the graph's nodes beside the com.aqua ones: onnxruntime (its contrib fusions RotaryEmbedding, "
+                         "SkipSimplifiedLayerNormalization, MatMulNBits, MoE: the fastest there) or standard (ai.onnx "
+                         "ops only, the com.aqua nodes keeping their ONNX function bodies: any ONNX consumer, ONNX's "
+                         "reference evaluator and shape inference read it; float weights, no routed experts) "
+                         "(default %(default)s)")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                     help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
     ap.add_argument("--trt-max-batch", type=int, default=8, help="TensorRT profiles: largest batch (default %(default)s)")
@@ -139,7 +145,7 @@ def build_main(argv: list[str]) -> int:
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
                         trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force,
-                        weights=weights, cache_dtype=a.cache_dtype)
+                        weights=weights, cache_dtype=a.cache_dtype, ops=a.ops)
     out = build(a.model, commands.config_of(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")

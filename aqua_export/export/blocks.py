@@ -93,7 +93,7 @@ class Blocks:
         x, pending = stream
         if pending is None:
             return self._norm(name, x, w, b), x
-        if not self.p.fused:
+        if not self.p.contrib:
             x = self.gb.op(f"{name}/residual", "Add", [x, pending])
             return self._norm(name, x, w, b), x
         op = "SkipSimplifiedLayerNormalization" if b is None else "SkipLayerNormalization"

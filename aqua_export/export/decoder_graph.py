@@ -70,8 +70,10 @@ class Plan:
     act: str = "silu"  # gated MLP activation: silu or gelu_tanh
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the mask
     final_softcap: float | None = None  # logits -> tanh(logits / c) * c
-    fused: bool = True  # ONNX Runtime: AquaAttention and its fused contrib ops (RotaryEmbedding, SkipSimplified-
-    #                     LayerNormalization); False: TensorRT's nodes (TopKGatherDot, Softmax, ValueProduct) and standard ops
+    fused: bool = True  # ONNX Runtime: one AquaAttention node per layer; False: TensorRT's nodes (TopKGatherDot,
+    #                     Softmax, ValueProduct)
+    contrib: bool = True  # ONNX Runtime's contrib fusions for rotary and norms (RotaryEmbedding, SkipSimplified-
+    #                       LayerNormalization); False: standard ops (any ONNX consumer; TensorRT)
     positions: int = 4096  # the rotary tables' positions (the model's context)
     h2o_ratio: float = 1.0  # AQUA-H2O (contract.h2o): one H2OAttention node per layer keeps this share of tokens
     weights: WeightFormat = WeightFormat()  # the linear layers' (and embedding's) storage: float, or int4 / int8 blocks
@@ -155,7 +157,7 @@ class DecoderGraph(Blocks):
         key = (tuple(inv_freq.tolist()), scale)
         if key not in self._rotary:
             n = "/model/rotary_emb" + (f"_{len(self._rotary)}" if self._rotary else "")
-            self._rotary[key] = self._rotary_tables(position_ids, inv_freq, scale, n) if self.p.fused else \
+            self._rotary[key] = self._rotary_tables(position_ids, inv_freq, scale, n) if self.p.contrib else \
                 self._make_rotary(position_ids, inv_freq, scale, n)
         return self._rotary[key]
 

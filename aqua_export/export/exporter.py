@@ -35,15 +35,31 @@ SHARED_K_NEEDS_FUSED = ("--k-alloc {alloc} shares each layer's k among its heads
                         "--backend onnx, or use --k-alloc uniform or --selection static")
 
 
+# What the graph's other nodes are: ONNX Runtime's contrib fusions (RotaryEmbedding, SkipSimplifiedLayerNormalization,
+# MatMulNBits, MoE: fastest there), or standard ops only beside the com.aqua nodes and their bodies (any ONNX consumer:
+# ONNX's reference evaluator, other runtimes, shape inference)
+GRAPH_OPS = ("onnxruntime", "standard")
+STANDARD_NEEDS_FLOAT = ("--ops standard writes standard ONNX ops only, and int4 / int8 blocks are ONNX Runtime's "
+                        "MatMulNBits: build it with --weights float, or drop --ops standard")
+STANDARD_NEEDS_DENSE_MLP = ("--ops standard writes standard ONNX ops only, and routed experts are ONNX Runtime's MoE "
+                            "op: build this mixture-of-experts model with --ops onnxruntime")
+
+
 CACHE_NEEDS_FUSED = ("--cache-dtype float16 under a float32 graph is read by AquaAttention's ONNX Runtime kernels; "
                      "TensorRT's separate nodes take one type: build it with --backend onnx, or drop --cache-dtype")
 
 
 def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat(),
-                     fused: bool = True) -> None:
+                     fused: bool = True, ops: str = "onnxruntime") -> None:
     """Refuse, in one line each, what the export cannot represent."""
     arch = architecture_of(model.config)
     projection.check_model(model)
+    if ops not in GRAPH_OPS:
+        raise ConfigError(f"--ops {ops!r} is unknown: use one of {', '.join(GRAPH_OPS)}")
+    if ops == "standard" and weights.quantized:
+        raise ConfigError(STANDARD_NEEDS_FLOAT)
+    if ops == "standard" and "router" in arch.layer_weights(arch.layers(model)[0]):
+        raise ConfigError(STANDARD_NEEDS_DENSE_MLP)
     if weights.bits == 8 and "router" in arch.layer_weights(arch.layers(model)[0]):
         raise ConfigError("--weights int8 with mixture-of-experts layers: ONNX Runtime's QMoE has no float32-activation "
                           "kernel for 8-bit experts, so parity could not test the export apart from its int8 "
@@ -66,7 +82,7 @@ def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, 
 
 
 def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, fused: bool,
-             weights: WeightFormat) -> Plan:
+             weights: WeightFormat, ops: str = "onnxruntime") -> Plan:
     """What the graph of ``model`` exported with ``config`` computes (decoder_graph.Plan)."""
     geo, cfg = attention_geometry(model), model.config
     arch, d, ct = architecture_of(cfg), geo["head_dim"], contract
@@ -75,7 +91,8 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
                 dtype=dtype, eps=float(getattr(cfg, arch.norm_eps_attr)),
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
-                final_softcap=arch.final_softcap(cfg), fused=fused, h2o_ratio=config.h2o_ratio, weights=weights,
+                final_softcap=arch.final_softcap(cfg), fused=fused, contrib=fused and ops == "onnxruntime",
+                h2o_ratio=config.h2o_ratio, weights=weights,
                 positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
                 tokens={"token_ratio": float(config.token_ratio), "token_budget": config.token_budget,
                         "token_sink": config.token_sink, "token_window": config.token_window}
@@ -84,16 +101,16 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
                 external_data: bool | None = None, progress=None, fused: bool = True,
-                weights: WeightFormat = WeightFormat(), cache_dtype: str | None = None):
+                weights: WeightFormat = WeightFormat(), cache_dtype: str | None = None, ops: str = "onnxruntime"):
     """Write ``path`` (and ``model.onnx.data`` beside it when the weights are external) from ``model``'s
     weights, one layer at a time. external_data: True forces it, None decides by size (> EXTERNAL_ABOVE).
     fused: attention as one AquaAttention node (False: separate nodes, what TensorRT's plugin takes).
     weights: how the linear layers, the experts, the output layer and the embedding are stored (quantize.py;
     norms, biases, the projections and a MoE router stay in ``dtype``). cache_dtype: the KV buffers' type
-    (contract.Contract), default dtype.
+    (contract.Contract), default dtype. ops: GRAPH_OPS, what the nodes around the custom ones are.
     progress(i, layers) is called after each layer. Returns the graph's ModelProto (weights left on disk
     when external)."""
-    check_exportable(model, projection, config, weights, fused)
+    check_exportable(model, projection, config, weights, fused, ops)
     register_schemas()
     path = Path(path)
     ct = contract_for(model, config, dtype, projection, cache_dtype)
@@ -101,7 +118,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         raise ConfigError(CACHE_NEEDS_FUSED)
     if ct.prices is not None and not fused:
         raise ConfigError(SHARED_K_NEEDS_FUSED.format(alloc=config.k_alloc))
-    plan = plan_for(model, config, ct, dtype, fused, weights)
+    plan = plan_for(model, config, ct, dtype, fused, weights, ops)
     if external_data is None:
         external_data = sum(t.numel() for t in model.parameters()) * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
     store = TensorStore(path.parent / (path.name + ".data") if external_data else None)
@@ -111,7 +128,10 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                                     "plugin_namespace": spec.PLUGIN_NAMESPACE,
                                     "plugin_version": spec.PLUGIN_VERSION})
         _decoder(g, model, projection, config, progress)
-        m = gb.model("aqua_decoder", {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION, MS: 1},
+        domains = {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION}
+        if any(n.domain == MS for n in gb.nodes):
+            domains[MS] = 1
+        m = gb.model("aqua_decoder", domains,
                      function_bodies(spec.OPSET, plan.projects_query, plan.tokens is not None, ct.prices is not None),
                      "aqua-export")
     finally:

@@ -214,4 +214,5 @@ OP = OpDef("AquaAttention",
            outputs=(Port("out", rank=5),),
            attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR),
            body=body, reference=reference, projectable=True,
-           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,))))
+           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,))),
+           shape=lambda d: {"out": d["query_hat"][:4] + d["value_cache"][3:]})

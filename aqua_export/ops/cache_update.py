@@ -11,7 +11,7 @@ import torch
 from onnx import helper as H
 
 from .spec import DOMAIN
-from .table import OpDef, Port
+from .table import ANY, OpDef, Port
 from .topk_gather_dot import LENGTH
 
 
@@ -40,7 +40,7 @@ def _body(op: str):
         """The portable body (copies the past: O(C) per step, where the native kernel writes in place).
 
             past [B,H,C,r] --(keys: Reshape to the dim-major [B,H,r,C])--> Slice(slots :L-S) --Concat(new)-->
-            Pad(zeros to max(C, L) slots) --(keys: Reshape back)--> present [B,H,max(C,L),r]
+            Pad(zeros to max(C, L) slots) --Reshape [B,H,max(C,L),r]--> present
         """
         ax = 3 if key else 2  # the slot axis of the memory layout
         n = [
@@ -69,11 +69,12 @@ def _body(op: str):
             H.make_node("Constant", [], ["pads_tail"], value_ints=[0] * (3 - ax + 1)),
             H.make_node("Slice", ["pads_tail", "zero_1", "tail_len"], ["pads_tail_n"]),
             H.make_node("Concat", ["pads_head", "extra", "pads_tail_n"], ["pads"], axis=0),
-            H.make_node("Pad", ["joined", "pads"], ["padded" if key else "present"]),
+            H.make_node("Pad", ["joined", "pads"], ["padded"]),
+            # keys: back to the declared shape; values: the same shape, said again, so that shape inference (which
+            # cannot follow Pad's computed pads) knows present's B, Hkv and r from the past's
+            H.make_node("Concat", ["bh", "out_len", "r"], ["out_shape"], axis=0),
+            H.make_node("Reshape", ["padded", "out_shape"], ["present"], allowzero=1),
         ]
-        if key:
-            n += [H.make_node("Concat", ["bh", "out_len", "r"], ["out_shape"], axis=0),
-                  H.make_node("Reshape", ["padded", "out_shape"], ["present"], allowzero=1)]
         return H.make_function(DOMAIN, op, ["past", "new", "total_length"], ["present"], n, [H.make_opsetid("", opset)])
     return body
 
@@ -81,7 +82,8 @@ def _body(op: str):
 def _op(name: str, layout: str) -> OpDef:
     return OpDef(name, f"present = past with new written at slots L-S..L-1, max(C, L) slots; memory {layout}",
                  inputs=(Port("past"), Port("new"), LENGTH), outputs=(Port("present"),),
-                 body=_body(name), reference=_reference(name == "KeyCacheUpdate"))
+                 body=_body(name), reference=_reference(name == "KeyCacheUpdate"),
+                 shape=lambda d: {"present": d["past"][:2] + [ANY] + d["past"][3:]})
 
 
 KEY = _op("KeyCacheUpdate", "dim-major [r, C] per head")

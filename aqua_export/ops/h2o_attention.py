@@ -24,7 +24,7 @@ from .aqua_attention import SOFTCAP_ATTR
 from .nodes import const, projection_nodes, ref_constant, selection_nodes
 from .rules import HIDDEN, budget, slots_needed
 from .spec import DOMAIN, FREE, PROJECTION
-from .table import PLUGIN_ATTRS, Attr, OpDef, Port
+from .table import ANY, PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, RULE_ATTR
 
 INPUTS = ("query_hat", "key_new", "value_new", "past_key", "past_value", "past_heavy", "past_token", "attention_mask")
@@ -261,4 +261,7 @@ OP = OpDef("H2OAttention",
            outputs=tuple(Port(n, *PORTS.get(n, ("T", 4))) for n in OUTPUTS),
            attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, Attr("ratio", "float", "share of a sequence's real tokens kept"),
                        *PLUGIN_ATTRS),
-           body=body, reference=reference, projectable=True)
+           body=body, reference=reference, projectable=True,
+           shape=lambda d: {"out": d["query_hat"][:4] + d["value_new"][3:],
+                            **{f"present_{k}": d[f"past_{k}"][:2] + [ANY] + d[f"past_{k}"][3:]
+                               for k in ("key", "value", "heavy", "token")}})

@@ -14,6 +14,7 @@ from .spec import DOMAIN, ONNX, OPSET, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_V
 
 FLOATS = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
 ELEMENT = {"int64": 7, "float": 1}  # onnx.TensorProto.INT64 / FLOAT
+ANY = None  # in an op's shape rule: a dimension shape inference cannot know (a slot count, total_length's L)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class OpDef:
     projectable: bool = False
     forms: tuple = ()  # other forms of its body: (keyword of body(), the attributes whose presence on a node asks
     # for it) pairs; ("tokens", TOKEN_ATTRS' names): token selection
+    shape: Callable | None = field(default=None, repr=False)  # {input: dims} -> {output: dims}: ONNX shape inference
+    # of the node (dims: the inputs' dimension protos, ANY where unknown), so a consumer that registers the schemas
+    # (which hides the function bodies from inference) still knows every output's shape
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -83,14 +87,43 @@ class OpDef:
                 return OpSchema.FormalParameter(p.name, t, p.doc, param_option=OpSchema.FormalParameterOption.Optional)
             return OpSchema.FormalParameter(p.name, t, p.doc)
 
-        onnx.defs.register_schema(OpSchema(
+        schema = OpSchema(
             self.name, DOMAIN, OPSET_VERSION, doc=self.doc,
             inputs=[formal(p) for p in self.inputs] + [formal(PROJECTION_PORT, True)] * self.projectable,
             outputs=[formal(p) for p in self.outputs],
             type_constraints=[("T", list(FLOATS), "float types")] +
             [("C", list(FLOATS), "the caches' float types")] * any(p.type == "C" for p in self.inputs),
             attributes=[OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.required)
-                        for a in self.attributes]))
+                        for a in self.attributes])
+        if self.shape is not None:
+            schema.set_type_and_shape_inference_function(self._infer)
+        onnx.defs.register_schema(schema)
+
+    def _infer(self, ctx) -> None:
+        """Each output's element type (its port's: T as input 0's, C as the first cache port's, or fixed) and, where
+        the inputs' shapes are known, its shape by ``shape``."""
+        from onnx import TypeProto
+
+        dims, types = {}, {}
+        for i, p in enumerate(self.inputs):
+            if i < ctx.get_num_inputs() and ctx.has_input(i):
+                t = ctx.get_input_type(i).tensor_type
+                types.setdefault(p.type, t.elem_type)
+                dims[p.name] = list(t.shape.dim) if t.HasField("shape") else None
+        try:
+            shapes = self.shape(dims)
+        except TypeError:  # an input of unknown rank: the types alone
+            shapes = {}
+        for i, p in enumerate(self.outputs):
+            out = TypeProto()
+            out.tensor_type.elem_type = types.get(p.type) or ELEMENT.get(p.type) or types["T"]
+            if shapes.get(p.name) is not None:
+                shape = out.tensor_type.shape
+                for d in shapes[p.name]:
+                    new = shape.dim.add()  # ANY: a dimension with neither a value nor a name
+                    if d is not ANY:
+                        new.CopyFrom(d)
+            ctx.set_output_type(i, out)
 
     def bodied(self, opset: int, projected: bool = False, **form):
         """Its function body of that form (the forms it does not have are ignored)."""

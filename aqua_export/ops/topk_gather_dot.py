@@ -13,7 +13,7 @@ from onnx import helper as H
 from . import rules
 from .nodes import score_nodes
 from .spec import DOMAIN, MAGNITUDE, RULE_DOC
-from .table import PLUGIN_ATTRS, Attr, OpDef, Port
+from .table import ANY, PLUGIN_ATTRS, Attr, OpDef, Port
 
 K_ATTR = Attr("k", "int", "coordinates kept per query")
 RULE_ATTR = Attr("rule", "int", RULE_DOC, required=False, default=MAGNITUDE)
@@ -39,4 +39,5 @@ def body(opset: int, projected: bool = False):
 OP = OpDef("TopKGatherDot",
            "scores = q^[I] . K^[I, :L] with I = top-k |q^| per query row (ties: lower index); K^ dim-major",
            inputs=(Port("query_hat", rank=5), Port("key_cache"), LENGTH), outputs=(Port("scores", rank=5),),
-           attributes=(K_ATTR, RULE_ATTR, *PLUGIN_ATTRS), body=body, reference=reference)
+           attributes=(K_ATTR, RULE_ATTR, *PLUGIN_ATTRS), body=body, reference=reference,
+           shape=lambda d: {"scores": d["query_hat"][:4] + [ANY]})

@@ -31,4 +31,4 @@ def body(opset: int, projected: bool = False):
 
 OP = OpDef("ValueProduct", "out = probs @ value_cache[:, :, :L] with L = probs.shape[4]: the filled slots read in place",
            inputs=(Port("probs", rank=5), Port("value_cache")), outputs=(Port("out", rank=5),),
-           body=body, reference=reference)
+           body=body, reference=reference, shape=lambda d: {"out": d["probs"][:4] + d["value_cache"][3:]})

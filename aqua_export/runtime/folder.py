@@ -26,6 +26,7 @@ from ..outputs import atomic_write_bytes
 from ..quantize import WeightFormat
 
 CONFIG_FILE = "aqua_config.json"
+KERNELS_PREFIX = "libaqua_ort"  # the native kernels' files (runtime.genai.native_files): optional in a folder
 FORMAT_VERSION = 3  # 3: the files manifest
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -160,6 +161,8 @@ class FolderConfig:
         total = 0
         for name, rec in sorted(self.files.items()):
             f = folder / name
+            if not f.is_file() and name.startswith(KERNELS_PREFIX):
+                continue  # the native kernels are optional: without them the runtimes run the function bodies
             if not f.is_file():
                 raise ConfigError(f"{folder} is damaged: {name} is missing: rebuild the folder")
             size = f.stat().st_size

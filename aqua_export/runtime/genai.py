@@ -4,8 +4,9 @@
         genai_config.json      decoder I/O name templates (contract.Contract.genai_io), head_size = r,
                                context length, search defaults, bos / eos / pad
         config.json            the model's Hugging Face config; generation_config.json its defaults
-        libaqua_ort.so         the native kernels (float32 folders), named in custom_ops_library; the graph
-                               keeps their function bodies, so a runtime without the library still runs it
+        libaqua_ort*.so        the native kernels (float32 folders): the loader, named in custom_ops_library, and
+                               its instruction-set variants (it picks the one the CPU runs); the graph keeps their
+                               function bodies, so a runtime without the library still runs it (GenaiLM says so)
     GenaiLM(folder)            og.Model / og.Generator behind the backends.LM protocol
 
 onnxruntime_genai is imported only when a GenaiLM is made.
@@ -30,7 +31,7 @@ from ..config import ConfigError
 from ..outputs import atomic_write_bytes
 from .folder import FolderConfig
 from .sampling import check_finite, emit
-from .session import check_serving, native_library
+from .session import check_serving, native_library, say_once
 
 GENAI_CONFIG = "genai_config.json"
 NATIVE_NAME = "libaqua_ort.so"
@@ -63,9 +64,24 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
     }
 
 
+def cache_config(hf: dict, cfg: FolderConfig) -> dict:
+    """The Hugging Face config of a folder: the model's, but with head_dim and hidden_size / num_attention_heads giving
+    the width its KV cache holds per head (r; narrower than the model's head under AQUA-Memory), which is what ONNX
+    tools size the cache buffers from (optimum's ORTModelForCausalLM takes hidden_size / num_attention_heads). The
+    model's own dimensions are aqua_config.json's geometry; a folder of several widths (--slice-alloc) keeps them."""
+    r, g = cfg.contract.widths[0], cfg.geometry
+    if not cfg.contract.uniform or r == g.head_dim:
+        return hf
+    return {**hf, "head_dim": r, "hidden_size": g.heads * r,
+            "aqua_export": f"head_dim and hidden_size give the KV cache's width per head ({r} of the model's "
+                           f"{g.head_dim}: AQUA-Memory); the model's hidden size is {g.hidden_size} (aqua_config.json)"}
+
+
 def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, tok) -> None:
-    """genai_config.json, config.json, generation_config.json and (float32) the native kernel library."""
-    atomic_write_bytes(folder / "config.json", hf_config.to_json_string().encode())
+    """genai_config.json, config.json, generation_config.json and (float32) the native kernel library. config.json is
+    the model's, its cache described as the graph holds it (cache_config)."""
+    hf = cache_config(json.loads(hf_config.to_json_string()), cfg)
+    atomic_write_bytes(folder / "config.json", json.dumps(hf, indent=2, sort_keys=True).encode())
     if generation_config is not None:
         atomic_write_bytes(folder / "generation_config.json", generation_config.to_json_string().encode())
     # genai cannot evict between tokens (H2O) nor take one width per layer: those folders run with --runtime aqua
@@ -79,7 +95,13 @@ def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, t
     atomic_write_bytes(folder / GENAI_CONFIG, json.dumps(genai_config(cfg, bos, eos, pad), indent=4).encode())
     lib = native_library()
     if cfg.dtype == "float32" and lib is not None:
-        shutil.copyfile(lib, folder / NATIVE_NAME)
+        for f in native_files(lib):
+            shutil.copyfile(f, folder / (NATIVE_NAME if f == lib else f.name))
+
+
+def native_files(lib: Path) -> list[Path]:
+    """The loader ``lib`` and the variants beside it (plugins/ort/loader.cc)."""
+    return [lib] + sorted(lib.parent.glob(f"{lib.stem}_*.so"))
 
 
 def to_right_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad: int) -> np.ndarray:
@@ -110,7 +132,7 @@ class GenaiLM:
             gc = json.loads((folder / GENAI_CONFIG).read_text())
             self.pad = gc["model"]["pad_token_id"]
             self.context = gc["model"]["context_length"]
-            config = og.Config(str(folder))
+            config = og.Config(str(self._view(folder, gc)))
             if threads:
                 config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
             self.model = og.Model(config)
@@ -119,6 +141,27 @@ class GenaiLM:
             raise ConfigError(f"{folder} cannot be loaded by onnxruntime-genai ({type(e).__name__}: {first}): its "
                               f"{GENAI_CONFIG} or model is damaged; rebuild the folder") from None
         self.share_buffer = share_buffer
+
+    def _view(self, folder: Path, gc: dict) -> Path:
+        """The folder genai opens: itself, or, when the kernel library its config names is gone, a view of it whose
+        config names none (genai refuses a missing library and no overlay removes the key): the custom nodes then
+        run their function bodies, said in one line."""
+        options = gc["model"]["decoder"].get("session_options", {})
+        lib = options.get("custom_ops_library")
+        if not lib or (folder / lib).is_file():
+            return folder
+        say_once(f"aqua-export: {folder} has no {lib} (the native kernels): onnxruntime-genai runs the custom nodes' "
+                 "ONNX function bodies (slower)")
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="aqua-genai-")  # lives as long as this object
+        view = Path(self._tmp.name)
+        for f in folder.iterdir():
+            if f.name != GENAI_CONFIG:
+                (view / f.name).symlink_to(f.resolve())
+        del options["custom_ops_library"]
+        (view / GENAI_CONFIG).write_text(json.dumps(gc, indent=4))
+        return view
 
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling, eos_token_id: int | None = None,
                  on_token=None, on_logits=None) -> np.ndarray:
@@ -172,8 +215,11 @@ class GenaiGraph:
             so.intra_op_num_threads = threads
         so.log_severity_level = 3
         lib = self.dec.get("session_options", {}).get("custom_ops_library")
-        if lib:
+        if lib and (folder / lib).is_file():
             so.register_custom_ops_library(str(folder / lib))
+        elif lib:
+            say_once(f"aqua-export: {folder} has no {lib} (the native kernels): the custom nodes run their ONNX "
+                     "function bodies (slower)")
         self.session = ort.InferenceSession(str(folder / self.dec["filename"]), so, providers=["CPUExecutionProvider"])
         self.names = {i.name for i in self.session.get_inputs()}
 

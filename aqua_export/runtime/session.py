@@ -19,10 +19,12 @@ def providers() -> list[str]:
 
 KERNELS = ("auto", "native", "function")
 NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
+VARIANT_ENV = "AQUA_ORT_ISA"  # force one of the library's instruction-set variants (plugins/ort/loader.cc)
 
 
 def native_library() -> Path | None:
-    """The built native kernels of the custom nodes (plugins/ort, built by `make setup`), or None."""
+    """The native kernels of the custom nodes (plugins/ort): the loader libaqua_ort.so, whose variants lie beside it,
+    or None when they were not built."""
     env = os.environ.get(NATIVE_ENV)
     if env:
         if not Path(env).is_file():
@@ -34,6 +36,45 @@ def native_library() -> Path | None:
         return Path(env)
     lib = Path(__file__).parents[1] / "_native" / "libaqua_ort.so"
     return lib if lib.is_file() else None
+
+
+def native_variant(lib: Path | None = None) -> str:
+    """The instruction-set variant of the native kernels that runs on this CPU ("x86-64-v3", ...), or "" when none
+    does (or none is built): the function bodies then run. AQUA_ORT_ISA naming one this CPU cannot run: one line."""
+    lib = lib or native_library()
+    if lib is None:
+        return ""
+    key = (str(lib), os.environ.get(VARIANT_ENV, ""))
+    if key not in _VARIANTS:
+        import ctypes
+
+        try:
+            handle = ctypes.CDLL(str(lib))
+        except OSError as e:  # a library of another machine
+            raise ConfigError(f"{lib} cannot be loaded ({e}): rebuild it with `make plugin`, or run with --kernel "
+                              "function") from None
+        if hasattr(handle, "AquaOrtVariant"):
+            handle.AquaOrtVariant.restype = ctypes.c_char_p
+            _VARIANTS[key] = handle.AquaOrtVariant().decode()
+        else:  # a library of one build, without variants (before the loader): $AQUA_ORT_KERNEL may name one
+            _VARIANTS[key] = "single"
+    name = _VARIANTS[key]
+    if name.startswith("!"):
+        raise ConfigError(f"{name[1:]} (${VARIANT_ENV})")
+    return name
+
+
+_VARIANTS: dict = {}  # (library, AQUA_ORT_ISA) -> its answer
+_SAID: set = set()  # the one-line notices already printed by this process
+
+
+def say_once(text: str) -> None:
+    """A notice on stderr, once per process (a fallback a user should know of, not an error)."""
+    import sys
+
+    if text not in _SAID:
+        _SAID.add(text)
+        print(text, file=sys.stderr, flush=True)
 
 
 def available_memory() -> int:
@@ -63,10 +104,17 @@ def check_serving(cfg: FolderConfig, folder, batch: int, slots: int) -> None:
 
 
 def default_kernel(dtype: str) -> str:
-    """"native" for float32 models when the native kernel is built, else "function". float16: ONNX Runtime's
-    CPU provider runs the body's MatMul in float32 behind inserted casts and keeps the scores in float32 into
-    the softmax, while a float16 kernel must round them to float16 (less accurate), so the body is used."""
-    return "native" if dtype == "float32" and native_library() is not None else "function"
+    """"native" for float32 models when the native kernels are built and one of their variants runs on this CPU,
+    else "function". float16: ONNX Runtime's CPU provider runs the body's MatMul in float32 behind inserted casts and
+    keeps the scores in float32 into the softmax, while a float16 kernel must round them to float16 (less accurate),
+    so the body is used."""
+    if dtype != "float32" or native_library() is None:
+        return "function"
+    if not native_variant():
+        say_once(f"aqua-export: no variant of the native kernels beside {native_library()} runs on this CPU (they need "
+                 "at least x86-64-v2: SSE4.2 and POPCNT): the custom nodes run their ONNX function bodies (slower)")
+        return "function"
+    return "native"
 
 
 def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True,
@@ -92,9 +140,14 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
         so.enable_cpu_mem_arena = False
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    lib = native_library() if kernel != "function" else None
+    if kernel == "auto":
+        kernel = default_kernel("float32")
+    lib = native_library() if kernel == "native" else None
     if kernel == "native" and lib is None:
         raise ConfigError("the native kernels are not built: run `make plugin` (or use kernel='function')")
+    if lib is not None and not native_variant(lib):
+        raise ConfigError(f"no variant of the native kernels beside {lib} runs on this CPU (they need at least "
+                          "x86-64-v2: SSE4.2 and POPCNT): run with --kernel function")
     if lib is not None:
         try:
             so.register_custom_ops_library(str(lib))

@@ -10,6 +10,25 @@ import numpy as np
 from ..config import ConfigError
 
 
+def write_tokenizer(tok, folder: Path) -> None:
+    """The tokenizer's files in a folder, readable by the transformers versions other ONNX tools pin (optimum-onnx:
+    transformers < 4.58) as well as this one: transformers 5 names its tokenizer class TokenizersBackend, which
+    older versions do not have, so the files name the fast tokenizer class both know, its input names (no
+    token_type_ids) and the chat template inline as well as in chat_template.jinja."""
+    import json
+
+    tok.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.setdefault("model_input_names", list(tok.model_input_names))
+    template = Path(folder) / "chat_template.jinja"
+    if template.is_file():
+        cfg.setdefault("chat_template", template.read_text())
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 

@@ -29,7 +29,8 @@
 // so the key cache is read once per group, restricted to the union of the group's selections.
 //
 // Built against the ONNX Runtime C API headers of Debian's libonnxruntime-dev (fetched at build
-// time, see plugins/ort/CMakeLists.txt); the C API is versioned, so this loads in newer runtimes.
+// time, see plugins/ort/CMakeLists.txt); the C API is versioned, so this loads in newer runtimes. Compiled once per
+// instruction-set variant (CMakeLists.txt); loader.cc picks one for the CPU it runs on.
 
 #include <mutex>
 
@@ -353,13 +354,14 @@ std::vector<Ort::CustomOpDomain> g_domains;  // must outlive every session they 
 
 }  // namespace
 
-// the library is built with -fvisibility=hidden: only these two symbols are exported
+// a variant library is built with -fvisibility=hidden and a version script: only this symbol is exported
 #define AQUA_EXPORT __attribute__((visibility("default")))
 
 extern "C" {
 
-// Entry point looked up by SessionOptions.register_custom_ops_library.
-AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+// The variant's entry point, called by the loader's RegisterCustomOps (loader.cc) once it chose this variant for
+// the CPU: the domain's kernels, compiled for this variant's instruction set, added to the session options.
+AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   static Op<float> op_f32;
   static Op<Ort::Float16_t> op_f16;
@@ -389,8 +391,5 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options
   }
   return nullptr;
 }
-
-// The C API version this library was compiled against (checked by the loader in runtime.py).
-AQUA_EXPORT uint32_t AquaOrtApiVersion() { return ORT_API_VERSION; }
 
 }  // extern "C"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The wheel as a user installs it (make test's last step; CI runs it): `pip wheel .` carries the compiled kernels,
+# a fresh virtual environment installs it from the wheel alone, and with nothing but that environment on PATH (no
+# compiler, no cmake, no download) it builds a tiny random checkpoint into a folder and runs it in ONNX Runtime and
+# onnxruntime-genai, on the native kernels. Usage: .ci/wheel_check.sh PYTHON_OF_THE_DEV_VENV
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dev=$1
+work=build/wheel-check
+rm -rf "$work" && mkdir -p "$work"
+"$dev" -m pip wheel . --no-deps -q -w "$work/dist"
+python3 -m venv "$work/venv"
+# torch first, pinned to the machine's CPU wheel (as make setup does); --no-compile: no bytecode for what runs once
+"$work/venv/bin/pip" install -q --no-compile torch==2.13.0 "$work"/dist/aqua_export-*.whl 2>&1 | grep -v "^WARNING: Location" || true
+"$dev" -c "import sys; sys.path.insert(0, 'tests'); from helpers import saved_checkpoint; \
+saved_checkpoint('$work/ckpt', max_position_embeddings=128)" 2> /dev/null
+bare=(env -i HOME="$HOME" TMPDIR="${TMPDIR:-/tmp}" PATH="$PWD/$work/venv/bin")
+if "${bare[@]}" sh -c 'command -v cc gcc g++ cmake' >/dev/null 2>&1; then echo "a compiler is on PATH"; exit 1; fi
+"${bare[@]}" python -c "from aqua_export.runtime.session import native_variant as v; assert v(), 'no kernel variant'; \
+print('installed kernels:', v())"
+"${bare[@]}" aqua-export --model "$work/ckpt" --k-ratio 0.5 --token-budget 32 --calib-text builtin:gpl-3 \
+  --calib-tokens 256 --parity-prompt-tokens 32 --parity-steps 2 --out "$work/folder" > "$work/build.log" 2>&1
+tail -1 "$work/build.log"
+for runtime in aqua genai; do
+  "${bare[@]}" aqua-export run "$work/folder" --prompt "The license" --max-new-tokens 4 --runtime $runtime > /dev/null
+done
+echo "wheel check: $(basename "$work"/dist/*.whl) installed in a fresh venv, built and ran a folder (aqua, genai)"
+rm -rf "$work"
