@@ -51,8 +51,12 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
         raise ConfigError("--context, --batch, --steps and --rounds must be >= 1, --prefill >= 0")
     if prefill and runtime != "aqua":
         raise ConfigError("--prefill is measured in this project's runtime only: use --runtime aqua")
+    needed = (prefill or context) + (0 if prefill else steps + 2)
+    if capacity and capacity < needed:
+        raise ConfigError(f"--capacity {capacity} is fewer cache slots than the {needed} this run fills (context, the "
+                          "timed steps and a warm-up): give 0 (just enough) or more")
     for f in folders:
-        _check_folder(Path(f), runtime, (prefill or context) + (0 if prefill else steps + 2))
+        _check_folder(Path(f), runtime, needed)
     times: dict = {f: [] for f in folders}
     rss: dict = {f: [] for f in folders}
     peak: dict = {f: [] for f in folders}

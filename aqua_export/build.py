@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,14 +29,14 @@ from .export.exporter import (CACHE_NEEDS_FUSED, GRAPH_OPS, SHARED_K_NEEDS_FUSED
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from .outputs import atomic_write_bytes, check_free_space, check_writable, claim
-from .parity.harness import run_parity
+from .outputs import atomic_write_bytes, check_free_space, check_writable, claim, critical
+from .parity.harness import check_run, parity_lengths, prompt_length, run_parity
 from .parity.report import summary_lines
 from .projection import load_projection
 from .projection import write as write_projection
 from .quantize import WeightFormat
 from .runtime import genai
-from .runtime.folder import FolderConfig, Geometry
+from .runtime.folder import FolderConfig, Geometry, file_sha256
 from .runtime.session import default_kernel
 from .runtime.text import write_tokenizer
 from .runtime.tensorrt import build_engine
@@ -42,6 +44,7 @@ from .runtime.tensorrt_plugin import require_tensorrt
 from .slice_costs import add_costs, add_select_costs
 
 STAGES = 5
+CALIB_TOKENS = 16384  # calibration tokens unless asked (--calib-tokens)
 DTYPES = {name: getattr(torch, name) for name in FLOAT_TYPES}  # --dtype name -> torch dtype
 WEIGHT_CHOICES = ("{fmt.name} blocks of {fmt.block} ({zero}) for every linear layer after the folds, the MoE experts "
                   "(QMoE) and the output layer (MatMulNBits, accuracy_level {fmt.accuracy_level}), and the embedding "
@@ -49,31 +52,47 @@ WEIGHT_CHOICES = ("{fmt.name} blocks of {fmt.block} ({zero}) for every linear la
 
 
 
-def default_out(model_name: str, config: AquaConfig, o: "BuildOptions") -> Path:
-    """engines/<model>-k<R>[-s<S>][-h<H>][-<selection>][-<dtype>][-<kv cache>][-tensorrt]: every setting that
-    changes the built model is in the name once it differs from its default, so two builds never share it."""
-    name = f"{model_name}-k{config.k_ratio:g}"
-    if config.slice_ratio:
-        name += f"-s{config.slice_ratio:g}"
-    if config.evicts:
-        name += f"-h{config.h2o_ratio:g}"
-    if config.selection != "magnitude":
-        name += f"-{config.selection}"
-    if config.slice_alloc != "uniform" and config.slice_ratio:
-        name += f"-{config.slice_alloc}"
-    if config.allocates_k:
-        name += f"-kalloc-{config.k_alloc}"
-    if o.dtype != "float32":
-        name += f"-{o.dtype}"
-    if o.weights.quantized:
-        name += f"-{o.weights.name}"
-    if o.cache_dtype not in (None, o.dtype):
-        name += f"-kv-{o.cache_dtype}"
-    if o.ops != "onnxruntime":
-        name += f"-ops-{o.ops}"
-    if o.backend != "onnx":
-        name += f"-{o.backend}"
-    return Path("engines") / name
+def default_out(model_name: str, config: AquaConfig, o: "BuildOptions", calibration: str = "") -> Path:
+    """engines/<model>-k<R> and a part per setting that differs from its default (name_parts), so two builds that
+    differ never share a folder. calibration: "proj-<hash>" / "calib-<hash>" when P does not come from the default
+    calibration (build says which)."""
+    return Path("engines") / "-".join([f"{model_name}-k{config.k_ratio:g}", *name_parts(config, o),
+                                       *([calibration] if calibration else [])])
+
+
+def name_parts(config: AquaConfig, o: "BuildOptions") -> list[str]:
+    """The parts of a default folder name after -k<R>: every setting that changes the built graph or engine, once it
+    differs from its default."""
+    c, w, default = config, o.weights, BuildOptions()
+    parts = [f"s{c.slice_ratio:g}" if c.slice_ratio else "", f"h{c.h2o_ratio:g}" if c.evicts else "",
+             c.selection if c.selection != "magnitude" else "",
+             c.slice_alloc if c.slice_alloc != "uniform" and c.slice_ratio else "",
+             f"kalloc-{c.k_alloc}" if c.allocates_k else ""]
+    if c.selects_tokens:
+        parts += [f"tb{c.token_budget}" if c.token_budget else f"t{c.token_ratio:g}",
+                  f"sink{c.token_sink}" if c.token_sink != AquaConfig.token_sink else "",
+                  f"win{c.token_window}" if c.token_window != AquaConfig.token_window else ""]
+    parts += [o.dtype if o.dtype != default.dtype else "", w.name if w.quantized else ""]
+    if w.quantized:
+        parts += [f"b{w.block}" if w.block != default.weights.block else "", "zp" if not w.symmetric else "",
+                  f"acc{w.accuracy_level}" if w.accuracy_level != default.weights.accuracy_level else ""]
+    parts += [f"kv-{o.cache_dtype}" if o.cache_dtype not in (None, o.dtype) else "",
+              f"ops-{o.ops}" if o.ops != default.ops else "", o.backend if o.backend != default.backend else "",
+              "trt{}x{}x{}".format(*o.trt_limits) if o.backend == "tensorrt" and o.trt_limits != default.trt_limits
+              else ""]
+    return [p for p in parts if p]
+
+
+def calibration_tag(projection_path: str | None, calib_texts: list[str] | None, calib_tokens: int) -> str:
+    """A default folder name's part for where P comes from: "" for the default calibration, else a short hash of
+    the projection file, or of the calibration texts and token count."""
+    if projection_path:
+        return "proj-" + file_sha256(Path(projection_path))[:8]
+    if calib_texts or calib_tokens != CALIB_TOKENS:
+        texts = [t if t.startswith("builtin:") else file_sha256(Path(t)) for t in calib_texts or []]
+        key = json.dumps([texts, calib_tokens])
+        return "calib-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+    return ""
 
 
 def _stage(i: int, text: str, total: int = STAGES) -> None:
@@ -121,8 +140,8 @@ class BuildOptions:
     dtype: str = "float32"
     backend: str = "onnx"
     external_data: bool | None = None
-    parity_steps: int = 64
-    parity_prompt: int = 256
+    parity_steps: int | None = None  # None: harness.PARITY_STEPS, fewer for a short context (parity_lengths)
+    parity_prompt: int | None = None  # None: harness.PROMPT_TOKENS, or what a short context leaves
     trt_limits: tuple[int, int, int] = (8, 4096, 1024)
     force: bool = False  # replace an existing --out that this tool built
     weights: WeightFormat = WeightFormat()  # the linear layers' storage: float (dtype) or int4 / int8 blocks
@@ -132,8 +151,9 @@ class BuildOptions:
 
 def _check(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
-    if o.parity_prompt < 16 or o.parity_steps < 1:
-        raise ConfigError("--parity-prompt-tokens must be >= 16 and --parity-steps >= 1")
+    if (o.parity_prompt is not None and o.parity_prompt < 16) or (o.parity_steps is not None and o.parity_steps < 1):
+        raise ConfigError(f"--parity-prompt-tokens {o.parity_prompt} / --parity-steps {o.parity_steps}: give a prompt "
+                          "of 16 or more tokens and 1 or more steps")
     if o.ops not in GRAPH_OPS:
         raise ConfigError(f"unknown --ops {o.ops!r}: use one of {', '.join(GRAPH_OPS)}")
     if o.ops == "standard" and o.weights.quantized:
@@ -161,7 +181,7 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
 
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
-          calib_texts: list[str] | None = None, calib_tokens: int = 16384, out: str | None = None,
+          calib_texts: list[str] | None = None, calib_tokens: int = CALIB_TOKENS, out: str | None = None,
           options: BuildOptions = BuildOptions()) -> Path:
     """Calibrate (or reuse ``projection_path``) -> export -> parity -> ``out``, atomically.
 
@@ -172,12 +192,42 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     _check(o, config)
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
+    if calib_tokens < 1:
+        raise ConfigError(f"--calib-tokens {calib_tokens}: calibrate on 1 or more tokens (default {CALIB_TOKENS})")
     projection = load_projection(projection_path) if projection_path else None
-    out_dir = Path(out) if out else default_out(models.short_name(model_spec), config, o)
+    # what the model's config decides, before its weights load: the settings it takes, the projection's model, the
+    # parity run in its context (harness.check_run)
+    hf_config = models.load_config(model_spec)
+    models.architecture_of(hf_config).check_settings(hf_config, config)
+    if projection is not None:
+        projection.check_config(hf_config)
+    context = models.context_of(hf_config)
+    o = dataclasses.replace(o, **dict(zip(("parity_prompt", "parity_steps"),
+                                          parity_lengths(o.parity_prompt, o.parity_steps, context))))
+    check_run(config, o.parity_prompt, o.parity_steps, context)
+    out_dir = Path(out) if out else default_out(models.short_name(model_spec), config, o,
+                                                calibration_tag(projection_path, calib_texts, calib_tokens))
     check_out_dir(out_dir, o.force)
     with claim(out_dir):  # a second build to the same --out fails now, not by replacing this one's folder
         check_out_dir(out_dir, o.force)  # what it holds may have changed before the claim
+        _remove_leftovers(out_dir)
         return _build(model_spec, config, projection, projection_path, calib_texts, calib_tokens, out_dir, o)
+
+
+def _leftover(out: Path, entry: Path) -> bool:
+    """Whether ``entry`` beside ``out`` is a build's temporary folder for ``out``: ``.<name>.<8 of mkdtemp's
+    characters>.tmp`` (the folder being assembled) or ``.<name>.old-<pid>`` (the folder being replaced)."""
+    name = re.escape(out.name)
+    return bool(re.fullmatch(rf"\.{name}\.[a-z0-9_]{{8}}\.tmp|\.{name}\.old-\d+", entry.name)) and entry.is_dir()
+
+
+def _remove_leftovers(out: Path) -> None:
+    """What a build to ``out`` that was killed (SIGKILL, a power cut: no cleanup ran) left beside it. Called under
+    the claim on ``out``, so no live build of it owns any."""
+    for entry in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
+        if _leftover(out, entry):
+            print(f"[aqua-export] removing {entry}, left by a build of {out} that was killed", flush=True)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _build(model_spec, config, projection, projection_path, calib_texts, calib_tokens, out_dir: Path,
@@ -214,7 +264,9 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
         # one model in memory at a time: the PyTorch model goes while ONNX Runtime runs, and comes back after
         del model
         gc.collect()
-        _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({o.parity_prompt}-token prompt, "
+        prompt = prompt_length(config, o.parity_prompt, o.parity_steps, cfg.context_length)
+        longer = ", longer than asked so that token selection leaves pages out" if prompt > o.parity_prompt else ""
+        _stage(4, f"parity: ONNX Runtime vs the PyTorch reference ({prompt}-token prompt{longer}, "
                   f"{o.parity_steps} decode steps)", total)
         meter.start("parity")
         _parity(tmp, cfg, tok, projection, config, o, model_spec)
@@ -310,10 +362,11 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the folder is meant to be shared/served
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    with critical():  # a signal between the two renames would leave no folder at --out
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

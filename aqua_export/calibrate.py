@@ -21,7 +21,7 @@ import torch
 
 from . import __version__, corpus
 from .config import ConfigError
-from .models import architecture_of, attention_geometry, fingerprint
+from .models import architecture_of, attention_geometry, cache_keyword, fingerprint, returned_cache
 from .projection import FORMAT_VERSION
 from .reference.precision import float32_compute
 
@@ -165,8 +165,9 @@ def generated_token_stream(model, tok, n_tokens: int, seed: int, batch: int = 8,
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         for _ in _progress(per, "generating calibration text", progress, unit="step"):
-            r = model(input_ids=cur_ids, attention_mask=cur_mask, position_ids=pos, past_key_values=past, use_cache=True)
-            past = r.past_key_values
+            r = model(input_ids=cur_ids, attention_mask=cur_mask, position_ids=pos, use_cache=True,
+                      **{cache_keyword(model): past})
+            past = returned_cache(r)
             probs = torch.softmax(r.logits[:, -1, :].float(), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
             out.append(nxt)

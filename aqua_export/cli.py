@@ -4,18 +4,23 @@
     aqua-export {calibrate,eval,lm-eval,retention,run,bench,parity,check} ...
 
 Every bad input ends in one line on stderr, ``aqua-export: error: ...``, and exit code 2; so does an operating
-system refusal (a full disk, a read-only folder); Ctrl-C ends in one line and exit code 130.
+system refusal (a full disk, a read-only folder); Ctrl-C ends in one line and exit code 130, SIGTERM (what `timeout`,
+`docker stop` and systemd send) and SIGHUP in one line and 128 + the signal's number, each stage's temporary files
+removed on the way out as for Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import shlex
+import signal
 import sys
 
 from . import commands
 from .config import ConfigError
 from .ops.spec import FLOAT_TYPES
+from .outputs import Terminated, on_signal
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,10 +76,13 @@ def _config_args(p, k_default: float = 1.0):
                    help="token selection: the most recent tokens every step keeps (default %(default)s)")
 
 
+SEQ_LEN = 512  # the windows' length unless asked: evaluate.window_length
+
+
 def _window_args(p, tokens: int, what: str):
     p.add_argument("--tokens", type=int, default=tokens, help=f"tokens of text to {what}, >= 1 (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=512, help="window length in tokens, >= 2; each window starts fresh "
-                                                            "(default %(default)s)")
+    p.add_argument("--seq-len", type=int, help=f"window length in tokens, >= 2, within the model's context; each window "
+                                                f"starts fresh (default {SEQ_LEN}, or the context when shorter)")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -127,10 +135,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--external-data", action="store_true",
                     help="write the weights to model.onnx.data beside model.onnx whatever the model's size (above "
                          "512 MiB they go there anyway: past 2 GB protobuf cannot hold them)")
-    ap.add_argument("--parity-steps", type=int, default=64, help="greedy decode steps of the parity check, >= 1 "
-                                                                "(default %(default)s)")
-    ap.add_argument("--parity-prompt-tokens", type=int, default=256,
-                    help="real-text prompt length of the parity check, >= 16 (default %(default)s)")
+    ap.add_argument("--parity-steps", type=int, help="greedy decode steps of the parity check, >= 1 (default 64, "
+                                                      "fewer for a model whose context is shorter)")
+    ap.add_argument("--parity-prompt-tokens", type=int,
+                    help="real-text prompt length of the parity check, >= 16 (default 256, or what a shorter context "
+                         "leaves; token selection lengthens it until a decode step leaves pages out)")
     return ap
 
 
@@ -148,7 +157,7 @@ def build_main(argv: list[str]) -> int:
                         weights=weights, cache_dtype=a.cache_dtype, ops=a.ops)
     out = build(a.model, commands.config_of(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
-    print(f"ready: {out}  (try: aqua-export run {out} --prompt \"Hello\" --chat)")
+    print(f"ready: {out}  (try: aqua-export run {shlex.quote(str(out))} --prompt \"Hello\" --chat)")
     return 0
 
 
@@ -254,7 +263,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0..vocabulary; 0 = all "
                                                         "(default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; a negative one draws a fresh seed each run, as "
+                                                       "onnxruntime-genai's -1 does (default %(default)s)")
     p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
                    help="onnx: ONNX Runtime; tensorrt: the folder's model.engine (default %(default)s)")
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
@@ -282,7 +292,8 @@ def _bench_parser(sub) -> None:
                         "the context written into its buffers (default %(default)s)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per round (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the folders (default %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads; 0 = all cores (default "
+                                                          "%(default)s)")
     p.add_argument("--capacity", type=int, default=0, help="cache slots to allocate, as genai's max_length would "
                    "(aqua, genai-io; 0 = just enough): a step's cost should not depend on it (default %(default)s)")
     p.add_argument("--prefill", type=int, default=0, help="time whole prompts of this many tokens from an empty "
@@ -294,7 +305,8 @@ def _bench_parser(sub) -> None:
 def _parity_parser(sub) -> None:
     p = sub.add_parser("parity", help="ONNX Runtime vs the PyTorch reference (and vs HF at k = r)")
     p.add_argument("folder", help="a folder built by aqua-export")
-    p.add_argument("--steps", type=int, default=64, help="greedy decode steps, >= 1 (default %(default)s)")
+    p.add_argument("--steps", type=int, help="greedy decode steps, >= 1 (default 64, fewer for a model whose context "
+                                             "is shorter)")
     p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
                    help="what runs the custom nodes: the native kernels, the function bodies, or auto (default "
                         "%(default)s)")
@@ -314,8 +326,30 @@ SUBPARSERS = {"calibrate": _calibrate_parser, "eval": _eval_parser, "lm-eval": _
 SUBCOMMANDS = tuple(SUBPARSERS)
 
 
+TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    handlers = {s: signal.signal(s, on_signal) for s in TERMINATING} if _main_thread() else {}
+    try:
+        return _main(argv)
+    except Terminated as e:
+        _end_progress_bars()
+        print(f"aqua-export: stopped by {signal.Signals(e.signum).name} (nothing was written)", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv and argv[0] == "--version":
             from . import __version__

@@ -42,6 +42,12 @@ def cmd_calibrate(a) -> int:
     max_memory = models.parse_max_memory(a.max_memory)
     if max_memory and not a.device_map:
         raise ConfigError("--max-memory needs --device-map (e.g. --device-map auto)")
+    from .evaluate import window_length
+
+    a.seq_len = window_length(a.seq_len, models.context_of(models.load_config(a.model)))
+    if a.tokens < 1 or a.seq_len < 2:
+        raise ConfigError(f"--tokens {a.tokens} / --seq-len {a.seq_len}: calibrate on 1 or more tokens, in windows of "
+                          "2 or more")
     group = _process_group()
     import tempfile
 
@@ -80,24 +86,33 @@ def cmd_calibrate(a) -> int:
     return 0
 
 
+def check_threads(threads: int) -> None:
+    if threads < 0:
+        raise ConfigError(f"--threads {threads}: give a count of threads, or 0 for all cores")
+
+
 def cmd_eval(a) -> int:
     from . import corpus, evaluate, models
     from .projection import load_projection
 
     cfg = config_of(a)
-    evaluate.check_windows(a.tokens, a.seq_len)
+    check_threads(a.threads)
     if a.folder:
         if a.model or a.projection or cfg != AquaConfig():
             raise ConfigError("a folder carries its own model and AQUA settings: drop --model / --projection / "
                               "--k-ratio / --slice-ratio / --h2o-ratio / --selection with --folder")
         res = evaluate.folder_perplexity(a.folder, corpus.read_text(a.text), tokens=a.tokens, seq_len=a.seq_len,
                                          threads=a.threads, progress=not a.json)
+        a.seq_len = res["seq_len"]
         res["text"] = a.text
         print(json.dumps(res, sort_keys=True) if a.json else
               f"perplexity {res['perplexity']:.4f} over {res['predicted_tokens']} predicted tokens ({res['windows']} "
               f"windows of {a.seq_len}) of the folder {a.folder} ({res['runtime']})")
         return 0
     a.model = a.model or "llama"
+    # windows past the reference's context are a research question (context extension): taken as asked
+    a.seq_len = a.seq_len or evaluate.window_length(None, models.context_of(models.load_config(a.model)))
+    evaluate.check_windows(a.tokens, a.seq_len)
     projection = load_projection(a.projection) if a.projection else None
     if projection is None and not cfg.is_dense:
         raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
@@ -120,6 +135,9 @@ def cmd_lm_eval(a) -> int:
     tasks = [t for t in a.tasks.split(",") if t]
     if a.limit is not None and not a.limit > 0:
         raise ConfigError(f"--limit {a.limit:g} is not a number of items: give a count >= 1, or a share in (0, 1)")
+    if a.batch_size < 1:
+        raise ConfigError(f"--batch-size {a.batch_size}: give 1 or more requests per forward")
+    check_threads(a.threads)
     config = config_of(a)
     if a.model and not a.projection and not config.is_dense:
         raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1, --token-ratio 1 need "
@@ -181,6 +199,7 @@ def cmd_retention(a) -> int:
     for name in RETENTION_FILES:
         refuse_foreign(out / name, lambda p: ours, a.force)
     AquaConfig(k_ratio=a.k_ratio)
+    a.seq_len = evaluate.window_length(a.seq_len, models.context_of(models.load_config(a.model)))
     evaluate.check_windows(a.tokens, a.seq_len)
     projection = load_projection(a.projection)
     text = corpus.read_text(a.text)
@@ -210,6 +229,10 @@ def cmd_run(a) -> int:
     sampling.check_vocabulary(cfg.contract.vocab)
     tok = load_tokenizer(a.folder)
     ids, mask = encode_prompts(tok, a.prompt, chat=a.chat, context=cfg.context_length, max_new_tokens=a.max_new_tokens)
+    if sys.stderr.isatty():  # a terminal waits for the load (seconds for a large folder) with a word of what it is
+        size = sum(r["bytes"] for n, r in cfg.files.items() if n.startswith("model.onnx"))
+        print(f"[loading {a.folder}: {size / 2**30:.2f} GiB of weights into "
+              f"{'onnxruntime-genai' if a.runtime == 'genai' else 'ONNX Runtime'}]", file=sys.stderr, flush=True)
     lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
                  share_buffer=a.kv_buffer == "shared", serving=(ids.shape[0], ids.shape[1] + a.max_new_tokens))
     if a.backend == "tensorrt":
@@ -232,6 +255,7 @@ def cmd_run(a) -> int:
 def cmd_bench(a) -> int:
     from .bench import bench, table
 
+    check_threads(a.threads)
     res = bench(a.folders, context=a.context, batch=a.batch, runtime=a.runtime, steps=a.steps, rounds=a.rounds,
                 threads=a.threads, capacity=a.capacity, prefill=a.prefill)
     print(json.dumps(res, sort_keys=True) if a.json else table(res))
@@ -240,7 +264,7 @@ def cmd_bench(a) -> int:
 
 def cmd_parity(a) -> int:
     from . import models
-    from .parity.harness import run_parity
+    from .parity.harness import check_run, parity_lengths, run_parity
     from .parity.report import summary_lines
     from .projection import load_projection
     from .runtime.folder import FolderConfig
@@ -248,13 +272,16 @@ def cmd_parity(a) -> int:
     from .runtime.text import load_tokenizer
 
     cfg = FolderConfig.from_folder(a.folder)
+    prompt, steps = parity_lengths(None, a.steps, cfg.context_length)
+    check_run(cfg.aqua, prompt, steps, cfg.context_length)
     cfg.verify(a.folder, checksums=True)  # damaged weights are named here, not left to fail a gate
     kernel = a.kernel if a.kernel != "auto" else default_kernel(cfg.dtype)
     path = Path(a.folder) / "model.onnx"
     proj = load_projection(Path(a.folder) / "projection.safetensors")
     # the reference model is loaded only after the ONNX Runtime runs: one model in memory at a time
     res = run_parity(path, cfg, load_tokenizer(a.folder), proj, cfg.aqua,
-                     lambda: models.load(cfg.model, dtype="auto")[0], steps=a.steps, dtype=cfg.dtype, kernel=kernel,
+                     lambda: models.load(cfg.model, dtype="auto")[0], prompt_tokens=prompt, steps=steps, dtype=cfg.dtype,
+                     kernel=kernel,
                      progress=None if a.json else lambda text: print(f"... {text}", flush=True))
     print(json.dumps(res, sort_keys=True) if a.json else "\n".join(summary_lines(res)))
     return 0 if res["pass"] else 1

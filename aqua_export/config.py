@@ -13,6 +13,8 @@ CONFIG_VERSION = 3  # 3: k_alloc; 2: token selection (token_ratio, token_budget,
 SELECTIONS = tuple(spec.SELECTIONS)  # the rule names; what each scores: ops.rules
 SLICE_ALLOCS = ("uniform", "energy", "measured")  # how AQUA-Memory spreads its width budget over layers (allocate.py)
 K_ALLOCS = ("uniform", "energy", "measured")  # how the selection budget k spreads over layers (allocate.py)
+TOKEN_SINK, TOKEN_WINDOW = 16, 64  # token selection's forced tokens unless asked (AquaConfig says why these)
+MAX_TOKENS = 1 << 24  # the largest token count a setting may name: past any model's context
 # how each rule scores coordinate i of q^ before taking the top k (ops.rules.selection_score is the definition):
 #   shared: one index set per KV group (the sum of the score over its g query heads), so a kernel reads exactly
 #           k of K^'s r rows per group instead of the union of g selections
@@ -81,8 +83,8 @@ class AquaConfig:
     k_alloc: str = "uniform"
     token_ratio: float = 1.0
     token_budget: int = 0
-    token_sink: int = 16  # one page: the attention-sink tokens models keep looking at (StreamingLLM keeps 4)
-    token_window: int = 64  # four pages of the most recent tokens: the local context every next token leans on
+    token_sink: int = TOKEN_SINK  # one page: the attention-sink tokens models keep looking at (StreamingLLM keeps 4)
+    token_window: int = TOKEN_WINDOW  # four pages of the most recent tokens: the local context the next one leans on
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -100,6 +102,12 @@ class AquaConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name}={v!r} must be a whole number >= 0")
+            if v > MAX_TOKENS:
+                raise ConfigError(f"{name}={v} is past any context this tool serves ({MAX_TOKENS} tokens): give the "
+                                  "tokens a decode step reads")
+        if not self.selects_tokens and (self.token_sink, self.token_window) != (TOKEN_SINK, TOKEN_WINDOW):
+            raise ConfigError("token_sink / token_window are token selection's: give --token-budget or --token-ratio "
+                              "too, or drop them")
         if self.token_budget and self.token_ratio < 1:
             raise ConfigError("--token-ratio and --token-budget both choose how many tokens a step reads: give one")
         if self.selects_tokens and self.evicts:

@@ -47,12 +47,16 @@ def read_text(source: str) -> str:
     if source.startswith("builtin:"):
         return _builtin_text(source.split(":", 1)[1])
     p = Path(source)
+    if p.is_dir():
+        raise ConfigError(f"{source} is a folder: give a text file (plain text or JSONL) or builtin:NAME")
     if not p.is_file():
         raise ConfigError(f"text file {source} does not exist")
     try:
         raw = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"text file {source} is not UTF-8 text") from None
+    if "\x00" in raw:
+        raise ConfigError(f"text file {source} holds NUL bytes: it is binary data, not text")
     if p.suffix == ".jsonl":
         parts = []
         for n, line in enumerate(raw.splitlines(), 1):

@@ -29,7 +29,7 @@ from .ops.rules import select_indices, selection_keep
 from .outputs import atomic_write_bytes
 from .projection import Projection
 from .reference.attention import apply_aqua
-from .runtime.folder import CONFIG_FILE
+from .runtime.folder import CONFIG_FILE, FolderConfig
 from .runtime.genai import GenaiGraph
 from .runtime.lm import OrtLM
 from .runtime.text import load_tokenizer
@@ -42,6 +42,15 @@ def _nll(model, ids: torch.Tensor, last: int = 0) -> tuple[float, int]:
     first = max(0, ids.numel() - 1 - last) if last else 0
     return torch.nn.functional.cross_entropy(logits[first:], ids[1 + first:], reduction="sum").item(), \
         ids.numel() - 1 - first
+
+
+def window_length(asked: int | None, context: int | None, what: str = "the model's") -> int:
+    """--seq-len: as asked, within the context (one line past it), or the default 512 (the context when shorter)."""
+    if asked is None:
+        return min(512, context or 512)
+    if context and asked > context:
+        raise ConfigError(f"--seq-len {asked} is past {what} context of {context} tokens: lower it")
+    return asked
 
 
 def check_windows(tokens: int, seq_len: int) -> None:
@@ -96,7 +105,19 @@ def _decoded_logits(lm, ids: np.ndarray) -> np.ndarray:
     return np.stack(out)
 
 
-def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: int = 0,
+def folder_context(folder: Path) -> int | None:
+    """The context of a built folder: this tool's (aqua_config.json) or genai's model builder's (genai_config.json)."""
+    import json
+
+    if (folder / CONFIG_FILE).is_file():
+        return FolderConfig.from_folder(folder).context_length
+    try:
+        return int(json.loads((folder / "genai_config.json").read_text())["model"]["context_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int | None = None, threads: int = 0,
                       progress: bool = False) -> dict:
     """Perplexity of a built folder run by ONNX Runtime (the same windows as ``perplexity``): this tool's folders
     through their graph contract (runtime.OrtLM, the native kernels when built), a folder of onnxruntime-genai's
@@ -107,8 +128,9 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int, threads: 
 
     from tqdm import tqdm
 
-    check_windows(tokens, seq_len)
     folder = Path(folder)
+    seq_len = window_length(seq_len, folder_context(folder), f"{folder}'s model")
+    check_windows(tokens, seq_len)
     if (folder / CONFIG_FILE).is_file():
 
         lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len))

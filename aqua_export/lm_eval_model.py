@@ -125,7 +125,7 @@ class AquaLM(HFLM):
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self._session is not None:  # AQUA's own cache: H2O eviction and the narrow AQUA-Memory cache
-            generation_kwargs["past_key_values"] = self._session.new_cache()
+            generation_kwargs[models.cache_keyword(self._session.model)] = self._session.new_cache()
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def close(self) -> None:

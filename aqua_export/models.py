@@ -165,16 +165,10 @@ def parse_max_memory(text: str | None) -> dict | None:
     return out
 
 
-def load(spec: str, dtype: torch.dtype | str = torch.float32, device_map: str | None = None, max_memory: dict | None = None,
-         offload_folder: str | None = None):
-    """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention.
-
-    dtype: torch.float32, or "auto" for the checkpoint's own dtype (no float32 copy of a bfloat16 checkpoint:
-    compute in float32 with precision.float32_compute).
-
-    device_map / max_memory: accelerate's placement for a model that does not fit one device ("auto" spreads
-    layers over the GPUs, then CPU memory, then ``offload_folder`` on disk, within max_memory per device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_config(spec: str):
+    """The Hugging Face config of a --model value (no weights loaded: what the checks made before a load read), of an
+    architecture this tool exports."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep stderr for our own progress and one-line errors
@@ -186,6 +180,28 @@ def load(spec: str, dtype: torch.dtype | str = torch.float32, device_map: str | 
     except Exception as e:  # OSError for a missing id, json's and huggingface_hub's validation errors for a bad file
         raise ConfigError(f"cannot load model {spec!r}: {_first_line(e)}") from None
     architecture_of(cfg)
+    return cfg
+
+
+def context_of(cfg) -> int | None:
+    """The positions a model's config says it was trained for (None: it does not say)."""
+    return getattr(cfg, "max_position_embeddings", None) or getattr(getattr(cfg, "text_config", None),
+                                                                    "max_position_embeddings", None)
+
+
+def load(spec: str, dtype: torch.dtype | str = torch.float32, device_map: str | None = None, max_memory: dict | None = None,
+         offload_folder: str | None = None):
+    """Load (model, tokenizer) for a --model value; the model is in eval mode with eager-compatible attention.
+
+    dtype: torch.float32, or "auto" for the checkpoint's own dtype (no float32 copy of a bfloat16 checkpoint:
+    compute in float32 with precision.float32_compute).
+
+    device_map / max_memory: accelerate's placement for a model that does not fit one device ("auto" spreads
+    layers over the GPUs, then CPU memory, then ``offload_folder`` on disk, within max_memory per device)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_config(spec)
+    where, _ = resolve(spec)
     kw = {}
     if device_map is not None:
         kw = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
@@ -205,6 +221,19 @@ def load(spec: str, dtype: torch.dtype | str = torch.float32, device_map: str | 
     return model, tok
 
 
+def cache_keyword(model) -> str:
+    """The keyword a forward (and generate) takes a KV cache by: transformers renamed ``past_key_values`` to ``cache``
+    (5.2x), the old name kept with a FutureWarning that every build would print."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The KV cache a forward returned, under either of transformers' names (cache_keyword)."""
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
 def short_name(spec: str) -> str:
     if spec == DEFAULT_MODEL:
         return "llama"
@@ -213,7 +242,11 @@ def short_name(spec: str) -> str:
 
 
 def attention_geometry(model) -> dict:
-    cfg = model.config
+    """layers, heads, kv_heads, head_dim, hidden_size of a model (or of its config: config_geometry)."""
+    return config_geometry(model.config)
+
+
+def config_geometry(cfg) -> dict:
     heads = cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return {

@@ -6,6 +6,8 @@
     atomic_write_bytes(path, data) written to a temporary sibling, renamed into place
     claim(out)                     an exclusive claim on an output path for the length of a job (a lock file
                                    beside it, held with flock: released by the kernel if the process dies)
+    critical()                     a few renames that must all happen: Ctrl-C, SIGTERM or SIGHUP waits for them
+                                   (on_signal is the handler cli.main installs)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -113,3 +116,47 @@ def claim(out: Path, what: str = "--out"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock)
         os.close(fd)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so every stage's cleanup
+    (``finally``, ``except BaseException``) runs before the process ends."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_critical = {"depth": 0, "pending": []}
+
+
+def on_signal(signum, frame) -> None:
+    """The handler of SIGINT, SIGTERM and SIGHUP: KeyboardInterrupt or Terminated now, or after the critical section
+    the main thread is in."""
+    if _critical["depth"]:
+        _critical["pending"].append(signum)
+        return
+    _raise(signum)
+
+
+def _raise(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    for s in (signal.SIGTERM, signal.SIGHUP):  # once: a second signal during the cleanup would cut it short
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def critical():
+    """A block of renames that must all happen (a folder replaced: the old one moved aside, the new one in its
+    place): a signal that arrives inside it is raised when it ends."""
+    _critical["depth"] += 1
+    try:
+        yield
+    finally:
+        _critical["depth"] -= 1
+        if not _critical["depth"] and _critical["pending"]:
+            signum = _critical["pending"][0]
+            _critical["pending"].clear()
+            _raise(signum)

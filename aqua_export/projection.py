@@ -73,8 +73,18 @@ class Projection:
         return None not in (self.select_cost, self.select_head_cost, self.select_head_energy) and \
             self.metadata.get("select_rule") == selection
 
+    def check_config(self, cfg) -> None:
+        """What a model's config alone decides (its architecture and shapes), before its weights load."""
+        from .models import architecture_of, config_geometry
+
+        self._compare({k: v for k, v in self.fingerprint.items() if k != "attention_sha256"},
+                      {"architecture": architecture_of(cfg).model_type, **config_geometry(cfg)})
+
     def check_model(self, model) -> None:
-        mine, theirs = self.fingerprint, fingerprint(model)
+        self._compare(self.fingerprint, fingerprint(model))
+
+    @staticmethod
+    def _compare(mine: dict, theirs: dict) -> None:
         if mine != theirs:
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ConfigError(

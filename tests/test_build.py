@@ -27,7 +27,7 @@ def proj(tmp_path, smollm_projection):
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt: TensorRT is not installed here"),
-    (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "--parity-prompt-tokens must be >= 16"),
+    (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "give a prompt of 16 or more tokens"),
     (["--k-ratio", "0.5", "--cache-dtype", "float16", "--backend", "tensorrt"], "TensorRT's separate nodes take one"),
     (["--k-ratio", "0.5", "--cache-dtype", "float16", "--h2o-ratio", "0.5"], "AQUA-H2O's slot buffers are kept"),
     (["--k-ratio", "0.5", "--dtype", "float16", "--cache-dtype", "float32"], "a float16 graph caches float16"),
@@ -255,16 +255,54 @@ def test_force_replaces_only_what_a_build_wrote(tmp_path, capsys):
 
 
 def test_default_names_differ_for_every_setting_that_changes_the_model():
-    from aqua_export.build import BuildOptions, default_out
+    """Every setting of the table, at a value other than its default, gives its own default folder name: the AQUA
+    settings, the build options that change the graph or engine, and where the projection comes from."""
+    import dataclasses
 
-    variants = [(AquaConfig(k_ratio=0.75), BuildOptions()), (AquaConfig(k_ratio=0.75), BuildOptions(dtype="float16")),
-                (AquaConfig(k_ratio=0.75, selection="weighted"), BuildOptions()),
-                (AquaConfig(k_ratio=0.75, slice_ratio=0.25), BuildOptions()),
-                (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), BuildOptions()),
-                (AquaConfig(k_ratio=0.75), BuildOptions(backend="tensorrt")),
-                (AquaConfig(k_ratio=0.75), BuildOptions(cache_dtype="float16")),
-                (AquaConfig(k_ratio=0.75), BuildOptions(cache_dtype="float32"))]
-    names = [default_out("llama", c, o).name for c, o in variants]
-    assert names[0] == "llama-k0.75" and len(set(names[:-1])) == len(names) - 1, names
-    assert names[1] == "llama-k0.75-float16" and names[4] == "llama-k0.75-h0.5"
-    assert names[6] == "llama-k0.75-kv-float16" and names[7] == names[0]  # float32 is the float32 graph's own cache
+    from aqua_export.build import BuildOptions, calibration_tag, default_out
+    from aqua_export.quantize import WeightFormat
+
+    base, tokens = AquaConfig(k_ratio=0.75), dict(token_budget=512)
+    int4 = WeightFormat(bits=4)
+    table = {  # setting -> (AQUA settings, build options, calibration) differing from the first row in that setting
+        "default": (base, BuildOptions(), ""),
+        "k_ratio": (AquaConfig(k_ratio=0.5), BuildOptions(), ""),
+        "slice_ratio": (AquaConfig(k_ratio=0.75, slice_ratio=0.25), BuildOptions(), ""),
+        "slice_alloc": (AquaConfig(k_ratio=0.75, slice_ratio=0.25, slice_alloc="energy"), BuildOptions(), ""),
+        "h2o_ratio": (AquaConfig(k_ratio=0.75, h2o_ratio=0.5), BuildOptions(), ""),
+        "selection": (AquaConfig(k_ratio=0.75, selection="weighted"), BuildOptions(), ""),
+        "k_alloc": (AquaConfig(k_ratio=0.75, k_alloc="energy"), BuildOptions(), ""),
+        "token_ratio": (AquaConfig(k_ratio=0.75, token_ratio=0.25), BuildOptions(), ""),
+        "token_budget": (AquaConfig(k_ratio=0.75, **tokens), BuildOptions(), ""),
+        "token_budget 256": (AquaConfig(k_ratio=0.75, token_budget=256), BuildOptions(), ""),
+        "token_sink": (AquaConfig(k_ratio=0.75, token_sink=32, **tokens), BuildOptions(), ""),
+        "token_window": (AquaConfig(k_ratio=0.75, token_window=128, **tokens), BuildOptions(), ""),
+        "dtype": (base, BuildOptions(dtype="float16"), ""),
+        "weights": (base, BuildOptions(weights=int4), ""),
+        "weights int8": (base, BuildOptions(weights=WeightFormat(bits=8)), ""),
+        "weight_block": (base, BuildOptions(weights=dataclasses.replace(int4, block=64)), ""),
+        "zero_points": (base, BuildOptions(weights=dataclasses.replace(int4, symmetric=False)), ""),
+        "accuracy_level": (base, BuildOptions(weights=dataclasses.replace(int4, accuracy_level=0)), ""),
+        "cache_dtype": (base, BuildOptions(cache_dtype="float16"), ""),
+        "ops": (base, BuildOptions(ops="standard"), ""),
+        "backend": (base, BuildOptions(backend="tensorrt"), ""),
+        "trt_limits": (base, BuildOptions(backend="tensorrt", trt_limits=(4, 8192, 1024)), ""),
+        "calibration": (base, BuildOptions(), calibration_tag(None, ["builtin:gpl-3"], 16384)),
+        "calib_tokens": (base, BuildOptions(), calibration_tag(None, None, 4096)),
+    }
+    names = {k: default_out("llama", c, o, cal).name for k, (c, o, cal) in table.items()}
+    assert names["default"] == "llama-k0.75"
+    assert len(set(names.values())) == len(names), names
+    assert names["dtype"] == "llama-k0.75-float16" and names["h2o_ratio"] == "llama-k0.75-h0.5"
+    assert names["cache_dtype"] == "llama-k0.75-kv-float16" and names["token_budget"] == "llama-k0.75-tb512"
+    # a float32 cache is the float32 graph's own: the same build, the same name
+    assert default_out("llama", base, BuildOptions(cache_dtype="float32")).name == names["default"]
+    # every field of the settings is in the table (a new one must say how it names its folder)
+    from aqua_export.build import BuildOptions as B
+
+    named = {"k_ratio", "slice_ratio", "slice_alloc", "h2o_ratio", "selection", "k_alloc", "token_ratio",
+             "token_budget", "token_sink", "token_window", "dtype", "weights", "cache_dtype", "ops", "backend",
+             "trt_limits"}
+    not_the_graph = {"version", "external_data", "parity_steps", "parity_prompt", "force"}
+    fields = {f.name for f in dataclasses.fields(AquaConfig)} | {f.name for f in dataclasses.fields(B)}
+    assert fields == named | not_the_graph, fields ^ (named | not_the_graph)

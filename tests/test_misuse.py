@@ -22,6 +22,9 @@ def one_line(capsys, needle: str = "") -> str:
     return lines[0]
 
 
+SHORT_PARITY = ["--parity-prompt-tokens", "32", "--parity-steps", "2"]  # fits the tiny checkpoint's 64 positions, fast
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return saved_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position_embeddings=64)
@@ -139,7 +142,7 @@ def test_a_full_disk_is_refused_before_work_with_the_numbers(ckpt, tmp_path, mon
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
-    assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--out", str(tmp_path / "o")]) == 2
+    assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--out", str(tmp_path / "o"), *SHORT_PARITY]) == 2
     one_line(capsys, "GiB on the disk of")
     assert [p.name for p in tmp_path.iterdir()] == []
 
@@ -152,7 +155,7 @@ def test_a_disk_filling_up_mid_build_is_one_line_and_leaves_nothing(ckpt, tmp_pa
 
     monkeypatch.setattr(build, "_export", full)
     assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--out", str(tmp_path / "o"), "--calib-tokens", "64",
-                 "--calib-text", "builtin:gpl-3"]) == 2
+                 "--calib-text", "builtin:gpl-3", *SHORT_PARITY]) == 2
     one_line(capsys, "No space left on device")
     assert list(tmp_path.iterdir()) == []
 
@@ -243,3 +246,53 @@ def test_help_lists_every_subcommand(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert f"Subcommands: {', '.join(SUBCOMMANDS)}" in " ".join(out.split())
+
+
+# ------------------------------------------------------------------ a newcomer's second pass (values out of range)
+
+@pytest.mark.parametrize("args,needle", [
+    (["--token-budget", "1000000000000"], "token_budget=1000000000000 is past any context this tool serves"),
+    (["--token-budget", "32", "--token-window", "100000000"], "token_window=100000000 is past any context"),
+    (["--token-window", "32"], "token_sink / token_window are token selection's"),
+    (["--token-budget", "60", *SHORT_PARITY], "reads every token of any prompt that fits this model's context of 64"),
+    (["--parity-prompt-tokens", "60", "--parity-steps", "8"], "past the model's context of 64 tokens"),
+    (["--parity-steps", "70"], "past the model's context of 64 tokens"),
+    (["--calib-tokens", "-1"], "--calib-tokens -1"),
+])
+def test_build_values_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys, args, needle):
+    from aqua_export import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--out", str(tmp_path / "o"), *args]) == 2
+    one_line(capsys, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["parity", "{plain}", "--steps", "0"], "1 or more decode steps"),
+    (["parity", "{plain}", "--steps", "-5"], "1 or more decode steps"),
+    (["eval", "--folder", "{plain}", "--text", "builtin:gpl-3", "--seq-len", "512"], "past {plain}'s model context"),
+    (["eval", "--folder", "{plain}", "--text", "builtin:gpl-3", "--threads", "-1"], "--threads -1"),
+    (["eval", "--folder", "{plain}", "--text", "{tmp}"], "is a folder: give a text file"),
+    (["eval", "--folder", "{plain}", "--text", "{nul}"], "holds NUL bytes"),
+    (["bench", "{plain}", "--threads", "-2"], "--threads -2"),
+    (["bench", "{plain}", "--capacity", "10", "--context", "40"], "--capacity 10 is fewer cache slots than the 50"),
+    (["lm-eval", "--folder", "{plain}", "--batch-size", "0"], "--batch-size 0"),
+    (["calibrate", "--model", "{ckpt}", "--seq-len", "1000000", "--out", "{tmp}/p.safetensors"],
+     "--seq-len 1000000 is past the model's context of 64"),
+])
+def test_folder_values_refused_with_one_line(folders, ckpt, tmp_path, monkeypatch, capsys, args, needle):
+    from aqua_export import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "nul.txt").write_bytes(b"\0\0\0")
+    where = {"plain": folders["plain"], "tmp": tmp_path, "nul": tmp_path / "nul.txt", "ckpt": ckpt}
+    assert main([a.format(**where) for a in args]) == 2
+    one_line(capsys, needle.format(**where))
+
+
+def test_a_negative_seed_samples_as_genai_does(folders, capsys):
+    """--seed -1: a fresh seed each run (onnxruntime-genai's -1), in both runtimes."""
+    for runtime in ("aqua", "genai"):
+        assert main(["run", str(folders["plain"]), "--prompt", "Hi", "--sample", "--seed", "-1", "--max-new-tokens",
+                     "3", "--runtime", runtime]) == 0

@@ -106,10 +106,37 @@ def test_check_says_what_it_verified(folder, capsys):
     (lambda c: {**c, "contract": {**c["contract"], "dtype": "int8"}}, "dtype"),
 ])
 def test_edited_config_is_refused_with_one_line(copy, capsys, edit, needle):
+    """Content that cannot describe a folder, even with its checksum made to match (what is checked beneath it)."""
     f = copy / "aqua_config.json"
-    f.write_text(json.dumps(edit(json.loads(f.read_text()))))
+    f.write_text(json.dumps(_resealed(edit(json.loads(f.read_text())))))
     assert main(["run", str(copy), "--prompt", "Hi"]) == 2
     _one_line_error(capsys, needle)
+
+
+def _resealed(c):
+    """An edited config with its own checksum recomputed (a careful editor), so the checks beneath it run."""
+    from aqua_export.runtime.folder import CHECKSUM, _checksum
+
+    if not isinstance(c, dict):
+        return c
+    c = {k: v for k, v in c.items() if k != CHECKSUM}
+    return {**c, CHECKSUM: _checksum(c)}
+
+
+@pytest.mark.parametrize("command", [["check"], ["run", "--prompt", "Hi"], ["parity"], ["eval", "--text", "builtin:gpl-3"],
+                                     ["bench", "--context", "8"]])
+def test_an_edited_config_is_noticed_by_every_command(copy, capsys, command):
+    """A folder whose aqua_config.json was edited (its k and the contract's k, the graph left as built): every
+    command that opens it says so in one line, before any model loads."""
+    f = copy / "aqua_config.json"
+    c = json.loads(f.read_text())
+    c["aqua"]["k_ratio"] = 0.25
+    c["contract"]["selected"] = [max(1, k // 2) for k in c["contract"]["selected"]]
+    f.write_text(json.dumps(c, indent=1))
+    where = [command[0], "--folder", str(copy)] + command[1:] if command[0] == "eval" else \
+        [command[0], str(copy)] + command[1:]
+    assert main(where) == 2
+    _one_line_error(capsys, "was edited after the build")
 
 
 def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
@@ -119,7 +146,7 @@ def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
     c["contract"]["layers"] += 1
     for key in ("widths", "selected", "value_widths"):
         c["contract"][key].append(c["contract"][key][-1])
-    f.write_text(json.dumps(c))
+    f.write_text(json.dumps(_resealed(c)))
     assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     _one_line_error(capsys, "does not match its model.onnx")
 
@@ -402,3 +429,66 @@ def test_parity_summary_says_what_is_a_gate(folder):
     assert lines[0].startswith("[gate] ORT vs the PyTorch reference") and lines[-1] == "parity PASS"
     assert any(x.startswith("[gate] selection:") for x in lines)
     assert all(x.startswith(("[gate", "[report]", "parity ")) for x in lines)
+
+
+# a build whose every stage waits a moment after announcing itself, so a signal sent on its "[i/5]" line lands inside
+# stage i (an instrument of this test: the build itself never waits)
+SLOW_STAGES = """
+import sys, time
+from aqua_export import build
+shown = build._stage
+build._stage = lambda *a, **k: (shown(*a, **k), time.sleep(3))
+from aqua_export.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _tiny_build(ckpt, out) -> list[str]:
+    return ["--model", str(ckpt), "--k-ratio", "0.5", "--calib-text", "builtin:gpl-3", "--calib-tokens", "256",
+            "--parity-prompt-tokens", "32", "--parity-steps", "2", "--out", str(out)]
+
+
+def _killed_at_stages(ckpt, tmp_path, kills: dict) -> dict:
+    """Builds started together, each sent kills[stage] (a signal) once its stage's line is printed: per stage, the
+    exit code and stderr."""
+    procs = {stage: subprocess.Popen([sys.executable, "-c", SLOW_STAGES, *_tiny_build(ckpt, tmp_path / f"o{stage}")],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for stage in kills}
+    out = {}
+    for stage, p in procs.items():
+        for line in p.stdout:
+            if line.startswith(f"[{stage}/5]"):
+                p.send_signal(kills[stage])
+                break
+        _, err = p.communicate(timeout=120)
+        out[stage] = (p.returncode, err)
+    return out
+
+
+def test_sigterm_and_sighup_at_every_stage_end_like_ctrl_c(tmp_path):
+    """SIGTERM (timeout, docker stop, systemd) or SIGHUP in any stage of a build: one line naming the signal, exit
+    128 + its number, no temporary sibling and no lock left beside --out."""
+    ckpt = saved_checkpoint(tmp_path / "ckpt", max_position_embeddings=64)
+    kills = {1: signal.SIGTERM, 2: signal.SIGTERM, 3: signal.SIGHUP, 4: signal.SIGTERM, 5: signal.SIGTERM}
+    for stage, (rc, err) in _killed_at_stages(ckpt, tmp_path, kills).items():
+        name = signal.Signals(kills[stage]).name
+        ours = [x.strip() for x in err.replace("\r", "\n").splitlines() if "aqua-export:" in x]
+        assert rc == 128 + kills[stage] and ours == [f"aqua-export: stopped by {name} (nothing was written)"], err
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_build_removes_what_a_killed_build_left(tmp_path, capsys):
+    """SIGKILL mid-build leaves its temporary sibling (nothing runs after SIGKILL); the next build to the same --out
+    removes it (and a killed replacement's old folder) and says so; a sibling of another --out stays."""
+    ckpt = saved_checkpoint(tmp_path / "ckpt", max_position_embeddings=64)
+    (rc, _), = _killed_at_stages(ckpt, tmp_path, {3: signal.SIGKILL}).values()
+    assert rc == -signal.SIGKILL
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".o3.") and p.name.endswith(".tmp")]
+    assert len(left) == 1
+    (tmp_path / ".o3.old-12345").mkdir()
+    other = tmp_path / ".o3.b.abcdefgh.tmp"  # --out o3.b's: not this build's
+    other.mkdir()
+    assert main(_tiny_build(ckpt, tmp_path / "o3")) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o3.b.abcdefgh.tmp", "ckpt", "o3"]
+    assert capsys.readouterr().out.count("left by a build of") == 2

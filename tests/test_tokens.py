@@ -1,6 +1,8 @@
 """Token selection (AquaConfig.token_ratio / token_budget): the page rule's golden table on every implementation
 of AquaAttention, the export and parity of a tiny model (function body and native kernel), and the refusals."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -90,9 +92,33 @@ def test_token_selection_parity(tiny, tok, kernel):
                      kernel=kernel)
     assert res["pass"], res
     assert res["pages"]["rows"] > 0 and res["pages"]["pass"]
+    assert 0 < res["pages"]["pages_dropped"] < res["pages"]["pages_visible"]
     assert res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-4
     if kernel == "native":
         assert res["native_vs_function_body"]["greedy_identical"]
+
+
+def test_parity_lengthens_its_prompt_until_pages_are_left_out(tiny):
+    """A budget of 40 tokens and a 16-token prompt read every page: parity makes its prompt longer (page by page, within
+    the context) until its first decode step leaves one out, reports how many, and a run that leaves none out fails
+    its gate with a line saying selection was not exercised."""
+    from aqua_export.parity.harness import prompt_length
+    from aqua_export.parity.report import summary_lines
+
+    m, proj, tmp = tiny
+    cfg = AquaConfig(k_ratio=0.5, token_sink=4, token_window=8, token_budget=40)
+    assert prompt_length(cfg, 16, 2, 64) == 48 and prompt_length(AquaConfig(k_ratio=0.5), 16, 2, 64) == 16
+    path = tmp / "short.onnx"
+    export_onnx(m, proj, cfg, path)
+    res = run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=16, steps=2)
+    assert res["prompt_tokens"] == 48 and res["pass"] and res["pages"]["pages_dropped"] > 0
+    line = next(x for x in summary_lines(res) if "token pages" in x)
+    assert f"{res['pages']['pages_dropped']} of {res['pages']['pages_visible']} visible pages left out" in line
+    # the same folder in a context too short to leave a page out: the gate fails and says why
+    res = run_parity(path, dataclasses.replace(folder_cfg(m, cfg), context_length=40), CharTokenizer(), proj, cfg, m,
+                     prompt_tokens=16, steps=2)
+    line = next(x for x in summary_lines(res) if "token pages" in x)
+    assert not res["pass"] and "selection not exercised" in line and line.endswith("FAIL")
 
 
 def test_pages_change_the_answer(tiny):

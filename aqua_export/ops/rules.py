@@ -198,6 +198,13 @@ def attended_share(n: int, ratio: float, budget_tokens: int, sink: int, window: 
     return min(n, want * PAGE) / n
 
 
+def pages_dropped(n: int, ratio: float, budget_tokens: int, sink: int, window: int) -> int:
+    """Pages of n visible tokens (no padding) that a decode step does not read: what token selection leaves out."""
+    visible = torch.ones(1, n, dtype=torch.bool)
+    want = int(pages_wanted(forced_pages(visible, sink, window), tokens_attended(visible, ratio, budget_tokens)))
+    return max(0, -(-n // PAGE) - want)
+
+
 def page_tokens(pages: torch.Tensor, length: int) -> torch.Tensor:
     """pages [..., P] bool -> [..., length] bool: the slots of the chosen pages."""
     return pages.repeat_interleave(PAGE, -1)[..., :length]

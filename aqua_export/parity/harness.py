@@ -42,10 +42,13 @@ import numpy as np
 import torch
 
 from .. import corpus
-from ..config import AquaConfig
+from ..config import AquaConfig, ConfigError
 from ..export.rewrites import (float32_cache, float32_weight_casts, float_activations, graph_variant,
                                selection_outputs, set_k)
 from ..meter import stage_bar
+from ..models import cache_keyword
+from ..ops.rules import pages_dropped
+from ..ops.spec import PAGE
 from ..projection import Projection
 from ..reference.attention import apply_aqua
 from ..reference.exported_weights import ExportedWeights
@@ -57,6 +60,8 @@ from .gates import GATES, TOLERANCE, compare, eviction_agreement, gate
 from .probe import NOISE_FACTOR, ReplayProbe, RuntimeRecorder
 
 PARITY_TEXT = "builtin:gpl-3"
+PROMPT_TOKENS = 256  # the parity prompt's length unless asked (the build's --parity-prompt-tokens)
+PARITY_STEPS = 64  # greedy decode steps unless asked
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,7 +97,8 @@ def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, probe: ReplayPr
         probe.next_forward()
     bar = stage_bar(1, "PyTorch forward", "fwd")
     with torch.no_grad():
-        logits = model(input_ids=full, past_key_values=cache, use_cache=cache is not None).logits[0].double().numpy()
+        logits = model(input_ids=full, use_cache=cache is not None, **{cache_keyword(model): cache}).logits[0].double()
+    logits = logits.numpy()
     bar.close()
     return [logits[:n]] + [logits[n + s - 1:n + s] for s in range(1, len(toks) + 1)]
 
@@ -185,14 +191,63 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     return runs
 
 
+def prompt_length(config: AquaConfig, requested: int, steps: int, context: int | None) -> int:
+    """The parity prompt's length: ``requested``, lengthened page by page (within the model's context, steps included)
+    until token selection's first decode step leaves a page out, so that parity tests the choice and not only the
+    exact attention of every token (a budget of 512 and a 256-token prompt read every page). Its gate fails when
+    no step leaves one out (ReplayProbe.page_summary); the build refuses that up front (check_exercised)."""
+    if not config.selects_tokens:
+        return requested
+    n, limit = requested, (context or 1 << 30) - steps
+    while n + PAGE <= limit and not pages_dropped(n + 1, config.token_ratio, config.token_budget, config.token_sink,
+                                                  config.token_window):
+        n += PAGE
+    return n
+
+
+def parity_lengths(prompt: int | None, steps: int | None, context: int | None) -> tuple[int, int]:
+    """(prompt tokens, decode steps) of a parity run: as asked, or by default PROMPT_TOKENS and PARITY_STEPS shortened
+    to fit a model whose context is shorter (asked values that do not fit are refused: check_run)."""
+    p = PROMPT_TOKENS if prompt is None else prompt
+    s = PARITY_STEPS if steps is None else steps
+    if context and p + s > context:
+        if steps is None:
+            s = max(1, min(s, context // 4))
+        if prompt is None:
+            p = max(16, context - s)
+    return p, s
+
+
+def check_run(config: AquaConfig, requested: int, steps: int, context: int | None) -> None:
+    """One ConfigError line, before any work, when the parity run does not fit the model's context, or when no
+    prompt that fits it lets token selection leave a page out (its budget, sink and window cover the whole context):
+    parity could not test it."""
+    if steps < 1 or requested < 16:
+        raise ConfigError(f"parity needs a prompt of 16 or more tokens and 1 or more decode steps, not {requested} "
+                          f"and {steps}")
+    if context and requested + steps > context:
+        raise ConfigError(f"a parity prompt of {requested} tokens and {steps} decode steps is past the model's context "
+                          f"of {context} tokens: lower them (--parity-prompt-tokens, --parity-steps / --steps)")
+    if not config.selects_tokens:
+        return
+    n = prompt_length(config, requested, steps, context)
+    if not pages_dropped(n + 1, config.token_ratio, config.token_budget, config.token_sink, config.token_window):
+        what = f"--token-budget {config.token_budget}" if config.token_budget else f"--token-ratio {config.token_ratio:g}"
+        raise ConfigError(f"token selection ({what} plus the first {config.token_sink} and last {config.token_window} "
+                          f"tokens) reads every token of any prompt that fits this model's context of {context} "
+                          "tokens: nothing would ever be left out, and parity could not test it; lower the budget, "
+                          "--token-sink or --token-window")
+
+
 def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, config: AquaConfig, reference, *,
-               prompt_tokens: int = 256, steps: int = 64, dtype: str = "float32", kernel: str = "function",
+               prompt_tokens: int = PROMPT_TOKENS, steps: int = 64, dtype: str = "float32", kernel: str = "function",
                progress=None) -> dict:
     """model_path: the folder's model.onnx (rewritten variants are saved beside it and opened by path);
     cfg: its FolderConfig; reference: the HF model it came from (unmodified), or a function loading it,
     called only after every ONNX Runtime session is closed, so one model is in memory at a time.
     kernel: what runs the attention nodes in the main session ("native" or "function")."""
     progress = progress or (lambda text: None)
+    prompt_tokens = prompt_length(config, prompt_tokens, steps, cfg.context_length)
     ids = corpus.tokenize(tok, corpus.read_text(PARITY_TEXT), prompt_tokens).numpy()[None]
     tol = TOLERANCE[dtype]
     sparse = cfg.contract.selected != cfg.contract.widths
@@ -251,7 +306,8 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
         res["selection"] = {"skipped": "k = r: nothing is selected"}
     for choice in ("selection", "pages"):  # float16: gated on top-1 agreement, each side choosing on its own
         if res.get(choice, {}).get("gated") is False:
-            res[choice]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement_beyond_ties"] >= tol["top1"]
+            res[choice]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement_beyond_ties"] >= tol["top1"] and \
+                res[choice].get("pages_dropped", 1) > 0
     if "native" in runs:
         native, native_log = runs["native"]
         # each side selects on its own here (the native kernel takes no forced indices): their score sums round

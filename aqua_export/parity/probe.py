@@ -46,6 +46,7 @@ class ReplayProbe:
                  prompt: int = 0):
         self.selections, self.evictions, self.page_orders, self.prompt = selections, evictions, page_orders, prompt
         self.page_flips: list[tuple[int, int, float]] = []  # per call: rows, rows choosing other pages, gap
+        self.page_reads: list[tuple[int, int]] = []  # per call: the decode rows' visible pages, those left out
         self.page_boundary: list[np.ndarray] = []  # per call: the last page chosen by score, each row
         self.forward = -1
         self.flips: list[tuple[int, int, float]] = []  # per call: rows, rows differing, largest gap among those
@@ -98,6 +99,8 @@ class ReplayProbe:
             rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
             chosen[:, :, j, :order.shape[-1]] = rank < want[:, :, j, None]
         chosen &= score > -torch.inf
+        visible = score > -torch.inf
+        self.page_reads.append((int(visible.sum()), int((visible & ~chosen).sum())))
         differ = (own != chosen).any(-1)
         self.page_flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
         return chosen
@@ -111,9 +114,15 @@ class ReplayProbe:
 
     def page_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Decode rows whose own pages differ from the replayed ones, each a near-tie when the relative gap between
-        the last page chosen by score and the next is within the bound (as selection_summary)."""
-        return _summary(self.page_flips, "rows", _relative_error(self.page_boundary,
-                                                                  exact.page_boundary if exact else None), floor)
+        the last page chosen by score and the next is within the bound (as selection_summary); and how many of the
+        visible pages the decode rows left out: none means selection was never exercised, which does not pass."""
+        out = _summary(self.page_flips, "rows", _relative_error(self.page_boundary,
+                                                                 exact.page_boundary if exact else None), floor)
+        out["pages_visible"] = sum(v for v, _ in self.page_reads)
+        out["pages_dropped"] = sum(d for _, d in self.page_reads)
+        if not out["pages_dropped"]:
+            out["pass"] = False
+        return out
 
     def eviction_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Eviction decisions (sequence x head x token x layer) where the reference's own choice differs from the

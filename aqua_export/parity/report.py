@@ -55,7 +55,9 @@ def summary_lines(res: dict) -> list[str]:
     if "rows" in res.get("pages", {}):
         pg = res["pages"]
         bound = f" (a near-tie: <= {pg['near_tie']:.1e})" if "near_tie" in pg else " (float16: gated on top-1)"
-        lines.append(f"[gate] token pages replayed from ORT: the reference's own choice differs in "
+        dropped = f"{pg['pages_dropped']} of {pg['pages_visible']} visible pages left out" if pg["pages_dropped"] else \
+            f"selection not exercised: no decode step left out any of its {pg['pages_visible']} visible pages"
+        lines.append(f"[gate] token pages replayed from ORT ({dropped}): the reference's own choice differs in "
                      f"{pg['rows_differing']} of {pg['rows']} decode rows, largest relative page-score gap "
                      f"{pg['max_gap_of_differing']:.1e}{bound}: {_verdict(pg)}")
     if "eviction" in res:

@@ -26,7 +26,7 @@ import torch
 
 from ..allocate import head_prices, layer_selected, layer_widths
 from ..config import AquaConfig, ConfigError
-from ..models import architecture_of, attention_geometry
+from ..models import architecture_of, attention_geometry, cache_keyword
 from ..ops import rules
 from ..ops.rules import budget as h2o_budget
 from ..ops.rules import h2o_keep, select_indices
@@ -351,7 +351,7 @@ class AquaSession:
 
     def generate(self, **kwargs):
         """model.generate with an AquaCache (needed for H2O eviction and the narrow Memory cache)."""
-        kwargs.setdefault("past_key_values", self.new_cache())
+        kwargs.setdefault(cache_keyword(self.model), self.new_cache())
         return self.model.generate(**kwargs)
 
 

@@ -4,6 +4,7 @@
     cfg.write(dir)                 -> aqua_config.json, atomically
     cfg.seal(dir)                  -> the same with the manifest of the folder's other files (a build's last write)
     cfg.verify(dir, checksums)     -> every file the build wrote is there, of its size (and checksum), or one line
+    (aqua_config.json holds its own checksum too: an edited file is refused by every command that opens the folder)
     cfg.foreign_files(dir)         -> what else is in the folder (a user's files: never replaced with it)
 
 What the runtimes need is typed (geometry, AQUA settings, the graph contract, context length, the files the
@@ -131,13 +132,20 @@ class FolderConfig:
             data = json.loads(f.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ConfigError(f"{f} is corrupt (not JSON): rebuild the folder") from None
+        if isinstance(data, dict) and CHECKSUM in data:  # folders built before it: nothing to compare
+            if data.pop(CHECKSUM) != _checksum(data):
+                raise ConfigError(f"{f} was edited after the build (its content no longer matches its checksum), so it "
+                                  "may not describe the graph any more: rebuild the folder (a build's settings are "
+                                  "given to the build, not written here)")
         try:
             return cls.from_dict(data)
         except (ConfigError, TypeError, ValueError) as e:
             raise ConfigError(f"{f} is invalid ({e}): rebuild the folder") from None
 
     def write(self, folder: str | Path) -> None:
-        atomic_write_bytes(Path(folder) / CONFIG_FILE, json.dumps(self.to_dict(), indent=1, sort_keys=True).encode())
+        d = self.to_dict()
+        atomic_write_bytes(Path(folder) / CONFIG_FILE,
+                           json.dumps({**d, CHECKSUM: _checksum(d)}, indent=1, sort_keys=True).encode())
 
     def seal(self, folder: str | Path) -> "FolderConfig":
         """The last write of a build: aqua_config.json with the manifest of every other file now in ``folder``."""
@@ -174,6 +182,14 @@ class FolderConfig:
                                   "the folder")
             total += size
         return total
+
+
+CHECKSUM = "sha256"  # aqua_config.json's own: SHA-256 of its other content (_checksum)
+
+
+def _checksum(d: dict) -> str:
+    """SHA-256 of a config's content as canonical JSON (sorted keys, no spaces): what it was when written."""
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def file_sha256(path: Path, chunk: int = 16 * 2**20) -> str:

@@ -154,7 +154,7 @@ class OrtLM:
         [B, N]; every row continues after the last column. on_token(step, ids[B]) streams; on_logits(step,
         logits[B, V]) sees the logits each token is picked from; stop(ids [B, n]) ends generation early when
         true (lm-eval's stop sequences)."""
-        rng = np.random.default_rng(sampling.seed)
+        rng = np.random.default_rng(sampling.seed if sampling.seed >= 0 else None)  # < 0: fresh, as genai
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
         logits, past = self.step(input_ids, mask, self.empty_past(b))
