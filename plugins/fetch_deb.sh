@@ -20,6 +20,7 @@ apt-get "${apt_opts[@]}" update >/dev/null
 (cd "$work" && apt-get "${apt_opts[@]}" download "$package" >/dev/null 2>&1)
 deb=$(ls "$work"/"${package}"_*.deb)
 rm -rf "$dest.tmp"
+mkdir -p "$(dirname "$dest")"
 dpkg -x "$deb" "$dest.tmp"
 echo "$package $suite" > "$dest.tmp/.package"
 rm -rf "$dest" && mv "$dest.tmp" "$dest"
