@@ -57,12 +57,14 @@ demo: setup
 # Every temporary file of the run (pytest's folders, torch's and Triton's caches) goes under build/test-tmp,
 # removed when the run passes; a failed run leaves only its failed tests' folders there for a look.
 TEST_TMP := $(CURDIR)/build/test-tmp
+# two processes (pytest-xdist), a module's tests together so that its fixtures are made once
+PARALLEL := -n 2 --dist loadfile
 
 test: setup $(PORTABLE)
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -q
+	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -q $(PARALLEL)
 	@echo "--- the numeric tests again on the kernels' baseline variant ($(BASELINE); MLAS keeps its own) ---"
-	TMPDIR=$(TEST_TMP) $(ALT_ISA) $(BIN)/python -m pytest -q $(ALT_TESTS)
+	TMPDIR=$(TEST_TMP) $(ALT_ISA) $(BIN)/python -m pytest -q $(PARALLEL) $(ALT_TESTS)
 	@echo "--- the wheel, installed in a fresh virtual environment with no compiler on PATH ---"
 	TMPDIR=$(TEST_TMP) bash .ci/wheel_check.sh $(BIN)/python
 	rm -rf $(TEST_TMP)

@@ -36,7 +36,7 @@ from .projection import load_projection
 from .projection import write as write_projection
 from .quantize import WeightFormat
 from .runtime import genai
-from .runtime.folder import FolderConfig, Geometry, file_sha256
+from .runtime.folder import FolderConfig, Geometry, built_files, file_sha256, foreign_files
 from .runtime.session import default_kernel
 from .runtime.text import write_tokenizer
 from .runtime.tensorrt import build_engine
@@ -107,14 +107,11 @@ def check_out_dir(out: Path, force: bool) -> None:
         raise ConfigError(f"--out {out} exists and is not a folder: choose another path")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    try:
-        cfg = FolderConfig.from_folder(out)
-        if cfg.files is None:
-            raise ConfigError("no files manifest")
-    except ConfigError:
-        raise ConfigError(f"--out {out} is a folder with files this tool did not write (not one a build of this "
-                          "aqua-export finished): choose a new or empty folder") from None
-    foreign = cfg.foreign_files(out)
+    files = built_files(out)  # a folder an older aqua-export built is replaced as well
+    if files is None:
+        raise ConfigError(f"--out {out} is a folder with files this tool did not write (not one a build of "
+                          "aqua-export finished): choose a new or empty folder")
+    foreign = foreign_files(out, files)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ConfigError(f"--out {out} holds files this tool did not write ({shown}): move them out or choose "
@@ -296,7 +293,7 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
                         fused=o.backend != "tensorrt", weights=o.weights, cache_dtype=o.cache_dtype, ops=o.ops)
     bar.close()
     write_tokenizer(tok, tmp)
-    contract = contract_for(model, config, DTYPES[o.dtype], projection, o.cache_dtype)
+    contract = contract_for(model, config, DTYPES[o.dtype], projection, o.cache_dtype, o.backend != "tensorrt")
     cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract,
                        context_length=getattr(model.config, "max_position_embeddings", None),
                        fingerprint=models.fingerprint(model), info=_info(proto, contract, config, o, tmp),

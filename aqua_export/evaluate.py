@@ -133,7 +133,7 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int | None = N
     check_windows(tokens, seq_len)
     if (folder / CONFIG_FILE).is_file():
 
-        lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len))
+        lm = OrtLM.from_folder(folder, threads, serving=(1, seq_len), all_logits=True)
         logits_of, runtime = (lambda w: lm.step(w[None], np.ones((1, w.size), np.int64), lm.empty_past(1))[0][0]), "aqua"
         if lm.cfg.aqua.selects_tokens:  # a window in one forward would attend exactly (a prompt): decode it instead
             logits_of, runtime = (lambda w: _decoded_logits(lm, w)), "aqua, token by token"

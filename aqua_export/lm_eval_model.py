@@ -109,7 +109,7 @@ class AquaLM(HFLM):
 
             context = FolderConfig.from_folder(folder).context_length or 4096
             serving = (int(batch_size) if str(batch_size).isdigit() else 1, int(max_length or context))
-            net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving), tok, folder)
+            net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving, all_logits=True), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
             config = _config(**settings)

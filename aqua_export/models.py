@@ -94,7 +94,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process converted the same file meanwhile: keep its (identical) folder
+            if not (out / "config.json").exists():
+                raise
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         import shutil
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 BITS = (4, 8)
 BLOCKS = (16, 32, 64, 128)
@@ -65,7 +67,7 @@ class WeightFormat:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d) -> "WeightFormat":
+    def from_dict(cls, d) -> WeightFormat:
         if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"weights must be an object of {[f.name for f in dataclasses.fields(cls)]}, got {d!r}")
         return cls(**d)
@@ -78,6 +80,7 @@ def check_shape(k: int, fmt: WeightFormat, what: str) -> None:
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:
+    import torch  # here, not at the top: serving a folder reads WeightFormat without torch
     return torch.sign(x) * torch.floor(x.abs() + 0.5)  # halves away from zero
 
 
@@ -90,6 +93,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Te
 
     Quantization is by rows, so it goes SLICE_ELEMENTS weights at a time: an OLMoE layer's experts (400M weights)
     would otherwise hold several float32 copies of themselves at once."""
+    import torch
     *lead, n, k = w.shape
     rows = w.reshape(-1, k)
     step = max(1, SLICE_ELEMENTS // k)
@@ -101,6 +105,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Te
 
 def _quantize_rows(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """quantize on rows W [R, K]."""
+    import torch
     r, k = w.shape
     b, top = fmt.bits, (1 << fmt.bits) - 1
     x = w.to(torch.float32).reshape(r, k // fmt.block, fmt.block)
@@ -121,6 +126,7 @@ def _quantize_rows(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, to
 
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 values < 2^bits along the last axis -> bytes, 4-bit values two to a byte (low nibble first)."""
+    import torch
     if bits == 8:
         return q.contiguous()
     if q.shape[-1] % 2:
@@ -129,24 +135,28 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(p: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    import torch
     if bits == 8:
         return p[..., :count]
     return torch.stack([p & 0xF, p >> 4], -1).reshape(*p.shape[:-1], -1)[..., :count]
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, fmt: WeightFormat,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     """quantize's output -> W~ [..., N, K] in ``dtype`` ((q - z) s, computed in float32 as ONNX Runtime does, then
     widened)."""
+    import torch
     *lead, n, kb, _ = packed.shape
     q = _unpack(packed, fmt.bits, fmt.block).to(torch.float32)
     z = torch.full_like(scales, 1 << (fmt.bits - 1)) if zero_points is None else \
         _unpack(zero_points, fmt.bits, kb).to(torch.float32)
-    return ((q - z[..., None]) * scales[..., None]).reshape(*lead, n, kb * fmt.block).to(dtype)
+    return ((q - z[..., None]) * scales[..., None]).reshape(*lead, n, kb * fmt.block).to(dtype or torch.float32)
 
 
-def roundtrip(w: torch.Tensor, fmt: WeightFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def roundtrip(w: torch.Tensor, fmt: WeightFormat, dtype: torch.dtype | None = None) -> torch.Tensor:
     """W -> the weights a folder of format ``fmt`` computes with (the reference's view of a quantized export)."""
+    import torch
+
     if not fmt.quantized:
-        return w.to(dtype)
+        return w.to(dtype or torch.float32)
     return dequantize(*quantize(w, fmt), fmt, dtype)

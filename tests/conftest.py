@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads, or one in each of make test's two processes (pytest-xdist) so that they do not oversubscribe the cores
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 if not torch.cuda.is_available():
     # Triton's language follows the interpreter setting of its first import: without a GPU every Triton kernel in
     # this session runs interpreted (ahead-of-time compilation is tested in a process of its own)

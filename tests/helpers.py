@@ -35,15 +35,16 @@ def left_padded(vocab: int, lengths, seed: int = 1):
     return ids, mask
 
 
-def folder_cfg(model, config, dtype: str = "float32", projection=None):
-    """The FolderConfig a build would write for ``model`` exported with ``config`` in a test."""
+def folder_cfg(model, config, dtype: str = "float32", projection=None, fused: bool = True):
+    """The FolderConfig a build would write for ``model`` exported with ``config`` in a test (fused False: a
+    TensorRT build's graph)."""
     from aqua_export.export.exporter import contract_for
     from aqua_export.models import attention_geometry
     from aqua_export.runtime.folder import FolderConfig, Geometry
 
     return FolderConfig(model="test", aqua=config, geometry=Geometry(**attention_geometry(model)),
                         contract=contract_for(model, config, {"float32": torch.float32, "float16": torch.float16}[dtype],
-                                              projection))
+                                              projection, fused=fused))
 
 
 def saved_checkpoint(folder, model_type: str = "llama", dtype=None, **kw):
@@ -100,8 +101,9 @@ MIN = float(torch.finfo(torch.float32).min)
 
 
 def attention_inputs(shape, dtype=torch.float32, seed=0, pad=True, rv=None):
-    """AquaAttention's inputs (q, kc, vc, length, mask) for shape (B, Hkv, g, T, r, L, C): a tie in the first
-    query row, causal over the T new tokens, left padding of the later rows."""
+    """AquaAttention's inputs (q, kc, vc, length, attention_mask) for shape (B, Hkv, g, T, r, L, C): a tie in the first
+    query row, the T new tokens the last of L (causal: ops.rules.visible), left padding of the later rows (a prompt
+    covering it has query rows that see nothing)."""
     b, hkv, g, t, r, length, cap = shape
     rv = r if rv is None else rv
     gen = torch.Generator().manual_seed(seed)
@@ -109,13 +111,10 @@ def attention_inputs(shape, dtype=torch.float32, seed=0, pad=True, rv=None):
     q[0, 0, 0, 0, : min(4, r)] = 1.5  # a tie: the lower index wins
     kc = torch.randn(b, hkv, r, cap, generator=gen)
     vc = torch.randn(b, hkv, cap, rv, generator=gen)
-    pos = torch.arange(length)
-    new = torch.arange(length - t, length)
-    ok = (pos[None, :] <= new[:, None]).expand(b, t, length).clone()  # causal over the new tokens
+    attention_mask = torch.ones(b, length, dtype=torch.int64)
     if pad and b > 1:
-        ok[1:, :, : length // 3] = False  # left padding of the later rows
-    mask = torch.where(ok, 0.0, MIN)[:, None, None]
-    return q.to(dtype), kc.to(dtype), vc.to(dtype), length, mask
+        attention_mask[1:, : length // 3] = 0  # left padding of the later rows
+    return q.to(dtype), kc.to(dtype), vc.to(dtype), length, attention_mask
 
 
 def random_projection(hkv, d, r, seed=1):

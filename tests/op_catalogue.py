@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-from helpers import H2O_MASKS, MIN, attention_inputs, h2o_inputs, random_projection
+from helpers import H2O_MASKS, attention_inputs, h2o_inputs, random_projection
 
-from aqua_export.ops import aqua_attention, cache_update, h2o_attention, topk_gather_dot, value_product
+from aqua_export.ops import aqua_attention, cache_update, h2o_attention, logit_rows, topk_gather_dot, value_product
 from aqua_export.ops.spec import RULE_NAMES
 
 RULES = sorted(RULE_NAMES)  # every selection rule's code
@@ -122,7 +122,7 @@ def _attention_inputs(shape, dtype=torch.float32, rv=None, scale=1.0, d=None, hi
     if cache is not None:  # the caches of another float type (contract cache_dtype)
         kc, vc = kc.to(cache), vc.to(cache)
     if hidden_row:
-        mask[1] = MIN  # a query row the mask hides from every position (a padding token)
+        mask[1] = 0  # a sequence of padding only: its query rows see no key
     ins = [q * scale, kc, vc, _length(length), mask]
     if d is not None:  # the node projects: q [B,Hkv,g,T,d] and P [Hkv, d, r]
         b, hkv, g, t, r = shape[:5]
@@ -240,9 +240,46 @@ ATTENTION = [
     Case("tokens-ratio-past-1", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 8, **_tokens(ratio=1.5)},
          only=("native", "triton"), error="token_ratio must be in"),
     Case("row-hidden-everywhere", lambda: _attention_inputs((2, 2, 3, 1, 16, 30, 30), hidden_row=True), {"k": 8},
-         only=("native", "triton"), check=_zero_hidden_row, versus_reference=False),
-    Case("past-the-buffer", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20))[:3] + [_length(21), torch.zeros(1, 1, 1, 1, 21)],
+         check=_zero_hidden_row),
+    Case("past-the-buffer", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20))[:3] + [_length(21), torch.ones(1, 21, dtype=torch.int64)],
          {"k": 8}, only=("native", "triton"), error="total_length must fit"),
+    Case("mask-of-another-length", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20))[:4] + [torch.ones(1, 19, dtype=torch.int64)],
+         {"k": 8}, only=("native", "triton"), error="attention_mask"),
+    # a sliding window (Gemma's, Mistral's local layers): decode, a prompt, token selection inside the window
+    *[Case(f"sliding-window-{'x'.join(map(str, s))}-w{w}", lambda s=s: _attention_inputs(s),
+           {"k": s[4] // 2, "rule": 1, "sliding_window": w, **(_tokens(ratio=0.5) if s[3] == 1 and w > 40 else {})},
+           large=s[3] * s[5] > 3000,
+           unlike=lambda ins, s=s: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins],
+                                                            k=s[4] // 2, rule=1))
+      for s, w in (((2, 2, 3, 1, 16, 90, 100), 24), ((2, 2, 3, 40, 16, 64, 64), 24), ((1, 2, 3, 1, 32, 300, 300), 100),
+                   ((1, 2, 3, 20, 32, 300, 320), 50))],
+    # prompts (T >= 16 tokens: blocked matrix products): from an empty cache with a left-padded batch (its padding
+    # rows see nothing), a chunk after a past, a long one, every rule and k, values of another width, projected,
+    # shared k, token selection (exact), float16, a float16 cache, soft-capped
+    # (the grid on the CPU's implementations: Triton takes a prompt through its decode kernel's programs, run on the
+    # cases above with T <= 7 and the single prompt cases below; its interpreter would spend minutes here)
+    *[Case(f"prompt-{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
+           {"k": _k(s[4], which), "rule": rule}, large=large, only=("function", "native"))
+      for s, large in (((2, 2, 3, 40, 16, 40, 40), False), ((1, 2, 3, 32, 64, 100, 128), False),
+                       ((1, 1, 4, 300, 64, 300, 300), True), ((2, 1, 1, 17, 8, 30, 30), False),
+                       ((1, 2, 8, 20, 128, 50, 64), True))
+      for which in (1, "half", "r") for rule in RULES],
+    Case("prompt-values-24-wide", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), rv=24), {"k": 8, "rule": 1}),
+    Case("prompt-projects", lambda: _attention_inputs((1, 2, 3, 24, 32, 60, 64), d=48), {"k": 16, "rule": 0},
+         projected=True),
+    Case("prompt-shared-k", lambda: _attention_inputs((2, 3, 3, 20, 32, 40, 40)),
+         {"k": 8, "rule": 0, "head_prices": _prices(3)},
+         unlike=lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=8),
+         large=True),  # Triton: 25-45 s each in its interpreter; its shared k and tokens run at T <= 7 above
+    Case("prompt-tokens", lambda: _attention_inputs((2, 2, 3, 40, 16, 90, 100)), {"k": 8, "rule": 1, **_tokens(ratio=0.2)},
+         unlike=lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=8,
+                                                     rule=1), large=True),
+    Case("prompt-float16", lambda: _attention_inputs((2, 2, 3, 24, 32, 50, 64), torch.float16), {"k": 16},
+         dtype="float16"),
+    Case("prompt-cache-float16", lambda: _attention_inputs((2, 2, 3, 24, 32, 50, 64), cache=torch.float16),
+         {"k": 16, "rule": 1}, cache_dtype="float16", only=("function", "native")),
+    Case("prompt-softcap", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), scale=4.0),
+         {"k": 8, "rule": 1, "softcap": 5.0}),
     Case("k-past-r", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 17}, only=("native", "triton"),
          error="k must be in"),
     Case("keys-narrower-than-queries", lambda: [x[:, :, :8] if i == 1 else x for i, x in
@@ -292,7 +329,8 @@ def _too_full_state():
 H2O = [
     *[Case(f"{mask}-k{k}-rule{rule}", lambda mask=mask: h2o_inputs(H2O_MASKS[mask].shape[0], 2, 3,
                                                                     H2O_MASKS[mask].shape[1], 16, H2O_MASKS[mask]),
-           {"k": k, "rule": rule, "ratio": 0.5}, check=_live([[12, 12]] if mask == "full" else [[11, 11], [11, 11]]))
+           {"k": k, "rule": rule, "ratio": 0.5}, check=_live([[12, 12]] if mask == "full" else [[11, 11], [11, 11]]),
+           large=(rule, k) != (1, 8))  # Triton's interpreter runs one point of the grid per mask (about 10 s each)
       for rule, k in [*((rule, 8) for rule in RULES), (0, 16), (0, 1)] for mask in sorted(H2O_MASKS)],
     *[Case(f"values-{rv}-wide", lambda rv=rv: h2o_inputs(2, 2, 3, 24, 16, H2O_MASKS["padded"], rv=rv),
            {"k": 8, "rule": 1, "ratio": 0.5}) for rv in (8, 24)],
@@ -349,6 +387,34 @@ PRODUCTS = [Case(f"{'x'.join(map(str, s))}-{dt}", lambda s=s, dt=dt: _probs(s, d
             for s in PRODUCT_SHAPES for dt in ("float32", "float16")]
 
 
+# --------------------------------------------------------------------------------------------
+# LogitRows
+# --------------------------------------------------------------------------------------------
+
+def _rows_inputs(b, t, v, every: bool, dtype=torch.float32):
+    """rows [B, K, V] at each sequence's last position (a decode's, a prompt's) or at every one (K = T)."""
+    gen = torch.Generator().manual_seed(4)
+    k = t if every else 1
+    index = torch.arange(t).expand(b, t).clone() if every else torch.tensor([[t - 1 - i % t] for i in range(b)])
+    return [torch.randn(b, k, v, generator=gen).to(dtype), index, _length(t)]
+
+
+def _rows_only(outs, ins):
+    """The written rows equal the input's (the others are unspecified: the native kernel leaves them untouched)."""
+    rows, index = ins[0], ins[1]
+    got = outs[0].gather(1, index[..., None].expand(rows.shape))
+    assert torch.equal(got, rows)
+
+
+LOGIT_ROWS = [Case(f"{b}x{t}x{v}-{'all' if every else 'last'}-{dt}", lambda b=b, t=t, v=v, every=every, dt=dt:
+                   _rows_inputs(b, t, v, every, getattr(torch, dt)), {}, dtype=dt, versus_reference=every,
+                   check=_rows_only)
+              for b, t, v in ((2, 7, 50), (3, 1, 33), (1, 300, 1024)) for every in (False, True)
+              for dt in ("float32", "float16")] + [
+    Case("index-past-t", lambda: [torch.ones(1, 1, 8), torch.tensor([[5]]), _length(4)], {}, only=("native",),
+         error="not a position")]
+
+
 FLOAT32 = {"float32": {"*": (1e-5, True)}}
 CATALOGUE = [
     OpCases(topk_gather_dot.OP, SCORES, {**FLOAT32, "float16": {"scores": (2e-3, True)}}),
@@ -359,6 +425,7 @@ CATALOGUE = [
     # heavy: a float32 sum over the tokens seen, its rounding grows with it
     OpCases(h2o_attention.OP, H2O, {"float32": {"present_heavy": (1e-5, True), "*": (1e-5, False)},
                                     "float16": {"out": (2e-2, False)}}, int_outputs=("present_token",)),
+    OpCases(logit_rows.OP, LOGIT_ROWS, {"float32": {"logits": (0.0, False)}, "float16": {"logits": (0.0, False)}}),
 ]
 
 

@@ -129,10 +129,10 @@ def test_kernel_compiles_ahead_of_time_for_hopper():
 def test_optimization_profiles(tiny_exports):
     m, out = tiny_exports
     cfg, proto = out["k0.5"]
-    profs = optimization_profiles(folder_cfg(m, cfg), max_batch=8, max_context=512, max_prompt=128)
+    profs = optimization_profiles(folder_cfg(m, cfg, fused=False), max_batch=8, max_context=512, max_prompt=128)
     assert len(profs) == 2
     names = [i.name for i in proto.graph.input]
-    assert names == contract_for(m, cfg).input_names()
+    assert names == contract_for(m, cfg, fused=False).input_names()
     for prof in profs:
         assert list(prof) == names
         for name, (lo, opt, hi) in prof.items():
@@ -202,7 +202,7 @@ def test_engine_matches_onnx_runtime(tmp_path):
     proj = tiny_projection(m, tmp_path)
     cfg = AquaConfig(k_ratio=0.5)
     export_onnx(m, proj, cfg, tmp_path / "model.onnx", fused=False)
-    fcfg = folder_cfg(m, cfg)
+    fcfg = folder_cfg(m, cfg, fused=False)
     (tmp_path / "aqua_config.json").write_text(json.dumps(fcfg))
     build_engine(tmp_path, max_batch=2, max_context=64, max_prompt=16)
     ids = np.arange(3, 15)[None].repeat(2, 0)

@@ -58,14 +58,15 @@ def test_graph_contract(exported, cfg, kv):
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"k": k, "rule": SELECTIONS[cfg.selection][0], "plugin_namespace": PLUGIN_NAMESPACE.encode(),
-                         "plugin_version": PLUGIN_VERSION.encode(), "softcap": 0.0, **({"ratio": 0.5} if h2o else {})}
+                         "plugin_version": PLUGIN_VERSION.encode(), "softcap": 0.0,
+                         **({"ratio": 0.5} if h2o else {"sliding_window": 0})}
     # the attention node takes P_q and projects q itself (no q MatMulP node); a dense graph has no P at all
     projected = not cfg.is_dense
     assert all(len(n.input) == (8 if h2o else 5) + projected for n in nodes)
     assert all(n.input[-1].endswith(".P_q") == projected for n in nodes)
     assert not [n.name for n in proto.graph.node if n.name.endswith("/q/MatMulP")]
     assert [(f.domain, f.name) for f in proto.functions] == [(DOMAIN, op.name) for op in OPS]
-    used = {H2O} if h2o else {KEY_UPDATE, VALUE_UPDATE, ATTENTION}
+    used = ({H2O} if h2o else {KEY_UPDATE, VALUE_UPDATE, ATTENTION}) | {"LogitRows"}  # the head's rows
     assert {n.op_type for n in proto.graph.node if n.domain == DOMAIN} == used
     assert proto.ir_version <= 10
     ct = contract_for(m, cfg)
@@ -100,7 +101,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
         pytest.skip("native kernel not built (run `make plugin`)")
     m, proj, out = exported
     path, _ = out[cfg, kv]
-    lm = OrtLM(make_session(path, kernel=kernel), folder_cfg(m, cfg), kv)
+    lm = OrtLM.open(path, folder_cfg(m, cfg), kernel=kernel, cache=kv, all_logits=True)
     ids, mask = left_padded(128, [11, 6])
     pos = np.clip(mask.numpy().cumsum(-1) - 1, 0, None)
     logits, past = lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))
@@ -155,7 +156,7 @@ def test_ort_equals_reference_prefill_and_decode_with_padding(exported, cfg, kv,
 def test_dense_export_uses_identity_projection_and_matches_hf(exported):
     m, _, out = exported
     path, _ = out[AquaConfig(), "concat"]
-    lm = OrtLM(make_session(path), folder_cfg(m, AquaConfig()))
+    lm = OrtLM.open(path, folder_cfg(m, AquaConfig()), all_logits=True)
     ids, mask = left_padded(128, [9, 9])
     logits, _ = lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))
     with torch.no_grad():
@@ -223,7 +224,7 @@ def test_external_data_is_page_aligned_and_loads_by_path(exported, tmp_path):
     ids, mask = left_padded(128, [7, 5])
     logits = []
     for p in (path, out[cfg, "concat"][0]):  # external, inline
-        lm = OrtLM(make_session(p), folder_cfg(m, cfg))
+        lm = OrtLM.open(p, folder_cfg(m, cfg), all_logits=True)
         logits.append(lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))[0])
     assert np.array_equal(*logits)
 
@@ -280,7 +281,8 @@ def test_sliding_window_changes_the_graph_and_h2o_is_refused_with_it(tmp_path):
     assert m.config.sliding_window == 8
     proj = tiny_projection(m, tmp_path)
     g = export_onnx(m, proj, AquaConfig(k_ratio=0.75), tmp_path / "w.onnx")
-    assert any(n.name.startswith("/model/attn_mask_window8/") for n in g.graph.node)
+    windows = {a.i for n in g.graph.node if n.op_type == "AquaAttention" for a in n.attribute if a.name == "sliding_window"}
+    assert windows == {8} and not any(n.name.startswith("/model/attn_mask") for n in g.graph.node)  # no [T, L] mask
     with pytest.raises(ConfigError, match="sliding-window layers is not supported"):
         export_onnx(m, proj, AquaConfig(k_ratio=0.75, h2o_ratio=0.5), tmp_path / "h.onnx")
 

@@ -184,7 +184,8 @@ def test_a_standard_ops_folder_runs_in_onnx_reference_evaluator_and_infers_every
             warnings.simplefilter("ignore", RuntimeWarning)
             want = ev.run(None, feed)
         got = sess.run(None, feed)
-        assert np.abs(want[0] - got[0]).max() <= 1e-4, step
+        # the logits generation reads (LogitRows: a prompt's other rows are unspecified, zeros in the body)
+        assert np.abs(want[0][:, -1] - got[0][:, -1]).max() <= 1e-4, step
         past, ids = got[1:], np.array([[int(got[0][0, -1].argmax())]], np.int64)
     declared = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in m.graph.output}
     for o in m.graph.output:  # inferred, not read back from the declarations

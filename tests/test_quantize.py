@@ -80,12 +80,12 @@ def test_bad_formats(make, needle):
 def _ort_logits(path, m, cfg, ids, mask):
     import onnx
 
-    from aqua_export.export.rewrites import float_activations
+    from aqua_export.export.rewrites import all_logits, float_activations
     from aqua_export.runtime.lm import OrtLM
     from aqua_export.runtime.session import make_session
 
-    model = float_activations(onnx.load(str(path)))  # the export's arithmetic, without int8 activations
-    lm = OrtLM(make_session(model.SerializeToString(), kernel="function"), folder_cfg(m, cfg), "concat")
+    model = all_logits(float_activations(onnx.load(str(path))))  # the export's arithmetic, without int8 activations
+    lm = OrtLM(make_session(model.SerializeToString(), kernel="function"), folder_cfg(m, cfg), "concat", all_rows=True)
     return lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))[0]
 
 

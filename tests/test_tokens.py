@@ -18,7 +18,6 @@ from aqua_export.ops.spec import PAGE
 from aqua_export.parity.harness import run_parity
 from aqua_export.runtime.session import native_library
 
-MIN = float(np.finfo(np.float32).min)
 
 # (each page's score, tokens L, first visible token, {token settings}) -> the pages a decode step attends
 PAGE_GOLDEN = [
@@ -42,8 +41,8 @@ def _golden_inputs(scores, length, first):
     kc = torch.zeros(1, 1, 2, length)
     kc[0, 0, 0] = torch.tensor(scores)[page_of]
     vc = torch.nn.functional.one_hot(page_of, pages).float()[None, None]
-    mask = torch.where(torch.arange(length) >= first, 0.0, MIN).reshape(1, 1, 1, 1, length)
-    return [q, kc, vc, torch.tensor([length]), mask]
+    attention_mask = (torch.arange(length) >= first).to(torch.int64)[None]  # the slots before `first` are padding
+    return [q, kc, vc, torch.tensor([length]), attention_mask]
 
 
 def _attrs(ratio=1.0, budget=0, sink=0, window=0):
@@ -55,7 +54,7 @@ def _attrs(ratio=1.0, budget=0, sink=0, window=0):
 def test_page_golden(scores, length, first, tok, want, name):
     """The rule (ops.rules) and every implementation attend exactly the golden pages."""
     ins = _golden_inputs(scores, length, first)
-    visible = ins[4][0, 0, 0] > rules.MASKED  # [1, L]
+    visible = rules.visible(ins[4], 1)[:, 0]  # [1, L]
     score = rules.page_scores(ins[1][0, :, :1], visible)  # the approximate scores [1, g = 1, L] -> [1, P]
     forced = rules.forced_pages(visible, tok.get("sink", 0), tok.get("window", 0))
     chosen = rules.select_pages(score, forced, rules.tokens_attended(visible, tok.get("ratio", 1.0),

@@ -17,6 +17,13 @@ the layers, unless AQUA-Memory's slicing is allocated: allocate.py), the decoder
 
 and returns logits [batch, sequence, vocab] and present.{i}.<kind> for each of those buffers ([..., present, ...]).
 
+The logits (last_logits, what the ONNX Runtime graphs do): only each sequence's last real token's row is computed
+(its last position whose attention_mask is 1); the other rows are unspecified (ops/logit_rows.py: never written, so a
+long prompt's [T, vocab] logits are never resident). Generation reads those rows alone, onnxruntime-genai included.
+Perplexity, lm-eval and parity open the graph with its constant ``all_logits`` set to 1 (rewrites.all_logits), which
+computes every row. (A graph input with a default would do it per call, but ONNX Runtime's IOBinding cannot bind
+an input that has an initializer.)
+
 The KV contract, as onnxruntime-genai drives it (docs/design.md, The KV contract):
   * total = attention_mask.shape[1] is the only length the graph needs; the new tokens go to slots
     total-sequence .. total-1 of the buffer, and positions are cumsum(attention_mask) - 1 (what HF computes
@@ -47,7 +54,7 @@ import numpy as np
 from ..config import ConfigError, reject_unknown
 from ..ops.spec import FLOAT_TYPES, FREE
 
-CONTRACT_VERSION = 4  # 4: K^, V widths and k per layer; 3: H2O state as slot buffers (heavy, token)
+CONTRACT_VERSION = 5  # 5: AquaAttention reads attention_mask, last_logits; 4: K^, V widths and k per layer
 DTYPES = FLOAT_TYPES
 
 
@@ -75,6 +82,7 @@ class Contract:
     version: int = CONTRACT_VERSION
     cache_dtype: str | None = None  # the K^ / V buffers' float type; None (folders written before it): dtype
     prices: tuple | None = None  # per layer [kv_heads] floats: its heads share its k per token (allocate.head_prices)
+    last_logits: bool = False  # the logits of each sequence's last token only (module docstring)
 
     def __post_init__(self):
         def positive(name, v):
@@ -100,8 +108,9 @@ class Contract:
         if self.cache_dtype is None:
             object.__setattr__(self, "cache_dtype", self.dtype)
         self.check_cache_dtype(self.dtype, self.cache_dtype, self.h2o)
-        if not isinstance(self.h2o, bool):
-            raise ConfigError(f"contract.h2o must be true or false, got {self.h2o!r}")
+        for flag in ("h2o", "last_logits"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"contract.{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.version != CONTRACT_VERSION:
             raise ConfigError(f"graph contract version {self.version} is not this tool's ({CONTRACT_VERSION})")
 
@@ -138,6 +147,7 @@ class Contract:
     # ---------------------------------------------------------------- names
     INPUT_IDS = "input_ids"
     ATTENTION_MASK = "attention_mask"
+    ALL_LOGITS = "all_logits"  # a last_logits graph's constant [1] int64: 1 computes every row
     LOGITS = "logits"
     PAST = "past_key_values.%d.%s"
     PRESENT = "present.%d.%s"

@@ -7,7 +7,8 @@ Per layer i, with g = H / Hkv, r the retained width and k the selected width (do
     h --k_proj--> RoPE --MatMul P_k--> [B,Hkv,T,r] --KeyCacheUpdate(past.key, L)--> present.key                    |
                                            present.key viewed [B,Hkv,r,C] (dim-major) -----------------------> AquaAttention
     h --v_proj (P_v folded, r rows)--> [B,Hkv,T,r] --ValueCacheUpdate(past.value, L)--> present.value -------> (k, rule,
-                                                                                              mask ---------> softcap)
+                                                                                    attention_mask [B, L] --> softcap,
+                                                                                                     sliding_window)
       <-- [B,Hkv,g,T,r]: q^ = q P_q, softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
@@ -41,7 +42,7 @@ import torch
 from onnx import TensorProto
 
 from ..fold import attention_projections
-from ..ops import aqua_attention, cache_update, h2o_attention, topk_gather_dot, value_product
+from ..ops import aqua_attention, cache_update, h2o_attention, logit_rows, topk_gather_dot, value_product
 from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
 from .blocks import Blocks, stack
@@ -50,6 +51,7 @@ from .contract import Contract
 
 F32 = TensorProto.FLOAT
 ATTENTION, H2O, SCORES = aqua_attention.OP.name, h2o_attention.OP.name, topk_gather_dot.OP.name
+ROWS = logit_rows.OP.name
 KEY_UPDATE, VALUE_UPDATE, VALUE_PRODUCT = cache_update.KEY.name, cache_update.VALUE.name, value_product.OP.name
 CACHE_CAST = "CastCache"  # the node names' last part of the casts rounding new k^ / v to a float16 cache
 
@@ -134,6 +136,9 @@ class DecoderGraph(Blocks):
         ct = self.contract
         io = {"input_ids": ct.INPUT_IDS, "attention_mask": ct.ATTENTION_MASK}
         io["total"] = gb.op("/model/total_length", "Shape", [ct.ATTENTION_MASK], start=1, end=2)
+        io["new"] = gb.op("/model/new_tokens", "Shape", [ct.INPUT_IDS], start=1, end=2)  # T, [1]
+        if ct.last_logits:  # 0: each sequence's last row (rewrites.all_logits sets 1)
+            gb.weight(ct.ALL_LOGITS, torch.zeros(1, dtype=torch.int64))
         # HF's positions under left padding: the count of real tokens before each one
         n = "/model/position_ids"
         seen = gb.op(f"{n}/CumSum", "CumSum", [ct.ATTENTION_MASK, c(1)])
@@ -209,14 +214,14 @@ class DecoderGraph(Blocks):
 
     # ---------------------------------------------------------------- per layer
     def layer(self, i: int, stream: tuple, w: dict, P: tuple, P_v: torch.Tensor, scaling: float, rope: tuple | None,
-              mask: str, io: dict) -> tuple[str, str]:
+              window: int | None, io: dict) -> tuple[str, str]:
         """stream = (x, pending): the residual stream and the last block's output, added by this layer's first norm
         (Blocks._add_norm). w: the layer's weights as HF names them (see decoder_weights); P = (query basis, key
         basis), each [Hkv, d, r] (export.selection_bases); P_v [Hkv, d, d].
         Returns the stream after the layer, its MLP output pending (its present.{i}.* outputs are named nodes)."""
         n = f"/model/layers.{i}"
         h, x = self._add_norm(f"{n}/input_layernorm", stream, w["input_layernorm"], w.get("input_layernorm_bias"))
-        attn = self._attention(i, h, w, P, P_v, scaling, rope, mask, io)
+        attn = self._attention(i, h, w, P, P_v, scaling, rope, window, io)
         if "attn_out_norm" in w:  # Gemma: the block's output is normalised before the residual add
             attn = self._rmsnorm(f"{n}/attn_out_norm", attn, w["attn_out_norm"])
         h, x = self._add_norm(f"{n}/post_attention_layernorm", (x, attn), w["post_attention_layernorm"],
@@ -227,14 +232,14 @@ class DecoderGraph(Blocks):
             down = self._rmsnorm(f"{n}/mlp_out_norm", down, w["mlp_out_norm"])
         return x, down
 
-    def _attention(self, i, h, w, P, P_v, scaling, rope, mask, io):
+    def _attention(self, i, h, w, P, P_v, scaling, rope, window, io):
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         hkv, rv = p.kv_heads, p.rv(i)
         proj = attention_projections(w, P, P_v, scaling, p.heads, rv, rotary=bool(p.rotary_dim))
         wo, bo = proj["o"][0], w.get("o_proj_bias")
         bo = None if bo is None else bo.to(torch.float32)
         if not p.rotary_dim:
-            return self._attention_folded(i, h, proj, mask, io, wo, bo)
+            return self._attention_folded(i, h, proj, window, io, wo, bo)
         q, k, v = self._rotary_qk(n, h, w, proj["q"], proj["k"], proj["v"], scaling, rope)
         pq = None
         if not p.dense:
@@ -246,7 +251,7 @@ class DecoderGraph(Blocks):
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, rv])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, rv]
-        return self._attend(i, q, k, v, wo, bo, mask, io, pq)
+        return self._attend(i, q, k, v, wo, bo, window, io, pq)
 
     def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, rope):
         """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*rv]: one MatMul for all three. Without q/k
@@ -271,7 +276,7 @@ class DecoderGraph(Blocks):
         k = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])
         return q, self._rope(f"{n}/k_rope", k, rope, hkv), v
 
-    def _attention_folded(self, i, h, proj, mask, io, wo, bo):
+    def _attention_folded(self, i, h, proj, window, io, wo, bo):
         """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds;
         fold.attention_projections): q^ and k^ come out of the projections, r wide, and the graph has no projection
         MatMul at all."""
@@ -285,11 +290,12 @@ class DecoderGraph(Blocks):
         v = self._linear(f"{n}/v_proj", h, *proj["v"])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, p.rv(i)])])],
                   perm=[0, 2, 1, 3])
-        return self._attend(i, q, kh, v, wo, bo, mask, io)
+        return self._attend(i, q, kh, v, wo, bo, window, io)
 
-    def _attend(self, i, q, kh, v, wo, bo, mask, io, proj=None):
-        """q^ [B,Hkv,g,T,r] (or q [B,Hkv,g,T,d] with proj = P_q [Hkv,d,r]), k^ [B,Hkv,T,r], v [B,Hkv,T,rv]
-        -> attention output [B,T,D]."""
+    def _attend(self, i, q, kh, v, wo, bo, window, io, proj=None):
+        """q^ [B,Hkv,g,T,r] (or q [B,Hkv,g,T,d] with proj = P_q [Hkv,d,r]), k^ [B,Hkv,T,r], v [B,Hkv,T,rv], the
+        layer's sliding window (None: none) -> attention output [B,T,D]. AquaAttention and H2OAttention read the
+        attention mask [B, L] itself; TensorRT's separate nodes add the [B, 1, 1, T, L] mask (DecoderGraph.mask)."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         rv, attrs = p.rv(i), dict(self.op_attrs, k=p.k(i))
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
@@ -300,12 +306,13 @@ class DecoderGraph(Blocks):
                       softcap=float(p.attn_softcap or 0.0), ratio=float(p.h2o_ratio), **attrs)[0]
         elif not p.fused:
             kc, vc = self._cache(n, i, kh, v, io)
-            a = self._attend_separate(n, q, kc, vc, mask, io, attrs)
+            a = self._attend_separate(n, q, kc, vc, self.mask(io, window), io, attrs)
         else:  # one pass over the cache: no [B, Hkv, g, T, L] scores in memory
             kc, vc = self._cache(n, i, kh, v, io)
             prices = self.contract.head_prices(i)  # the heads share the layer's k (allocate.head_prices)
-            a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], mask] + [proj] * (proj is not None),
-                      domain=self.domain, softcap=float(p.attn_softcap or 0.0), **attrs,
+            a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], io["attention_mask"]] +
+                      [proj] * (proj is not None), domain=self.domain, softcap=float(p.attn_softcap or 0.0),
+                      sliding_window=int(window or 0), **attrs,
                       **(p.tokens or {}), **({} if prices is None else {"head_prices": prices}))  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])
@@ -350,13 +357,18 @@ class DecoderGraph(Blocks):
 
     # ---------------------------------------------------------------- head
     def head(self, stream: tuple, norm_w: torch.Tensor, norm_b: torch.Tensor | None, lm_head: torch.Tensor,
-             tied_to: str | None) -> None:
+             tied_to: str | None, io: dict) -> None:
         """logits = norm(x + pending) @ W_lm^T. Tied float embeddings reuse the embedding table through Gemm(transB);
-        quantized weights give the output layer its own MatMulNBits blocks (of the same table when tied)."""
+        quantized weights give the output layer its own MatMulNBits blocks (of the same table when tied). A
+        last_logits graph (contract.Contract) runs the head on the rows logit_rows picks and places them with
+        LogitRows."""
         gb, c = self.gb, self.gb.const
+        last = self.contract.last_logits
+        if last:
+            index, stream = self._logit_rows(stream, io)
         h, _ = self._add_norm("/model/norm", stream, norm_w, norm_b)
         cap = self.p.final_softcap
-        out = None if cap else ["logits"]
+        out = None if cap or last else ["logits"]
         if tied_to is None or self.p.weights.quantized:
             y = self._linear("/lm_head", h, lm_head, None, outputs=out)
         else:
@@ -369,5 +381,29 @@ class DecoderGraph(Blocks):
         if cap:
             capped = self._softcap("/lm_head/softcap", y if self.p.dtype == torch.float32 else
                                    gb.op("/lm_head/Cast", "Cast", [y], to=F32), cap)
-            gb.op("/lm_head/softcap/Out", "Cast" if self.p.dtype != torch.float32 else "Identity", [capped],
-                  outputs=["logits"], **({"to": self.p.elem} if self.p.dtype != torch.float32 else {}))
+            y = gb.op("/lm_head/softcap/Out", "Cast" if self.p.dtype != torch.float32 else "Identity", [capped],
+                      outputs=None if last else ["logits"], **({"to": self.p.elem} if self.p.dtype != torch.float32 else {}))
+            y = y[0] if isinstance(y, list) else y
+        if last:
+            gb.op(f"/lm_head/{ROWS}", ROWS, [y, index, io["new"]], domain=self.domain, outputs=["logits"])
+
+    def _logit_rows(self, stream: tuple, io: dict) -> tuple:
+        """The rows the head computes (contract.Contract, last_logits): index [B, K], each sequence's last position
+        whose attention_mask is 1 (K = 1), or every position when the constant all_logits is 1 (K = T); stream's two
+        [B, T, D] tensors gathered there."""
+        gb, c, n = self.gb, self.gb.const, "/model/logit_rows"
+        ct = self.contract
+        new = gb.op(f"{n}/NewMask", "Slice", [ct.ATTENTION_MASK, gb.op(f"{n}/Neg", "Neg", [io["new"]]),
+                                              c([2**62]), c([1])])
+        last = gb.op(f"{n}/Last", "ArgMax", [new], axis=1, keepdims=1, select_last_index=1)  # [B, 1]
+        every = gb.op(f"{n}/Every", "Greater", [ct.ALL_LOGITS, c([0])])
+        keep = gb.op(f"{n}/Keep", "Where", [every, io["new"], c([1])])
+        start = gb.op(f"{n}/Start", "Where", [every, c([0]), last])  # [B, 1]
+        ramp = gb.op(f"{n}/Ramp", "Range", [c(0), gb.op(f"{n}/KeepScalar", "Squeeze", [keep]), c(1)])
+        index = gb.op(f"{n}/Index", "Add", [start, gb.op(f"{n}/RampRow", "Unsqueeze", [ramp, c([0])])])  # [B, K]
+        wide = gb.op(f"{n}/Shape", "Concat", [gb.op(f"{n}/IndexShape", "Shape", [index]), c([self.p.hidden])], axis=0)
+        at = gb.op(f"{n}/At", "Expand", [gb.op(f"{n}/IndexCol", "Unsqueeze", [index, c([-1])]), wide])
+        x, pending = stream
+        pick = [gb.op(f"{n}/Gather{i}", "GatherElements", [t, at], axis=1) if t is not None else None
+                for i, t in enumerate((x, pending))]
+        return index, tuple(pick)

@@ -70,15 +70,15 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
 
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None,
-                 cache_dtype: str | None = None) -> Contract:
+                 cache_dtype: str | None = None, fused: bool = True) -> Contract:
     """The graph contract an export of ``model`` with ``config`` has (projection: for an allocated slicing or k;
-    cache_dtype: the K^ / V buffers' type, default dtype)."""
+    cache_dtype: the K^ / V buffers' type, default dtype; fused: ONNX Runtime's graph, TensorRT's otherwise)."""
     geo = attention_geometry(model)
     widths, value_widths = layer_widths(config, projection, geo["layers"], geo["head_dim"])
     return Contract(layers=geo["layers"], kv_heads=geo["kv_heads"], widths=widths,
                     selected=layer_selected(config, projection, widths), value_widths=value_widths,
                     vocab=model.config.vocab_size, dtype=spec.type_name(dtype), h2o=config.evicts,
-                    cache_dtype=cache_dtype, prices=head_prices(config, projection))
+                    cache_dtype=cache_dtype, prices=head_prices(config, projection), last_logits=fused)
 
 
 def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, fused: bool,
@@ -113,7 +113,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     check_exportable(model, projection, config, weights, fused, ops)
     register_schemas()
     path = Path(path)
-    ct = contract_for(model, config, dtype, projection, cache_dtype)
+    ct = contract_for(model, config, dtype, projection, cache_dtype, fused)
     if ct.cache_dtype != ct.dtype and not fused:
         raise ConfigError(CACHE_NEEDS_FUSED)
     if ct.prices is not None and not fused:
@@ -164,11 +164,11 @@ def _decoder(g: DecoderGraph, model, projection: Projection, config: AquaConfig,
     for i, layer in enumerate(arch.layers(model)):
         P, P_v = layer_bases(projection, config, ct, i, d)
         rope = g.rotary(io["position_ids"], *arch.rotary(model, i)) if arch.has_rotary else None
-        mask = None if ct.h2o else g.mask(io, arch.window(cfg, i))  # H2OAttention masks by its slots
-        stream = g.layer(i, stream, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, rope, mask, io)
+        stream = g.layer(i, stream, arch.layer_weights(layer), P, P_v, arch.attention(layer).scaling, rope,
+                         arch.window(cfg, i), io)
         if progress is not None:
             progress(i + 1, ct.layers)
     head = model.get_output_embeddings()
     tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
-    g.head(stream, *arch.final_norm(model), head.weight.detach(), "model.embed_tokens.weight" if tied else None)
+    g.head(stream, *arch.final_norm(model), head.weight.detach(), "model.embed_tokens.weight" if tied else None, io)
     g.outputs()

@@ -6,6 +6,7 @@ that it shares model.onnx.data, opened by path, removed after):
     selection_outputs      the attention nodes inlined, each layer's TopK indices (or shared-k keep mask) exposed
     float_activations      quantized folders: MatMulNBits / QMoE with float32 activations (accuracy_level 0)
     float32_cache(ct)      float16 caches under a float32 graph: the caches float32 (the graph the reference computes)
+    all_logits             a last_logits graph computing every position's logits (perplexity, lm-eval, parity)
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from ..ops.catalogue import OPS
 from ..ops.spec import DOMAIN, ONNX
 from .builder import load_graph, save_graph
+from .contract import Contract
 from .decoder_graph import CACHE_CAST
 
 
@@ -147,6 +151,17 @@ def float32_cache(ct):
                 n.op_type = "Identity"
                 del n.attribute[:]
     return transform
+
+
+def all_logits(m):
+    """The graph with its constant all_logits (contract.Contract, last_logits) 1: the head computes every position's
+    logits, not only each sequence's last (a graph without the constant is returned as it is)."""
+    from onnx import numpy_helper
+
+    for t in m.graph.initializer:
+        if t.name == Contract.ALL_LOGITS:
+            t.CopyFrom(numpy_helper.from_array(np.ones(1, np.int64), t.name))
+    return m
 
 
 def float_activations(m):

@@ -2,9 +2,11 @@
 Triton kernels/triton/aqua_attention.py).
 
     query_hat [B, Hkv, g, T, r] (or the query q [B, Hkv, g, T, d] and projection P [Hkv, d, r]: q^ = q P)
-    key_cache [B, Hkv, r, C] (dim-major K^)   value_cache [B, Hkv, C, rv]   total_length [1]   mask [B|1, 1, 1, T, L]
+    key_cache [B, Hkv, r, C] (dim-major K^)   value_cache [B, Hkv, C, rv]   total_length [1]   attention_mask [B, L]
     (both caches of the query's float type, or float16 under a float32 query: the contract's cache_dtype)
         -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
+    mask: the query at position p = L - T + t sees key j <= p with attention_mask 1 (and j > p - sliding_window
+    when that attribute is > 0): ops.rules.visible. The node reads the [B, L] mask, never a [T, L] tensor.
 
 Token selection (attributes token_ratio < 1 or token_budget > 0; ops.rules): a decode step (T = 1) scores pages with
 q^[I] . K^[I, :L], keeps the pages rules.select_pages chooses and attends over their tokens with all r coordinates;
@@ -24,12 +26,14 @@ from onnx import TensorProto
 from onnx import helper as H
 
 from . import rules
-from .nodes import const, projection_nodes, ref_constant, score_nodes
+from .nodes import const, mask_nodes, projection_nodes, ref_constant, score_nodes
 from .spec import DOMAIN, PAGE, PROJECTION
 from .table import PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, LENGTH, RULE_ATTR
 
 SOFTCAP_ATTR = Attr("softcap", "float", "tanh soft-cap of the scores, 0 = none", required=False, default=0.0)
+WINDOW_ATTR = Attr("sliding_window", "int", "a query sees the keys less than this many positions before it, 0 = all",
+                   required=False, default=0)
 PRICES_ATTR = Attr("head_prices", "floats", "[Hkv]: the heads share the layer's k per token, each head's selection "
                    "scores times its price (ops.rules, pooled); absent: each row keeps its own k", required=False)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
@@ -40,12 +44,14 @@ TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visib
                Attr("token_window", "int", "token selection: the last visible tokens always kept", required=False))
 
 
-def reference(query_hat, key_cache, value_cache, total_length, mask, projection: torch.Tensor | None = None, *,
-              k: int, rule: int = 0, softcap: float = 0.0, token_ratio: float = 1.0, token_budget: int = 0,
-              token_sink: int = 0, token_window: int = 0, head_prices=None, **plugin) -> torch.Tensor:
-    """The node in PyTorch, scores and softmax in float64; mask float32 (0 = attend, very negative = hidden);
-    head_prices [Hkv] or None (shared k). Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
+def reference(query_hat, key_cache, value_cache, total_length, attention_mask, projection: torch.Tensor | None = None,
+              *, k: int, rule: int = 0, softcap: float = 0.0, sliding_window: int = 0, token_ratio: float = 1.0,
+              token_budget: int = 0, token_sink: int = 0, token_window: int = 0, head_prices=None,
+              **plugin) -> torch.Tensor:
+    """The node in PyTorch, scores and softmax in float64; attention_mask [B, L] (rules.visible); head_prices [Hkv]
+    or None (shared k). Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
     total = int(total_length)
+    mask = rules.additive_mask(torch.as_tensor(attention_mask), query_hat.shape[3], sliding_window)
     if projection is not None:
         query_hat = query_hat @ projection[:, None].to(query_hat.dtype)
     keys = key_cache[..., :total].unsqueeze(2)
@@ -55,7 +61,7 @@ def reference(query_hat, key_cache, value_cache, total_length, mask, projection:
     mask = mask.to(torch.float64)
     if token_ratio < 1 or token_budget > 0:
         s, mask = _selected(query_hat, keys, s, mask, softcap, token_ratio, token_budget, token_sink, token_window)
-    w = torch.softmax(s + mask, dim=-1)
+    w = torch.softmax(s + mask, dim=-1) * (mask > rules.MASKED).any(-1, keepdim=True)  # a row seeing nothing: 0
     return (w @ value_cache[:, :, None, :total].to(torch.float64)).to(query_hat.dtype)
 
 
@@ -76,7 +82,7 @@ def _selected(query_hat, keys, approx, mask, softcap, ratio, budget, sink, windo
     return s, torch.where(chosen, mask, torch.full_like(mask, rules.HIDDEN))
 
 
-BASE_ATTRS = ["k", "rule", "softcap", "plugin_namespace", "plugin_version"]
+BASE_ATTRS = ["k", "rule", "softcap", "sliding_window", "plugin_namespace", "plugin_version"]
 
 
 def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False):
@@ -84,14 +90,15 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
         --MatMul K^[:, :L]--> scores --Cast float32--> softcap? --+ mask--> Softmax --CastLike--> MatMul V[:L] --> out
+        attention_mask [B, L] --nodes.mask_nodes--> mask [B, 1, 1, T, L] (materialised here, never by the kernels)
     (K^ and V cast like the query: a float16 cache under a float32 graph)
 
     tokens: the token-selection form (_token_nodes): the softmax takes the exact scores, a decode step's unchosen
-    pages hidden. An ONNX function cannot test whether an optional input is present, so a graph carries the body of
+    pages hidden. A query row that sees no key outputs zeros (as the kernels: a padding token of a prompt). An ONNX function cannot test whether an optional input is present, so a graph carries the body of
     the form its nodes use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
     pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes).
     """
-    head = projection_nodes() * projected + score_nodes("scores_t", pooled) + [
+    head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled) + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -102,7 +109,12 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
         H.make_node("Where", ["has_cap", "capped", "scores"], ["logits_raw"]),
     ]
     tail = [
-        H.make_node("Softmax", ["logits"], ["probs_f"], axis=-1),
+        H.make_node("Softmax", ["logits"], ["probs_all"], axis=-1),
+        # a row that sees no key (padding in a prompt) outputs zeros, as the kernels' do
+        const("seen_floor", rules.MASKED), const("seen_axis", [-1]),
+        H.make_node("Greater", ["mask", "seen_floor"], ["seen_b"]), H.make_node("Cast", ["seen_b"], ["seen_f"], to=1),
+        H.make_node("ReduceMax", ["seen_f", "seen_axis"], ["seen_any"], keepdims=1),
+        H.make_node("Mul", ["probs_all", "seen_any"], ["probs_f"]),
         H.make_node("CastLike", ["probs_f", "query_hat"], ["probs"]),
         H.make_node("Slice", ["value_cache", "zero_1", "total_length", "axis_2"], ["value_s"]),
         H.make_node("CastLike", ["value_s", "query_hat"], ["value_l"]),
@@ -210,9 +222,9 @@ def _token_nodes() -> list:
 OP = OpDef("AquaAttention",
            "out = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L], one pass over the cache; K^ dim-major",
            inputs=(Port("query_hat", rank=5), Port("key_cache", "C"), Port("value_cache", "C"), LENGTH,
-                   Port("mask", "float", 5)),
+                   Port("attention_mask", "int64", 2)),
            outputs=(Port("out", rank=5),),
-           attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR),
+           attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, WINDOW_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR),
            body=body, reference=reference, projectable=True,
            forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,))),
            shape=lambda d: {"out": d["query_hat"][:4] + d["value_cache"][3:]})

@@ -3,6 +3,7 @@ query projection, the score head, constants and references to a function's attri
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import AttributeProto, TensorProto
 from onnx import helper as H
 
@@ -125,6 +126,34 @@ def score_nodes(scores: str, pooled: bool = False) -> list:
         H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"]),
         H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
         H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
+    ]
+
+
+def mask_nodes() -> list:
+    """attention_mask [B, L], query_hat (its T), the attribute sliding_window -> mask [B, 1, 1, T, L] float32: 0 where
+    the query at position p = L - T + t sees key j (j <= p, attention_mask 1, j > p - window when window > 0), the
+    float32 minimum elsewhere (ops.rules.visible)."""
+    n, f = H.make_node, TensorProto.FLOAT
+    return [
+        const("mk_zero", 0), const("mk_one", 1), const("mk_axis_0", [0]), const("mk_axis_1", [1]),
+        const("mk_axes_12", [1, 2]), ref_constant("mk_window", "sliding_window", "value_int"),
+        n("Shape", ["attention_mask"], ["mk_len_1d"], start=1, end=2), n("Squeeze", ["mk_len_1d"], ["mk_len"]),
+        n("Shape", ["query_hat"], ["mk_t_1d"], start=3, end=4), n("Squeeze", ["mk_t_1d"], ["mk_t"]),
+        n("Sub", ["mk_len", "mk_t"], ["mk_first"]),
+        n("Range", ["mk_zero", "mk_len", "mk_one"], ["mk_j"]), n("Range", ["mk_first", "mk_len", "mk_one"], ["mk_p"]),
+        n("Unsqueeze", ["mk_j", "mk_axis_0"], ["mk_j2"]), n("Unsqueeze", ["mk_p", "mk_axis_1"], ["mk_p2"]),
+        n("LessOrEqual", ["mk_j2", "mk_p2"], ["mk_causal"]),  # [T, L]
+        n("Sub", ["mk_p2", "mk_window"], ["mk_start"]), n("Greater", ["mk_j2", "mk_start"], ["mk_recent"]),
+        n("Greater", ["mk_window", "mk_zero"], ["mk_windowed"]), n("Not", ["mk_windowed"], ["mk_unwindowed"]),
+        n("Or", ["mk_recent", "mk_unwindowed"], ["mk_in_window"]),
+        n("And", ["mk_causal", "mk_in_window"], ["mk_seen"]),
+        n("Cast", ["attention_mask"], ["mk_real"], to=TensorProto.BOOL),
+        n("Unsqueeze", ["mk_real", "mk_axis_1"], ["mk_real3"]),  # [B, 1, L]
+        n("And", ["mk_seen", "mk_real3"], ["mk_ok"]),  # [B, T, L]
+        H.make_node("Constant", [], ["mk_open"], value=H.make_tensor("mk_open", f, [], [0.0])),
+        H.make_node("Constant", [], ["mk_shut"], value=H.make_tensor("mk_shut", f, [], [float(np.finfo(np.float32).min)])),
+        n("Where", ["mk_ok", "mk_open", "mk_shut"], ["mk_add"]),
+        n("Unsqueeze", ["mk_add", "mk_axes_12"], ["mask"]),
     ]
 
 

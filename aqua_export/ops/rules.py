@@ -20,6 +20,9 @@ Token selection (per sequence, KV head and decode step; L visible tokens, scores
             until budget(ratio, L) tokens' worth of pages (or a fixed token budget; ties: the lower page)
     attend  exact scores (all r coordinates) and softmax over the kept pages' visible tokens
 
+Visibility (AquaAttention reads the attention mask [B, L], not a [T, L] tensor): a query at position p = L - T + t
+sees key j when j <= p, attention_mask[b, j] is 1 and, under a sliding window w > 0, j > p - w.
+
 H2O (per sequence and KV head, after each real token; n real tokens seen):
 
     budget  max(1, ceil(ratio n)) tokens kept
@@ -53,6 +56,24 @@ def _static(qh: torch.Tensor) -> torch.Tensor:
 
 
 SCORES = {MAGNITUDE: _magnitude, GROUP: _group, STATIC: _static}  # rule code -> what the top k is taken of
+
+
+def visible(attention_mask: torch.Tensor, t: int, window: int = 0) -> torch.Tensor:
+    """attention_mask [B, L] (1 = a real token) -> [B, T, L] bool: which keys the T newest positions see (causal,
+    padding hidden, within the sliding window when window > 0)."""
+    length = attention_mask.shape[-1]
+    j = torch.arange(length)
+    pos = torch.arange(length - t, length)[:, None]
+    ok = (j[None] <= pos) & (attention_mask.bool()[:, None, :])
+    if window > 0:
+        ok &= j[None] > pos - window
+    return ok
+
+
+def additive_mask(attention_mask: torch.Tensor, t: int, window: int = 0) -> torch.Tensor:
+    """visible(...) as the float32 mask added to the scores: [B, 1, 1, T, L], 0 where seen, HIDDEN where not."""
+    ok = visible(attention_mask, t, window)
+    return torch.where(ok, 0.0, HIDDEN).to(torch.float32)[:, None, None]
 
 
 def selection_score(qh: torch.Tensor, selection: str, key_rms: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 
 from .. import corpus
 from ..config import AquaConfig, ConfigError
-from ..export.rewrites import (float32_cache, float32_weight_casts, float_activations, graph_variant,
+from ..export.rewrites import (all_logits, float32_cache, float32_weight_casts, float_activations, graph_variant,
                                selection_outputs, set_k)
 from ..meter import stage_bar
 from ..models import cache_keyword
@@ -73,7 +73,7 @@ def _ort_trace(lm, ids: np.ndarray, steps: int, tokens=None):
     mask = np.ones_like(ids)
     past = lm.empty_past(1)
     bar = stage_bar(steps + 1, "ORT forwards", "fwd")
-    logits, past = lm.step(ids, mask, past)
+    logits, past = lm.step(ids, mask, past)  # every prompt position (the sessions compute all rows: _ort_phase)
     bar.update(1)
     trace, toks = [logits[0]], []
     for s in range(steps):
@@ -129,7 +129,8 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     (rewrites.float32_weight_casts), so the session holds the float16 weights only."""
     h2o = config.evicts
     lean = cfg.dtype == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
-    base = (float32_weight_casts,) if lean else ()
+    # every run computes every position's logits (the prompt's are compared too): the folder's graph otherwise
+    base = (all_logits,) + ((float32_weight_casts,) if lean else ())
     narrow = cfg.contract.cache_dtype != cfg.contract.dtype  # a float16 cache: the gated runs cache float32
     wide = (float32_cache(cfg.contract),) if narrow else ()
     wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
@@ -140,7 +141,7 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     def session(tag, k, *transforms, lm_cfg=None, probe=None, own_cache=False):
         with graph_variant(model_path, tag, *base, *(() if own_cache else wide), *transforms) as path:
             lm = OrtLM(make_session(path, kernel=k, lean=lean), lm_cfg or (cfg if own_cache else wide_cfg),
-                       probe=probe)
+                       probe=probe, all_rows=True)
             try:
                 yield lm
             finally:

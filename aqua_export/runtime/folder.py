@@ -156,8 +156,7 @@ class FolderConfig:
     # ---------------------------------------------------------------- the files the build wrote
     def foreign_files(self, folder: str | Path) -> list[str]:
         """Entries of ``folder`` that the build did not write (sorted)."""
-        mine = set(self.files or ()) | {CONFIG_FILE}
-        return sorted(p.name for p in Path(folder).iterdir() if p.name not in mine)
+        return foreign_files(folder, self.files)
 
     def verify(self, folder: str | Path, checksums: bool = False) -> int:
         """Every file of the manifest is in ``folder`` with the size the build wrote (and, with checksums, the same
@@ -182,6 +181,24 @@ class FolderConfig:
                                   "the folder")
             total += size
         return total
+
+
+def built_files(folder: str | Path) -> dict | None:
+    """The manifest of a folder any aqua-export build finished, this version's or an older one's (what a rebuild
+    with --force may replace), or None when ``folder`` is not one: aqua_config.json naming the files it wrote."""
+    try:
+        data = json.loads((Path(folder) / CONFIG_FILE).read_text())
+        files = data.get("files")
+        _check_files(files)
+    except (OSError, ValueError, AttributeError, ConfigError):
+        return None
+    return files
+
+
+def foreign_files(folder: str | Path, files: dict | None) -> list[str]:
+    """Entries of ``folder`` that a build whose manifest is ``files`` did not write (sorted)."""
+    mine = set(files or ()) | {CONFIG_FILE}
+    return sorted(p.name for p in Path(folder).iterdir() if p.name not in mine)
 
 
 CHECKSUM = "sha256"  # aqua_config.json's own: SHA-256 of its other content (_checksum)

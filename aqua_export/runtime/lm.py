@@ -10,12 +10,26 @@ import numpy as np
 
 from ..config import ConfigError
 from ..export.contract import Contract
-from .caches import H2OCache, SharedCache
+from .caches import H2OCache, SharedCache, large_empty
 from .folder import FolderConfig
 from .sampling import SamplingConfig, check_finite, emit, pick
 from .session import check_serving, default_kernel, make_session
 
 CACHES = ("shared", "concat")
+
+
+def last_real(attention_mask: np.ndarray, t: int) -> np.ndarray:
+    """Per sequence the index among the T new positions of its last real token (mask 1): the row the graph computes
+    logits for (ops/logit_rows.py); T - 1 when none of them is real."""
+    new = attention_mask[:, -t:] != 0
+    return np.where(new.any(1), t - 1 - np.argmax(new[:, ::-1], axis=1), t - 1)
+
+
+def ort_value(a: np.ndarray):
+    """An OrtValue over a numpy array's memory (no copy)."""
+    import onnxruntime as ort
+
+    return ort.OrtValue.ortvalue_from_numpy(a)
 
 
 class Probe(Protocol):
@@ -40,7 +54,8 @@ class OrtLM:
     prompt is one forward. probe: an instrument (Probe) or None.
     """
 
-    def __init__(self, session, cfg: FolderConfig, cache: str = "shared", probe: Probe | None = None):
+    def __init__(self, session, cfg: FolderConfig, cache: str = "shared", probe: Probe | None = None,
+                 all_rows: bool | None = None):
         if cache not in CACHES:
             raise ConfigError(f"cache must be one of {CACHES}, got {cache!r}")
         self.session, self.cfg = session, cfg
@@ -54,6 +69,9 @@ class OrtLM:
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + len(self.contract.kinds) * self.layers
         self.probe = probe
+        # whether a forward's logits hold every position (a graph opened with rewrites.all_logits, or one computing
+        # them all: TensorRT's) or each sequence's last real token's row only (contract last_logits)
+        self.all_rows = not self.contract.last_logits if all_rows is None else all_rows
         self._check_graph()
 
     def _check_graph(self) -> None:
@@ -74,17 +92,29 @@ class OrtLM:
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared",
-                    serving: tuple[int, int] | None = None) -> "OrtLM":
+                    serving: tuple[int, int] | None = None, all_logits: bool = False) -> "OrtLM":
         """serving: (batch, tokens) the caller will run, checked against the memory before loading (check_serving;
-        default: one sequence of the model's context)."""
+        default: one sequence of the model's context). all_logits: every position's logits (perplexity, lm-eval)."""
         cfg = FolderConfig.from_folder(folder)
         cfg.verify(folder)  # every file the build wrote, of its size (`aqua-export check` compares checksums too)
         check_serving(cfg, folder, *(serving or (1, cfg.context_length or 4096)))
-        if kernel == "auto":
-            kernel = default_kernel(cfg.dtype)
-        lm = cls(make_session(Path(folder) / "model.onnx", threads, kernel), cfg, cache)
+        lm = cls.open(Path(folder) / "model.onnx", cfg, threads, kernel, cache, all_logits)
         lm.folder = Path(folder)
         return lm
+
+    @classmethod
+    def open(cls, model: str | Path, cfg: FolderConfig, threads: int = 0, kernel: str = "auto", cache: str = "shared",
+             all_logits: bool = False, probe: Probe | None = None, **session) -> "OrtLM":
+        """A session of the graph at ``model`` (all_logits: opened with rewrites.all_logits, every position's logits;
+        session: make_session's other options)."""
+        if kernel == "auto":
+            kernel = default_kernel(cfg.dtype)
+        if not (all_logits and cfg.contract.last_logits):
+            return cls(make_session(model, threads, kernel, **session), cfg, cache, probe, all_rows=all_logits or None)
+        from ..export.rewrites import all_logits as every_row, graph_variant
+
+        with graph_variant(Path(model), "all-logits", every_row) as path:  # the session keeps what it loaded
+            return cls(make_session(path, threads, kernel, **session), cfg, cache, probe, all_rows=True)
 
     def empty_past(self, batch: int):
         """Nothing seen yet: a SharedCache (an H2OCache for H2O graphs), or for the concat cache a list of every
@@ -96,11 +126,12 @@ class OrtLM:
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past):
         """One forward. input_ids [B, T], attention_mask [B, P+T] (every token seen, padding 0); past as from
-        empty_past. Returns (logits [B, T, V], present)."""
+        empty_past. Returns (logits, present): logits [B, T, V] when the session computes every row (all_rows), else
+        [B, 1, V], each sequence's last real token's (what the next token is picked from: contract.Contract)."""
         if not self.shared:
             out = self._run(input_ids, attention_mask, past)
             self._record(out[self.n_outputs:])
-            return out[0], out[1:self.n_outputs]
+            return self._rows(out[0], attention_mask), out[1:self.n_outputs]
         if self.probe is not None and self.probe.evictions and input_ids.shape[1] > 1:
             t, logits, extra = input_ids.shape[1], [], []  # token by token: the probe sees every eviction
             for j in range(t):
@@ -110,12 +141,21 @@ class OrtLM:
                 logits.append(out)
                 extra.append(ex)
             self._record([np.concatenate(x, axis=-2) for x in zip(*extra)])
-            return np.concatenate(logits, axis=1), past
+            logits = np.concatenate(logits, axis=1)  # a row per token: every position
+            return logits if self.all_rows else self._rows(logits, attention_mask, pick=True), past
         logits, past, extra = self._step_shared(input_ids, attention_mask, past)
         if self.probe is not None and self.probe.evictions:
             self.probe.evicted([past.live(i) for i in range(self.layers)])
         self._record(extra)
         return logits, past
+
+    def _rows(self, logits: np.ndarray, attention_mask: np.ndarray, pick: bool = False) -> np.ndarray:
+        """A forward's [B, T, V] logits as step returns them: all of them (all_rows), or each sequence's last real
+        token's [B, 1, V] (the last new position whose mask is 1; the last one when none is), the rows the graph
+        computed (pick: from logits of every row)."""
+        if (self.all_rows and not pick) or logits.shape[1] == 1:
+            return logits
+        return logits[np.arange(logits.shape[0]), last_real(attention_mask, logits.shape[1])][:, None]
 
     def _record(self, extra: list[np.ndarray]) -> None:
         if self.probe is not None:
@@ -130,15 +170,18 @@ class OrtLM:
 
     def _step_shared(self, input_ids, attention_mask, cache: SharedCache):
         """past and present bound to the same buffers (IOBinding): the graph writes the new entries in place.
-        Returns (logits, cache, the outputs beyond the contract)."""
+        Returns (logits [B, T, V] or each sequence's last row [B, 1, V], cache, the outputs beyond the contract). The
+        logits go to a buffer of ours, so that of a long prompt's [B, T, V] only the rows read are ever touched
+        (ops/logit_rows.py)."""
         ct = self.contract
-        t = input_ids.shape[1]
+        b, t = input_ids.shape
         mask = np.ascontiguousarray(attention_mask[:, -(cache.length + t):], dtype=np.int64)
         cache.reserve(cache.slots_for(mask))
         io = self.session.io_binding()
         io.bind_cpu_input(ct.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
         io.bind_cpu_input(ct.ATTENTION_MASK, mask)
-        io.bind_output(ct.LOGITS)
+        logits = large_empty((b, t, ct.vocab), self.dtype)
+        io.bind_ortvalue_output(ct.LOGITS, ort_value(logits))
         extra = self.output_names[self.n_outputs:]
         for name in extra:  # debug outputs beyond the contract (parity's TopK indices)
             io.bind_output(name)
@@ -146,7 +189,7 @@ class OrtLM:
         self.session.run_with_iobinding(io)
         outs = io.get_outputs()
         cache.after(t)
-        return outs[0].numpy(), cache, [o.numpy() for o in outs[1:1 + len(extra)]]
+        return self._rows(logits, mask), cache, [o.numpy() for o in outs[1:1 + len(extra)]]
 
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
                  eos_token_id: int | None = None, on_token=None, on_logits=None, stop=None) -> np.ndarray:
@@ -158,8 +201,8 @@ class OrtLM:
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
         logits, past = self.step(input_ids, mask, self.empty_past(b))
-        last_real = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)  # the prompt's last token, per row
-        logits = logits[np.arange(b), last_real][:, None]
+        if logits.shape[1] > 1:  # a session computing every row: each prompt's last token's
+            logits = self._rows(logits, mask, pick=True)
         done = np.zeros(b, dtype=bool)
         out = []
         for step in range(sampling.max_new_tokens):

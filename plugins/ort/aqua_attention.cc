@@ -6,17 +6,21 @@
 //                                    whatever the query's type (contract cache_dtype)
 //   value_cache [B, Hkv, Cv, rv]     present.value (rv: V's width, r unless AQUA-Memory cuts K^ and V apart)
 //   total_length [1] int64           L <= C, Cv: the slots filled so far
-//   mask        [B|1, 1, 1, T, L]    float32, added to the scores (0 or float32 min)
+//   attention_mask [B|1, L] int64    0 = padding; the query at position p = L - T + t sees keys j <= p that are
+//                                    not padding (and j > p - sliding_window when that attribute is > 0)
 //   projection  [Hkv, d, r]          optional: query_hat is then the query q [B, Hkv, g, T, d] and q^ = q P,
 //                                    computed per token as its selection is (no MatMul node before this one)
 //     -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
-//   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap;
+//   attributes: k, rule (aqua_ops.h Rule: I per query row, shared by the GQA group, or the first k), softcap,
+//     sliding_window;
 //     token_ratio, token_budget, token_sink, token_window: token selection (aqua_tokens.cc; a prompt then attends
 //     every token with all r coordinates); head_prices [Hkv] (optional): the heads share Hkv g' k coordinates per
 //     token (aqua_ops.h PoolCut; pool_cut_task finds each token's cut before any task selects)
 //
-// No [B, Hkv, g, T, L] tensor exists: tasks of (batch, kv head, tile of up to 4 query rows, split of the L
-// positions), each walking its positions in blocks of kPos:
+// A prompt of kPromptTokens or more runs as blocked matrix products (aqua_prompt.cc). Shorter calls, decode above
+// all: no [B, Hkv, g, T, L] tensor exists (nor a [T, L] mask: each block's is made from attention_mask): tasks of
+// (batch, kv head, tile of up to 4 query rows, split of the L positions), each walking its positions in blocks of
+// kPos:
 //
 //   K^[union of the tile's I, block] --accumulate--> s[rows][block]    (k of r key rows read; a group-shared
 //        |                                                             selection makes the union exactly k)
@@ -38,8 +42,8 @@ template <typename T, typename C>
 struct AttentionJob : QueryRows<T>, RowsOut<T> {
   const C* key;
   const C* value;
-  const float* mask;
-  int64_t len, key_stride, value_slots, mask_batch_stride, split_len;
+  MaskRows mask;
+  int64_t len, key_stride, value_slots, split_len;
   float softcap;
 };
 
@@ -56,26 +60,25 @@ void attention_task(void* data, size_t task_index) {
 
   alignas(64) static thread_local float s[kRows * kPos];
   alignas(64) static thread_local float o[kRows * kMaxWidth];
+  alignas(64) static thread_local float mbuf[kRows * kPos];
   float m[kRows], l[kRows];
-  const float* mrow[kRows];
+  Seen seen[kRows];
+  const float* mb[kRows];
   for (int rr = 0; rr < nr; ++rr) {
     m[rr] = -INFINITY, l[rr] = 0.0f;
     std::fill(o + rr * kMaxWidth, o + rr * kMaxWidth + j.rv, 0.0f);
-    const int64_t tt = (tile * kRows + rr) / j.g;
-    mrow[rr] = j.mask + (bh / j.heads) * j.mask_batch_stride + tt * j.len;
+    seen[rr] = j.mask.at(bh / j.heads, (tile * kRows + rr) / j.g);
+    mb[rr] = mbuf + rr * kPos;
   }
   const int64_t p0 = split * j.split_len, p1 = std::min(j.len, p0 + j.split_len);
   const C* key = j.key + bh * j.r * j.key_stride;
   const C* value = j.value + bh * j.value_slots * j.rv;
   for (int64_t s0 = p0; s0 < p1; s0 += kPos) {
     const int64_t n = std::min(kPos, p1 - s0);
-    const float* mb[kRows];
     bool visible = false;
-    for (int rr = 0; rr < nr; ++rr) {
-      mb[rr] = mrow[rr] + s0;
-      for (int64_t i = 0; i < n && !visible; ++i) visible = mb[rr][i] > kHidden;
-    }
-    if (!visible) continue;
+    for (int rr = 0; rr < nr && !visible; ++rr) visible = seen[rr].any(s0, n);
+    if (!visible) continue;  // a block the mask hides from every row (a causal prompt's later keys): skipped
+    for (int rr = 0; rr < nr; ++rr) seen[rr].block(s0, n, mbuf + rr * kPos);
     accumulate_rows(nr, key + s0, j.key_stride, uni, nu, wbuf, n, s, kPos);
     online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.rv);
     add_values_rows(nr, s, kPos, value + s0 * j.rv, n, j.rv, o, kMaxWidth);
@@ -91,6 +94,7 @@ struct AttentionKernel {
     k_ = ki.GetAttribute<int64_t>("k");
     rule_ = int_attribute(ki, "rule", kPerHead);
     softcap_ = ki.GetAttribute<float>("softcap");
+    window_ = int_attribute(ki, "sliding_window", 0);
     tokens_ = {float_attribute(ki, "token_ratio", 1.0f), int_attribute(ki, "token_budget", 0),
                int_attribute(ki, "token_sink", 0), int_attribute(ki, "token_window", 0)};
     try {  // optional: a pooled node (ops/rules.py), the heads sharing the layer's k
@@ -108,9 +112,9 @@ struct AttentionKernel {
     const auto vs = v_in.GetTensorTypeAndShapeInfo().GetShape();
     const auto ms = m_in.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t len = total_length(ctx, 3);
-    if (qs.size() != 5 || ks.size() != 4 || vs.size() != 4 || ms.size() != 5) {
+    if (qs.size() != 5 || ks.size() != 4 || vs.size() != 4 || ms.size() != 2) {
       ORT_CXX_API_THROW("AquaAttention: expected query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache "
-                        "[B,Hkv,C,rv] and mask [B,1,1,T,L]", ORT_INVALID_ARGUMENT);
+                        "[B,Hkv,C,rv] and attention_mask [B,L]", ORT_INVALID_ARGUMENT);
     }
     const int64_t r = ks[2], rv = vs[3];
     const OrtValue* p_value = ctx.GetInputCount() > 5 ? static_cast<const OrtValue*>(ctx.GetInput(5)) : nullptr;
@@ -126,11 +130,11 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: query_hat, key_cache and value_cache disagree on B, Hkv or r",
                         ORT_INVALID_ARGUMENT);
     }
-    if (len < 0 || len > ks[3] || len > vs[2] || (ms[0] != 1 && ms[0] != qs[0]) || ms[1] != 1 || ms[2] != 1 ||
-        ms[3] != qs[3] || ms[4] != len) {
-      ORT_CXX_API_THROW("AquaAttention: total_length must fit both caches and mask must be [B|1,1,1,T,L]",
-                        ORT_INVALID_ARGUMENT);
+    if (len < 0 || len > ks[3] || len > vs[2] || (ms[0] != 1 && ms[0] != qs[0]) || ms[1] != len || qs[3] > len) {
+      ORT_CXX_API_THROW("AquaAttention: total_length must fit both caches and the T new tokens, and attention_mask "
+                        "must be [B|1,L]", ORT_INVALID_ARGUMENT);
     }
+    if (window_ < 0) ORT_CXX_API_THROW("AquaAttention: sliding_window must be >= 0", ORT_INVALID_ARGUMENT);
     if (k_ < 1 || k_ > r || r > kMaxWidth || rv < 1 || rv > kMaxWidth || rule_ < kPerHead || rule_ > kStatic) {
       ORT_CXX_API_THROW("AquaAttention: k must be in [1, r], r and rv in [1, 512], rule in {0, 1, 2}",
                         ORT_INVALID_ARGUMENT);
@@ -161,9 +165,17 @@ struct AttentionKernel {
         query.cut_index = index.data();
       }
     }
+    const MaskRows mask{m_in.GetTensorData<int64_t>(), ms[0], len, qs[3], window_};
     if (tokens_.on() && qs[3] == 1) {
-      attend_pages<T, C>(ctx, query, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
-                      out.GetTensorMutableData<T>(), qs[0], rv, len, ks[3], vs[2], ms[0], softcap_, tokens_);
+      attend_pages<T, C>(ctx, query, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask,
+                         out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_, tokens_);
+      return;
+    }
+    if (qs[3] >= kPromptTokens) {
+      QueryRows<T> at_k = query;
+      at_k.k = k;  // r for a prompt under token selection
+      attend_prompt<T, C>(ctx, at_k, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask,
+                          out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_);
       return;
     }
     const int64_t tiles = (rows + kRows - 1) / kRows;
@@ -178,21 +190,20 @@ struct AttentionKernel {
     at_k.k = k;  // r for a prompt under token selection
     AttentionJob<T, C> job{at_k,
                         {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
-                        k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), m_in.GetTensorData<float>(),
-                        len, ks[3], vs[2], ms[0] == 1 ? 0 : qs[3] * len, split_len, softcap_};
+                        k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask, len, ks[3], vs[2], split_len, softcap_};
     ctx.ParallelFor(&attention_task<T, C>, static_cast<size_t>(bh * tiles * splits), 0, &job);
     if (splits > 1) ctx.ParallelFor(&merge_task<T, AttentionJob<T, C>>, static_cast<size_t>(bh * tiles), 0, &job);
   }
 
-  int64_t k_, rule_;
+  int64_t k_, rule_, window_;
   float softcap_;
   TokenRule tokens_;
   std::vector<float> prices_;  // empty: each row keeps its own k
 };
 
-// inputs 1 and 2 (key_cache, value_cache) of type C
+// inputs 1 and 2 (key_cache, value_cache) of type C, 3 and 4 (total_length, attention_mask) int64
 template <typename T, typename C = T>
-struct AttentionOp : CpuOp<AttentionOp<T, C>, AttentionKernel<T, C>, T, 6, 3, 4, 5, C, 0b110u> {
+struct AttentionOp : CpuOp<AttentionOp<T, C>, AttentionKernel<T, C>, T, 6, 3, 99, 5, C, 0b110u, 0b11000u> {
   const char* GetName() const { return "AquaAttention"; }
 };
 

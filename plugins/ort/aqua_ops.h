@@ -459,9 +459,10 @@ constexpr ONNXTensorElementDataType element_type() {
 // What every op of the library declares alike: a CPU kernel of element type T (float or float16) with
 // NInputs inputs of which the first NRequired must be given, input `LengthAt` an int64 total_length (none when
 // out of range), input `FloatAt` float32 whatever T is (none when out of range), the inputs whose bits are set in
-// `CacheInputs` of type C (the cache's element type, contract cache_dtype), and one output of type T.
+// `CacheInputs` of type C (the cache's element type, contract cache_dtype) and those in `IntInputs` int64, and one
+// output of type T.
 template <typename Self, typename K, typename T, size_t NInputs, size_t LengthAt, size_t FloatAt = 99,
-          size_t NRequired = NInputs, typename C = T, unsigned CacheInputs = 0>
+          size_t NRequired = NInputs, typename C = T, unsigned CacheInputs = 0, unsigned IntInputs = 0>
 struct CpuOp : Ort::CustomOpBase<Self, K> {
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i < NRequired ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED
@@ -471,7 +472,7 @@ struct CpuOp : Ort::CustomOpBase<Self, K> {
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return NInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    if (i == LengthAt) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (i == LengthAt || ((IntInputs >> i) & 1u)) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     if (i == FloatAt) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if ((CacheInputs >> i) & 1u) return element_type<C>();
     return element_type<T>();
@@ -483,5 +484,6 @@ struct CpuOp : Ort::CustomOpBase<Self, K> {
 // Add AquaAttention (aqua_attention.cc) and H2OAttention (h2o_attention.cc) to the domain.
 void add_attention_ops(Ort::CustomOpDomain& domain);
 void add_h2o_ops(Ort::CustomOpDomain& domain);
+void add_logit_rows_ops(Ort::CustomOpDomain& domain);  // logit_rows.cc
 
 }  // namespace aqua

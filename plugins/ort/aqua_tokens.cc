@@ -1,8 +1,8 @@
 // AquaAttention's token selection at a decode step (T = 1): read the K^ rows the selection keeps for every token,
 // then all of K^ and V for the chosen tokens only (the rules: aqua_export/ops/rules.py, token selection).
 //
-//   1  forced   per mask row: the visible count n, the forced pages (the first token_sink / last token_window
-//               visible tokens) and want = max(ceil(attended / PAGE), forced), attended = token_budget or
+//   1  forced   per attention_mask row: the visible count n, the forced pages (the first token_sink / last
+//               token_window visible tokens) and want = max(ceil(attended / PAGE), forced), attended = token_budget or
 //               max(1, ceil(ratio n - 1e-6 n - 1e-9)), at most n
 //   2  score    tasks (batch, kv head, split of L): for each tile of the group's rows, s = q^[I] . K^[I, block]
 //               (k of r key rows read), soft-capped; best[page] = max over the rows and the page's visible tokens
@@ -31,17 +31,17 @@ template <typename T, typename C>
 struct PageJob : QueryRows<T>, RowsOut<T> {
   const C* key;
   const C* value;
-  const float* mask;  // [mask_rows, L]
+  MaskRows mask;      // [mask.rows, L]; one query position, the last
   float* best;        // [B * Hkv, pages]: each page's best approximate score
-  const char* forced; // [mask_rows, pages]
-  const int64_t* want;// [mask_rows]: pages a step attends
-  int64_t len, key_stride, value_slots, mask_rows, pages, score_splits, score_len;
+  const char* forced; // [mask.rows, pages]
+  const int64_t* want;// [mask.rows]: pages a step attends
+  int64_t len, key_stride, value_slots, pages, score_splits, score_len;
   float softcap;
 };
 
 template <typename T, typename C>
-const float* mask_row(const PageJob<T, C>& j, int64_t bh) {
-  return j.mask + (j.mask_rows == 1 ? 0 : bh / j.heads) * j.len;
+Seen seen_by(const PageJob<T, C>& j, int64_t bh) {
+  return j.mask.at(bh / j.heads, 0);
 }
 
 // 2: the page maxima of one (batch, kv head) over one split of the positions.
@@ -53,7 +53,7 @@ void score_task(void* data, size_t index) {
   if (p0 >= p1) return;
   float* best = j.best + bh * j.pages;
   std::fill(best + p0 / kPage, best + (p1 + kPage - 1) / kPage, -INFINITY);
-  const float* mrow = mask_row(j, bh);
+  const Seen seen = seen_by(j, bh);
   const C* key = j.key + bh * j.r * j.key_stride;
   alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
   alignas(64) static thread_local float s[kRows * kScoreBlock];
@@ -71,7 +71,7 @@ void score_task(void* data, size_t index) {
       for (int rr = 1; rr < nr; ++rr) {
         for (int64_t i = 0; i < n; ++i) s[i] = std::max(s[i], s[rr * kScoreBlock + i]);
       }
-      for (int64_t i = 0; i < n; ++i) s[i] = mrow[s0 + i] > kHidden ? s[i] : -INFINITY;
+      for (int64_t i = 0; i < n; ++i) s[i] = seen(s0 + i) ? s[i] : -INFINITY;
       for (int64_t i0 = 0; i0 < n; i0 += kPage) {
         float top = -INFINITY;
         for (int64_t i = i0; i < std::min(n, i0 + kPage); ++i) top = std::max(top, s[i]);
@@ -82,22 +82,22 @@ void score_task(void* data, size_t index) {
   }
 }
 
-// Per mask row: which pages are forced and how many pages a step attends. Only the ends are scanned for the
-// forced tokens (the count is one vectorised pass), so a row costs O(L / 16), not a branch per slot.
-void forced_pages(const float* mrow, int64_t len, int64_t pages, const TokenRule& rule, char* forced, int64_t& want) {
+// Per attention_mask row: which pages are forced and how many pages a step attends. Only the ends are scanned for
+// the forced tokens (the count is one vectorised pass), so a row costs O(L / 16), not a branch per slot.
+void forced_pages(const Seen& seen, int64_t len, int64_t pages, const TokenRule& rule, char* forced, int64_t& want) {
   int64_t n = 0;
-  for (int64_t i = 0; i < len; ++i) n += mrow[i] > kHidden;
+  for (int64_t i = seen.lo; i <= seen.hi; ++i) n += seen.am[i] != 0;
   std::fill(forced, forced + pages, 0);
   int64_t n_forced = 0;
   const auto force = [&](int64_t i) {
     if (!forced[i / kPage]) forced[i / kPage] = 1, ++n_forced;
   };
   const int64_t sink = std::min(rule.sink, n), window = std::min(rule.window, n);
-  for (int64_t i = 0, seen = 0; seen < sink; ++i) {
-    if (mrow[i] > kHidden) force(i), ++seen;
+  for (int64_t i = seen.lo, found = 0; found < sink; ++i) {
+    if (seen(i)) force(i), ++found;
   }
-  for (int64_t i = len - 1, seen = 0; seen < window; --i) {
-    if (mrow[i] > kHidden) force(i), ++seen;
+  for (int64_t i = len - 1, found = 0; found < window; --i) {
+    if (seen(i)) force(i), ++found;
   }
   const double x = static_cast<double>(n);
   const int64_t by_ratio = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rule.ratio * x - 1e-6 * x - 1e-9)));
@@ -109,7 +109,7 @@ void forced_pages(const float* mrow, int64_t len, int64_t pages, const TokenRule
 // count.
 template <typename T, typename C>
 int64_t choose_pages(const PageJob<T, C>& j, int64_t bh, int32_t* chosen) {
-  const int64_t row = j.mask_rows == 1 ? 0 : bh / j.heads;
+  const int64_t row = j.mask.rows == 1 ? 0 : bh / j.heads;
   const float* best = j.best + bh * j.pages;
   const char* forced = j.forced + row * j.pages;
   static thread_local std::vector<std::pair<float, int32_t>> free_pages;  // (-score, page): ascending = best first
@@ -201,7 +201,7 @@ void attend_task(void* data, size_t task_index) {
   int32_t* chosen = call_buffer<int32_t, Buffer::kPageChosen>(static_cast<size_t>(j.pages)).data();
   const int64_t count = choose_pages(j, bh, chosen), per = (count + j.splits - 1) / j.splits;
   const int64_t c1 = std::min(count, (split + 1) * per);
-  const float* mrow = mask_row(j, bh);
+  const Seen seen = seen_by(j, bh);
   const C* key = j.key + bh * j.r * j.key_stride;
   const C* value = j.value + bh * j.value_slots * j.rv;
   const int64_t c0 = split * per;
@@ -214,7 +214,7 @@ void attend_task(void* data, size_t task_index) {
       const int64_t ahead = std::min(c1, run.last + kAheadPages);
       prefetch_keys(chosen, std::max(requested, run.last), ahead, key, j.key_stride, j.r);
       requested = std::max(requested, ahead);
-      std::copy(mrow + run.start, mrow + run.start + run.n, mg + run.at);
+      seen.block(run.start, run.n, mg + run.at);
       accumulate_rows<false>(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
     }
     online_softmax(nr, ch.filled, j.softcap, mb, s, m, l, o, j.rv);
@@ -229,9 +229,10 @@ void attend_task(void* data, size_t task_index) {
 }  // namespace
 
 template <typename T, typename C>
-void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const float* mask,
-                  T* out, int64_t batch, int64_t rv, int64_t len, int64_t key_stride, int64_t value_slots,
-                  int64_t mask_rows, float softcap, const TokenRule& rule) {
+void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
+                  T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
+                  const TokenRule& rule) {
+  const int64_t len = mask.len, mask_rows = mask.rows;
   const int64_t bh = batch * q.heads, pages = (len + kPage - 1) / kPage, tiles = (q.g + kRows - 1) / kRows;
   if (len == 0) {
     std::fill(out, out + bh * q.g * rv, T(0.0f));
@@ -245,7 +246,7 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, 
   auto& forced = call_buffer<char, Buffer::kPageForced>(static_cast<size_t>(mask_rows * pages));
   auto& want = call_buffer<int64_t, Buffer::kPageWant>(static_cast<size_t>(mask_rows));
   for (int64_t row = 0; row < mask_rows; ++row) {
-    forced_pages(mask + row * len, len, pages, rule, forced.data() + row * pages, want[row]);
+    forced_pages(mask.at(row, 0), len, pages, rule, forced.data() + row * pages, want[row]);
   }
   const int64_t most = *std::max_element(want.begin(), want.end());
   int64_t splits = 1;  // a split of at least one block of positions, so one sequence's heads keep both cores busy
@@ -255,22 +256,21 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, 
   const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
   auto& part = call_buffer<float, Buffer::kPagePartials>(n_part);
   PageJob<T, C> job{q, {out, part.data(), rv, tiles, splits}, key, value, mask, best.data(), forced.data(),
-                 want.data(), len, key_stride, value_slots, mask_rows, pages,
-                 score_splits, score_len, softcap};
+                 want.data(), len, key_stride, value_slots, pages, score_splits, score_len, softcap};
   ctx.ParallelFor(&score_task<T, C>, static_cast<size_t>(bh * score_splits), 0, &job);
   ctx.ParallelFor(&attend_task<T, C>, static_cast<size_t>(bh * tiles * splits), 0, &job);
   if (splits > 1) ctx.ParallelFor(&merge_task<T, PageJob<T, C>>, static_cast<size_t>(bh * tiles), 0, &job);
 }
 
 template void attend_pages<float, float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
-                                         const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                         float, const TokenRule&);
+                                         const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
+                                         const TokenRule&);
 template void attend_pages<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
-                                                           const Ort::Float16_t*, const Ort::Float16_t*, const float*,
-                                                           Ort::Float16_t*, int64_t, int64_t, int64_t, int64_t,
-                                                           int64_t, int64_t, float, const TokenRule&);
+                                                           const Ort::Float16_t*, const Ort::Float16_t*,
+                                                           const MaskRows&, Ort::Float16_t*, int64_t, int64_t, int64_t,
+                                                           int64_t, float, const TokenRule&);
 template void attend_pages<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&, const Ort::Float16_t*,
-                                                  const Ort::Float16_t*, const float*, float*, int64_t, int64_t,
-                                                  int64_t, int64_t, int64_t, int64_t, float, const TokenRule&);
+                                                  const Ort::Float16_t*, const MaskRows&, float*, int64_t, int64_t,
+                                                  int64_t, int64_t, float, const TokenRule&);
 
 }  // namespace aqua

@@ -13,6 +13,39 @@ namespace aqua {
 constexpr int64_t kPos = 256;        // positions per block: the tile's scores stay in L1
 constexpr int64_t kTasksWanted = 16; // split the positions when fewer (batch, kv head, tile) tasks exist
 constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the position (ops/rules.py MASKED)
+constexpr float kLowest = -3.40282347e38f;  // the mask entry of a hidden key (float32's lowest: ops/rules.py HIDDEN)
+
+// The keys one query row sees (ops/rules.py visible): j in [lo, hi] whose attention_mask entry is not 0.
+struct Seen {
+  const int64_t* am;  // the row's attention_mask [L]
+  int64_t lo, hi;     // hi: the query's own position; lo: after a sliding window, else 0
+
+  bool operator()(int64_t j) const { return j >= lo && j <= hi && am[j] != 0; }
+  // Whether any key of [s0, s0 + n) is seen.
+  bool any(int64_t s0, int64_t n) const {
+    for (int64_t j = std::max(s0, lo); j < std::min(s0 + n, hi + 1); ++j) {
+      if (am[j] != 0) return true;
+    }
+    return false;
+  }
+  // out[0..n) = what the scores of keys s0..s0+n are added: 0 where seen, kLowest where not (the dense and token
+  // passes' online softmax; written per block, never for the whole [T, L]).
+  void block(int64_t s0, int64_t n, float* out) const {
+    for (int64_t i = 0; i < n; ++i) out[i] = (*this)(s0 + i) ? 0.0f : kLowest;
+  }
+};
+
+// A call's attention_mask [rows, L] (rows 1: shared by the batch) and the positions of its T query tokens, the last
+// at L - 1; window > 0: a sliding window (the node's sliding_window).
+struct MaskRows {
+  const int64_t* am;
+  int64_t rows, len, t, window;
+
+  Seen at(int64_t b, int64_t tt) const {
+    const int64_t p = len - t + tt;
+    return {am + (rows == 1 ? 0 : b) * len, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, p};
+  }
+};
 
 // The query side of a task: q^ [B, Hkv, g, T, r], or q [B, Hkv, g, T, qw] with P [Hkv, qw, r] (q^ = q P).
 template <typename T>
@@ -209,10 +242,17 @@ struct TokenRule {
 };
 
 // One decode step (T = 1) of AquaAttention with token selection: pages scored with the selected coordinates,
-// chosen (ops/rules.py select_pages), attended with all r. Inputs as AquaAttention's; mask rows [mask_rows, L].
+// chosen (ops/rules.py select_pages), attended with all r. Inputs as AquaAttention's (aqua_tokens.cc).
 template <typename T, typename C>
-void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const float* mask,
-                  T* out, int64_t batch, int64_t rv, int64_t len, int64_t key_stride, int64_t value_slots,
-                  int64_t mask_rows, float softcap, const TokenRule& rule);
+void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
+                  T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
+                  const TokenRule& rule);
+
+// A prompt (T >= kPromptTokens) of AquaAttention: exact attention over blocks of queries and keys as small matrix
+// products (aqua_prompt.cc), each row's q^ zeroed outside its selection.
+constexpr int64_t kPromptTokens = 16;
+template <typename T, typename C>
+void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
+                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap);
 
 }  // namespace aqua

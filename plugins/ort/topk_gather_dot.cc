@@ -383,6 +383,7 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, 
     domain.Add(&product_f16);
     add_attention_ops(domain);
     add_h2o_ops(domain);
+    add_logit_rows_ops(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(g_mutex);
     g_domains.push_back(std::move(domain));

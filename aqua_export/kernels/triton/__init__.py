@@ -22,12 +22,12 @@ def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **
     return (topk_gather_dot(query_hat, key_cache[..., :int(total_length)], k, interpret, rule),)
 
 
-def _attention(query_hat, key_cache, value_cache, total_length, mask, projection=None, *, k, rule=0, softcap=0.0,
-               interpret=None, token_ratio=1.0, token_budget=0, token_sink=0, token_window=0, head_prices=None,
-               **plugin):
+def _attention(query_hat, key_cache, value_cache, total_length, attention_mask, projection=None, *, k, rule=0,
+               softcap=0.0, sliding_window=0, interpret=None, token_ratio=1.0, token_budget=0, token_sink=0,
+               token_window=0, head_prices=None, **plugin):
     tokens = Tokens(token_ratio, token_budget, token_sink, token_window)
-    return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), mask, k, rule, softcap, projection,
-                           interpret, tokens=tokens, prices=head_prices),)
+    return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), attention_mask, k, rule, softcap,
+                           projection, interpret, tokens=tokens, prices=head_prices, window=sliding_window),)
 
 
 def _h2o(*inputs, k, rule=0, softcap=0.0, ratio=0.5, interpret=None, **plugin):

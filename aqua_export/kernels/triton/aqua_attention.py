@@ -2,8 +2,9 @@
 plugins/ort/aqua_attention.cc) for the PyTorch host.
 
     query [B, Hkv, g, T, d] (q^ itself, d = r, when no projection)   projection [Hkv, d, r] (optional)
-    key_cache [B, Hkv, r, C] (dim-major K^)   value_cache [B, Hkv, C, rv]   mask [B|1, 1, 1, T, L] float32
+    key_cache [B, Hkv, r, C] (dim-major K^)   value_cache [B, Hkv, C, rv]   attention_mask [B|1, L]
         -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
+    (mask: the keys the query at position L - T + t sees, ops.rules.visible, read per block from attention_mask)
 
 One program per (sequence, KV head, token, split of the L positions), holding the g query rows of the group
 padded to 16 (the tensor cores' smallest M; the two products below are tl.dot):
@@ -12,15 +13,15 @@ padded to 16 (the tensor cores' smallest M; the two products below are tl.dot):
         q [g, d] --x P (chunks of d)--> q^ [g, r] --selection--> idx [U]: the group's union of kept coordinates,
         qs [16, U]: q^ there, each row's unkept ones zeroed          (U = k with the group rule)
     per block of 64 positions:  K^[idx, block] (a dense [U, 64] tile: only the union's rows load)
-        --> s [16, block] --softcap?, + mask--> online softmax (m, l)  -->  o [16, rv] += e^(s - m) V[block]
+        --> s [16, block] --softcap?, mask--> online softmax (m, l)  -->  o [16, rv] += e^(s - m) V[block]
     --> the split's (o, m, l)
 
 (token selection at a decode step, tokens.py: page_score_kernel scores the pages with the union's rows of K^,
 choose_kernel chooses them on the device by ops.rules, and the programs walk only the chosen pages' positions,
 all r coordinates) then merge_kernel, one program per (sequence, KV head, token, query row), merges the splits:
 out = sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M). No [B, Hkv, g, T, L] tensor is written. Splits exist so
-that decode at small batch still fills the GPU (flash-decoding). A mask entry at or below -1e37 hides its
-position, and a row hidden everywhere outputs zeros (the CPU kernel's rule).
+that decode at small batch still fills the GPU (flash-decoding). A row hidden everywhere outputs zeros (the CPU
+kernel's rule).
 triton is imported only when the kernel is built; without a GPU ``interpret=True`` runs it in Triton's
 interpreter on the CPU (how the tests check it).
 """
@@ -40,7 +41,7 @@ PROGRAMS_WANTED = 1056  # (sequence, KV head, token) programs times splits: 8 pe
 
 
 def aqua_attention_kernel(qs_ptr, idx_ptr, key_ptr, value_ptr, mask_ptr, pages_ptr, o_ptr, ml_ptr,
-                          HKV, T, L, C, SPLITS, SPLIT_LEN, MASK_BATCH, N_POS, N_LIST,
+                          HKV, T, L, C, SPLITS, SPLIT_LEN, MASK_BATCH, WINDOW, N_POS, N_LIST,
                           R: tl.constexpr, RV: tl.constexpr, G: tl.constexpr, SOFTCAP: tl.constexpr,
                           BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
                           PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
@@ -55,7 +56,9 @@ def aqua_attention_kernel(qs_ptr, idx_ptr, key_ptr, value_ptr, mask_ptr, pages_p
     qs, krow, use = selected_rows(qs_ptr, idx_ptr, key_ptr, row, bh, R, C, BLOCK_U, BLOCK_M, IEEE)
     # -- one pass over this split's positions: online softmax and the value product
     value = value_ptr + bh.to(tl.int64) * C * RV
-    mrow = mask_ptr + b * MASK_BATCH + tt * L
+    arow = mask_ptr + b * MASK_BATCH
+    hi = L - T + tt  # the query's position: it sees keys up to it, after its window's start
+    lo = tl.where(WINDOW > 0, tl.maximum(hi - WINDOW + 1, 0), 0)
     pages = pages_ptr + bh * N_LIST
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)
@@ -63,8 +66,8 @@ def aqua_attention_kernel(qs_ptr, idx_ptr, key_ptr, value_ptr, mask_ptr, pages_p
     p0 = sp * SPLIT_LEN
     for s0 in range(p0, tl.minimum(N_POS, p0 + SPLIT_LEN), BLOCK_S):  # splits are whole blocks
         kb, s, ok = key_tile(krow, use, s0, pages, N_LIST, C, BLOCK_U, BLOCK_S, PAGED, PAGE)
-        sc, mk, vis = scores_of(qs, kb, s, ok, mrow, L, SOFTCAP, IEEE)
-        sc = tl.where(vis[None, :], sc + mk[None, :], float("-inf"))
+        sc, vis = scores_of(qs, kb, s, ok, arow, L, lo, hi, SOFTCAP, IEEE)
+        sc = tl.where(vis[None, :], sc, float("-inf"))
         vb = tl.load(value + s[:, None] * RV + v[None, :], mask=vis[:, None] & in_v[None, :], other=0.0)
         m, acc, o = online_step(m, acc, o, sc, vb, IEEE)
     part = row * SPLITS + sp
@@ -109,18 +112,19 @@ def split_count(rows: int, length: int, block: int, wanted: int = PROGRAMS_WANTE
 
 def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, projection, tokens, prices) -> int:
     """The shapes the node accepts (the CPU kernel's checks); returns r."""
-    if query.dim() != 5 or key_cache.dim() != 4 or value_cache.dim() != 4 or mask.dim() != 5:
+    if query.dim() != 5 or key_cache.dim() != 4 or value_cache.dim() != 4 or mask.dim() != 2:
         raise ValueError("AquaAttention: expected query [B,Hkv,g,T,d], key_cache [B,Hkv,r,C], value_cache "
-                         "[B,Hkv,C,rv] and mask [B|1,1,1,T,L]")
+                         "[B,Hkv,C,rv] and attention_mask [B,L]")
     b, hkv, _, t, d = query.shape
     r = key_cache.shape[2]
     if projection is not None and tuple(projection.shape) != (hkv, d, r):
         raise ValueError(f"AquaAttention: projection must be [Hkv, d, r] = {(hkv, d, r)}, got {tuple(projection.shape)}")
     if key_cache.shape[:2] != (b, hkv) or value_cache.shape[:2] != (b, hkv) or (projection is None and d != r):
         raise ValueError("AquaAttention: query_hat, key_cache and value_cache disagree on B, Hkv or r")
-    if not 0 <= total <= min(key_cache.shape[3], value_cache.shape[2]) or mask.shape[0] not in (1, b) \
-            or tuple(mask.shape[1:]) != (1, 1, t, total):
-        raise ValueError("AquaAttention: total_length must fit both caches and mask must be [B|1,1,1,T,L]")
+    if not t <= total <= min(key_cache.shape[3], value_cache.shape[2]) or mask.shape[0] not in (1, b) \
+            or mask.shape[1] != total:
+        raise ValueError("AquaAttention: total_length must fit both caches and the T new tokens, and attention_mask "
+                         "must be [B|1,L]")
     if not 1 <= k <= r or rule not in RULE_NAMES:
         raise ValueError(f"AquaAttention: k must be in [1, r={r}] and rule in {{{', '.join(map(str, RULE_NAMES))}}}")
     if tokens is not None and (not 0 < tokens.ratio <= 1 or min(tokens.budget, tokens.sink, tokens.window) < 0):
@@ -134,13 +138,14 @@ def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, p
 def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule: int = 0, softcap: float = 0.0,
                    projection=None, interpret: bool | None = None, splits: int | None = None,
                    tokens: Tokens | None = None, warps: int = 4, stages: int = 2, block: int | None = None,
-                   prices=None):
+                   prices=None, window: int = 0):
     """The node on the GPU (or in the interpreter): out [B, Hkv, g, T, rv] in query's dtype. splits: of the
     positions per (sequence, KV head, token); None chooses (split_count). tokens: token selection (a decode step
     scores pages with page_score_kernel and attends the chosen ones with all r coordinates; a prompt attends every
     token with all r). warps, stages, block (positions per block): the main kernel's launch (tools/bench_gpu.py
     tunes them). prices: [Hkv], the heads share the layer's k per token (ops.rules, pooled; pool.py): a float32 tensor
-    on the device keeps the step free of host copies."""
+    on the device keeps the step free of host copies. mask: attention_mask [B|1, L]; window: the node's
+    sliding_window (0: none)."""
     r = _check(query, key_cache, value_cache, total, mask, k, rule, projection, tokens, prices)
     b, hkv, g, t, d = query.shape
     cap, rv = key_cache.shape[3], value_cache.shape[3]
@@ -151,8 +156,8 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     q = query.contiguous()
     p = (projection if projection is not None else q).to(q.dtype).contiguous()  # q: a pointer PROJECT never reads
     kc, vc = key_cache.to(q.dtype).contiguous(), value_cache.to(q.dtype).contiguous()
-    mk = mask.to(torch.float32).contiguous()
-    mask_batch = 0 if mask.shape[0] == 1 else t * total
+    mk = mask.to(torch.int32).contiguous()
+    mask_batch = 0 if mask.shape[0] == 1 else total
     pages, n_pos, n_list = q, total, 0
     prompt_exact = tokens is not None and tokens.on and t > 1  # a prompt under token selection: every coordinate
     pool = pool_cuts(q, p, prices, r, k, rule, projection is not None, interpret) \
@@ -160,7 +165,7 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     if tokens is not None and tokens.on and t == 1:
         # the pages chosen on the k selected coordinates, then attended with every coordinate
         sel, sel_idx, qs, idx = select(q, p, r, k, rule, projection is not None, interpret, full=True, pool=pool)
-        pages = chosen_pages(sel, sel_idx, g, kc, mk, total, softcap, tokens, interpret)
+        pages = chosen_pages(sel, sel_idx, g, kc, mk, total, softcap, tokens, interpret, window)
         n_list = pages.shape[1]
         n_pos = n_list * PAGE
     else:  # a prompt with token selection attends every token with every coordinate
@@ -177,7 +182,7 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     merge, _ = jit(merge_kernel, interpret)
     with triton_for(interpret):  # the interpreter also reads the mode while it runs
         kernel[(b * hkv * t, n)](qs, idx, kc, vc, mk, pages, o, ml, hkv, t, total, cap, n, split_len, mask_batch,
-                                 n_pos, n_list, R=r, RV=rv, G=g, SOFTCAP=float(softcap), BLOCK_U=qs.shape[2],
+                                 int(window), n_pos, n_list, R=r, RV=rv, G=g, SOFTCAP=float(softcap), BLOCK_U=qs.shape[2],
                                  BLOCK_V=next_pow2(rv), BLOCK_S=block, PAGED=pages is not q, PAGE=PAGE,
                                  BLOCK_M=qs.shape[1], IEEE=ieee(q.dtype, interpret), num_warps=warps,
                                  num_stages=stages)

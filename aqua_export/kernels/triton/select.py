@@ -236,12 +236,13 @@ def products(qs, kb, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     return capped(sc, SOFTCAP)
 
 
-def scores_of(qs, kb, s, ok, mrow, L, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    """(jit helper) -> (softcap(q^[I] . K^[I, s]) [BLOCK_M, BLOCK_S], the mask there [BLOCK_S], the visible
-    positions [BLOCK_S]: in range, before L, mask above -1e37)."""
-    mk = tl.load(mrow + s, mask=ok & (s < L), other=float("-inf"))
-    vis = ok & (s < L) & (mk > -1e37)  # the CPU kernel's kHidden
-    return products(qs, kb, SOFTCAP, IEEE), mk, vis
+def scores_of(qs, kb, s, ok, arow, L, LO, HI, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """(jit helper) -> (softcap(q^[I] . K^[I, s]) [BLOCK_M, BLOCK_S], the visible positions [BLOCK_S]: in range,
+    in [LO, HI] (the query's own position and its sliding window's start) and not padding in the attention_mask row
+    ``arow`` (ops.rules.visible))."""
+    inside = ok & (s < L) & (s >= LO) & (s <= HI)
+    real = tl.load(arow + s, mask=inside, other=0)
+    return products(qs, kb, SOFTCAP, IEEE), inside & (real != 0)
 
 
 def online_step(m, acc, o, sc, vb, IEEE: tl.constexpr):

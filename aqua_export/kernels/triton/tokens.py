@@ -46,14 +46,15 @@ class Tokens:
         return self.ratio < 1 or self.budget > 0
 
 
-def page_score_kernel(qs_ptr, idx_ptr, key_ptr, mask_ptr, best_ptr, count_ptr, HKV, L, C, MASK_BATCH, N_PAGES,
+def page_score_kernel(qs_ptr, idx_ptr, key_ptr, mask_ptr, best_ptr, count_ptr, HKV, L, C, MASK_BATCH, WINDOW, N_PAGES,
                       R: tl.constexpr, G: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_U: tl.constexpr,
                       BLOCK_S: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
     bh = tl.program_id(0)  # a decode step: T = 1, so select_kernel's row is the (sequence, KV head)
     blk = tl.program_id(1)
     qs, krow, use = selected_rows(qs_ptr, idx_ptr, key_ptr, bh, bh, R, C, BLOCK_U, BLOCK_M, IEEE)
     kb, s, ok = key_tile(krow, use, blk * BLOCK_S, qs_ptr, 0, C, BLOCK_U, BLOCK_S, False, PAGE)
-    sc, mk, vis = scores_of(qs, kb, s, ok, mask_ptr + (bh // HKV) * MASK_BATCH, L, SOFTCAP, IEEE)
+    lo = tl.where(WINDOW > 0, tl.maximum(L - WINDOW, 0), 0)  # the step's position is L - 1
+    sc, vis = scores_of(qs, kb, s, ok, mask_ptr + (bh // HKV) * MASK_BATCH, L, lo, L - 1, SOFTCAP, IEEE)
     sc = tl.where((tl.arange(0, BLOCK_M) < G)[:, None] & vis[None, :], sc, float("-inf"))
     best = tl.max(tl.reshape(tl.max(sc, axis=0), [BLOCK_S // PAGE, PAGE]), axis=1)
     count = tl.sum(tl.reshape(vis.to(tl.int32), [BLOCK_S // PAGE, PAGE]), axis=1)
@@ -104,9 +105,9 @@ def most_pages(tokens: Tokens, total: int, n_pages: int) -> int:
     return max(1, min(n_pages, -(-min(attended, total) // PAGE) + forced))
 
 
-def page_scores(qs, idx, g: int, kc, mask, total: int, softcap: float, interpret: bool):
-    """page_score_kernel: qs, idx (select.select at the node's k), kc [B, Hkv, r, C], mask [B|1, 1, 1, 1, L]
-    float32 -> (best [B * Hkv, P] float32, count [B * Hkv, P] int32), P = ceil(L / PAGE)."""
+def page_scores(qs, idx, g: int, kc, mask, total: int, softcap: float, interpret: bool, window: int = 0):
+    """page_score_kernel: qs, idx (select.select at the node's k), kc [B, Hkv, r, C], attention_mask [B|1, L] int32,
+    the sliding window -> (best [B * Hkv, P] float32, count [B * Hkv, P] int32), P = ceil(L / PAGE)."""
     b, hkv, r, cap = kc.shape
     n_pages = -(-total // PAGE)
     best = torch.empty(b * hkv, n_pages, dtype=torch.float32, device=kc.device)
@@ -114,7 +115,8 @@ def page_scores(qs, idx, g: int, kc, mask, total: int, softcap: float, interpret
     kernel, _ = jit(page_score_kernel, interpret)
     with triton_for(interpret):
         kernel[(b * hkv, -(-total // SCORE_BLOCK))](
-            qs, idx, kc, mask, best, count, hkv, total, cap, 0 if mask.shape[0] == 1 else total, n_pages, R=r, G=g,
+            qs, idx, kc, mask, best, count, hkv, total, cap, 0 if mask.shape[0] == 1 else total, int(window), n_pages,
+            R=r, G=g,
             SOFTCAP=float(softcap), BLOCK_U=qs.shape[2], BLOCK_S=SCORE_BLOCK, PAGE=PAGE, BLOCK_M=qs.shape[1],
             IEEE=ieee(kc.dtype, interpret))
     return best, count
@@ -136,7 +138,7 @@ def choose(best: torch.Tensor, count: torch.Tensor, tokens: Tokens, total: int, 
 
 
 def chosen_pages(qs, idx, g: int, kc, mask, total: int, softcap: float, tokens: Tokens,
-                 interpret: bool) -> torch.Tensor:
+                 interpret: bool, window: int = 0) -> torch.Tensor:
     """A decode step's chosen pages [B * Hkv, N_LIST] (page_scores, then choose)."""
-    best, count = page_scores(qs, idx, g, kc, mask, total, softcap, interpret)
+    best, count = page_scores(qs, idx, g, kc, mask, total, softcap, interpret, window)
     return choose(best, count, tokens, total, interpret)

@@ -1,0 +1,220 @@
+// AquaAttention over a prompt (T >= kPromptTokens new tokens): exact attention of the new tokens' query rows,
+// each row's q^ zeroed outside the coordinates its selection keeps (all r under token selection), as blocked matrix
+// products in the manner of flash attention: no [T, L] scores, no [T, L] mask.
+//
+//   tasks (batch, kv head, block of kQueryRows query rows: all g heads of consecutive tokens, so K^ and V are read
+//   once for the GQA group), each walking the keys its rows see in blocks of kKeys:
+//
+//     K^[:, block] --packed [r][kKeys] float--> S = Q K^  (Q [rows][r])        micro-kernel of 6 x 16 scores
+//     S --softcap, mask (attention_mask, causal, sliding window)--> online softmax: m, l, O rescaled, P = e^(S - m)
+//     V[block] --packed [kKeys][rv] float--> O += P V                             the same micro-kernel
+//
+//   then O / l into out. A block the mask hides from every row of the task (a causal prompt's later keys, a
+//   window's earlier ones) is skipped. Packing converts a float16 cache once per block (and pads a short last
+//   block with zeros), so the micro-kernel reads contiguous float32 tiles that stay in L1 / L2.
+//
+// The micro-kernel keeps a 6 x 16 tile of its output in 12 vector registers (GCC vector extensions: AVX2's 16
+// ymm registers hold it with the two B vectors and the broadcast A value) and runs the shared dimension through
+// it, 12 multiply-adds per 2 loads of B and 6 broadcasts of A: the matrix-product shape that keeps the FMA units
+// busy. Tasks are spread dynamically over ORT's thread pool (a causal prompt's later blocks cost more).
+
+#include "attention_rows.h"
+
+namespace aqua {
+namespace {
+
+constexpr int kMR = 6;                // rows of a micro-kernel tile
+constexpr int64_t kNR = 16;           // columns of a micro-kernel tile (two vectors of 8)
+constexpr int64_t kQueryRows = 192;    // query rows per task (all g heads of kQueryRows / g tokens, at least one)
+constexpr int64_t kKeys = 128;        // keys per block
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// c[MR][16] (+)= a[MR][kk] (rows lda apart) . b[kk][16] (rows ldb apart); c rows ldc apart.
+template <int MR, bool Add>
+inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb, int64_t kk,
+                  float* __restrict c, int64_t ldc) {
+  f8 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) {
+    lo[i] = Add ? load8(c + i * ldc) : f8{};
+    hi[i] = Add ? load8(c + i * ldc + 8) : f8{};
+  }
+  for (int64_t p = 0; p < kk; ++p) {
+    const f8 b0 = load8(b + p * ldb), b1 = load8(b + p * ldb + 8);
+    for (int i = 0; i < MR; ++i) {
+      const float x = a[i * lda + p];
+      lo[i] += x * b0;
+      hi[i] += x * b1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(c + i * ldc, lo[i]);
+    store8(c + i * ldc + 8, hi[i]);
+  }
+}
+
+// C[m][n] (+)= A[m][kk] . B[kk][n], m a multiple of kMR, n of kNR (rows of A lda apart, of B ldb, of C ldc).
+template <bool Add>
+void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kk, float* c, int64_t ldc, int64_t m,
+          int64_t n) {
+  for (int64_t j0 = 0; j0 < n; j0 += kNR) {
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) micro<kMR, Add>(a + i0 * lda, lda, b + j0, ldb, kk, c + i0 * ldc + j0, ldc);
+  }
+}
+
+// dst[0..n) = src[0..n) as float32, then zeros up to `width`.
+template <typename C>
+inline void widen_row(const C* src, int64_t n, float* dst, int64_t width) {
+  if constexpr (std::is_same_v<C, float>) {
+    std::memcpy(dst, src, sizeof(float) * n);
+  } else {
+    widen(src, n, dst);
+  }
+  std::fill(dst + n, dst + width, 0.0f);
+}
+
+template <typename T, typename C>
+struct PromptJob : QueryRows<T> {
+  const C* key;
+  const C* value;
+  MaskRows mask;
+  T* out;
+  int64_t rv, key_stride, value_slots, blocks;  // blocks: query blocks per (batch, kv head)
+  int64_t tokens_per_block;
+  float softcap;
+};
+
+// The task's query rows (token-major: row = token * g + head) as float q^ with each row's unselected coordinates
+// zero: q [rows_pad][r]; rows beyond the task's are zero.
+template <typename T>
+void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, float* q, int64_t rows_pad) {
+  static thread_local std::vector<float> rows;
+  static thread_local std::vector<int64_t> idx, count;
+  rows.resize(static_cast<size_t>(j.g * j.r));
+  idx.resize(static_cast<size_t>(j.g * j.r));
+  count.resize(static_cast<size_t>(j.g));
+  std::fill(q, q + rows_pad * j.r, 0.0f);
+  const bool pool = pooled(j, j.k);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t tt = t0 + t;
+    load_rows(j, bh, tt, rows.data());
+    float* dst = q + t * j.g * j.r;
+    if (j.k == j.r) {
+      std::copy(rows.begin(), rows.end(), dst);
+      continue;
+    }
+    if (pool) {
+      const int64_t at = (bh / j.heads) * j.t + tt, kvh = bh % j.heads;
+      select_pooled(rows.data(), j.g, j.r, j.rule, kvh, PoolCut{j.prices[kvh], j.cut_value[at], j.cut_index[at]},
+                    idx.data(), count.data());
+    } else {
+      select_group(rows.data(), j.g, j.r, j.k, j.rule, idx.data(), j.r);
+      std::fill(count.begin(), count.end(), j.k);
+    }
+    for (int64_t h = 0; h < j.g; ++h) {
+      for (int64_t i = 0; i < count[h]; ++i) {
+        const int64_t c = idx[h * j.r + i];
+        dst[h * j.r + c] = rows[h * j.r + c];
+      }
+    }
+  }
+}
+
+// One row's online softmax over a block of n keys: s[0..n) (masked: -inf) -> e^(s - m') in place (0 past n up to
+// kKeys), m, l and the row's output o[0..rvp) updated. A block the row sees nothing of leaves it as it was.
+inline void softmax_row(float* s, int64_t n, float& m, float& l, float* o, int64_t rvp) {
+  float lane[kLanes];
+  std::fill(lane, lane + kLanes, -INFINITY);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int e = 0; e < kLanes; ++e) lane[e] = std::max(lane[e], s[i + e]);
+  }
+  for (; i < n; ++i) lane[0] = std::max(lane[0], s[i]);
+  const float top = *std::max_element(lane, lane + kLanes);
+  if (top == -INFINITY) {
+    std::fill(s, s + kKeys, 0.0f);
+    return;
+  }
+  online_block(s, n, top, m, l, o, rvp);
+  std::fill(s + n, s + kKeys, 0.0f);
+}
+
+template <typename T, typename C>
+void prompt_task(void* data, size_t index) {
+  const auto& j = *static_cast<const PromptJob<T, C>*>(data);
+  const int64_t blk = static_cast<int64_t>(index) % j.blocks, bh = static_cast<int64_t>(index) / j.blocks;
+  const int64_t t0 = blk * j.tokens_per_block, nt = std::min(j.tokens_per_block, j.t - t0);
+  const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = round_up(j.rv, kNR), r = j.r;
+  static thread_local std::vector<float> qbuf, kbuf, vbuf, sbuf, obuf, mbuf, lbuf;
+  qbuf.resize(static_cast<size_t>(rows_pad * r));
+  kbuf.resize(static_cast<size_t>(r * kKeys));
+  vbuf.resize(static_cast<size_t>(kKeys * rvp));
+  sbuf.resize(static_cast<size_t>(rows_pad * kKeys));
+  obuf.assign(static_cast<size_t>(rows_pad * rvp), 0.0f);
+  mbuf.assign(static_cast<size_t>(rows_pad), -INFINITY);
+  lbuf.assign(static_cast<size_t>(rows_pad), 0.0f);
+  float *q = qbuf.data(), *kp = kbuf.data(), *vp = vbuf.data(), *s = sbuf.data(), *o = obuf.data();
+  query_block(j, bh, t0, nt, q, rows_pad);
+  const int64_t b = bh / j.heads;
+  const Seen first = j.mask.at(b, t0), last = j.mask.at(b, t0 + nt - 1);
+  // the keys any row sees lie in [first.lo, last.hi]; every row sees all of [last.lo, first.hi] that is not padding
+  const int64_t k_begin = first.lo / kKeys * kKeys, k_end = last.hi + 1;
+  const C* key = j.key + bh * r * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * j.rv;
+  for (int64_t s0 = k_begin; s0 < k_end; s0 += kKeys) {
+    const int64_t n = std::min(kKeys, k_end - s0);
+    if (!last.any(s0, n) && !first.any(s0, n)) {
+      bool any = false;
+      for (int64_t t = 1; t + 1 < nt && !any; ++t) any = j.mask.at(b, t0 + t).any(s0, n);
+      if (!any) continue;
+    }
+    for (int64_t c = 0; c < r; ++c) widen_row(key + c * j.key_stride + s0, n, kp + c * kKeys, kKeys);
+    gemm<false>(q, r, kp, kKeys, r, s, kKeys, rows_pad, kKeys);
+    bool whole = s0 >= last.lo && s0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
+    for (int64_t i = s0; i < s0 + n && whole; ++i) whole = first.am[i] != 0;
+    for (int64_t row = 0; row < rows; ++row) {
+      float* sr = s + row * kKeys;
+      if (j.softcap > 0.0f) {
+        for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / j.softcap) * j.softcap;
+      }
+      if (!whole) {
+        const Seen seen = j.mask.at(b, t0 + row / j.g);
+        for (int64_t i = 0; i < n; ++i) sr[i] = seen(s0 + i) ? sr[i] : -INFINITY;
+      }
+      softmax_row(sr, n, mbuf[row], lbuf[row], o + row * rvp, rvp);
+    }
+    for (int64_t p = 0; p < kKeys; ++p) {
+      widen_row(value + (s0 + std::min(p, n - 1)) * j.rv, p < n ? j.rv : 0, vp + p * rvp, rvp);
+    }
+    gemm<true>(s, kKeys, vp, rvp, kKeys, o, rvp, rows_pad, rvp);
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t tt = t0 + row / j.g, h = row % j.g;
+    T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.rv;
+    const float inv = lbuf[row] > 0.0f ? 1.0f / lbuf[row] : 0.0f;  // a row that saw no key: zeros
+    for (int64_t c = 0; c < j.rv; ++c) store(dst, c, o[row * rvp + c] * inv);
+  }
+}
+
+}  // namespace
+
+template <typename T, typename C>
+void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
+                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap) {
+  const int64_t per = std::max<int64_t>(1, kQueryRows / q.g), blocks = (q.t + per - 1) / per;
+  PromptJob<T, C> job{q, key, value, mask, out, rv, key_stride, value_slots, blocks, per, softcap};
+  const size_t tasks = static_cast<size_t>(batch * q.heads * blocks);
+  ctx.ParallelFor(&prompt_task<T, C>, tasks, tasks, &job);  // a batch per task: scheduled as threads free up
+}
+
+template void attend_prompt<float, float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
+                                          const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float);
+template void attend_prompt<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
+                                                            const Ort::Float16_t*, const Ort::Float16_t*,
+                                                            const MaskRows&, Ort::Float16_t*, int64_t, int64_t,
+                                                            int64_t, int64_t, float);
+template void attend_prompt<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&,
+                                                   const Ort::Float16_t*, const Ort::Float16_t*, const MaskRows&,
+                                                   float*, int64_t, int64_t, int64_t, int64_t, float);
+
+}  // namespace aqua

@@ -1,0 +1,278 @@
+"""A long prompt as users meet it: time to first token, decode tokens/s after the real prefill, the whole request,
+and peak RSS, for this project's folders against the CPU runtimes users pick instead, interleaved in one run.
+
+    -> benchmarks/prefill.json and benchmarks/prefill.md
+
+Engines (each request in a fresh process of its own environment: tools/request_runner.py):
+    ours-*        this project's folders of the embedded SmolLM2-135M (built by `aqua-export`), in onnxruntime-genai
+                  (genai:) and in `aqua-export run`'s runtime (run:)
+    builder-*     onnxruntime-genai's model builder (-e cpu: GroupQueryAttention, MatMulNBits for int4)
+    openvino-*    OpenVINO GenAI's LLMPipeline on optimum-intel's conversion (int4: --weight-format int4 --group-size 32
+                  --ratio 1.0, its default inference precision and u8 KV cache; f32: float32 inference precision)
+    llamacpp-q4_1 llama-cpp-python (built from PyPI) on the GGUF the project embeds: f16 KV cache, flash attention,
+                  OMP_WAIT_POLICY=passive (batch 1 only: its Llama serves one sequence)
+Prompt: English prose (builtin:python-reference), the first T tokens of the model's tokenizer; NEW greedy tokens
+(the "8k request": 7,936 + 256 = 8,192 tokens, the embedded model's whole context).
+
+Environments: .venv (ours, genai's builder); the peers' own, made by --setup under build/venvs from PyPI (ENVS): an
+engine whose environment is missing is left out with one line. Rerun: `.venv/bin/python tools/bench_prefill.py --setup`
+(--help for the cases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "prefill"
+VENVS = ROOT / "build" / "venvs"
+PY = {"ours": sys.executable, "openvino": str(VENVS / "openvino" / "bin" / "python"),
+      "llamacpp": str(VENVS / "llamacpp" / "bin" / "python")}
+# the peers' environments: torch pinned to the local CPU wheel (optimum-intel's converter would pull CUDA's), and
+# torchvision removed (its 0.28 wheel does not load with torch 2.13, and transformers then fails to import)
+ENVS = {"openvino": (["openvino-genai", "optimum-intel[openvino]", "torch==2.13.0"], ["torchvision"]),
+        "llamacpp": (["llama-cpp-python", "numpy"], [])}
+OURS = {"dense": [], "int4": ["--weights", "int4"],
+        "tokens-int4-f16": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
+                            "--weights", "int4", "--cache-dtype", "float16"],
+        "tokens": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512"]}
+# engine name -> (environment, runner engine, folder maker)
+ENGINES = {
+    "genai:ours-dense": ("ours", "genai", "ours:dense"), "genai:ours-int4": ("ours", "genai", "ours:int4"),
+    "genai:ours-tokens-int4-f16": ("ours", "genai", "ours:tokens-int4-f16"),
+    "genai:ours-tokens": ("ours", "genai", "ours:tokens"),
+    "run:ours-dense": ("ours", "aqua", "ours:dense"), "run:ours-tokens-int4-f16": ("ours", "aqua", "ours:tokens-int4-f16"),
+    "genai:builder-fp32": ("ours", "genai", "builder:fp32"), "genai:builder-int4": ("ours", "genai", "builder:int4"),
+    "openvino-int4": ("openvino", "openvino", "openvino:int4"),
+    "openvino-f32": ("openvino", "openvino", "openvino:fp32@f32"),
+    "llamacpp-q4_1": ("llamacpp", "llamacpp", "gguf:"),
+}
+DEFAULT = ["genai:ours-dense", "genai:ours-int4", "genai:ours-tokens-int4-f16", "run:ours-tokens-int4-f16",
+           "genai:builder-fp32", "genai:builder-int4", "openvino-int4", "openvino-f32", "llamacpp-q4_1"]
+
+
+def setup() -> None:
+    """The peers' virtual environments, each from PyPI (llama-cpp-python compiles llama.cpp for this CPU)."""
+    for name, (packages, drop) in ENVS.items():
+        if Path(PY[name]).exists():
+            continue
+        print(f"  setting up build/venvs/{name}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENVS / name)], check=True)
+        pip = [str(VENVS / name / "bin" / "pip"), "-q"]
+        subprocess.run([*pip, "install", *packages], check=True)
+        if drop:
+            subprocess.run([*pip, "uninstall", "-y", *drop], check=True)
+
+
+def _source() -> Path:
+    from aqua_export import models
+
+    return models.resolve("llama")[0]  # the float32 HF folder of the embedded checkpoint
+
+
+def _make(spec: str) -> str:
+    """The engine's model path, converted or built once under build/prefill."""
+    kind, _, what = spec.partition(":")
+    what, _, suffix = what.partition("@")
+    out = WORK / f"{kind}-{what}"
+    if kind == "gguf":
+        from aqua_export import models
+
+        return str(models.embedded_gguf())
+    if not out.exists():
+        tmp = WORK / f"{out.name}.tmp"
+        if kind == "ours":
+            cmd = [str(ROOT / ".venv" / "bin" / "aqua-export"), "--model", "llama", *OURS[what], "--out", str(out),
+                   "--force"]
+            tmp = out
+        elif kind == "builder":
+            cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(_source()), "-o", str(tmp),
+                   "-p", what, "-e", "cpu", "-c", str(WORK / "builder-cache")]
+        else:
+            weights = ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"] if what == "int4" else \
+                ["--weight-format", what]
+            cmd = [str(VENVS / "openvino" / "bin" / "optimum-cli"), "export", "openvino", "--model", str(_source()),
+                   "--task", "text-generation-with-past", *weights, str(tmp)]
+        print("  making", out.name, flush=True)
+        with open(WORK / f"{out.name}.log", "w") as log:
+            subprocess.run(cmd, check=True, stdout=log, stderr=log)
+        if tmp != out:
+            tmp.replace(out)
+    return str(out) + (f"@{suffix}" if suffix else "")
+
+
+def _prompt(tokens: int) -> Path:
+    import numpy as np
+
+    path = WORK / f"prompt-{tokens}.npy"
+    if not path.exists():
+        from tokenizers import Tokenizer
+
+        from aqua_export.corpus import read_texts
+
+        tok = Tokenizer.from_file(str(_source() / "tokenizer.json"))
+        ids = tok.encode(read_texts(["builtin:python-reference"])).ids
+        np.save(path, np.asarray(ids[:tokens], np.int64))
+    return path
+
+
+def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int, threads: int) -> dict | None:
+    env_name, runner, _ = ENGINES[engine]
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONPATH=str(ROOT))
+    cmd = [PY[env_name], str(ROOT / "tools" / "request_runner.py"), runner, path, str(prompt), str(batch),
+           str(chunk), str(new), str(threads)]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    if r.returncode:
+        print(f"  {engine}: failed ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds: int, threads: int) -> list[dict]:
+    WORK.mkdir(parents=True, exist_ok=True)
+    present = []
+    for e in engines:
+        if not Path(PY[ENGINES[e][0]]).exists():
+            print(f"  {e}: left out, its environment {Path(PY[ENGINES[e][0]]).parent.parent} is missing")
+            continue
+        present.append(e)
+    paths = {e: _make(ENGINES[e][2]) for e in present}
+    rows = []
+    for tokens, batch, chunk in cases:
+        prompt = _prompt(tokens)
+        # llama-cpp-python serves one sequence; only genai's API takes a prompt in several calls
+        runs = {e: [] for e in present
+                if not (batch > 1 and ENGINES[e][1] == "llamacpp") and not (chunk and ENGINES[e][1] != "genai")}
+        for r in range(rounds):  # interleaved: every engine once per round
+            for e, done in runs.items():
+                res = _one(e, paths[e], prompt, batch, chunk, new, threads)
+                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {e}: "
+                      + (f"ttft {res['ttft_s']:.2f} s, {res['decode_tokens_per_s']:.1f} tok/s, "
+                         f"{res['peak_rss_mb']:.0f} MB" if res else "-"), flush=True)
+                if res:
+                    done.append(res)
+        for e, rs in runs.items():
+            if rs:
+                rows.append({"engine": e, "prompt": tokens, "batch": batch, "chunk": chunk, "new": new,
+                             "ttft_s": min(x["ttft_s"] for x in rs),
+                             "decode_tokens_per_s": max(x["decode_tokens_per_s"] for x in rs),
+                             "e2e_s": min(x["e2e_s"] for x in rs), "peak_rss_mb": max(x["peak_rss_mb"] for x in rs),
+                             "loaded_rss_mb": max(x["loaded_rss_mb"] for x in rs),
+                             "first_tokens": rs[0]["first_tokens"], "rounds": len(rs)})
+    return rows
+
+
+def profile(folder: str, tokens: int, threads: int) -> str:
+    """ONNX Runtime's per-node profile of one prefill of the prose prompt through the folder's graph on the
+    package's native kernels: seconds per operator type, largest first."""
+    import collections
+    import tempfile
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from aqua_export.runtime.session import native_library
+
+    ids = np.load(_prompt(tokens))[None]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "profile")
+    so.register_custom_ops_library(str(native_library()))
+    session = ort.InferenceSession(str(Path(folder) / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in session.get_inputs()[2:]:  # the past: empty, of the graph's cache type
+        feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
+    session.run(None, feed)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    per = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            per[e["args"].get("op_name", "?")] += e["dur"] / 1e6
+    lines = [f"{folder}: prefill of {tokens} tokens, {sum(per.values()):.2f} s in nodes"]
+    lines += [f"  {op:36s} {sec:7.2f} s" for op, sec in per.most_common(12)]
+    return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> str:
+    new = rows[0]["new"] if rows else 0
+    head = ("| prompt | batch | appended | engine | time to first token (s) | decode tokens/s | request: prompt + "
+            f"{new} tokens (s) | peak RSS (MB) | loaded (MB) |")
+    out = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['prompt']} | {r['batch']} | {'one call' if not r['chunk'] else r['chunk']} | {r['engine']} | "
+                   f"{r['ttft_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['e2e_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['loaded_rss_mb']:.0f} |")
+    return "\n".join(out)
+
+
+def _case(s: str) -> tuple[int, int, int]:
+    parts = [int(x) for x in s.split("x")]
+    if len(parts) not in (2, 3) or min(parts[:2]) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: TOKENSxBATCH or TOKENSxBATCHxCHUNK, e.g. 8000x1 or 8000x1x512")
+    return (parts[0], parts[1], parts[2] if len(parts) == 3 else 0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # 7936 + 256 new tokens = 8192, the embedded model's context (genai refuses a max_length past it)
+    ap.add_argument("--cases", nargs="+", type=_case, default=[_case(c) for c in ("7936x1", "1000x1", "4000x1",
+                                                                                   "1000x4", "7936x1x512")])
+    ap.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=DEFAULT)
+    ap.add_argument("--new", type=int, default=256, help="greedy tokens after the prompt (the request's answer)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", metavar="FOLDER", help="print ONNX Runtime's per-node profile of one prefill of "
+                    "the first case's prompt through FOLDER (this project's folder) instead")
+    ap.add_argument("--setup", action="store_true", help="make the peers' environments first (ENVS)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prefill"))
+    a = ap.parse_args()
+    if a.new < 2 or a.rounds < 1 or a.threads < 1:
+        ap.error("--new must be >= 2, --rounds and --threads >= 1")
+    sys.path.insert(0, str(ROOT))
+    if a.profile:
+        print(profile(a.profile, a.cases[0][0], a.threads))
+        return 0
+    if a.setup:
+        setup()
+    rows = run(a.engines, a.cases, a.new, a.rounds, a.threads)
+    command = "tools/bench_prefill.py " + " ".join(sys.argv[1:])
+    for r in rows:
+        r["command"] = command
+    # the rows of other cases stay (each case is one interleaved run of its own, its command beside it)
+    old = json.loads(Path(a.out + ".json").read_text())["rows"] if Path(a.out + ".json").exists() else []
+    key = ("prompt", "batch", "chunk")
+    ran = {tuple(r[k] for k in key) for r in rows}
+    rows = sorted([r for r in old if tuple(r[k] for k in key) not in ran] + rows,
+                  key=lambda r: (r["chunk"] > 0, r["batch"], -r["prompt"]))
+    meta = {"cpu": _cpu(), "threads": a.threads}
+    Path(a.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    Path(a.out + ".md").write_text(_markdown(meta, rows))
+    print(table([r for r in rows if tuple(r[k] for k in key) in ran]))
+    return 0
+
+
+def _markdown(meta: dict, rows: list[dict]) -> str:
+    intro = (f"Written by `tools/bench_prefill.py` on {meta['cpu']}, {meta['threads']} threads; each request in a fresh "
+             "process, each case one interleaved run (every engine once per round, best of its rounds). Time to first "
+             "token: from handing over the prompt's ids to the first generated id; decode tokens/s: the tokens after it "
+             "(times the batch); request: both; peak RSS: the process's high-water mark, loading included; loaded: "
+             "resident once loaded, before the prompt. Engines: see the tool's docstring.")
+    out = ["# A long prompt, as users meet it", "", intro, ""]
+    for cmd in dict.fromkeys(r["command"] for r in rows):
+        mine = [r for r in rows if r["command"] == cmd]
+        out += [f"`{cmd}` (rounds: {max(r['rounds'] for r in mine)}):", "", table(mine), ""]
+    return "\n".join(out)
+
+
+def _cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""docs/cli.md: every command's `--help`, written from the parsers themselves (aqua_export/cli.py), so the reference
+cannot drift from the code (tests/test_reliability.py compares the file with what this writes).
+
+Rerun: `.venv/bin/python tools/cli_reference.py` after changing an option.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "cli.md"
+
+
+def reference() -> str:
+    from aqua_export.cli import build_arg_parser, build_parser
+
+    os.environ["COLUMNS"] = "120"  # argparse wraps to the terminal: the file must not depend on it
+    main = build_parser()
+    sub = next(a for a in main._actions if a.__class__.__name__ == "_SubParsersAction")
+    parts = ["# Command-line reference", "",
+             "Written by `tools/cli_reference.py` from the parsers in `aqua_export/cli.py`; do not edit by hand.", "",
+             "## aqua-export (build a folder)", "", "```", build_arg_parser().format_help().rstrip(), "```", "",
+             "## aqua-export --help (the commands)", "", "```", main.format_help().rstrip(), "```", ""]
+    for name, parser in sub.choices.items():
+        parts += [f"## aqua-export {name}", "", "```", parser.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    OUT.write_text(reference())
+    print(f"wrote {OUT.relative_to(ROOT)}")
