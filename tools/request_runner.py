@@ -5,7 +5,7 @@ numpy and the engine's package, so the peers run from their own virtual environm
     python request_runner.py ENGINE PATH PROMPT.npy BATCH CHUNK NEW THREADS  -> one JSON line on stdout:
     {"ttft_s", "decode_tokens_per_s", "e2e_s", "load_s", "peak_rss_mb", "loaded_rss_mb", "first_tokens"}
 
-ENGINE: genai (onnxruntime-genai, any folder: ours or its model builder's), aqua (`aqua-export run`'s runtime),
+ENGINE: genai (onnxruntime-genai, any folder: ours or its model builder's; DIR@no-arena turns its CPU arena off), aqua (`aqua-export run`'s runtime),
 openvino (OpenVINO GenAI's LLMPipeline on an optimum-intel folder; PATH may end in @f32 for float32 inference
 precision), llamacpp (llama-cpp-python on a GGUF: f16 KV cache, flash attention). PROMPT.npy holds [T] int64 ids,
 repeated over the batch. CHUNK 0 appends the prompt in one call; otherwise in calls of CHUNK tokens (genai, batch 1).
@@ -32,8 +32,10 @@ def _status_mb(key: str) -> float:
 def _genai(path, prompt, chunk, new, threads, clock):
     import onnxruntime_genai as og
 
+    path, _, option = path.partition("@")  # DIR@no-arena: the CPU arena off (what the folder's config turns on)
+    session = {"intra_op_num_threads": threads, **({"enable_cpu_mem_arena": False} if option == "no-arena" else {})}
     config = og.Config(path)
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
     model = og.Model(config)
     params = og.GeneratorParams(model)
     b, t = prompt.shape

@@ -41,8 +41,8 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
     """genai_config.json of a folder (raises for H2O folders, which genai cannot run)."""
     inputs, outputs = cfg.contract.genai_io()
     # the CPU arena on: a prompt's tensors are per-layer and linear in its length (no [T, T], no [T, vocabulary]),
-    # and without the arena the C heap fragments over them: a 4,000-token prompt's peak was 1,022 MB instead of 563
-    # (tools/bench_prefill.py measures it); the arena keeps that working set for the session's life
+    # and without the arena the C heap fragments over them: a 7,936-token prompt's peak was 1,341-1,829 MB instead of
+    # 942 (tools/request_runner.py, DIR@no-arena); the arena keeps that working set for the session's life
     session = {"log_id": "onnxruntime-genai", "provider_options": [], "enable_cpu_mem_arena": True}
     if cfg.dtype == "float32":  # float16 folders run the function bodies (runtime.default_kernel says why)
         session["custom_ops_library"] = NATIVE_NAME
