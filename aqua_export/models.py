@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -99,12 +100,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         except OSError:  # another process converted the same file meanwhile: keep its (identical) folder
             if not (out / "config.json").exists():
                 raise
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 

@@ -94,8 +94,9 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
     (K^ and V cast like the query: a float16 cache under a float32 graph)
 
     tokens: the token-selection form (_token_nodes): the softmax takes the exact scores, a decode step's unchosen
-    pages hidden. A query row that sees no key outputs zeros (as the kernels: a padding token of a prompt). An ONNX function cannot test whether an optional input is present, so a graph carries the body of
-    the form its nodes use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
+    pages hidden. A query row that sees no key outputs zeros (as the kernels: a padding token of a prompt). An ONNX
+    function cannot test whether an optional input is present, so a graph carries the body of the form its nodes
+    use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
     pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes).
     """
     head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled) + [

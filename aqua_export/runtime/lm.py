@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import ConfigError
 from ..export.contract import Contract
-from .caches import H2OCache, SharedCache, large_empty
+from .caches import H2OCache, SharedCache
 from .folder import FolderConfig
 from .sampling import SamplingConfig, check_finite, emit, pick
 from .session import check_serving, default_kernel, make_session
@@ -23,13 +23,6 @@ def last_real(attention_mask: np.ndarray, t: int) -> np.ndarray:
     logits for (ops/logit_rows.py); T - 1 when none of them is real."""
     new = attention_mask[:, -t:] != 0
     return np.where(new.any(1), t - 1 - np.argmax(new[:, ::-1], axis=1), t - 1)
-
-
-def ort_value(a: np.ndarray):
-    """An OrtValue over a numpy array's memory (no copy)."""
-    import onnxruntime as ort
-
-    return ort.OrtValue.ortvalue_from_numpy(a)
 
 
 class Probe(Protocol):
@@ -173,6 +166,8 @@ class OrtLM:
         Returns (logits [B, T, V] or each sequence's last row [B, 1, V], cache, the outputs beyond the contract). The
         logits go to a buffer of ours, so that of a long prompt's [B, T, V] only the rows read are ever touched
         (ops/logit_rows.py)."""
+        import onnxruntime as ort
+
         ct = self.contract
         b, t = input_ids.shape
         mask = np.ascontiguousarray(attention_mask[:, -(cache.length + t):], dtype=np.int64)
@@ -180,8 +175,8 @@ class OrtLM:
         io = self.session.io_binding()
         io.bind_cpu_input(ct.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
         io.bind_cpu_input(ct.ATTENTION_MASK, mask)
-        logits = large_empty((b, t, ct.vocab), self.dtype)
-        io.bind_ortvalue_output(ct.LOGITS, ort_value(logits))
+        logits = np.empty((b, t, ct.vocab), self.dtype)
+        io.bind_ortvalue_output(ct.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         extra = self.output_names[self.n_outputs:]
         for name in extra:  # debug outputs beyond the contract (parity's TopK indices)
             io.bind_output(name)
@@ -201,8 +196,7 @@ class OrtLM:
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
         logits, past = self.step(input_ids, mask, self.empty_past(b))
-        if logits.shape[1] > 1:  # a session computing every row: each prompt's last token's
-            logits = self._rows(logits, mask, pick=True)
+        logits = self._rows(logits, mask, pick=True)  # a session computing every row: each prompt's last token's
         done = np.zeros(b, dtype=bool)
         out = []
         for step in range(sampling.max_new_tokens):

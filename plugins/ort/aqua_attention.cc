@@ -166,14 +166,14 @@ struct AttentionKernel {
       }
     }
     const MaskRows mask{m_in.GetTensorData<int64_t>(), ms[0], len, qs[3], window_};
+    QueryRows<T> at_k = query;
+    at_k.k = k;  // r for a prompt under token selection
     if (tokens_.on() && qs[3] == 1) {
       attend_pages<T, C>(ctx, query, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask,
                          out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_, tokens_);
       return;
     }
     if (qs[3] >= kPromptTokens) {
-      QueryRows<T> at_k = query;
-      at_k.k = k;  // r for a prompt under token selection
       attend_prompt<T, C>(ctx, at_k, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask,
                           out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_);
       return;
@@ -186,8 +186,6 @@ struct AttentionKernel {
     const int64_t split_len = ((len + splits - 1) / splits + kPos - 1) / kPos * kPos;
     const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
     auto& part = call_buffer<float, Buffer::kDensePartials>(n_part);
-    QueryRows<T> at_k = query;
-    at_k.k = k;  // r for a prompt under token selection
     AttentionJob<T, C> job{at_k,
                         {out.GetTensorMutableData<T>(), part.data(), rv, tiles, splits},
                         k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask, len, ks[3], vs[2], split_len, softcap_};

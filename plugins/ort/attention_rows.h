@@ -12,7 +12,6 @@ namespace aqua {
 
 constexpr int64_t kPos = 256;        // positions per block: the tile's scores stay in L1
 constexpr int64_t kTasksWanted = 16; // split the positions when fewer (batch, kv head, tile) tasks exist
-constexpr float kHidden = -1e37f;    // a mask entry at or below this hides the position (ops/rules.py MASKED)
 constexpr float kLowest = -3.40282347e38f;  // the mask entry of a hidden key (float32's lowest: ops/rules.py HIDDEN)
 
 // The keys one query row sees (ops/rules.py visible): j in [lo, hi] whose attention_mask entry is not 0.

@@ -116,8 +116,7 @@ def page_scores(qs, idx, g: int, kc, mask, total: int, softcap: float, interpret
     with triton_for(interpret):
         kernel[(b * hkv, -(-total // SCORE_BLOCK))](
             qs, idx, kc, mask, best, count, hkv, total, cap, 0 if mask.shape[0] == 1 else total, int(window), n_pages,
-            R=r, G=g,
-            SOFTCAP=float(softcap), BLOCK_U=qs.shape[2], BLOCK_S=SCORE_BLOCK, PAGE=PAGE, BLOCK_M=qs.shape[1],
+            R=r, G=g, SOFTCAP=float(softcap), BLOCK_U=qs.shape[2], BLOCK_S=SCORE_BLOCK, PAGE=PAGE, BLOCK_M=qs.shape[1],
             IEEE=ieee(kc.dtype, interpret))
     return best, count
 
