@@ -15,6 +15,19 @@ _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (the benchmark tables' header), from /proc/cpuinfo where Linux has it."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _vm_hwm_bytes() -> int | None:
     try:
         for line in _STATUS.read_text().splitlines():

@@ -111,13 +111,11 @@ def _prompt(tokens: int) -> Path:
 
     path = WORK / f"prompt-{tokens}.npy"
     if not path.exists():
-        from tokenizers import Tokenizer
+        from aqua_export.corpus import read_texts, tokenize
+        from aqua_export.runtime.text import load_tokenizer
 
-        from aqua_export.corpus import read_texts
-
-        tok = Tokenizer.from_file(str(_source() / "tokenizer.json"))
-        ids = tok.encode(read_texts(["builtin:python-reference"])).ids
-        np.save(path, np.asarray(ids[:tokens], np.int64))
+        ids = tokenize(load_tokenizer(_source()), read_texts(["builtin:python-reference"]), tokens)
+        np.save(path, ids.numpy())
     return path
 
 
@@ -234,6 +232,8 @@ def main() -> int:
     if a.new < 2 or a.rounds < 1 or a.threads < 1:
         ap.error("--new must be >= 2, --rounds and --threads >= 1")
     sys.path.insert(0, str(ROOT))
+    from aqua_export.meter import cpu_name
+
     if a.profile:
         print(profile(a.profile, a.cases[0][0], a.threads))
         return 0
@@ -249,7 +249,7 @@ def main() -> int:
     ran = {tuple(r[k] for k in key) for r in rows}
     rows = sorted([r for r in old if tuple(r[k] for k in key) not in ran] + rows,
                   key=lambda r: (r["chunk"] > 0, r["batch"], -r["prompt"]))
-    meta = {"cpu": _cpu(), "threads": a.threads}
+    meta = {"cpu": cpu_name(), "threads": a.threads}
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     Path(a.out + ".md").write_text(_markdown(meta, rows))
     print(table([r for r in rows if tuple(r[k] for k in key) in ran]))
@@ -267,11 +267,6 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         mine = [r for r in rows if r["command"] == cmd]
         out += [f"`{cmd}` (rounds: {max(r['rounds'] for r in mine)}):", "", table(mine), ""]
     return "\n".join(out)
-
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
 
 
 if __name__ == "__main__":

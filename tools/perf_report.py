@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from aqua_export.meter import cpu_name  # noqa: E402
 from aqua_export.outputs import atomic_write_bytes  # noqa: E402
 
 
 def _load(name):
     p = ROOT / "benchmarks" / name
     return json.loads(p.read_text()) if p.is_file() else None
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def attention_section(data) -> list[str]:
@@ -218,7 +208,7 @@ def capacity_section(data) -> list[str]:
 
 
 def main() -> int:
-    lines = ["# Performance", "", f"Machine: {_cpu()}, {os.cpu_count()} cores (CPU only). Figures are ratios "
+    lines = ["# Performance", "", f"Machine: {cpu_name()}, {os.cpu_count()} cores (CPU only). Figures are ratios "
              "measured within one run; absolute times are not reported for CPU runs.", "",
              "These tables are CPU-only. The Triton kernel's GPU timings (H100) are in "
              "`benchmarks/gpu_attention.md` (`tools/bench_gpu.py`, run where a GPU is lent).", ""]

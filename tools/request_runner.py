@@ -127,23 +127,20 @@ def main(argv) -> dict:
     engine, path, prompt_file, batch, chunk, new, threads = argv
     batch, chunk, new, threads = int(batch), int(chunk), int(new), int(threads)
     prompt = np.tile(np.load(prompt_file).astype(np.int64)[None], (batch, 1))
-    marks = {"start": time.perf_counter(), "token": []}
+    marks = {"start": time.perf_counter()}
 
-    def clock(what, at=None):
+    def clock(what, at=None):  # "load", then "token" per generated token: the first one is the one timed
         now = time.perf_counter()
         if what == "load":
             marks["load"], marks["load_rss"] = now, _status_mb("VmRSS")
-        elif at is not None:  # an engine that reports its own first-token time (s after the request)
-            marks["token"].append(marks["load"] + at)
-        else:
-            marks["token"].append(now)
+        elif "first" not in marks:  # at: an engine's own first-token time (s after the request)
+            marks["first"] = now if at is None else marks["load"] + at
 
     out = ENGINES[engine](path, prompt, chunk, new, threads, clock)
     end = time.perf_counter()
-    ticks = marks["token"]
     if len(out) < new:
         raise SystemExit(f"{engine}: {len(out)} tokens generated of {new}")
-    first = ticks[0] - marks["load"]
+    first = marks["first"] - marks["load"]
     e2e = end - marks["load"]
     return {"ttft_s": first, "decode_tokens_per_s": batch * (new - 1) / (e2e - first), "e2e_s": e2e,
             "load_s": marks["load"] - marks["start"], "peak_rss_mb": _status_mb("VmHWM"),
