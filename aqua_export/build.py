@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, calibrate, models
+from . import __version__, calibrate, capabilities, models
+from .capabilities import RUNTIMES, Features
 from .config import AquaConfig, ConfigError
 from .export.contract import Contract
-from .export.exporter import (CACHE_NEEDS_FUSED, GRAPH_OPS, SHARED_K_NEEDS_FUSED, STANDARD_NEEDS_FLOAT,
-                              TOKENS_NEED_FUSED, contract_for, export_onnx)
+from .export.exporter import GRAPH_OPS, STANDARD_NEEDS_FLOAT, contract_for, export_onnx
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -38,9 +38,9 @@ from .quantize import WeightFormat
 from .runtime import genai
 from .runtime.folder import FolderConfig, Geometry, built_files, file_sha256, foreign_files
 from .runtime.session import default_kernel
-from .runtime.text import write_tokenizer
 from .runtime.tensorrt import build_engine
 from .runtime.tensorrt_plugin import require_tensorrt
+from .runtime.text import write_tokenizer
 from .slice_costs import add_costs, add_select_costs
 
 STAGES = 5
@@ -77,8 +77,8 @@ def name_parts(config: AquaConfig, o: "BuildOptions") -> list[str]:
         parts += [f"b{w.block}" if w.block != default.weights.block else "", "zp" if not w.symmetric else "",
                   f"acc{w.accuracy_level}" if w.accuracy_level != default.weights.accuracy_level else ""]
     parts += [f"kv-{o.cache_dtype}" if o.cache_dtype not in (None, o.dtype) else "",
-              f"ops-{o.ops}" if o.ops != default.ops else "", o.backend if o.backend != default.backend else "",
-              "trt{}x{}x{}".format(*o.trt_limits) if o.backend == "tensorrt" and o.trt_limits != default.trt_limits
+              f"ops-{o.ops}" if o.ops != default.ops else "", "tensorrt" if o.runtime == "tensorrt" else "",
+              "trt{}x{}x{}".format(*o.trt_limits) if o.runtime == "tensorrt" and o.trt_limits != default.trt_limits
               else ""]
     return [p for p in parts if p]
 
@@ -135,7 +135,7 @@ class BuildOptions:
     """How a folder is built (everything but the model and the AQUA settings)."""
 
     dtype: str = "float32"
-    backend: str = "onnx"
+    runtime: str = "aqua"  # what must serve the folder (capabilities.RUNTIMES): tensorrt also builds model.engine
     external_data: bool | None = None
     parity_steps: int | None = None  # None: harness.PARITY_STEPS, fewer for a short context (parity_lengths)
     parity_prompt: int | None = None  # None: harness.PROMPT_TOKENS, or what a short context leaves
@@ -155,26 +155,18 @@ def _check(o: BuildOptions, config: AquaConfig) -> None:
         raise ConfigError(f"unknown --ops {o.ops!r}: use one of {', '.join(GRAPH_OPS)}")
     if o.ops == "standard" and o.weights.quantized:
         raise ConfigError(STANDARD_NEEDS_FLOAT)
-    if o.cache_dtype not in (None, o.dtype):
-        if o.backend != "onnx":
-            raise ConfigError(CACHE_NEEDS_FUSED)
-        Contract.check_cache_dtype(o.dtype, o.cache_dtype, config.evicts)  # the contract's refusals, before any work
-    if o.backend == "tensorrt" and config.evicts:
-        raise ConfigError("AQUA-H2O's H2OAttention node has no TensorRT plugin: build H2O folders with --backend onnx")
-    if o.backend == "tensorrt" and config.selects_tokens:
-        raise ConfigError(TOKENS_NEED_FUSED)
-    if o.backend == "tensorrt" and config.shares_k:
-        raise ConfigError(SHARED_K_NEEDS_FUSED.format(alloc=config.k_alloc))
-    if o.backend == "tensorrt":
-
-        require_tensorrt()  # before any work: no TensorRT, one line and nothing written
-    elif o.backend != "onnx":
-        raise ConfigError(f"unknown --backend {o.backend!r}: use onnx or tensorrt")
+    if o.runtime not in RUNTIMES:
+        raise ConfigError(f"unknown --runtime {o.runtime!r}: use one of {', '.join(RUNTIMES)}")
     if o.dtype not in DTYPES:
         raise ConfigError(f"unknown --dtype {o.dtype!r}: use {' or '.join(DTYPES)}")
-    if o.weights.quantized and (o.dtype != "float32" or o.backend != "onnx"):
+    if o.weights.quantized and o.dtype != "float32":
         raise ConfigError(f"--weights {o.weights.name} is ONNX Runtime's MatMulNBits with float32 activations: build "
-                          "it with --dtype float32 --backend onnx (float16 is the GPU format: drop --weights)")
+                          "it with --dtype float32 (float16 is the GPU format: drop --weights)")
+    capabilities.check(Features.of_build(config, o.dtype, o.cache_dtype, o.weights.quantized), o.runtime)
+    if o.cache_dtype not in (None, o.dtype):
+        Contract.check_cache_dtype(o.dtype, o.cache_dtype, config.evicts)  # the contract's refusals, before any work
+    if o.runtime == "tensorrt":
+        require_tensorrt()  # before any work: no TensorRT, one line and nothing written
 
 
 def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = None,
@@ -230,7 +222,7 @@ def _remove_leftovers(out: Path) -> None:
 def _build(model_spec, config, projection, projection_path, calib_texts, calib_tokens, out_dir: Path,
            o: BuildOptions) -> Path:
     meter = StageMeter()
-    total = STAGES + (o.backend == "tensorrt")
+    total = STAGES + (o.runtime == "tensorrt")
     _stage(1, f"loading {model_spec}", total)
     meter.start("load")
     model, tok = models.load(model_spec, dtype="auto")  # the checkpoint's own dtype: no float32 copy
@@ -267,7 +259,7 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
                   f"{o.parity_steps} decode steps)", total)
         meter.start("parity")
         _parity(tmp, cfg, tok, projection, config, o, model_spec)
-        if o.backend == "tensorrt":
+        if o.runtime == "tensorrt":
 
             _stage(5, f"building the TensorRT engine (batch <= {o.trt_limits[0]}, context <= {o.trt_limits[1]}, "
                       f"prompt <= {o.trt_limits[2]})", total)
@@ -290,10 +282,10 @@ def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Pa
     bar = stage_bar(geo["layers"], "export", "layer")
     proto = export_onnx(model, projection, config, tmp / "model.onnx", dtype=DTYPES[o.dtype],
                         external_data=o.external_data, progress=lambda i, n: bar.update(1),
-                        fused=o.backend != "tensorrt", weights=o.weights, cache_dtype=o.cache_dtype, ops=o.ops)
+                        fused=o.runtime != "tensorrt", weights=o.weights, cache_dtype=o.cache_dtype, ops=o.ops)
     bar.close()
     write_tokenizer(tok, tmp)
-    contract = contract_for(model, config, DTYPES[o.dtype], projection, o.cache_dtype, o.backend != "tensorrt")
+    contract = contract_for(model, config, DTYPES[o.dtype], projection, o.cache_dtype, o.runtime != "tensorrt")
     cfg = FolderConfig(model=model_spec, aqua=config, geometry=Geometry(**geo), contract=contract,
                        context_length=getattr(model.config, "max_position_embeddings", None),
                        fingerprint=models.fingerprint(model), info=_info(proto, contract, config, o, tmp),
@@ -319,7 +311,7 @@ def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> di
                    *(["rms(k^) folded into P (q^ * w, k^ / w): the weighted rule as magnitude"]
                      if config.weighted_selection and config.k_ratio < 1 else []),
                    "H2OAttention per layer" if config.evicts else
-                   "AquaAttention per layer" if o.backend != "tensorrt" else
+                   "AquaAttention per layer" if o.runtime != "tensorrt" else
                    "TopKGatherDot, Softmax, ValueProduct per layer"],
         "graph_ops": o.ops,
         "weights": "model.onnx.data (external data)" if (tmp / "model.onnx.data").exists() else "inline in model.onnx",

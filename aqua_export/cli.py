@@ -18,6 +18,7 @@ import signal
 import sys
 
 from . import commands
+from .capabilities import KERNELS, RUNTIMES
 from .config import ConfigError
 from .ops.spec import FLOAT_TYPES
 from .outputs import Terminated, on_signal
@@ -35,45 +36,11 @@ def _model_arg(p):
                                                     "(the embedded SmolLM2-135M-Instruct; default)")
 
 
-def _config_args(p, k_default: float = 1.0):
-    from .config import K_ALLOCS, SELECTIONS, SLICE_ALLOCS
+def _config_args(p):
+    """AQUA's settings (settings.MECHANISMS: each mechanism's module owns its flags, defaults and help)."""
+    from . import settings
 
-    p.add_argument("--k-ratio", type=float, default=k_default,
-                   help="share of the retained width r whose coordinates score each query, in (0, 1]; 1 = dense "
-                        "(default %(default)s)")
-    p.add_argument("--slice-ratio", type=float, default=0.0,
-                   help="AQUA-Memory: share of P's trailing columns dropped before K and V are cached, in [0, 1) "
-                        "(default %(default)s)")
-    p.add_argument("--h2o-ratio", type=float, default=1.0,
-                   help="AQUA-H2O: share of tokens kept in the cache, in (0, 1]; 1 = no eviction (default %(default)s)")
-    p.add_argument("--selection", default="magnitude", choices=SELECTIONS,
-                   help="how coordinates are chosen: magnitude (top-k |q^|, the paper), static (first k), weighted "
-                        "(top-k |q^_i| * rms(k^_i)), group / group-weighted (one top-k of the GQA group's summed "
-                        "scores for all its query heads: a step reads exactly k of K^'s rows); every rule is exported "
-                        "(default %(default)s)")
-    p.add_argument("--slice-alloc", default="uniform", choices=SLICE_ALLOCS,
-                   help="how AQUA-Memory spends its width budget over the layers' K^ and V (the same cache bytes as "
-                        "uniform slicing): uniform (every K^ and V drops --slice-ratio), energy (water-filling on the "
-                        "calibrated spectra), measured (on measured costs of slicing: the projection's slice costs, "
-                        "measured by the build or `calibrate --slice-costs`) (default %(default)s)")
-    p.add_argument("--k-alloc", default="uniform", choices=K_ALLOCS,
-                   help="how the selection width spreads, --k-ratio its average (the same rows of K^ per step under "
-                        "the group rules): uniform (every query row selects --k-ratio of its width), energy (over "
-                        "the layers by water-filling on the calibrated spectra; a layer's heads share its k per "
-                        "token), measured (over the layers by their measured costs of a narrower selection under "
-                        "--selection, the heads sharing each layer's k at measured prices: measured by the build or "
-                        "`calibrate --select-costs`) (default %(default)s)")
-    p.add_argument("--token-ratio", type=float, default=1.0,
-                   help="token selection: share of the visible tokens a decode step attends, in (0, 1]; the k "
-                        "selected coordinates score pages of 16 tokens, the chosen ones get exact attention, nothing "
-                        "is evicted; 1 = all (default %(default)s)")
-    p.add_argument("--token-budget", type=int, default=0,
-                   help="token selection with a fixed number of tokens per decode step instead (0 = by "
-                        "--token-ratio) (default %(default)s)")
-    p.add_argument("--token-sink", type=int, default=16,
-                   help="token selection: the first tokens every step keeps (attention sinks) (default %(default)s)")
-    p.add_argument("--token-window", type=int, default=64,
-                   help="token selection: the most recent tokens every step keeps (default %(default)s)")
+    settings.add_arguments(p)
 
 
 SEQ_LEN = 512  # the windows' length unless asked: evaluate.window_length
@@ -125,8 +92,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                          "ops only, the com.aqua nodes keeping their ONNX function bodies: any ONNX consumer, ONNX's "
                          "reference evaluator and shape inference read it; float weights, no routed experts) "
                          "(default %(default)s)")
-    ap.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
-                    help="tensorrt also builds model.engine (needs TensorRT and an NVIDIA GPU)")
+    ap.add_argument("--runtime", default="aqua", choices=RUNTIMES,
+                    help="what must serve the folder: aqua (this project's loop; onnxruntime-genai too where it can), "
+                         "genai (refused before any work when onnxruntime-genai cannot run the settings), tensorrt "
+                         "(also builds model.engine: needs TensorRT and an NVIDIA GPU) (default %(default)s)")
     ap.add_argument("--trt-max-batch", type=int, default=8, help="TensorRT profiles: largest batch (default %(default)s)")
     ap.add_argument("--trt-max-context", type=int, default=4096,
                     help="TensorRT profiles: largest context in tokens (default %(default)s)")
@@ -150,7 +119,7 @@ def build_main(argv: list[str]) -> int:
 
     weights = WeightFormat(bits=None if a.weights == "float" else int(a.weights[3:]), block=a.weight_block,
                            symmetric=not a.weight_zero_points, accuracy_level=a.accuracy_level)
-    opts = BuildOptions(dtype=a.dtype, backend=a.backend,
+    opts = BuildOptions(dtype=a.dtype, runtime=a.runtime,
                         external_data=True if a.external_data else None, parity_steps=a.parity_steps,
                         parity_prompt=a.parity_prompt_tokens,
                         trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force,
@@ -173,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate_parser(sub) -> None:
-    from .config import SELECTIONS
+    from .ops.spec import SELECTIONS
 
     p = sub.add_parser("calibrate", help="compute the projection artifact")
     _model_arg(p)
@@ -232,19 +201,20 @@ def _lm_eval_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --folder; 0 = all "
                                                           "(default %(default)s)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
+    p.add_argument("--kernel", default="auto", choices=KERNELS,
                    help="with --folder: the native kernels (auto: when built) or the function bodies")
     p.add_argument("--json", action="store_true", help="print one JSON object (lm_eval's results per task)")
     p.set_defaults(fn=commands.cmd_lm_eval)
 
 
 def _retention_parser(sub) -> None:
+    from . import settings
+
     p = sub.add_parser("retention", help="information retention loss per layer/head, JSON + PNG")
     _model_arg(p)
     p.add_argument("--projection", required=True, help="projection file")
     p.add_argument("--text", required=True, help="text to measure on: file or builtin:NAME")
-    p.add_argument("--k-ratio", type=float, default=0.5, help="k_ratio whose retention is measured, in (0, 1] "
-                                                              "(default %(default)s)")
+    settings.SETTINGS["k_ratio"].add_to(p, default=0.5)
     _window_args(p, 4096, "measure on")
     p.add_argument("--out", required=True, help="output folder (retention.json, retention.png); existing ones are "
                                                 "refused unless this tool wrote them and --force is given")
@@ -265,14 +235,13 @@ def _run_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; a negative one draws a fresh seed each run, as "
                                                        "onnxruntime-genai's -1 does (default %(default)s)")
-    p.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt"],
-                   help="onnx: ONNX Runtime; tensorrt: the folder's model.engine (default %(default)s)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
+    p.add_argument("--kernel", default="auto", choices=KERNELS,
                    help="what runs the custom nodes (AquaAttention, H2OAttention, the cache updates): the native C++ "
                         "kernels (auto: when built and the folder is float32) or the graph's function bodies")
-    p.add_argument("--runtime", default="aqua", choices=["aqua", "genai"],
+    p.add_argument("--runtime", default="aqua", choices=RUNTIMES,
                    help="aqua: this project's ONNX Runtime loop (every variant); genai: onnxruntime-genai (not "
-                        "AQUA-H2O folders) (default %(default)s)")
+                        "AQUA-H2O folders); tensorrt: the folder's model.engine in this project's loop (default "
+                        "%(default)s)")
     p.add_argument("--kv-buffer", default="shared", choices=["shared", "concat"],
                    help="shared: past and present one buffer written in place (genai's past_present_share_buffer); "
                         "concat: a new present each step (default %(default)s)")
@@ -307,7 +276,7 @@ def _parity_parser(sub) -> None:
     p.add_argument("folder", help="a folder built by aqua-export")
     p.add_argument("--steps", type=int, help="greedy decode steps, >= 1 (default 64, fewer for a model whose context "
                                              "is shorter)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "native", "function"],
+    p.add_argument("--kernel", default="auto", choices=KERNELS,
                    help="what runs the custom nodes: the native kernels, the function bodies, or auto (default "
                         "%(default)s)")
     p.add_argument("--json", action="store_true", help="print parity.json's content as one JSON object")

@@ -8,13 +8,12 @@ import os
 import sys
 from pathlib import Path
 
+from . import settings
 from .config import AquaConfig, ConfigError
 
 
 def config_of(a) -> AquaConfig:
-    return AquaConfig(k_ratio=a.k_ratio, slice_ratio=a.slice_ratio, h2o_ratio=a.h2o_ratio, selection=a.selection,
-                      slice_alloc=a.slice_alloc, k_alloc=a.k_alloc, token_ratio=a.token_ratio,
-                      token_budget=a.token_budget, token_sink=a.token_sink, token_window=a.token_window)
+    return AquaConfig(**settings.from_args(a))
 
 
 def _process_group():
@@ -99,8 +98,10 @@ def cmd_eval(a) -> int:
     check_threads(a.threads)
     if a.folder:
         if a.model or a.projection or cfg != AquaConfig():
-            raise ConfigError("a folder carries its own model and AQUA settings: drop --model / --projection / "
-                              "--k-ratio / --slice-ratio / --h2o-ratio / --selection with --folder")
+            given = [s.flag for s in settings.SETTINGS.values() if getattr(a, s.name) != s.default]
+            raise ConfigError("a folder carries its own model and AQUA settings: drop "
+                              f"{' / '.join(['--model'] * bool(a.model) + ['--projection'] * bool(a.projection) + given)}"
+                              " with --folder")
         res = evaluate.folder_perplexity(a.folder, corpus.read_text(a.text), tokens=a.tokens, seq_len=a.seq_len,
                                          threads=a.threads, progress=not a.json)
         a.seq_len = res["seq_len"]
@@ -222,8 +223,6 @@ def cmd_run(a) -> int:
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
                               top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    if a.backend == "tensorrt" and a.runtime != "aqua":
-        raise ConfigError("--backend tensorrt runs in this project's loop: drop --runtime genai")
     cfg = FolderConfig.from_folder(a.folder)
     cfg.verify(a.folder)  # a damaged folder is named before anything else
     sampling.check_vocabulary(cfg.contract.vocab)
@@ -233,9 +232,9 @@ def cmd_run(a) -> int:
         size = sum(r["bytes"] for n, r in cfg.files.items() if n.startswith("model.onnx"))
         print(f"[loading {a.folder}: {size / 2**30:.2f} GiB of weights into "
               f"{'onnxruntime-genai' if a.runtime == 'genai' else 'ONNX Runtime'}]", file=sys.stderr, flush=True)
-    lm = open_lm(a.folder, "tensorrt" if a.backend == "tensorrt" else a.runtime, kernel=a.kernel,
+    lm = open_lm(a.folder, a.runtime, kernel=a.kernel,
                  share_buffer=a.kv_buffer == "shared", serving=(ids.shape[0], ids.shape[1] + a.max_new_tokens))
-    if a.backend == "tensorrt":
+    if a.runtime == "tensorrt":
         from .runtime.tensorrt import check_request
 
         check_request(lm.session.profiles, ids.shape[0], ids.shape[1], a.max_new_tokens)

@@ -26,7 +26,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from . import models
+from . import models, settings
 from .config import AquaConfig, ConfigError
 from .projection import load_projection
 from .reference.attention import apply_aqua
@@ -76,33 +76,26 @@ class _OrtModel(torch.nn.Module):
         return whole(new)
 
 
-def _config(k_ratio=1.0, slice_ratio=0.0, h2o_ratio=1.0, selection="magnitude", slice_alloc="uniform",
-            k_alloc="uniform", token_ratio=1.0, token_budget=0, token_sink=None, token_window=None) -> AquaConfig:
-    """lm_eval passes model_args as strings: the numbers are converted here, AquaConfig validates them."""
-    default = AquaConfig()
-    return AquaConfig(k_ratio=float(k_ratio), slice_ratio=float(slice_ratio), h2o_ratio=float(h2o_ratio),
-                      selection=selection, slice_alloc=slice_alloc, k_alloc=k_alloc, token_ratio=float(token_ratio),
-                      token_budget=int(token_budget),
-                      token_sink=default.token_sink if token_sink is None else int(token_sink),
-                      token_window=default.token_window if token_window is None else int(token_window))
+def _config(**values) -> AquaConfig:
+    """lm_eval passes model_args as strings: each setting's module converts its own, AquaConfig validates them."""
+    return AquaConfig(**settings.from_text(values))
 
 
 @register_model("aqua")
 class AquaLM(HFLM):
-    SETTINGS = ("k_ratio", "slice_ratio", "h2o_ratio", "selection", "slice_alloc", "k_alloc", "token_ratio",
-                "token_budget", "token_sink", "token_window")
+    SETTINGS = tuple(settings.SETTINGS)  # the model_args that choose AQUA's settings (settings.MECHANISMS)
 
     def __init__(self, model: str | None = None, folder: str | None = None, projection: str | None = None,
                  threads: int = 0, kernel: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
                  **kwargs):
-        settings = {k: kwargs.pop(k) for k in self.SETTINGS if k in kwargs}
+        given = {k: kwargs.pop(k) for k in self.SETTINGS if k in kwargs}
         if (model is None) == (folder is None):
             raise ConfigError("give the aqua model either model=M (the PyTorch reference) or folder=DIR (a built folder)")
         self._stack = contextlib.ExitStack()
         self._session = None
         if folder is not None:
 
-            if projection is not None or settings:
+            if projection is not None or given:
                 raise ConfigError("a folder carries its own AQUA settings: drop projection / "
                                   f"{' / '.join(self.SETTINGS)} with folder=")
             tok = load_tokenizer(folder)
@@ -112,7 +105,7 @@ class AquaLM(HFLM):
             net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving, all_logits=True), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
-            config = _config(**settings)
+            config = _config(**given)
             if projection is None and not config.is_dense:
                 raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1, token_ratio=1 need "
                                   "projection=FILE")

@@ -169,8 +169,8 @@ def test_h2o_has_no_engine_and_is_refused_before_any_work(tmp_path):
 
     with pytest.raises(ConfigError) as e:
         build("llama", AquaConfig(k_ratio=0.75, h2o_ratio=0.5), out=str(tmp_path / "x"),
-              options=BuildOptions(backend="tensorrt"))
-    assert "--backend onnx" in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "x").exists()
+              options=BuildOptions(runtime="tensorrt"))
+    assert "--runtime aqua" in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "x").exists()
 
 
 def test_missing_tensorrt_is_one_line():

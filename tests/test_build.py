@@ -26,9 +26,9 @@ def proj(tmp_path, smollm_projection):
     (["--k-ratio", "0"], "k_ratio=0.0 is out of range"),
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
-    (["--k-ratio", "0.5", "--backend", "tensorrt"], "--backend tensorrt: TensorRT is not installed here"),
+    (["--k-ratio", "0.5", "--runtime", "tensorrt"], "--runtime tensorrt: TensorRT is not installed here"),
     (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "give a prompt of 16 or more tokens"),
-    (["--k-ratio", "0.5", "--cache-dtype", "float16", "--backend", "tensorrt"], "TensorRT's separate nodes take one"),
+    (["--k-ratio", "0.5", "--cache-dtype", "float16", "--runtime", "tensorrt"], "TensorRT's separate nodes take one"),
     (["--k-ratio", "0.5", "--cache-dtype", "float16", "--h2o-ratio", "0.5"], "AQUA-H2O's slot buffers are kept"),
     (["--k-ratio", "0.5", "--dtype", "float16", "--cache-dtype", "float32"], "a float16 graph caches float16"),
 ])
@@ -285,8 +285,8 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
         "accuracy_level": (base, BuildOptions(weights=dataclasses.replace(int4, accuracy_level=0)), ""),
         "cache_dtype": (base, BuildOptions(cache_dtype="float16"), ""),
         "ops": (base, BuildOptions(ops="standard"), ""),
-        "backend": (base, BuildOptions(backend="tensorrt"), ""),
-        "trt_limits": (base, BuildOptions(backend="tensorrt", trt_limits=(4, 8192, 1024)), ""),
+        "runtime": (base, BuildOptions(runtime="tensorrt"), ""),
+        "trt_limits": (base, BuildOptions(runtime="tensorrt", trt_limits=(4, 8192, 1024)), ""),
         "calibration": (base, BuildOptions(), calibration_tag(None, ["builtin:gpl-3"], 16384)),
         "calib_tokens": (base, BuildOptions(), calibration_tag(None, None, 4096)),
     }
@@ -301,7 +301,7 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
     from aqua_export.build import BuildOptions as B
 
     named = {"k_ratio", "slice_ratio", "slice_alloc", "h2o_ratio", "selection", "k_alloc", "token_ratio",
-             "token_budget", "token_sink", "token_window", "dtype", "weights", "cache_dtype", "ops", "backend",
+             "token_budget", "token_sink", "token_window", "dtype", "weights", "cache_dtype", "ops", "runtime",
              "trt_limits"}
     not_the_graph = {"version", "external_data", "parity_steps", "parity_prompt", "force"}
     fields = {f.name for f in dataclasses.fields(AquaConfig)} | {f.name for f in dataclasses.fields(B)}

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import capabilities
+from ..capabilities import Features
 from ..config import ConfigError, reject_unknown
 from ..ops.spec import FLOAT_TYPES, FREE
 
@@ -253,12 +255,7 @@ class Contract:
     # ---------------------------------------------------------------- onnxruntime-genai
     def genai_io(self) -> tuple[dict, dict]:
         """The decoder's "inputs" / "outputs" sections of genai_config.json (name templates)."""
-        if self.h2o:
-            raise ConfigError("AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: "
-                              "run them with --runtime aqua")
-        if not self.uniform:
-            raise ConfigError("this folder caches K^ and V at several widths (--slice-alloc), and onnxruntime-genai "
-                              "takes one head_size for all: run it with --runtime aqua")
+        capabilities.check(Features(h2o=self.h2o, uneven_widths=not self.uniform), "genai")
         def template(pattern, kind):
             return pattern.replace("%s", kind)  # genai fills %d with the layer
 

@@ -77,9 +77,7 @@ class Plan:
     contrib: bool = True  # ONNX Runtime's contrib fusions for rotary and norms (RotaryEmbedding, SkipSimplified-
     #                       LayerNormalization); False: standard ops (any ONNX consumer; TensorRT)
     positions: int = 4096  # the rotary tables' positions (the model's context)
-    h2o_ratio: float = 1.0  # AQUA-H2O (contract.h2o): one H2OAttention node per layer keeps this share of tokens
     weights: WeightFormat = WeightFormat()  # the linear layers' (and embedding's) storage: float, or int4 / int8 blocks
-    tokens: dict | None = None  # token selection: AquaAttention's token_* attributes (ops/aqua_attention.py), or None
 
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
@@ -119,6 +117,8 @@ class DecoderGraph(Blocks):
     """Emits one graph: embeddings, rotary tables and masks once, then each layer, then the head."""
 
     def __init__(self, gb: GraphBuilder, plan: Plan, op_attrs: dict):
+        """op_attrs: the attention nodes' attributes beyond k and the graph's own (the mechanisms' node attributes,
+        settings.node_attrs, and the TensorRT plugin's names)."""
         self.gb, self.p, self.contract = gb, plan, plan.contract
         self.op_attrs, self.domain, self.op_type = op_attrs, DOMAIN, SCORES
         # what casting the weights to a float16 export cost (reported in aqua_config.json)
@@ -303,7 +303,7 @@ class DecoderGraph(Blocks):
             a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK]
                       + [proj] * (proj is not None),
                       domain=self.domain, outputs=[f"{n}/{H2O}/out"] + [ct.present(i, kind) for kind in ct.kinds],
-                      softcap=float(p.attn_softcap or 0.0), ratio=float(p.h2o_ratio), **attrs)[0]
+                      softcap=float(p.attn_softcap or 0.0), **attrs)[0]
         elif not p.fused:
             kc, vc = self._cache(n, i, kh, v, io)
             a = self._attend_separate(n, q, kc, vc, self.mask(io, window), io, attrs)
@@ -313,7 +313,7 @@ class DecoderGraph(Blocks):
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], io["attention_mask"]] +
                       [proj] * (proj is not None), domain=self.domain, softcap=float(p.attn_softcap or 0.0),
                       sliding_window=int(window or 0), **attrs,
-                      **(p.tokens or {}), **({} if prices is None else {"head_prices": prices}))  # [B, Hkv, g, T, rv]
+                      **({} if prices is None else {"head_prices": prices}))  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])
         return self._linear(f"{n}/o_proj", a, wo, bo)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from .. import capabilities, settings
 from ..allocate import head_prices, layer_selected, layer_widths
+from ..capabilities import Features
 from ..config import AquaConfig, ConfigError
 from ..fold import layer_bases
 from ..models import architecture_of, attention_geometry
@@ -25,16 +27,6 @@ from .builder import EXTERNAL_ABOVE, GraphBuilder, TensorStore, save_graph
 from .contract import Contract
 from .decoder_graph import DecoderGraph, Plan
 
-
-TOKENS_NEED_FUSED = ("token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
-                     "build with --backend onnx")
-
-
-SHARED_K_NEEDS_FUSED = ("--k-alloc {alloc} shares each layer's k among its heads per token, a mode of the fused "
-                        "AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: build with "
-                        "--backend onnx, or use --k-alloc uniform or --selection static")
-
-
 # What the graph's other nodes are: ONNX Runtime's contrib fusions (RotaryEmbedding, SkipSimplifiedLayerNormalization,
 # MatMulNBits, MoE: fastest there), or standard ops only beside the com.aqua nodes and their bodies (any ONNX consumer:
 # ONNX's reference evaluator, other runtimes, shape inference)
@@ -43,10 +35,6 @@ STANDARD_NEEDS_FLOAT = ("--ops standard writes standard ONNX ops only, and int4 
                         "MatMulNBits: build it with --weights float, or drop --ops standard")
 STANDARD_NEEDS_DENSE_MLP = ("--ops standard writes standard ONNX ops only, and routed experts are ONNX Runtime's MoE "
                             "op: build this mixture-of-experts model with --ops onnxruntime")
-
-
-CACHE_NEEDS_FUSED = ("--cache-dtype float16 under a float32 graph is read by AquaAttention's ONNX Runtime kernels; "
-                     "TensorRT's separate nodes take one type: build it with --backend onnx, or drop --cache-dtype")
 
 
 def check_exportable(model, projection: Projection, config: AquaConfig, weights: WeightFormat = WeightFormat(),
@@ -65,8 +53,8 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
                           "kernel for 8-bit experts, so parity could not test the export apart from its int8 "
                           "activations: use --weights int4")
     arch.check_settings(model.config, config)
-    if config.selects_tokens and not fused:
-        raise ConfigError(TOKENS_NEED_FUSED)
+    if not fused:  # TensorRT's graph: separate nodes
+        capabilities.check(Features.of_build(config, "float32", None, weights.quantized), "tensorrt")
 
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None,
@@ -92,11 +80,7 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
                 final_softcap=arch.final_softcap(cfg), fused=fused, contrib=fused and ops == "onnxruntime",
-                h2o_ratio=config.h2o_ratio, weights=weights,
-                positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
-                tokens={"token_ratio": float(config.token_ratio), "token_budget": config.token_budget,
-                        "token_sink": config.token_sink, "token_window": config.token_window}
-                if config.selects_tokens else None)
+                weights=weights, positions=int(getattr(cfg, "max_position_embeddings", None) or 4096))
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
@@ -115,24 +99,21 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     path = Path(path)
     ct = contract_for(model, config, dtype, projection, cache_dtype, fused)
     if ct.cache_dtype != ct.dtype and not fused:
-        raise ConfigError(CACHE_NEEDS_FUSED)
-    if ct.prices is not None and not fused:
-        raise ConfigError(SHARED_K_NEEDS_FUSED.format(alloc=config.k_alloc))
+        capabilities.check(Features(narrow_cache=True), "tensorrt")
     plan = plan_for(model, config, ct, dtype, fused, weights, ops)
     if external_data is None:
         external_data = sum(t.numel() for t in model.parameters()) * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE
     store = TensorStore(path.parent / (path.name + ".data") if external_data else None)
     try:
         gb = GraphBuilder(store)
-        g = DecoderGraph(gb, plan, {"rule": spec.SELECTIONS[config.selection][0],
-                                    "plugin_namespace": spec.PLUGIN_NAMESPACE,
-                                    "plugin_version": spec.PLUGIN_VERSION})
+        g = DecoderGraph(gb, plan, {"plugin_namespace": spec.PLUGIN_NAMESPACE, "plugin_version": spec.PLUGIN_VERSION,
+                                    **settings.node_attrs(config)})
         _decoder(g, model, projection, config, progress)
         domains = {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION}
         if any(n.domain == MS for n in gb.nodes):
             domains[MS] = 1
         m = gb.model("aqua_decoder", domains,
-                     function_bodies(spec.OPSET, plan.projects_query, plan.tokens is not None, ct.prices is not None),
+                     function_bodies(spec.OPSET, plan.projects_query, config.selects_tokens, ct.prices is not None),
                      "aqua-export")
     finally:
         store.close()

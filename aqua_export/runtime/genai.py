@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import capabilities
+from ..capabilities import Features
 from ..config import ConfigError
 from ..outputs import atomic_write_bytes
 from .folder import FolderConfig
@@ -85,8 +87,7 @@ def write_files(folder: Path, cfg: FolderConfig, hf_config, generation_config, t
     atomic_write_bytes(folder / "config.json", json.dumps(hf, indent=2, sort_keys=True).encode())
     if generation_config is not None:
         atomic_write_bytes(folder / "generation_config.json", generation_config.to_json_string().encode())
-    # genai cannot evict between tokens (H2O) nor take one width per layer: those folders run with --runtime aqua
-    if cfg.contract.h2o or not cfg.contract.uniform:
+    if capabilities.refusal(Features.of_folder(cfg), "genai"):  # H2O, several widths: --runtime aqua only
         return
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = getattr(hf_config, "eos_token_id", None)

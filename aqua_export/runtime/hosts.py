@@ -15,12 +15,10 @@ from typing import Protocol
 
 import numpy as np
 
+from .. import capabilities
+from ..capabilities import RUNTIMES, Features
 from ..config import ConfigError
-from .genai import GenaiLM
-from .lm import OrtLM
-from .tensorrt import engine_lm
-
-RUNTIMES = ("aqua", "genai", "tensorrt")
+from .folder import CONFIG_FILE, FolderConfig
 
 
 class LM(Protocol):
@@ -30,14 +28,20 @@ class LM(Protocol):
         logits[B, V]) sees the logits each token was picked from."""
 def open_lm(folder: str | Path, runtime: str = "aqua", threads: int = 0, kernel: str = "auto",
             share_buffer: bool = True, serving: tuple[int, int] | None = None) -> LM:
-    """serving: (batch, tokens) the caller will run: checked against the memory before anything loads."""
+    """serving: (batch, tokens) the caller will run: checked against the memory before anything loads. A folder this
+    tool built is refused in the capability table's one line when ``runtime`` (or ``kernel``) cannot run it."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+    if (Path(folder) / CONFIG_FILE).is_file():  # not a folder of genai's builder, which genai runs as it is
+        capabilities.check(Features.of_folder(FolderConfig.from_folder(folder)), runtime)  # (kernel: OrtLM.open)
     if runtime == "aqua":
+        from .lm import OrtLM
 
         return OrtLM.from_folder(folder, threads, kernel, cache="shared" if share_buffer else "concat", serving=serving)
     if runtime == "genai":
+        from .genai import GenaiLM
 
         return GenaiLM(folder, share_buffer=share_buffer, threads=threads, serving=serving)
-    if runtime == "tensorrt":
+    from .tensorrt import engine_lm
 
-        return engine_lm(folder)
-    raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+    return engine_lm(folder)

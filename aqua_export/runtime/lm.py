@@ -8,6 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .. import capabilities
+from ..capabilities import Features
 from ..config import ConfigError
 from ..export.contract import Contract
 from .caches import H2OCache, SharedCache
@@ -85,7 +87,7 @@ class OrtLM:
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared",
-                    serving: tuple[int, int] | None = None, all_logits: bool = False) -> "OrtLM":
+                    serving: tuple[int, int] | None = None, all_logits: bool = False) -> OrtLM:
         """serving: (batch, tokens) the caller will run, checked against the memory before loading (check_serving;
         default: one sequence of the model's context). all_logits: every position's logits (perplexity, lm-eval)."""
         cfg = FolderConfig.from_folder(folder)
@@ -97,14 +99,16 @@ class OrtLM:
 
     @classmethod
     def open(cls, model: str | Path, cfg: FolderConfig, threads: int = 0, kernel: str = "auto", cache: str = "shared",
-             all_logits: bool = False, probe: Probe | None = None, **session) -> "OrtLM":
+             all_logits: bool = False, probe: Probe | None = None, **session) -> OrtLM:
         """A session of the graph at ``model`` (all_logits: opened with rewrites.all_logits, every position's logits;
         session: make_session's other options)."""
         if kernel == "auto":
             kernel = default_kernel(cfg.dtype)
+        capabilities.check(Features.of_folder(cfg), kernel)
         if not (all_logits and cfg.contract.last_logits):
             return cls(make_session(model, threads, kernel, **session), cfg, cache, probe, all_rows=all_logits or None)
-        from ..export.rewrites import all_logits as every_row, graph_variant
+        from ..export.rewrites import all_logits as every_row
+        from ..export.rewrites import graph_variant
 
         with graph_variant(Path(model), "all-logits", every_row) as path:  # the session keeps what it loaded
             return cls(make_session(path, threads, kernel, **session), cfg, cache, probe, all_rows=True)

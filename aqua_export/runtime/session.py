@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..capabilities import KERNELS
 from ..config import ConfigError
 from .folder import FolderConfig
 
@@ -17,7 +18,6 @@ def providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
 
 
-KERNELS = ("auto", "native", "function")
 NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
 VARIANT_ENV = "AQUA_ORT_ISA"  # force one of the library's instruction-set variants (plugins/ort/loader.cc)
 

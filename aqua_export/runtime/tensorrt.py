@@ -126,7 +126,7 @@ class TrtSession:
         register_plugin()
         folder = Path(folder)
         if not (folder / ENGINE_FILE).is_file():
-            raise ConfigError(f"{folder} has no {ENGINE_FILE}: build it with `aqua-export ... --backend tensorrt`")
+            raise ConfigError(f"{folder} has no {ENGINE_FILE}: build it with `aqua-export ... --runtime tensorrt`")
         self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine((folder / ENGINE_FILE).read_bytes())
         self.profiles = [{n: tuple(tuple(s) for s in v) for n, v in p.items()}
                          for p in json.loads((folder / "tensorrt_profiles.json").read_text())]

@@ -37,7 +37,7 @@ PLUGIN_FIELDS = {"k": int, "rule": int}
 RESERVED_ATTRIBUTES = {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 INSTALL_HINT = ("install TensorRT 10.8+ with its Python bindings on a machine with an NVIDIA GPU "
-                "(pip install tensorrt, or NVIDIA's tar/deb packages), then rerun; --backend onnx needs none of it")
+                "(pip install tensorrt, or NVIDIA's tar/deb packages), then rerun; --runtime aqua needs none of it")
 
 
 def require_tensorrt():
@@ -45,10 +45,10 @@ def require_tensorrt():
     try:
         import tensorrt
     except ImportError:
-        raise ConfigError(f"--backend tensorrt: TensorRT is not installed here: {INSTALL_HINT}") from None
+        raise ConfigError(f"--runtime tensorrt: TensorRT is not installed here: {INSTALL_HINT}") from None
     major = int(tensorrt.__version__.split(".")[0])
     if major < 10:
-        raise ConfigError(f"--backend tensorrt needs TensorRT >= 10.8 (found {tensorrt.__version__}): {INSTALL_HINT}")
+        raise ConfigError(f"--runtime tensorrt needs TensorRT >= 10.8 (found {tensorrt.__version__}): {INSTALL_HINT}")
     return tensorrt
 
 
@@ -71,7 +71,7 @@ def node_contract(model_proto) -> list[dict]:
     nodes = [n for n in model_proto.graph.node if n.op_type == OP_TYPE]
     if not nodes:
         raise ConfigError("the model has no TopKGatherDot node: export it with separate attention nodes "
-                          "(aqua-export --backend tensorrt does)")
+                          "(aqua-export --runtime tensorrt does)")
     out = []
     for n in nodes:
         where = n.name or OP_TYPE

@@ -1,0 +1,93 @@
+"""Where a folder runs: one table of what each runtime cannot take, and the one line that says so.
+
+The vocabulary on every command line: ``--runtime`` names what drives a folder (``aqua``: this project's ONNX Runtime
+loop, ``genai``: onnxruntime-genai, ``tensorrt``: the folder's model.engine) and ``--kernel`` what runs the custom
+nodes inside ONNX Runtime (``native``: the C++ kernels, ``function``: the nodes' ONNX function bodies, ``auto``).
+The Triton kernels serve the PyTorch reference on a GPU and TensorRT's plugin. A pair absent from REFUSALS runs;
+the build, `run`, `bench`, `eval --folder` and lm-eval all ask ``check`` (tests/test_capabilities.py walks every pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .errors import ConfigError
+
+RUNTIMES = ("aqua", "genai", "tensorrt")  # --runtime: what drives a folder
+KERNELS = ("auto", "native", "function")  # --kernel: what runs the custom nodes under ONNX Runtime
+BACKENDS = ("native", "function", "genai", "tensorrt", "triton")  # the table's columns
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a folder (or a build's settings) asks of the code that runs it; each field is a row of the table."""
+
+    h2o: bool = False  # AQUA-H2O: H2OAttention evicts between tokens
+    tokens: bool = False  # token selection: a mode of the fused AquaAttention node
+    shared_k: bool = False  # a layer's heads share its k per token (head_prices)
+    uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
+    narrow_cache: bool = False  # the cache in float16 under a float32 graph
+    float16: bool = False  # a float16 graph
+    quantized: bool = False  # int4 / int8 weights (MatMulNBits)
+
+    @classmethod
+    def of_build(cls, config, dtype: str, cache_dtype: str | None, quantized: bool) -> Features:
+        """From a build's settings (config.AquaConfig), before any work."""
+        return cls(h2o=config.evicts, tokens=config.selects_tokens, shared_k=config.shares_k,
+                   uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform",
+                   narrow_cache=cache_dtype not in (None, dtype), float16=dtype == "float16", quantized=quantized)
+
+    @classmethod
+    def of_folder(cls, cfg) -> Features:
+        """From a built folder's FolderConfig (its contract says what the graph holds)."""
+        ct = cfg.contract
+        return cls(h2o=ct.h2o, tokens=cfg.aqua.selects_tokens, shared_k=ct.prices is not None,
+                   uneven_widths=not ct.uniform, narrow_cache=ct.cache_dtype != ct.dtype, float16=ct.dtype == "float16",
+                   quantized=cfg.weights.quantized)
+
+
+REFUSALS = {
+    ("h2o", "genai"): "AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: run them with "
+                      "--runtime aqua",
+    ("uneven_widths", "genai"): "this folder caches K^ and V at several widths (--slice-alloc), and onnxruntime-genai "
+                                "takes one head_size for all: run it with --runtime aqua",
+    ("h2o", "tensorrt"): "AQUA-H2O's H2OAttention node has no TensorRT plugin: use --runtime aqua for H2O folders",
+    ("tokens", "tensorrt"): "token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
+                            "use --runtime aqua",
+    ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "
+                              "the fused AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: use "
+                              "--runtime aqua, or --k-alloc uniform or --selection static",
+    ("narrow_cache", "tensorrt"): "--cache-dtype float16 under a float32 graph is read by AquaAttention's ONNX Runtime "
+                                  "kernels; TensorRT's separate nodes take one type: use --runtime aqua, or drop "
+                                  "--cache-dtype",
+    ("quantized", "tensorrt"): "--weights int4 / int8 are ONNX Runtime's MatMulNBits with float32 activations: use "
+                               "--runtime aqua or genai (float16 is TensorRT's format: drop --weights)",
+    ("float16", "native"): "the native kernels run float32 graphs (a float16 kernel would round the scores to float16 "
+                           "before the softmax): run this float16 folder with --kernel function (auto does)",
+}
+assert all(f in {x.name for x in fields(Features)} and b in BACKENDS for f, b in REFUSALS), "a row or column is unknown"
+
+
+def refusal(features: Features, backend: str) -> str | None:
+    """The line refusing ``features`` on ``backend``, or None when it runs there."""
+    if backend == "aqua":  # this project's loop: the native kernels, or the function bodies where they refuse
+        lines = [refusal(features, k) for k in ("native", "function")]
+        return None if None in lines else lines[0]
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown runtime {backend!r}: use one of {', '.join(BACKENDS)}")
+    return next((REFUSALS[f.name, backend] for f in fields(features)
+                 if getattr(features, f.name) and (f.name, backend) in REFUSALS), None)
+
+
+def check(features: Features, backend: str) -> None:
+    """One ConfigError line when ``backend`` cannot run ``features``."""
+    line = refusal(features, backend)
+    if line is not None:
+        raise ConfigError(line)
+
+
+def table() -> str:
+    """docs/cli.md's capability table (markdown): one row per feature, one column per backend."""
+    head = ["| needs | " + " | ".join(BACKENDS) + " |", "|---|" + "---|" * len(BACKENDS)]
+    return "\n".join(head + [f"| {f.name} | " + " | ".join("refused" if (f.name, b) in REFUSALS else "yes"
+                                                           for b in BACKENDS) + " |" for f in fields(Features)])

@@ -1,0 +1,51 @@
+"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens). Each owns its fields,
+defaults, ranges, one-line help, the checks across fields and the attention node's attributes it contributes;
+AquaConfig (config.py), the CLI flags, lm-eval's model arguments and docs/cli.md's table are derived from MECHANISMS.
+A new mechanism is a module here and one entry below."""
+
+from __future__ import annotations
+
+from . import h2o, k_alloc, memory, selection, tokens
+from .base import MAX_TOKENS, Mechanism, Setting
+
+MECHANISMS: tuple[Mechanism, ...] = (selection.MECHANISM, memory.MECHANISM, k_alloc.MECHANISM, h2o.MECHANISM,
+                                     tokens.MECHANISM)
+SETTINGS: dict[str, Setting] = {s.name: s for m in MECHANISMS for s in m.settings}
+
+__all__ = ["MAX_TOKENS", "MECHANISMS", "SETTINGS", "Mechanism", "Setting", "add_arguments", "from_args",
+           "from_text", "node_attrs", "table"]
+
+
+def add_arguments(parser) -> None:
+    """Every setting as a command-line option of ``parser``."""
+    for s in SETTINGS.values():
+        s.add_to(parser)
+
+
+def from_args(namespace) -> dict:
+    """The settings of parsed command-line options (add_arguments'), as AquaConfig's keyword arguments."""
+    return {name: getattr(namespace, name) for name in SETTINGS}
+
+
+def from_text(values: dict) -> dict:
+    """Settings given as text (lm-eval's model_args) -> AquaConfig's keyword arguments; unknown names are the
+    caller's to refuse."""
+    return {name: SETTINGS[name].parse(v) for name, v in values.items()}
+
+
+def node_attrs(cfg) -> dict:
+    """The attention node's attributes the mechanisms contribute (the graph's shapes, k among them, come from
+    the contract)."""
+    out: dict = {}
+    for m in MECHANISMS:
+        out.update(m.node_attrs(cfg))
+    return out
+
+
+def table() -> str:
+    """docs/cli.md's settings table (markdown): mechanism, flag, lm-eval argument, default, values."""
+    rows = ["| mechanism | flag | lm-eval model_args | default | values |", "|---|---|---|---|---|"]
+    for m in MECHANISMS:
+        for s in m.settings:
+            rows.append(f"| {m.name} | `{s.flag}` | `{s.name}` | `{s.default}` | {s.domain()} |")
+    return "\n".join(rows)

@@ -1,0 +1,90 @@
+"""What a setting and a mechanism are: each mechanism module (selection.py, memory.py, ...) declares one
+``Mechanism`` with its ``Setting``s, and everything else (AquaConfig's fields, the CLI flags, lm-eval's model
+arguments, docs/cli.md's table) is derived from those declarations."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+MAX_TOKENS = 1 << 24  # the largest token count a setting may name: past any model's context
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of AquaConfig. kind float: a number in the interval (lo, hi) with open/closed ends; kind int: a
+    whole number in [0, MAX_TOKENS]; kind str: one of choices. help is one line, without the default."""
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    choices: tuple[str, ...] = ()
+    interval: tuple[float, float, bool, bool] = (0.0, 1.0, False, False)  # lo, hi, lo open, hi open
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def domain(self) -> str:
+        """The accepted values, as docs and errors spell them."""
+        if self.kind is str:
+            return ", ".join(self.choices)
+        if self.kind is int:
+            return f"whole number in [0, {MAX_TOKENS}]"
+        lo, hi, lo_open, hi_open = self.interval
+        return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def check(self, value):
+        """The value as AquaConfig stores it (a float for kind float), or one ConfigError line naming the fix."""
+        if self.kind is str:
+            if value not in self.choices:
+                raise ConfigError(f"{self.name}={value!r} is unknown: use one of {', '.join(self.choices)}")
+            return value
+        if self.kind is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{self.name}={value!r} must be a whole number >= 0")
+            if value > MAX_TOKENS:
+                raise ConfigError(f"{self.name}={value} is past any context this tool serves ({MAX_TOKENS} tokens): "
+                                  "give the tokens a decode step reads")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{self.name} must be a number, got {value!r}")
+        v = float(value)
+        if math.isnan(v) or math.isinf(v):
+            raise ConfigError(f"{self.name} must be a finite number, got {value!r}")
+        lo, hi, lo_open, hi_open = self.interval
+        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            raise ConfigError(f"{self.name}={value!r} is out of range: use a value in {self.domain()}")
+        return v
+
+    def parse(self, text):
+        """A value given as text (lm-eval's model_args, a query string) -> the setting's type; check() judges it."""
+        if not isinstance(text, str) or self.kind is str:
+            return text
+        try:
+            return self.kind(text)
+        except ValueError:
+            raise ConfigError(f"{self.name}={text!r} must be a {'whole ' if self.kind is int else ''}number") from None
+
+    def add_to(self, parser, default=None) -> None:
+        """This setting as a command-line option of an argparse parser."""
+        parser.add_argument(self.flag, type=None if self.kind is str else self.kind,
+                            default=self.default if default is None else default, choices=self.choices or None,
+                            help=f"{self.help} (default %(default)s)")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One mechanism of AQUA: its settings, whether a config turns it on, the checks that span its settings and the
+    others', and the attributes it gives the attention node (a dict merged into the node's attributes)."""
+
+    name: str
+    summary: str
+    settings: tuple[Setting, ...]
+    on: Callable[[object], bool]
+    check: Callable[[object], None] = lambda cfg: None
+    node_attrs: Callable[[object], dict] = field(default=lambda cfg: {})

@@ -1,0 +1,114 @@
+"""Every setting x backend pair of capabilities.REFUSALS' table: it runs (a tiny model exported and run, or its
+graph written for TensorRT) or it is refused with the table's one line, wherever a folder is opened or built."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from helpers import folder_cfg, tiny_projection
+
+from aqua_export import capabilities, models
+from aqua_export.build import BuildOptions, _check
+from aqua_export.capabilities import BACKENDS, REFUSALS, Features
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.export.exporter import export_onnx
+from aqua_export.quantize import WeightFormat
+from aqua_export.runtime.lm import OrtLM
+from aqua_export.runtime.session import native_library, native_variant
+
+# feature -> (the AQUA settings, the build's dtype / cache dtype / weights) that ask for it
+ASKS = {"h2o": (dict(k_ratio=0.5, h2o_ratio=0.5), {}),
+        "tokens": (dict(k_ratio=0.5, token_budget=32), {}),
+        "shared_k": (dict(k_ratio=0.5, k_alloc="energy"), {}),
+        "uneven_widths": (dict(slice_ratio=0.5, slice_alloc="energy"), {}),
+        "narrow_cache": (dict(k_ratio=0.5), dict(cache_dtype="float16")),
+        "float16": (dict(k_ratio=0.5), dict(dtype="float16")),
+        "quantized": (dict(k_ratio=0.5), dict(weights=WeightFormat(bits=4)))}
+PAIRS = [(f.name, b) for f in dataclasses.fields(Features) for b in BACKENDS]
+
+
+def test_every_feature_has_a_way_to_ask_for_it():
+    assert set(ASKS) == {f.name for f in dataclasses.fields(Features)}
+    assert all(line.count("\n") == 0 and "--" in line for line in REFUSALS.values())  # one line naming the fix
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    m = models.tiny_model("llama")
+    return m, tiny_projection(m, tmp_path_factory.mktemp("cap"))
+
+
+def _features(config, o):
+    return Features.of_build(config, o.get("dtype", "float32"), o.get("cache_dtype"), "weights" in o)
+
+
+@pytest.mark.parametrize("feature", list(ASKS))
+def test_the_build_refuses_what_its_runtime_cannot_run(feature):
+    """--runtime genai / tensorrt: the table's line before any work (tensorrt's supported pairs then stop at TensorRT
+    not being installed here, a line of its own)."""
+    settings, o = ASKS[feature]
+    config = AquaConfig(**settings)
+    assert getattr(_features(config, o), feature)
+    for runtime in ("aqua", "genai", "tensorrt"):
+        line = REFUSALS.get((feature, runtime))
+        opts = BuildOptions(runtime=runtime, **o)
+        if line is None and runtime != "tensorrt":
+            _check(opts, config)
+            continue
+        with pytest.raises(ConfigError) as e:
+            _check(opts, config)
+        assert str(e.value) == line if line else "TensorRT" in str(e.value), (feature, runtime, str(e.value))
+
+
+@pytest.mark.parametrize("feature,backend", PAIRS)
+def test_every_pair_runs_or_is_refused_in_one_line(tiny, tmp_path, feature, backend):
+    model, proj = tiny
+    settings, o = ASKS[feature]
+    config = AquaConfig(**settings)
+    line = capabilities.refusal(_features(config, o), backend)
+    assert line == REFUSALS.get((feature, backend))
+    dtype = o.get("dtype", "float32")
+    cfg = dataclasses.replace(folder_cfg(model, config, dtype, proj), weights=o.get("weights", WeightFormat()))
+    cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=o.get("cache_dtype", dtype)))
+    assert getattr(Features.of_folder(cfg), feature), "the folder's contract must say what the build asked"
+    if backend == "triton":
+        assert line is None  # the Triton kernels take every setting: tests/test_ops.py holds each one to float64
+        return
+    if line is not None:
+        with pytest.raises(ConfigError) as e:
+            if backend == "genai":
+                cfg.contract.genai_io()
+            elif backend == "tensorrt":
+                export_onnx(model, proj, config, tmp_path / "m.onnx", fused=False, **_export_args(o))
+            else:
+                OrtLM.open(tmp_path / "never-read.onnx", cfg, kernel=backend)
+        assert str(e.value) == line
+        return
+    if backend == "genai":
+        cfg.contract.genai_io()
+        return
+    if feature == "float16":
+        pytest.skip("a float16 folder is built from a float16 model, which the tiny fixture is not: tests/test_build.py "
+                    "builds and runs one with --kernel function")
+    path = tmp_path / "m.onnx"
+    export_onnx(model, proj, config, path, fused=backend != "tensorrt", **_export_args(o))
+    if backend == "tensorrt":
+        return  # the graph TensorRT parses; the engine needs TensorRT (tests/test_backends_tensorrt.py, on a GPU)
+    if backend == "native" and (native_library() is None or not native_variant()):
+        pytest.skip("the native kernels are not built here (make plugin)")
+    lm = OrtLM.open(path, cfg, kernel=backend)
+    ids = np.array([[5, 9, 17, 33, 2, 44, 8, 19]], np.int64)
+    out = lm.generate(ids, np.ones_like(ids), _greedy(2))
+    assert out.shape == (1, 2)
+
+
+def _export_args(o):
+    return {"cache_dtype": o.get("cache_dtype"), "weights": o.get("weights", WeightFormat()),
+            "dtype": getattr(torch, o.get("dtype", "float32"))}
+
+
+def _greedy(n):
+    from aqua_export.runtime.sampling import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=n)
