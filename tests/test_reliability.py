@@ -325,6 +325,18 @@ def test_a_stream_holds_back_cut_characters(folder):
 
 
 @pytest.mark.parametrize("runtime", ["aqua", "genai"])
+def test_serving_a_folder_imports_no_torch(folder, runtime):
+    """`aqua-export run` on a float folder, in either runtime, never imports torch or transformers (seconds and
+    hundreds of MB of a start-up; `python -X importtime` shows the rest)."""
+    code = ("import sys; from aqua_export.cli import main; rc = main(['run', sys.argv[1], '--prompt', 'Hi', '--chat', "
+            "'--max-new-tokens', '2', '--runtime', sys.argv[2]]); "
+            "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(folder), runtime], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "0 []", r.stdout
+
+
+@pytest.mark.parametrize("runtime", ["aqua", "genai"])
 def test_non_ascii_round_trips_single_and_batch(folder, capsys, runtime):
     """A non-ASCII prompt in both runtimes: one prompt streams exactly the decoded generation, and a batch prints
     each row's decoded generation under its prompt."""

@@ -37,6 +37,8 @@ import math
 import numpy as np
 import torch
 
+from . import counts
+from .counts import slots_needed  # noqa: F401  (the H2O node sizes its slots by it)
 from .spec import GROUP, MAGNITUDE, PAGE, RULE_NAMES, SELECTIONS, STATIC
 
 HIDDEN = float(torch.finfo(torch.float32).min)  # a score that softmax weighs 0: a hidden or free slot
@@ -239,18 +241,11 @@ def budget(ratio: float, n):
     """Tokens kept after n real ones: max(1, ceil(ratio n)). The slack of 1e-6 n below the ceiling makes the ratio
     rounded to float32 (the node's attribute: 0.3 -> 0.30000001) keep what the double it came from keeps (3 of 10,
     not 4); it moves no budget of a two-decimal ratio below 10,000 tokens. n: a torch tensor (-> int64 tensor on its
-    device) or anything numpy takes (-> int64 array)."""
-    t = n if isinstance(n, torch.Tensor) else torch.as_tensor(np.asarray(n, np.float64))
-    x = t.to(torch.float64)
-    out = torch.ceil(ratio * x - 1e-6 * x - 1e-9).to(torch.int64).clamp_min(1)
-    return out if isinstance(n, torch.Tensor) else out.numpy()
-
-
-def slots_needed(ratio: float, n_real) -> int:
-    """Slots a cache must have for rows that will have seen n_real [B] real tokens: live slots never exceed
-    budget + 1 (one token in, at most one out), and never the tokens seen."""
-    n = np.asarray(n_real, np.int64)
-    return int(np.minimum(n, budget(ratio, n) + 1).max(initial=0))
+    device) or anything numpy takes (-> int64 array, counts.budget: the same expression)."""
+    if not isinstance(n, torch.Tensor):
+        return counts.budget(ratio, n)
+    x = n.to(torch.float64)
+    return torch.ceil(ratio * x - 1e-6 * x - 1e-9).to(torch.int64).clamp_min(1)
 
 
 def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
     SharedCache   one buffer per layer and kind, bound as both past and present (written in place by the
                   graph); the capacity grows in steps, the graph reads only what it needs
     H2OCache      the same buffers plus AQUA-H2O's state (heavy, token): the graph evicts inside; the cache
-                  only sizes the slots (ops.rules.slots_needed) and reads which tokens are live
+                  only sizes the slots (ops.counts.slots_needed) and reads which tokens are live
     (concat)      a plain list of every layer's buffers, replaced by each forward's presents
 
 The layouts are contract.Contract's: per layer the kinds Contract.kinds, key / value declared [B, Hkv, slots, r]
@@ -17,7 +17,7 @@ import mmap
 import numpy as np
 
 from ..export.contract import Contract
-from ..ops.rules import slots_needed
+from ..ops.counts import slots_needed
 
 
 HUGE = 2 << 20  # a transparent huge page (x86-64, most Arm64 kernels)
@@ -106,7 +106,7 @@ class SharedCache:
 class H2OCache(SharedCache):
     """AQUA-H2O's slots (contract.Contract, The H2O state): the graph writes, scores and evicts in place.
 
-    ratio: the share of real tokens kept (the slots a forward needs: rules.slots_needed).
+    ratio: the share of real tokens kept (the slots a forward needs: counts.slots_needed).
     """
 
     def __init__(self, batch: int, contract: Contract, dtype, ratio: float):

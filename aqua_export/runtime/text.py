@@ -30,17 +30,16 @@ def write_tokenizer(tok, folder: Path) -> None:
 
 
 def load_tokenizer(folder: str | Path):
-    from transformers import AutoTokenizer
+    """The folder's tokenizer (runtime.tokenizer: no transformers, no torch), or one line naming the fix."""
+    from .tokenizer import FolderTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # tokenizers / transformers raise many types for a damaged file
+        tok = FolderTokenizer(folder)
+    except Exception as e:  # tokenizers raises its own exception types for a damaged or missing file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"the tokenizer in {folder} cannot be loaded ({type(e).__name__}: {first}): rebuild the "
                           "folder") from None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    if tok.pad_token is None:
+    if tok.pad_token_id is None:
         raise ConfigError(f"the tokenizer in {folder} has neither a pad nor an end-of-sequence token (its "
                           "tokenizer_config.json was edited?): rebuild the folder")
     return tok
