@@ -70,11 +70,11 @@ test: setup $(PORTABLE)
 	rm -rf $(TEST_TMP)
 
 quality: setup
-	$(BIN)/python tools/quality.py
+	$(BIN)/python -m tools quality
 
 # performance tables (benchmarks/performance.md); onnxruntime-genai is the peer exporter compared against
 bench: setup
-	$(BIN)/python tools/bench_attention.py
-	$(BIN)/python tools/bench_breakeven.py
-	$(BIN)/python tools/bench_decode.py
-	$(BIN)/python tools/perf_report.py
+	$(BIN)/python -m tools attention
+	$(BIN)/python -m tools breakeven
+	$(BIN)/python -m tools decode
+	$(BIN)/python -m tools performance

@@ -146,7 +146,7 @@ class BuildOptions:
     ops: str = "onnxruntime"  # the nodes around the custom ones (exporter.GRAPH_OPS)
 
 
-def _check(o: BuildOptions, config: AquaConfig) -> None:
+def check_options(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
     if (o.parity_prompt is not None and o.parity_prompt < 16) or (o.parity_steps is not None and o.parity_steps < 1):
         raise ConfigError(f"--parity-prompt-tokens {o.parity_prompt} / --parity-steps {o.parity_steps}: give a prompt "
@@ -178,7 +178,7 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     when they exceed what one ONNX protobuf holds. trt_limits: (max batch, max context, max prompt) of the
     TensorRT engine's optimization profiles."""
     o = options
-    _check(o, config)
+    check_options(o, config)
     if projection_path and calib_texts:
         raise ConfigError("give either --projection or --calib-text, not both")
     if calib_tokens < 1:
@@ -249,7 +249,7 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
         spread = f", spread by --k-alloc {config.k_alloc}" if config.allocates_k else ""
         _stage(3, f"exporting ONNX (k={config.selected_width(d)} of r={config.retained_width(d)}{spread})", total)
         meter.start("export")
-        cfg = _export(model, tok, projection, config, o, tmp, model_spec)
+        cfg = export_folder(model, tok, projection, config, o, tmp, model_spec)
         # one model in memory at a time: the PyTorch model goes while ONNX Runtime runs, and comes back after
         del model
         gc.collect()
@@ -276,7 +276,7 @@ def _build(model_spec, config, projection, projection_path, calib_texts, calib_t
     return out_dir
 
 
-def _export(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Path, model_spec: str) -> FolderConfig:
+def export_folder(model, tok, projection, config: AquaConfig, o: BuildOptions, tmp: Path, model_spec: str) -> FolderConfig:
     """Write model.onnx (+ .data), the tokenizer, aqua_config.json and the onnxruntime-genai files into ``tmp``."""
     geo = models.attention_geometry(model)
     bar = stage_bar(geo["layers"], "export", "layer")

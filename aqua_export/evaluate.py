@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from pathlib import Path
 
 import numpy as np
 import torch

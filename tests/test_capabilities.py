@@ -9,7 +9,7 @@ import torch
 from helpers import folder_cfg, tiny_projection
 
 from aqua_export import capabilities, models
-from aqua_export.build import BuildOptions, _check
+from aqua_export.build import BuildOptions, check_options
 from aqua_export.capabilities import BACKENDS, REFUSALS, Features
 from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.export.exporter import export_onnx
@@ -54,10 +54,10 @@ def test_the_build_refuses_what_its_runtime_cannot_run(feature):
         line = REFUSALS.get((feature, runtime))
         opts = BuildOptions(runtime=runtime, **o)
         if line is None and runtime != "tensorrt":
-            _check(opts, config)
+            check_options(opts, config)
             continue
         with pytest.raises(ConfigError) as e:
-            _check(opts, config)
+            check_options(opts, config)
         assert str(e.value) == line if line else "TensorRT" in str(e.value), (feature, runtime, str(e.value))
 
 

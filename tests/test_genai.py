@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install -e .[test])")
 
-from aqua_export.build import BuildOptions, _export  # noqa: E402
+from aqua_export.build import BuildOptions, export_folder  # noqa: E402
 from aqua_export.config import AquaConfig, ConfigError  # noqa: E402
 from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.runtime.text import encode_prompts
@@ -32,7 +32,7 @@ def folders(smollm, smollm_projection, tmp_path_factory):
     out = {}
     for name, cfg in SETTINGS.items():
         d = tmp_path_factory.mktemp(name)
-        _export(model, tok, smollm_projection, cfg, OPTIONS.get(name, BuildOptions()), d, "llama").seal(d)
+        export_folder(model, tok, smollm_projection, cfg, OPTIONS.get(name, BuildOptions()), d, "llama").seal(d)
         out[name] = d
     return out
 

@@ -212,14 +212,14 @@ def test_shared_k_is_refused_where_a_node_takes_one_k_per_row(tmp_path):
     """TensorRT's TopKGatherDot and AQUA-H2O take one k per row: one line each; a contract's prices are checked."""
     import json
 
-    from aqua_export.build import BuildOptions, _check
+    from aqua_export.build import BuildOptions, check_options
     from aqua_export.export.contract import Contract
 
     cfg = AquaConfig(k_ratio=0.5, selection="weighted", k_alloc="measured")
     assert cfg.shares_k and not dataclasses.replace(cfg, selection="static").shares_k
     assert not dataclasses.replace(cfg, h2o_ratio=0.5).shares_k
     with pytest.raises(ConfigError, match="shares each layer's k.*--runtime aqua"):
-        _check(BuildOptions(runtime="tensorrt"), cfg)
+        check_options(BuildOptions(runtime="tensorrt"), cfg)
     base = dict(layers=2, kv_heads=2, widths=(8, 8), selected=(4, 4), value_widths=(8, 8), vocab=10)
     ct = Contract(**base, prices=[[1, 2], [0.5, 1.5]])
     assert ct.prices == ((1.0, 2.0), (0.5, 1.5)) and Contract.from_dict(json.loads(json.dumps(ct.to_dict()))) == ct

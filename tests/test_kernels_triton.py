@@ -108,13 +108,13 @@ def test_choose_kernel_is_the_page_rule(tokens):
 def test_h2o_tables_are_the_rules():
     """tables_kernel's prefix sums (in blocks, carried) and budgets equal rules.budget over the cumulative real
     tokens, for a ratio that float32 would round (0.3) and a mask longer than a block."""
-    from aqua_export.kernels.triton.h2o_attention import _tables
+    from aqua_export.kernels.triton.h2o_attention import slot_tables
 
     gen = torch.Generator().manual_seed(6)
     mask = (torch.rand(3, 20000, generator=gen) > 0.2).long()
     mask[1, :700] = 0
     for ratio in (0.3, 0.5, 1.0):
-        before, keep = (x.cpu() for x in _tables(mask.to(DEV), ratio, interpret=DEV == "cpu"))
+        before, keep = (x.cpu() for x in slot_tables(mask.to(DEV), ratio, interpret=DEV == "cpu"))
         want = torch.nn.functional.pad(mask.cumsum(1), (1, 0))
         assert torch.equal(before, want)
         assert torch.equal(keep, rules.budget(ratio, want[:, 1:]))

@@ -44,7 +44,7 @@ def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
 
 def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     """A replay log that keeps the wrong tokens must show up as differing decisions that are not near-ties."""
-    from aqua_export.parity.harness import _ort_trace, _torch_trace
+    from aqua_export.parity.harness import ort_trace, torch_trace
     from aqua_export.parity.probe import ReplayProbe, RuntimeRecorder
     from aqua_export.reference.attention import apply_aqua
 
@@ -52,7 +52,7 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     rec = RuntimeRecorder(evictions=True)
     lm = OrtLM(make_session(path, kernel="function"), folder_cfg(m, cfg), probe=rec)
     ids = np.arange(3, 43)[None]
-    _, toks = _ort_trace(lm, ids, 4)
+    _, toks = ort_trace(lm, ids, 4)
     log = rec.live
     assert len(log) == 44 and log[-1][0].shape == (1, 2, 44)  # per token, per layer: live tokens [B, Hkv, seen]
     wrong = []
@@ -64,7 +64,7 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
         wrong.append(bad)
     probe = ReplayProbe(evictions=wrong)
     with apply_aqua(m, proj, cfg, probe=probe) as aqua:
-        _torch_trace(m, ids, toks, aqua.new_cache(), probe)
+        torch_trace(m, ids, toks, aqua.new_cache(), probe)
     s = probe.eviction_summary(None, 1e-4)
     assert s["decisions_differing"] > 0 and not s["pass"]
 

@@ -115,12 +115,12 @@ def test_edited_config_is_refused_with_one_line(copy, capsys, edit, needle):
 
 def _resealed(c):
     """An edited config with its own checksum recomputed (a careful editor), so the checks beneath it run."""
-    from aqua_export.runtime.folder import CHECKSUM, _checksum
+    from aqua_export.runtime.folder import CHECKSUM, checksum_of
 
     if not isinstance(c, dict):
         return c
     c = {k: v for k, v in c.items() if k != CHECKSUM}
-    return {**c, CHECKSUM: _checksum(c)}
+    return {**c, CHECKSUM: checksum_of(c)}
 
 
 @pytest.mark.parametrize("command", [["check"], ["run", "--prompt", "Hi"], ["parity"], ["eval", "--text", "builtin:gpl-3"],
@@ -420,25 +420,19 @@ def test_design_notes_live_in_the_project():
 
 
 def test_the_cli_reference_is_the_parsers_own_help():
-    """docs/cli.md is what tools/cli_reference.py writes from the parsers now, and names every option of every
+    """docs/cli.md is what `python -m tools cli-reference` writes from the parsers now, and names every option of every
     command: an option added without rerunning the tool fails here."""
-    import sys
-    from pathlib import Path
-
     from aqua_export.cli import build_arg_parser, build_parser
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "tools"))
-    from cli_reference import OUT, reference
+    from tools.cli_reference import OUT, reference
 
     text = OUT.read_text()
-    assert text == reference(), "docs/cli.md is stale: run .venv/bin/python tools/cli_reference.py"
+    assert text == reference(), "docs/cli.md is stale: run .venv/bin/python -m tools cli-reference"
     parsers = [build_arg_parser(), build_parser()]
     sub = next(a for a in parsers[1]._actions if a.__class__.__name__ == "_SubParsersAction")
     parsers += list(sub.choices.values())
     options = {o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")}
     assert len(options) > 40 and not sorted(o for o in options if o not in text)
-    assert "docs/cli.md" in (root / "README.md").read_text()
+    assert "docs/cli.md" in (OUT.parents[1] / "README.md").read_text()
 
 
 def test_parity_summary_says_what_is_a_gate(folder):

@@ -3,7 +3,6 @@ of AquaAttention, the export and parity of a tiny model (function body and nativ
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from conftest import CharTokenizer

@@ -27,27 +27,25 @@ Byte limit: a step reads K and V (dense) or the union u of the group's selected 
 limit = (K + V) / (u K + V); u = k/d for `group`. Queries: q^ coordinate c drawn with the standard deviation
 the calibration measured for it (the embedded model's projection, median layer; iid without the artifact).
 
-Rerun: `.venv/bin/python tools/bench_attention.py` (under a minute on 2 cores; --quick for a smoke run).
+Rerun: `.venv/bin/python -m tools attention` (under a minute on 2 cores; --quick for a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from aqua_export.ops import rules  # noqa: E402
-from aqua_export.ops.spec import PROJECTION, SLOT_EXTRA_BYTES  # noqa: E402
-from aqua_export.runtime.caches import large_empty  # noqa: E402
-from aqua_export.outputs import atomic_write_bytes  # noqa: E402
+from aqua_export.ops import rules
+from tools.harness import interleaved_medians
+from aqua_export.ops.spec import PROJECTION, SLOT_EXTRA_BYTES
+from aqua_export.runtime.caches import large_empty
+from aqua_export.outputs import atomic_write_bytes
 
 HQ, HKV, D = 9, 3, 64
 G = HQ // HKV
@@ -97,23 +95,6 @@ def _graph(kind: str):
     return H.make_model(g, opset_imports=[H.make_opsetid("", 20)], ir_version=10)
 
 
-def _interleaved_medians(fns: dict, reps: int, budget_s: float) -> dict:
-    """Median seconds per callable, measured in rounds that run every callable once (drift and
-    frequency changes hit all of them alike)."""
-    for fn in fns.values():
-        fn()  # warm-up (allocations, thread pool)
-    times = {name: [] for name in fns}
-    start = time.perf_counter()
-    for i in range(reps):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s and i >= 4:
-            break
-    return {name: statistics.median(v) for name, v in times.items()}
-
-
 def _spectrum() -> np.ndarray:
     """Per-coordinate q^ standard deviation [Hkv, d] of the embedded model's median layer (energy is the
     eigenvalue of the group's uncentred second moment, sorted); iid fallback without the artifact."""
@@ -137,7 +118,7 @@ def _union_fraction(q: np.ndarray, k: int, rule: str) -> float:
     return float(np.mean(sizes)) / q.shape[-1]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--batches", default="1,8")
@@ -145,7 +126,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="T 1024 only, few repetitions")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from aqua_export.runtime.session import make_session, native_library
 
     if native_library() is None:
@@ -195,7 +176,7 @@ def main() -> int:
             for name in sessions:
                 if name[0] == "h2o":
                     fns[name] = _h2o_runner(sessions[name], name[1], projected["query_hat"], P, b, t, reps + 2, rng)
-            med = _interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
+            med = interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
             for rule, ratio in SETTINGS:
                 k = round(ratio * D)
                 u = _union_fraction(q, k, rule)

@@ -9,7 +9,7 @@ medians: the same fused kernel on both sides, so the difference is the projectio
 the K^ rows not read. The measured crossover is the smallest T from which AQUA stays faster.
     -> benchmarks/breakeven.json (tables in benchmarks/performance.md via tools/perf_report.py)
 
-Rerun: `.venv/bin/python tools/bench_breakeven.py` (about 2 minutes).
+Rerun: `.venv/bin/python -m tools breakeven` (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_attention import D, G, HKV, _interleaved_medians  # noqa: E402
+from tools.bench_attention import D, G, HKV
+from tools.harness import interleaved_medians
 
-from aqua_export.outputs import atomic_write_bytes  # noqa: E402
+from aqua_export.outputs import atomic_write_bytes
 
 CONTEXTS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
 
@@ -61,13 +60,13 @@ def crossover(ts: list[int], ratios: list[float]) -> int | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--k-ratios", default="0.75,0.5,0.25")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from aqua_export.runtime.session import make_session, native_library
 
     if native_library() is None:
@@ -85,7 +84,7 @@ def main() -> int:
         kc = rng.standard_normal((1, HKV, D, t), dtype=np.float32)
         v = rng.standard_normal((1, HKV, t, D), dtype=np.float32)
         feed = {"q": q, "kc": kc, "v": v, "mask": np.zeros((1, 1, 1, 1, t), np.float32)}
-        med = _interleaved_medians({name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items()},
+        med = interleaved_medians({name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items()},
                                    a.reps, 10.0)
         for k in ks:
             ratios[k].append(med["dense"] / med[k])

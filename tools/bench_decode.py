@@ -19,7 +19,7 @@ Variants (all built from the same SmolLM2-135M checkpoint and projection by the 
                           tokens-b512-gw-k0.25 with a fixed 512 tokens (--token-budget 512)
     ort-genai             onnxruntime-genai's model builder export (-p fp32 -e cpu: GroupQueryAttention)
 
-Rerun: `make bench` (or `.venv/bin/python tools/bench_decode.py`).
+Rerun: `make bench` (or `.venv/bin/python -m tools decode`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from aqua_export.outputs import atomic_write_bytes  # noqa: E402
+from aqua_export.outputs import atomic_write_bytes
 
-from aqua_export.bench import bench  # noqa: E402
+from aqua_export.bench import bench
 
 WORK = ROOT / "build" / "bench"
 VARIANTS = {"dense": dict(k_ratio=1.0), "aqua-k0.75": dict(k_ratio=0.75), "aqua-k0.5": dict(k_ratio=0.5),
@@ -82,7 +81,7 @@ def export_all(names) -> None:
     import torch
 
     from aqua_export import models
-    from aqua_export.build import BuildOptions, _export
+    from aqua_export.build import BuildOptions, export_folder
     from aqua_export.config import AquaConfig
 
     model = tok = proj = None
@@ -100,7 +99,7 @@ def export_all(names) -> None:
         tmp = WORK / f"{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        _export(model, tok, proj, AquaConfig(**VARIANTS[name]), BuildOptions(), tmp, "llama").seal(tmp)
+        export_folder(model, tok, proj, AquaConfig(**VARIANTS[name]), BuildOptions(), tmp, "llama").seal(tmp)
         tmp.replace(out)
 
 
@@ -164,7 +163,7 @@ def _capacity_rows(a) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(DECODE_VARIANTS))
     # 8k is 8160: the model has 8192 positions and the decode steps must stay inside them
@@ -176,7 +175,7 @@ def main() -> int:
     ap.add_argument("--only", choices=["aqua", "genai", "capacity", "h2o", "target", "tokens"],
                     help="run one of the tables")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     names = a.variants.split(",")
     if a.only == "target":
         names = TARGET[2]

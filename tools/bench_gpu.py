@@ -1,6 +1,6 @@
 """GPU correctness and timings of the Triton kernels against torch SDPA, as a share of the memory bandwidth.
 
-Run on a machine with a CUDA GPU (not in CI):  python tools/bench_gpu.py --out benchmarks/gpu_attention.md
+Run on a machine with a CUDA GPU (not in CI):  python -m tools gpu --out benchmarks/gpu_attention.md
 
 First every kernel is checked against its float64 reference (ops/): fresh random inputs per check, float32,
 float16 and bfloat16, ragged lengths (each sequence hidden for its own number of leading positions), GQA groups
@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.harness import table
+
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # relative error, per dtype
 TOKENS = dict(token_ratio=0.125, token_sink=16, token_window=64)  # quality.md's validated token settings:
@@ -188,17 +188,16 @@ def tune(bw: float) -> tuple[list[str], dict]:
     T, B = 32768, 8
     q, kdm, v, mask, P = inputs(T, B)
     nbytes = B * HKV * T * D * 2 * 1.5
-    lines = ["| block | warps | stages | programs wanted | splits | time (us) | of copy bandwidth |",
-             "|---|---|---|---|---|---|---|"]
-    best = None
+    cells, best = [], None
     for block, warps, stages, wanted in itertools.product((64, 128, 256), (4, 8), (2, 3), (1056, 2112)):
         n = split_count(B * HKV, T, block, wanted)
         s = median_s(lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P, splits=n, warps=warps,
                                             stages=stages, block=block), graph=True)
-        lines.append(f"| {block} | {warps} | {stages} | {wanted} | {n} | {s * 1e6:.1f} | {nbytes / s / bw:.2f} |")
+        cells.append([block, warps, stages, wanted, n, f"{s * 1e6:.1f}", f"{nbytes / s / bw:.2f}"])
         if best is None or s < best[0]:
             best = (s, dict(block=block, warps=warps, stages=stages, wanted=wanted))
-    return lines, best[1]
+    return table(["block", "warps", "stages", "programs wanted", "splits", "time (us)", "of copy bandwidth"],
+                 cells), best[1]
 
 
 def inputs(T: int, B: int):
@@ -287,32 +286,31 @@ def parts(T: int = 32768, B: int = 8) -> list[str]:
             ("whole token step, 512", lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P,
                                                              tokens=token_setting(BUDGET))),
             ("whole fused k=64 step", lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P))]
-    lines = [f"| part (T {T}, batch {B}) | time (us) |", "|---|---|"]
-    lines += [f"| {name} | {median_s(fn, graph=True) * 1e6:.1f} |" for name, fn in rows]
-    return lines
+    return table([f"part (T {T}, batch {B})", "time (us)"], [[name, f"{median_s(fn, graph=True) * 1e6:.1f}"]
+                                                             for name, fn in rows])
 
 
-def table(rows: list[dict], bw: float) -> list[str]:
-    md = ["| T | batch | variant | time (us) | bytes (MB) | GB/s | of copy bandwidth | vs dense SDPA | eager (us) | "
-          "eager vs SDPA |", "|---|---|---|---|---|---|---|---|---|---|"]
+def rows_table(rows: list[dict], bw: float) -> list[str]:
+    cells = []
     for r in rows:
         sdpa = next(x for x in rows if (x["T"], x["B"], x["variant"]) == (r["T"], r["B"], "dense SDPA"))
         s = r["s"] if r["s"] is not None else r["eager"]  # not capturable: its eager time, against SDPA's graph
         r["GB/s"], r["of copy bandwidth"] = r["bytes"] / s / 1e9, r["bytes"] / s / bw
-        eager = "-" if r["eager"] is None else f"{r['eager'] * 1e6:.1f} | {sdpa['eager'] / r['eager']:.2f}x"
-        md.append(f"| {r['T']} | {r['B']} | {r['variant']}{'' if r['s'] is not None else ' (eager)'} | "
-                  f"{s * 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['GB/s']:.0f} | {r['of copy bandwidth']:.2f} | "
-                  f"{sdpa['s'] / s:.2f}x | {eager} |")
-    return md
+        eager = ["-"] if r["eager"] is None else [f"{r['eager'] * 1e6:.1f}", f"{sdpa['eager'] / r['eager']:.2f}x"]
+        cells.append([r["T"], r["B"], f"{r['variant']}{'' if r['s'] is not None else ' (eager)'}", f"{s * 1e6:.1f}",
+                      f"{r['bytes'] / 1e6:.1f}", f"{r['GB/s']:.0f}", f"{r['of copy bandwidth']:.2f}",
+                      f"{sdpa['s'] / s:.2f}x", *eager])
+    return table(["T", "batch", "variant", "time (us)", "bytes (MB)", "GB/s", "of copy bandwidth", "vs dense SDPA",
+                  "eager (us)", "eager vs SDPA"], cells)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/gpu_attention.md")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="16384,32768,65536,131072")
     ap.add_argument("--tune", action="store_true", help="sweep the fused kernel's launch first and use the fastest")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA GPU here (run it on a GPU machine)")
     name = torch.cuda.get_device_name()
@@ -329,7 +327,7 @@ def main() -> None:
             rows += bench(T, B, launch)
             torch.cuda.empty_cache()
     md = [f"# GPU attention step: the Triton kernels vs torch SDPA ({name})", "",
-          f"Written by `python tools/bench_gpu.py{' --tune' if a.tune else ''}` on {name}; torch {torch.__version__}. "
+          f"Written by `python -m tools gpu{' --tune' if a.tune else ''}` on {name}; torch {torch.__version__}. "
           f"Llama-3.1-8B attention shapes at decode (Hkv {HKV}, g {G}, d {D}, one query token), bfloat16. Median "
           "of graph replays (triton.testing.do_bench_cudagraph), the eager do_bench beside it. Bytes = the fewest "
           f"each variant must move; the ceiling is a measured device-to-device copy: {bw / 1e9:.0f} GB/s (read + "
@@ -339,7 +337,7 @@ def main() -> None:
         md += ["## The fused kernel's launch (T 32768, batch 8, k 64)", "", *tuned, "",
                f"Rows below use block {launch['block']}, warps {launch['warps']}, stages {launch['stages']}, "
                f"programs wanted {launch['wanted']}.", ""]
-    md += ["## Where the time goes", "", *split, "", "## Decode step", "", *table(rows, bw)]
+    md += ["## Where the time goes", "", *split, "", "## Decode step", "", *rows_table(rows, bw)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(md) + "\n")
     Path(a.out).with_suffix(".json").write_text(json.dumps({"device": name, "copy_bandwidth": bw, "launch": launch,

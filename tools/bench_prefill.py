@@ -15,7 +15,7 @@ Prompt: English prose (builtin:python-reference), the first T tokens of the mode
 (the "8k request": 7,936 + 256 = 8,192 tokens, the embedded model's whole context).
 
 Environments: .venv (ours, genai's builder); the peers' own, made by --setup under build/venvs from PyPI (ENVS): an
-engine whose environment is missing is left out with one line. Rerun: `.venv/bin/python tools/bench_prefill.py --setup`
+engine whose environment is missing is left out with one line. Rerun: `.venv/bin/python -m tools prefill --setup`
 (--help for the cases).
 """
 
@@ -27,6 +27,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tools.harness import table
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "prefill"
@@ -197,15 +199,13 @@ def profile(folder: str, tokens: int, threads: int) -> str:
     return "\n".join(lines)
 
 
-def table(rows: list[dict]) -> str:
+def rows_table(rows: list[dict]) -> str:
     new = rows[0]["new"] if rows else 0
-    head = ("| prompt | batch | appended | engine | time to first token (s) | decode tokens/s | request: prompt + "
-            f"{new} tokens (s) | peak RSS (MB) | loaded (MB) |")
-    out = [head, "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['prompt']} | {r['batch']} | {'one call' if not r['chunk'] else r['chunk']} | {r['engine']} | "
-                   f"{r['ttft_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['e2e_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['loaded_rss_mb']:.0f} |")
-    return "\n".join(out)
+    return "\n".join(table(["prompt", "batch", "appended", "engine", "time to first token (s)", "decode tokens/s",
+                            f"request: prompt + {new} tokens (s)", "peak RSS (MB)", "loaded (MB)"],
+                           [[r["prompt"], r["batch"], "one call" if not r["chunk"] else r["chunk"], r["engine"],
+                             f"{r['ttft_s']:.2f}", f"{r['decode_tokens_per_s']:.1f}", f"{r['e2e_s']:.1f}",
+                             f"{r['peak_rss_mb']:.0f}", f"{r['loaded_rss_mb']:.0f}"] for r in rows]))
 
 
 def _case(s: str) -> tuple[int, int, int]:
@@ -215,7 +215,7 @@ def _case(s: str) -> tuple[int, int, int]:
     return (parts[0], parts[1], parts[2] if len(parts) == 3 else 0)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # 7936 + 256 new tokens = 8192, the embedded model's context (genai refuses a max_length past it)
     ap.add_argument("--cases", nargs="+", type=_case, default=[_case(c) for c in ("7936x1", "1000x1", "4000x1",
@@ -228,10 +228,9 @@ def main() -> int:
                     "the first case's prompt through FOLDER (this project's folder) instead")
     ap.add_argument("--setup", action="store_true", help="make the peers' environments first (ENVS)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prefill"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.new < 2 or a.rounds < 1 or a.threads < 1:
         ap.error("--new must be >= 2, --rounds and --threads >= 1")
-    sys.path.insert(0, str(ROOT))
     from aqua_export.meter import cpu_name
 
     if a.profile:
@@ -240,7 +239,7 @@ def main() -> int:
     if a.setup:
         setup()
     rows = run(a.engines, a.cases, a.new, a.rounds, a.threads)
-    command = "tools/bench_prefill.py " + " ".join(sys.argv[1:])
+    command = "python -m tools prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     for r in rows:
         r["command"] = command
     # the rows of other cases stay (each case is one interleaved run of its own, its command beside it)
@@ -257,7 +256,7 @@ def main() -> int:
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
-    intro = (f"Written by `tools/bench_prefill.py` on {meta['cpu']}, {meta['threads']} threads; each request in a fresh "
+    intro = (f"Written by `python -m tools prefill` on {meta['cpu']}, {meta['threads']} threads; each request in a fresh "
              "process, each case one interleaved run (every engine once per round, best of its rounds). Time to first "
              "token: from handing over the prompt's ids to the first generated id; decode tokens/s: the tokens after it "
              "(times the batch); request: both; peak RSS: the process's high-water mark, loading included; loaded: "
@@ -265,7 +264,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
     out = ["# A long prompt, as users meet it", "", intro, ""]
     for cmd in dict.fromkeys(r["command"] for r in rows):
         mine = [r for r in rows if r["command"] == cmd]
-        out += [f"`{cmd}` (rounds: {max(r['rounds'] for r in mine)}):", "", table(mine), ""]
+        out += [f"`{cmd}` (rounds: {max(r['rounds'] for r in mine)}):", "", rows_table(mine), ""]
     return "\n".join(out)
 
 

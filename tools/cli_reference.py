@@ -1,13 +1,12 @@
 """docs/cli.md: every command's `--help`, written from the parsers themselves (aqua_export/cli.py), so the reference
 cannot drift from the code (tests/test_reliability.py compares the file with what this writes).
 
-Rerun: `.venv/bin/python tools/cli_reference.py` after changing an option.
+Rerun: `.venv/bin/python -m tools cli-reference` after changing an option.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +21,7 @@ def reference() -> str:
     main = build_parser()
     sub = next(a for a in main._actions if a.__class__.__name__ == "_SubParsersAction")
     parts = ["# Command-line reference", "",
-             "Written by `tools/cli_reference.py` from the parsers in `aqua_export/cli.py`, the settings in "
+             "Written by `python -m tools cli-reference` from the parsers in `aqua_export/cli.py`, the settings in "
              "`aqua_export/settings/` and the table in `aqua_export/capabilities.py`; do not edit by hand.", "",
              "## AQUA's settings", "", "Each mechanism is one module of `aqua_export/settings/`; the same names are "
              "the build's flags, lm-eval's `model_args` and `aqua_config.json`'s fields.", "", settings.table(), "",
@@ -37,7 +36,11 @@ def reference() -> str:
     return "\n".join(parts)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+def main(argv: list[str] | None = None) -> int:
     OUT.write_text(reference())
     print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()

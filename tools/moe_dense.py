@@ -10,7 +10,7 @@ Per QMoE node (fc1 [E, 2I, H/2] gate / up rows interleaved, fc2 [E, H, I/2], int
 
 The folder's weights are hard-linked, not copied; its manifest is rewritten (FolderConfig.seal).
 
-    python tools/moe_dense.py SRC DST
+    python -m tools.moe_dense SRC DST
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _external(t, folder: Path) -> np.ndarray:

@@ -1,7 +1,7 @@
 """benchmarks/performance.md from the JSON the bench tools write (attention_step.json, breakeven.json,
 decode.json). Every figure is a ratio measured within one run of one tool.
 
-Rerun: `.venv/bin/python tools/perf_report.py` (after tools/bench_attention.py, bench_breakeven.py,
+Rerun: `.venv/bin/python -m tools performance` (after tools/bench_attention.py, bench_breakeven.py,
 bench_decode.py; `make bench` runs all four).
 """
 
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from aqua_export.meter import cpu_name  # noqa: E402
-from aqua_export.outputs import atomic_write_bytes  # noqa: E402
+from aqua_export.meter import cpu_name
+from aqua_export.outputs import atomic_write_bytes
+from tools.harness import table, written_by
 
 
 def _load(name):
@@ -26,7 +26,7 @@ def _load(name):
 
 def attention_section(data) -> list[str]:
     m = data["meta"]
-    out = ["## Attention step (one decode step, ONNX Runtime, `tools/bench_attention.py`)", "",
+    out = ["## Attention step (one decode step, ONNX Runtime, `python -m tools attention`)", "",
            f"{m['geometry']['heads']} query heads, {m['geometry']['kv_heads']} KV heads, d = {m['geometry']['head_dim']}; "
            f"{m['threads']} intra-op threads; medians of up to {m['reps']} interleaved rounds; {m['queries']} queries. "
            "AQUA = the fused `AquaAttention` node (native kernel) given q and P, as folders run it (q^ = qP inside the node). `X / AQUA` > 1 means AQUA is faster than X: "
@@ -42,16 +42,16 @@ def attention_section(data) -> list[str]:
            "token_ratio t or token_budget N, sink 16, window 64): the "
            "k selected rows of K^ score every token, the chosen pages' share rho of the tokens is read whole; byte "
            "limit (K + V) / (u K + rho (K + V)).", "",
-           "| T | batch | rule | k_ratio | h2o ratio | token ratio (rho) | union u | fused dense / AQUA | ORT dense / AQUA | "
-           "GQA / AQUA | byte limit |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           ]
+    rows = []
     for r in data["rows"]:
         tok = (f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r
                else f"b{r['token_budget']} ({r['token_share']:.3f})" if "token_budget" in r else "-")
-        out.append(f"| {r['T']} | {r['batch']} | {r['rule']} | {r['k_ratio']} | {r.get('h2o_ratio', '-')} | {tok} | "
-                   f"{r['union_fraction']:.2f} | "
-                   f"**{r['fused_dense_over_aqua']:.2f}** | {r['ort_dense_over_aqua']:.2f} | {r['gqa_over_aqua']:.2f} | "
-                   f"{r['byte_limit']:.2f} |")
+        rows.append([r["T"], r["batch"], r["rule"], r["k_ratio"], r.get("h2o_ratio", "-"), tok,
+                     f"{r['union_fraction']:.2f}", f"**{r['fused_dense_over_aqua']:.2f}**",
+                     f"{r['ort_dense_over_aqua']:.2f}", f"{r['gqa_over_aqua']:.2f}", f"{r['byte_limit']:.2f}"])
+    out += table(["T", "batch", "rule", "k_ratio", "h2o ratio", "token ratio (rho)", "union u", "fused dense / AQUA",
+                  "ORT dense / AQUA", "GQA / AQUA", "byte limit"], rows)
     fused = {(r["T"], r["batch"]): r["ort_dense_over_fused_dense"] for r in data["rows"]}
     out += ["", "The fused node at k = d against ORT's standard-op dense step (ORT dense / fused dense): "
             + ", ".join(f"T {t} batch {b}: {v:.2f}" for (t, b), v in fused.items()) + "."]
@@ -60,15 +60,18 @@ def attention_section(data) -> list[str]:
 
 def breakeven_section(data) -> list[str]:
     m = data["meta"]
-    out = ["", "## Break-even T > d^2 / (d - k) (`tools/bench_breakeven.py`)", "",
+    out = ["", "## Break-even T > d^2 / (d - k) (`python -m tools breakeven`)", "",
            f"Batch {m['batch']}, AQUA step (AquaAttention given P: q^ = qP inside the node, the {m['selection']} "
            "selection) vs the dense step (AquaAttention at k = d, no projection); "
            + f"{m['threads']} threads, medians of up to {m['reps']} interleaved rounds.", "",
-           "| k_ratio | k | predicted T | measured crossover T | dense / AQUA at 16 / 256 / 1024 / 8192 |", "|---|---|---|---|---|"]
+           ]
+    rows = []
     for r in data["rows"]:
         by = r["dense_over_aqua_by_T"]
         pts = " / ".join(f"{by.get(str(t), float('nan')):.2f}" for t in (16, 256, 1024, 8192))
-        out.append(f"| {r['k_ratio']:.2f} | {r['k']} | {r['predicted_T']:.0f} | {r['measured_crossover_T']} | {pts} |")
+        rows.append([f"{r['k_ratio']:.2f}", r["k"], f"{r['predicted_T']:.0f}", r["measured_crossover_T"], pts])
+    out += table(["k_ratio", "k", "predicted T", "measured crossover T", "dense / AQUA at 16 / 256 / 1024 / 8192"],
+                 rows)
     out += ["", "The prediction counts FLOPs: d^2 for q^ = qP against T (d - k) saved in the scores. The node "
             "projects in vector registers on L1-resident data and selects by a linear-time partition, so at "
             "small T the two steps are within a few percent of each other and the crossover is where AQUA "
@@ -86,27 +89,26 @@ def decode_section(data, title: str) -> list[str]:
            "(weights + cache + runtime buffers). Ratios to this project's dense folder in the same run; every "
            "folder runs with past and present sharing one buffer, written in place."
            + ("" if m.get("attention") == "AquaAttention" else " **Measured with the folders of before the fused "
-              "AquaAttention node** (TopKGatherDot, Softmax, ValueProduct per layer); rerun `tools/bench_decode.py` "
-              "for the current graph."), "",
-           "| context | batch | variant | tokens/s vs dense | decode memory vs dense |", "|---|---|---|---|---|"]
+              "AquaAttention node** (TopKGatherDot, Softmax, ValueProduct per layer); rerun `python -m tools decode` "
+              "for the current graph."), ""]
     old_h2o = m.get("h2o") != "H2OAttention"  # measured when the runtime evicted in NumPy between tokens
     if old_h2o:
-        out.insert(-2, "AQUA-H2O rows are left out: this run predates its H2OAttention node (see the AQUA-H2O "
-                       "section below, or rerun `tools/bench_decode.py`).")
-        out.insert(-2, "")
+        out += ["AQUA-H2O rows are left out: this run predates its H2OAttention node (see the AQUA-H2O section below, "
+                "or rerun `python -m tools decode`).", ""]
     keyed = {(r["context"], r["batch"], r["variant"]): r for r in rows}
+    cells = []
     for (ctx, b, v), r in keyed.items():
         d = keyed.get((ctx, b, "dense"))
         if d is None or (old_h2o and v.startswith("h2o")):
             continue
-        out.append(f"| {ctx} | {b} | {v} | **{r['tokens_per_s'] / d['tokens_per_s']:.2f}** | "
-                   f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f} |")
-    return out
+        cells.append([ctx, b, v, f"**{r['tokens_per_s'] / d['tokens_per_s']:.2f}**",
+                      f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f}"])
+    return out + table(["context", "batch", "variant", "tokens/s vs dense", "decode memory vs dense"], cells)
 
 
 def genai_section(data) -> list[str]:
     m = data["meta"]
-    out = ["", "## In onnxruntime-genai, against its own model builder (`tools/bench_decode.py`)", "",
+    out = ["", "## In onnxruntime-genai, against its own model builder (`python -m tools decode`)", "",
            f"{m['model']}; {m['threads']} threads; {m['rounds']} rounds interleaved x {m['steps']} decode steps, "
            "fresh process each. `ort-genai` = onnxruntime-genai's model builder export of the same checkpoint "
            "(`-p fp32 -e cpu`: GroupQueryAttention). Runtime `genai`: onnxruntime-genai itself (og.Generator, "
@@ -116,14 +118,12 @@ def genai_section(data) -> list[str]:
            "[B, total]), the context written into the buffers: our graph's prefill of 8 x 8k tokens would need "
            "a [8, 9, 8k, 8k] score tensor per layer (19 GB), which this 24 GB machine cannot hold "
            "(a fused prefill kernel is issue 12's).", "",
-           "| context | batch | runtime | folder | tokens/s vs ort-genai | decode memory vs ort-genai |",
-           "|---|---|---|---|---|---|"]
+           ]
     keyed = {(r["context"], r["batch"], r["variant"]): r for r in data["rows"]}
-    for (ctx, b, v), r in keyed.items():
-        g = keyed[(ctx, b, "ort-genai")]
-        out.append(f"| {ctx} | {b} | {r['runtime']} | {v} | **{r['tokens_per_s'] / g['tokens_per_s']:.2f}** | "
-                   f"{r['decode_rss_mb'] / g['decode_rss_mb']:.2f} |")
-    return out
+    rows = [[ctx, b, r["runtime"], v, f"**{r['tokens_per_s'] / keyed[(ctx, b, 'ort-genai')]['tokens_per_s']:.2f}**",
+             f"{r['decode_rss_mb'] / keyed[(ctx, b, 'ort-genai')]['decode_rss_mb']:.2f}"] for (ctx, b, v), r in keyed.items()]
+    return out + table(["context", "batch", "runtime", "folder", "tokens/s vs ort-genai", "decode memory vs ort-genai"],
+                       rows)
 
 
 def h2o_section(data) -> list[str]:
@@ -131,7 +131,7 @@ def h2o_section(data) -> list[str]:
     from aqua_export.ops.spec import SLOT_EXTRA_BYTES
 
     m = data["meta"]
-    out = ["", "## AQUA-H2O against dense (`tools/bench_decode.py --only h2o`)", "",
+    out = ["", "## AQUA-H2O against dense (`python -m tools decode --only h2o`)", "",
            f"{m['model']}; {m['threads']} threads; the dense folder and `h2o-0.5-k0.75` (keep half the tokens, "
            f"k 0.75) measured in one interleaved run per row, {m['rounds']} rounds, fresh process each. Decode: median "
            f"of {m['steps']} steps with the context already in the cache (under H2O: already evicted to its budget, "
@@ -141,84 +141,78 @@ def h2o_section(data) -> list[str]:
            "included); cache bytes are the buffers' own size from the contract: per slot and KV head, K^ and V "
            "(2 x 64 float32) for both, plus heavy (float32) and token (int64) for H2O, over dense's context + 1 "
            "slots and H2O's h2o.slots_needed(0.5, context + 1).", "",
-           "| measurement | batch | h2o tokens/s vs dense | h2o decode memory vs dense | h2o cache bytes vs dense |",
-           "|---|---|---|---|---|"]
+           ]
     keyed = {}
     for r in data["rows"]:
         keyed.setdefault((r["mode"], r.get("context", r.get("prompt")), r["batch"]), {})[r["variant"]] = r
+    rows = []
     for (mode, n, b), rs in keyed.items():
         d, h = rs["dense"], rs["h2o-0.5-k0.75"]
         what = f"decode at {n}" if mode == "decode" else f"prefill of {n} tokens"
         mem = f"{h['decode_rss_mb'] / d['decode_rss_mb']:.2f}" if mode == "decode" else "-"
         cache = f"{slots_needed(0.5, [n + 1]) * (512 + SLOT_EXTRA_BYTES) / ((n + 1) * 512):.2f}" if mode == "decode" else "-"
-        out.append(f"| {what} | {b} | **{h['tokens_per_s'] / d['tokens_per_s']:.2f}** | {mem} | {cache} |")
-    return out
+        rows.append([what, b, f"**{h['tokens_per_s'] / d['tokens_per_s']:.2f}**", mem, cache])
+    return out + table(["measurement", "batch", "h2o tokens/s vs dense", "h2o decode memory vs dense",
+                        "h2o cache bytes vs dense"], rows)
 
 
 def target_section(data) -> list[str]:
     m = data["meta"]
     out = ["", "## End to end at 8k, batch 8: the settings no worse than per-head magnitude at k 0.5 "
-           "(`tools/bench_decode.py --only target`)", "",
+           "(`python -m tools decode --only target`)", "",
            f"{m['model']}; {m['threads']} threads; one interleaved run, {m['rounds']} rounds, fresh process each, "
            f"median of {m['steps']} decode steps with the context already in the cache (H2O: evicted to its budget), "
            "past and present sharing one buffer. Settings: the cheapest ones of `benchmarks/quality.md`'s bytes table "
            "whose perplexity is no worse than per-head magnitude at k 0.5 (with and without token eviction).", "",
-           "| context | batch | variant | tokens/s vs dense | decode memory vs dense |", "|---|---|---|---|---|"]
+           ]
     keyed = {r["variant"]: r for r in data["rows"]}
     d = keyed["dense"]
-    for v, r in keyed.items():
-        out.append(f"| {r['context']} | {r['batch']} | {v} | **{r['tokens_per_s'] / d['tokens_per_s']:.2f}** | "
-                   f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f} |")
-    return out
+    rows = [[r["context"], r["batch"], v, f"**{r['tokens_per_s'] / d['tokens_per_s']:.2f}**",
+             f"{r['decode_rss_mb'] / d['decode_rss_mb']:.2f}"] for v, r in keyed.items()]
+    return out + table(["context", "batch", "variant", "tokens/s vs dense", "decode memory vs dense"], rows)
 
 
 def tokens_section(data) -> list[str]:
     m = data["meta"]
-    out = ["", "## Token selection end to end (`tools/bench_decode.py --only tokens`)", "",
+    out = ["", "## Token selection end to end (`python -m tools decode --only tokens`)", "",
            f"{m['model']}; {m['threads']} threads; each row group one interleaved run, {m['rounds']} rounds, fresh "
            f"process each, median of {m['steps']} decode steps. `aqua`: this project's runtime, the context written "
            "into the cache; `genai`: onnxruntime-genai itself after a real prefill of a random prompt, against "
            "genai's model builder's fp32 export of the same checkpoint (`ort-genai`).", "",
-           "| context | batch | runtime | variant | tokens/s vs the run's first row | decode memory vs the first |",
-           "|---|---|---|---|---|---|"]
+           ]
     groups: dict = {}
     for r in data["rows"]:
         groups.setdefault((r["context"], r["batch"], r["runtime"]), []).append(r)
-    for rows in groups.values():
-        first = rows[0]
-        for r in rows:
-            out.append(f"| {r['context']} | {r['batch']} | {r['runtime']} | {r['variant']} | "
-                       f"**{r['tokens_per_s'] / first['tokens_per_s']:.2f}** | "
-                       f"{r['decode_rss_mb'] / first['decode_rss_mb']:.2f} |")
-    return out
+    cells = [[r["context"], r["batch"], r["runtime"], r["variant"], f"**{r['tokens_per_s'] / g[0]['tokens_per_s']:.2f}**",
+              f"{r['decode_rss_mb'] / g[0]['decode_rss_mb']:.2f}"] for g in groups.values() for r in g]
+    return out + table(["context", "batch", "runtime", "variant", "tokens/s vs the run's first row",
+                        "decode memory vs the first"], cells)
 
 
 def capacity_section(data) -> list[str]:
     m = data["meta"]
-    out = ["", "## A step's cost against the buffer's size (`tools/bench_decode.py --only capacity`)", "",
+    out = ["", "## A step's cost against the buffer's size (`python -m tools decode --only capacity`)", "",
            f"The same 1k context, batch 1, in a shared buffer of just enough slots and in one of 8,192 (genai's "
            f"max_length for this model), driven with genai's CPU I/O; {m['rounds']} rounds alternating between the "
            "two sizes, fresh process each, median step.", "",
-           "| folder | tokens/s, 8,192 slots vs just enough |", "|---|---|"]
+           ]
     by = {(r["variant"], r["capacity"]): r for r in data["rows"]}
-    for (v, cap), r in by.items():
-        if cap:
-            out.append(f"| {v} | {r['tokens_per_s'] / by[(v, 0)]['tokens_per_s']:.2f} |")
-    return out
+    return out + table(["folder", "tokens/s, 8,192 slots vs just enough"],
+                       [[v, f"{r['tokens_per_s'] / by[(v, 0)]['tokens_per_s']:.2f}"] for (v, cap), r in by.items() if cap])
 
 
-def main() -> int:
-    lines = ["# Performance", "", f"Machine: {cpu_name()}, {os.cpu_count()} cores (CPU only). Figures are ratios "
+def main(argv: list[str] | None = None) -> int:
+    lines = ["# Performance", "", written_by("performance"), "", f"Machine: {cpu_name()}, {os.cpu_count()} cores (CPU only). Figures are ratios "
              "measured within one run; absolute times are not reported for CPU runs.", "",
              "These tables are CPU-only. The Triton kernel's GPU timings (H100) are in "
-             "`benchmarks/gpu_attention.md` (`tools/bench_gpu.py`, run where a GPU is lent).", ""]
+             "`benchmarks/gpu_attention.md` (`python -m tools gpu`, run where a GPU is lent).", ""]
     att, be, dec = _load("attention_step.json"), _load("breakeven.json"), _load("decode.json")
     if att:
         lines += attention_section(att)
     if be:
         lines += breakeven_section(be)
     if dec:
-        lines += decode_section(dec, "End-to-end decode in `aqua-export run`'s runtime, all variants (`tools/bench_decode.py`)")
+        lines += decode_section(dec, "End-to-end decode in `aqua-export run`'s runtime, all variants (`python -m tools decode`)")
     gen = _load("genai.json")
     if gen:
         lines += genai_section(gen)

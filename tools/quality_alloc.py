@@ -23,6 +23,7 @@ from aqua_export import corpus, evaluate
 from aqua_export.allocate import head_prices, layer_selected, select_measured_costs
 from aqua_export.config import AquaConfig
 from aqua_export.slice_costs import add_select_costs
+from tools.harness import table
 
 RULE = "weighted"  # the rule the issue's cost curve is quoted for
 K_RATIOS = (0.5, 0.4, 0.3)
@@ -127,39 +128,41 @@ def lines(res: dict) -> list[str]:
          f"measured per layer and KV head on the evaluation text. Long: windows of {LONG_LENGTH} of `{LONG_TEXT}`, "
          f"their last {LAST} tokens scored.\n",
          f"Dense: {dense['perplexity']:.4f} (512-token windows), {dense['long']:.4f} (long).\n",
-         "### At the same average k\n",
-         "| k_ratio | " + " | ".join(ALLOCS) + " | " + " | ".join(f"{x} ratio" for x in ALLOCS[1:]) + " | "
-         + " | ".join(f"bytes {x}" for x in ALLOCS) + " | " + " | ".join(f"long {x}" for x in LONG)
-         + " | long ratio |", "|---|" + "---|" * (2 * len(ALLOCS) - 1 + len(ALLOCS) + len(LONG) + 1)]
+         "### At the same average k\n"]
+    rows = []
     for k in K_RATIOS:
         row = {x: res[f"{x}/{k}"] for x in ALLOCS}
         up = row["uniform"]["perplexity"] - dense["perplexity"]
         ratios = [(row[x]["perplexity"] - dense["perplexity"]) / up for x in ALLOCS[1:]]
         long_ratio = (row[LONG[-1]]["long"] - dense["long"]) / (row["uniform"]["long"] - dense["long"])
-        L.append(f"| {k} | " + " | ".join(f"{row[x]['perplexity']:.4f}" for x in ALLOCS) + " | "
-                 + " | ".join(f"**{r:.2f}**" if r <= 0.5 else f"{r:.2f}" for r in ratios) + " | "
-                 + " | ".join(f"{_bytes(row[x]['union']):.4f}" for x in ALLOCS) + " | "
-                 + " | ".join(f"{row[x]['long']:.4f}" for x in LONG) + f" | {long_ratio:.2f} |")
+        rows.append([k, *(f"{row[x]['perplexity']:.4f}" for x in ALLOCS),
+                     *(f"**{r:.2f}**" if r <= 0.5 else f"{r:.2f}" for r in ratios),
+                     *(f"{_bytes(row[x]['union']):.4f}" for x in ALLOCS), *(f"{row[x]['long']:.4f}" for x in LONG),
+                     f"{long_ratio:.2f}"])
+    L += table(["k_ratio", *ALLOCS, *(f"{x} ratio" for x in ALLOCS[1:]), *(f"bytes {x}" for x in ALLOCS),
+                *(f"long {x}" for x in LONG), "long ratio"], rows)
     L += ["\n### At the same bytes\n",
           "Uniform's perplexity against bytes (k " + ", ".join(map(str, sorted(K_RATIOS + K_GRID))) + "), "
-          "interpolated at each `measured` setting's bytes: what uniform gives reading exactly those bytes.\n",
-          "| k_ratio | bytes measured | measured | uniform at those bytes | ratio |", "|---|---|---|---|---|"]
+          "interpolated at each `measured` setting's bytes: what uniform gives reading exactly those bytes.\n"]
+    rows = []
     for k in K_RATIOS:
         m = res[f"measured/{k}"]
         u = same_bytes(res, m["union"])
         ratio = (m["perplexity"] - dense["perplexity"]) / (u - dense["perplexity"])
-        L.append(f"| {k} | {_bytes(m['union']):.4f} | {m['perplexity']:.4f} | {u:.4f} | {ratio:.2f} |")
+        rows.append([k, f"{_bytes(m['union']):.4f}", f"{m['perplexity']:.4f}", f"{u:.4f}", f"{ratio:.2f}"])
+    L += table(["k_ratio", "bytes measured", "measured", "uniform at those bytes", "ratio"], rows)
     L.append("\nUniform's curve: " + ", ".join(
         f"k {k}: {res[f'uniform/{k}']['perplexity']:.4f} at bytes {_bytes(res[f'uniform/{k}']['union']):.4f}"
         for k in sorted(K_RATIOS + K_GRID)) + ".")
-    L += ["\n### With the other modes\n", "| settings | windows | uniform | measured | ratio |",
-          "|---|---|---|---|---|"]
+    L += ["\n### With the other modes\n"]
+    rows = []
     for label, _, long in COMBINED:
         row, key = res["combined"][label], "long" if long else "perplexity"
         base = dense[key]
         ratio = (row["measured"][key] - base) / (row["uniform"][key] - base)
-        L.append(f"| {label} | {'long' if long else '512'} | {row['uniform'][key]:.4f} | {row['measured'][key]:.4f} "
-                 f"| {ratio:.2f} |")
+        rows.append([label, "long" if long else "512", f"{row['uniform'][key]:.4f}", f"{row['measured'][key]:.4f}",
+                     f"{ratio:.2f}"])
+    L += table(["settings", "windows", "uniform", "measured", "ratio"], rows)
     L.append("\nWhat the measured layer costs promise (the ratio if the layers' KL costs added up, the heads sharing "
              "k in both): " + ", ".join(f"k {k}: {res[f'measured/{k}']['predicted']:.2f}" for k in K_RATIOS) + ".")
     L.append("\nk per layer (first layer first):\n")

@@ -21,6 +21,7 @@ import time
 from aqua_export import corpus, evaluate
 from aqua_export.config import AquaConfig
 from aqua_export.ops import rules
+from tools.harness import table
 
 LONG_TEXT = "builtin:licenses"
 LONG_LENGTHS = (2048, 8192)
@@ -74,7 +75,7 @@ def measure_passkey(model, tok, proj, work) -> dict:
     import shutil
     from pathlib import Path
 
-    from aqua_export.build import BuildOptions, _export
+    from aqua_export.build import BuildOptions, export_folder
     from aqua_export.lm_eval_model import AquaLM, evaluate as lm_evaluate
 
     out = {}
@@ -82,7 +83,7 @@ def measure_passkey(model, tok, proj, work) -> dict:
         folder = Path(work) / name.replace(" ", "").replace(",", "-").replace("/", "_")
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        _export(model, tok, proj, LONG[name][0], BuildOptions(), folder, "llama").seal(folder)
+        export_folder(model, tok, proj, LONG[name][0], BuildOptions(), folder, "llama").seal(folder)
         t = time.perf_counter()
         with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
             r = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
@@ -110,10 +111,8 @@ def lines(long: dict, passkey: dict, union: dict) -> list[str]:
               "window 64). SparQ's mean-value correction (`mean value`) is the reference's only: the graph has "
               "none. Bytes: a step at the window's length against dense's "
               "K + V (u K to score every token, plus K and V whole for the attended pages; `u K + V` without token "
-              f"selection). **Bold**: settings no worse than `{BAR}` at that length.\n",
-              "| setting | " + " | ".join(f"ppl @ {n}" for n in LONG_LENGTHS) + " | "
-              + " | ".join(f"bytes @ {n}" for n in LONG_LENGTHS) + " |",
-              "|---|" + "---|" * (2 * len(LONG_LENGTHS))]
+              f"selection). **Bold**: settings no worse than `{BAR}` at that length.\n"]
+        rows = []
         for name, (cfg, _) in LONG.items():
             key = f"{cfg.selection}/{cfg.k_ratio}"
             u = 1.0 if cfg.k_ratio == 1 else cfg.k_ratio if cfg.selection.startswith("group") else union.get(key)
@@ -122,22 +121,23 @@ def lines(long: dict, passkey: dict, union: dict) -> list[str]:
                 p, bar = long[f"{name}/{n}"]["perplexity"], long[f"{BAR}/{n}"]["perplexity"]
                 cells.append(f"**{p:.4f}**" if cfg.selects_tokens and p <= bar else f"{p:.4f}")
             b = [f"{bytes_read(cfg, u, n):.3f}" if u is not None else "" for n in LONG_LENGTHS]
-            L.append(f"| {name} | " + " | ".join(cells + b) + " |")
+            rows.append([name, *cells, *b])
+        L += table(["setting", *(f"ppl @ {n}" for n in LONG_LENGTHS), *(f"bytes @ {n}" for n in LONG_LENGTHS)], rows)
     if passkey:
         from aqua_export.lm_eval_tasks.aqua_tasks import PASSKEY_DEPTHS, PASSKEY_LENGTHS
 
         L += ["\n## Pass key retrieval (`aqua-export lm-eval --tasks aqua_passkey`)\n",
               "A five-digit key planted at a depth of a filler of 1k, 4k or 8k tokens, asked for at the end; exact "
               "match of the greedy answer, from folders built with each setting and run by ONNX Runtime (native "
-              "kernels): the prompt attends exactly, each generated token selects its pages. One key per cell.\n",
-              "| setting | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " | all |",
-              "|---|" + "---|" * (len(PASSKEY_LENGTHS) + 1)]
+              "kernels): the prompt attends exactly, each generated token selects its pages. One key per cell.\n"]
+        rows = []
         for name, r in passkey.items():
             cells = []
             for n in PASSKEY_LENGTHS:
                 hits = [r["accuracy"].get(f"{n}/{d}") for d in PASSKEY_DEPTHS]
                 cells.append("".join("-" if h is None else "x" if h >= 1 else "." for h in hits))
-            L.append(f"| {name} | " + " | ".join(cells) + f" | {r['mean']:.3f} |")
+            rows.append([name, *cells, f"{r['mean']:.3f}"])
+        L += table(["setting", *(f"{n} tokens" for n in PASSKEY_LENGTHS), "all"], rows)
         L.append(f"\nEach cell: the depths {', '.join(map(str, PASSKEY_DEPTHS))} in order, `x` retrieved, `.` "
                  "missed.\n")
     return L

@@ -1,7 +1,7 @@
 """How a build's cost grows with model size: random-weight checkpoints of real shapes (bfloat16 on disk),
 built into float16 folders, peak RSS and time per stage and the folder's size. Writes benchmarks/scale.md.
 
-    python tools/scale.py [--sizes 135M,0.5B,1.1B] [--work DIR]      (not run in CI: minutes to an hour)
+    python -m tools scale [--sizes 135M,0.5B,1.1B] [--work DIR]      (not run in CI: minutes to an hour)
 
 Checkpoints: tools/checkpoints.py (random weights of real shapes, made in code; nothing comes from a hub).
 Each build runs in its own process; aqua_config.json's "resources" hold each stage's time and peak RSS.
@@ -18,11 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
-from checkpoints import write_checkpoint  # noqa: E402
-from scale_report import DEFAULT_ARGS, write_report  # noqa: E402
+from tools.checkpoints import write_checkpoint
+from tools.scale_report import DEFAULT_ARGS, write_report
 
 
 def build(ckpt: Path, out: Path, args: list[str]) -> dict:
@@ -41,14 +39,14 @@ def build(ckpt: Path, out: Path, args: list[str]) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="135M,0.5B,1.1B")
     ap.add_argument("--work", default=str(ROOT / "build" / "scale"))
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "scale.json"))
     ap.add_argument("--build-args", default=DEFAULT_ARGS)
     ap.add_argument("--report-only", action="store_true", help="rewrite benchmarks/scale.md from the JSON")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.report_only:
         write_report(Path(a.json))
         return

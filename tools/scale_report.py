@@ -1,13 +1,15 @@
 """benchmarks/scale.md from benchmarks/scale.json (tools/scale.py: building) and benchmarks/serving.json
 (tools/serving.py: serving); each JSON records the command lines it was made with.
 
-    python tools/scale_report.py
+    python -m tools.scale_report
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from tools.harness import table
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_JSON = ROOT / "benchmarks" / "scale.json"
@@ -22,13 +24,12 @@ def write_report(build_json: Path = BUILD_JSON) -> None:
     results = json.loads(build_json.read_text()) if build_json.exists() else {}
     stages = ["load", "calibrate", "export", "parity"]
     md = ["# Building and serving against model size", "",
-          "## Building", "", "Written by `python tools/scale.py` (random-weight Llama-shaped checkpoints of tools/checkpoints.py, bfloat16 on disk, built on "
+          "## Building", "", "Written by `python -m tools scale` (random-weight Llama-shaped checkpoints of tools/checkpoints.py, bfloat16 on disk, built on "
           "this project's 2-core, 24 GiB CPU machine into float16 folders). Per stage: seconds / peak RSS in GiB "
           "(VmHWM reset at each stage start; it counts the mapped pages of the checkpoint and of model.onnx.data, which "
           "the kernel can drop and re-read under pressure). Target: peak <= 1.5 x disk + 3 GiB.", "",
-          "| model | parameters | disk (GiB) | " + " | ".join(stages) + " | peak (GiB) | target (GiB) | folder (GiB) | "
-          "wall (s) | parity |", "|---" * (len(stages) + 8) + "|"]
-    notes = []
+          ]
+    notes, rows = [], []
     for name, r in sorted(results.items(), key=lambda kv: kv[1]["params"]):
         if r["build_args"] != DEFAULT_ARGS:
             notes.append(f"`{name.split(',')[0]}*{len(notes) + 1}`: `--sizes {name.split(',')[0]} --build-args "
@@ -36,17 +37,19 @@ def write_report(build_json: Path = BUILD_JSON) -> None:
             name = f"{name.split(',')[0]}*{len(notes)}"
         disk = r["disk_bytes"] / 2**30
         if r["rc"] != 0:
-            md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {disk:.2f} | " + " | ".join("-" for _ in stages)
-                      + f" | - | {1.5 * disk + 3:.1f} | - | {r['seconds']} | build failed (rc {r['rc']}, see its log) |")
+            rows.append([name, f"{r['params'] / 1e9:.2f}B", f"{disk:.2f}", *("-" for _ in stages), "-",
+                         f"{1.5 * disk + 3:.1f}", "-", r["seconds"], f"build failed (rc {r['rc']}, see its log)"])
             continue
         res = r["resources"]
         peak = max(res[s]["peak_rss_gib"] for s in stages if s in res)
         cells = [f"{res[s]['seconds']:.0f} s / {res[s]['peak_rss_gib']:.1f}" if s in res else "-" for s in stages]
         p = r["parity"]
-        md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {disk:.2f} | " + " | ".join(cells) +
-                  f" | {peak:.1f} | {1.5 * disk + 3:.1f} | {r['folder_bytes'] / 2**30:.2f} | {r['seconds']} | "
-                  f"{'pass' if r['parity_pass'] else 'FAIL'}: {p['max_abs_logit_diff_prefill']:.2f} / "
-                  f"{p['max_abs_logit_diff_decode']:.2f}, top-1 {r['top1_unforced']:.2f} |")
+        rows.append([name, f"{r['params'] / 1e9:.2f}B", f"{disk:.2f}", *cells, f"{peak:.1f}", f"{1.5 * disk + 3:.1f}",
+                     f"{r['folder_bytes'] / 2**30:.2f}", r["seconds"],
+                     f"{'pass' if r['parity_pass'] else 'FAIL'}: {p['max_abs_logit_diff_prefill']:.2f} / "
+                     f"{p['max_abs_logit_diff_decode']:.2f}, top-1 {r['top1_unforced']:.2f}"])
+    md += table(["model", "parameters", "disk (GiB)", *stages, "peak (GiB)", "target (GiB)", "folder (GiB)", "wall (s)",
+                 "parity"], rows)
     md += ["", f"Build: `aqua-export --model DIR {DEFAULT_ARGS}`, except rows marked * (same tool, other arguments):",
            *[f"- {x}" for x in notes],
            "", "Parity: float16 ORT vs the float32 PyTorch reference, max |dlogit| prefill / decode under ORT's selection "
@@ -61,8 +64,7 @@ def _gib(b: float) -> str:
 
 
 def _build_rows(shapes: dict) -> list[str]:
-    md = ["| shape | parameters | checkpoint (GiB) | our build: s / peak (GiB) | target (GiB) | parity | "
-          "int4 weights (GiB) | genai builder int4: s / peak (GiB) | its weights (GiB) |", "|---" * 9 + "|"]
+    rows = []
     for name, r in shapes.items():
         b, g = r["build"], r["builder"]
         ours = (f"{b['seconds']:.0f} / {max(s['peak_rss_gib'] for s in b['stages'].values()):.1f}"
@@ -70,15 +72,15 @@ def _build_rows(shapes: dict) -> list[str]:
         parity = ("pass" if b.get("parity_pass") else f"FAIL ({', '.join(b.get('parity_failed', []))})") \
             if b["rc"] == 0 else "-"
         theirs = f"{g['seconds']:.0f} / {g['peak_rss_gib']:.1f}" if g["rc"] == 0 else f"cannot: {g.get('why', '')}"
-        md.append(f"| {name} | {r['params'] / 1e9:.2f}B | {_gib(r['disk_bytes'])} | {ours} | "
-                  f"{1.5 * r['disk_bytes'] / 2**30 + 3:.1f} | {parity} | {_gib(b.get('weights_bytes', 0))} | {theirs} | "
-                  f"{_gib(g['weights_bytes']) if g['rc'] == 0 else '-'} |")
-    return md
+        rows.append([name, f"{r['params'] / 1e9:.2f}B", _gib(r["disk_bytes"]), ours,
+                     f"{1.5 * r['disk_bytes'] / 2**30 + 3:.1f}", parity, _gib(b.get("weights_bytes", 0)), theirs,
+                     _gib(g["weights_bytes"]) if g["rc"] == 0 else "-"])
+    return table(["shape", "parameters", "checkpoint (GiB)", "our build: s / peak (GiB)", "target (GiB)", "parity",
+                  "int4 weights (GiB)", "genai builder int4: s / peak (GiB)", "its weights (GiB)"], rows)
 
 
 def _decode_rows(shapes: dict) -> list[str]:
-    md = ["| shape | context | runtime | folder | tokens/s | vs builder int4 (same runtime) | vs all experts | "
-          "serve peak (GiB) | bound: 1.3 x weights + cache + 1 (GiB) |", "|---" * 9 + "|"]
+    rows = []
     for name, r in shapes.items():
         weights = {"aqua": r["build"].get("weights_bytes", 0), "genai": r["builder"].get("weights_bytes", 0),
                    "all": r.get("all_experts_weights_bytes", 0)}
@@ -98,10 +100,10 @@ def _decode_rows(shapes: dict) -> list[str]:
                 bound = 1.3 * weights[kind] + cache + 2**30
                 ctx = r[run_key]["context"]  # the bench's own record
                 ctx = f"{ctx} (chunks of {r.get('genai_prompt_chunk', 1024)})" if runtime == "genai" else ctx
-                md.append(f"| {name} | {ctx} | {runtime} | {label} | {m['tokens_per_s']:.2f} | "
-                          f"{vs_b} | {vs_d} | "
-                          f"{m['peak_rss_mb'] / 1024:.2f} | {bound / 2**30:.2f} |")
-    return md
+                rows.append([name, ctx, runtime, label, f"{m['tokens_per_s']:.2f}", vs_b, vs_d,
+                             f"{m['peak_rss_mb'] / 1024:.2f}", f"{bound / 2**30:.2f}"])
+    return table(["shape", "context", "runtime", "folder", "tokens/s", "vs builder int4 (same runtime)", "vs all experts",
+                  "serve peak (GiB)", "bound: 1.3 x weights + cache + 1 (GiB)"], rows)
 
 
 def report_lines() -> list[str]:
@@ -112,7 +114,7 @@ def report_lines() -> list[str]:
     shapes = results.get("shapes", {})
     build_args = next(iter(shapes.values()), {}).get("build_args", "")
     md = ["## Serving", "",
-          "Written by `python tools/serving.py`: random-weight checkpoints of the paper's shapes (bfloat16, made in code: "
+          "Written by `python -m tools serving`: random-weight checkpoints of the paper's shapes (bfloat16, made in code: "
           "tools/checkpoints.py), built with `aqua-export --model DIR " + build_args + "` and by "
           "onnxruntime-genai's model builder (`-p int4 -e cpu`, block 32, accuracy level 4) in the same run, then "
           "decoded at batch 1 (context 4096, or the shape's own window less the steps: TinyLlama's 1.1B has 2048 "
@@ -128,20 +130,16 @@ def report_lines() -> list[str]:
         q = results["quality"]
         ref = q.get("aqua float32", {}).get("perplexity")
         md += ["", "### Int4 quality (the embedded trained model)", "",
-               "`python tools/serving.py --quality`: perplexity through `aqua-export eval --folder` on builtin:gpl-3 "
+               "`python -m tools serving --quality`: perplexity through `aqua-export eval --folder` on builtin:gpl-3 "
                "(8,192 tokens, windows of 512) of folders built from the embedded SmolLM2-135M-Instruct: ours dense "
                "(k 1) float32 and int4 (block 32, symmetric, accuracy level 4), ours int4 at k 0.75, the float32 and the int4 "
                "k 0.75 folders again with a float16 cache (`--cache-dtype float16`), and "
-               "onnxruntime-genai's builder int4 (block 32, accuracy level 4) of the same checkpoint.", "",
-               "| folder | perplexity | vs genai builder int4 | vs float32 |", "|---|---|---|---|"]
+               "onnxruntime-genai's builder int4 (block 32, accuracy level 4) of the same checkpoint.", ""]
         base = q.get("genai builder int4", {}).get("perplexity")
-        for name, r in q.items():
-            if "perplexity" not in r:
-                md.append(f"| {name} | failed: {r.get('error', '')[-120:]} | - | - |")
-                continue
-            p = r["perplexity"]
-            md.append(f"| {name} | {p:.4f} | {f'{p / base - 1:+.2%}' if base else '-'} | "
-                      f"{f'{p / ref - 1:+.2%}' if ref else '-'} |")
+        rows = [[name, f"failed: {r.get('error', '')[-120:]}", "-", "-"] if "perplexity" not in r else
+                [name, f"{r['perplexity']:.4f}", f"{r['perplexity'] / base - 1:+.2%}" if base else "-",
+                 f"{r['perplexity'] / ref - 1:+.2%}" if ref else "-"] for name, r in q.items()]
+        md += table(["folder", "perplexity", "vs genai builder int4", "vs float32"], rows)
     return md
 
 

@@ -6,10 +6,10 @@ this machine). An OLMoE shape is also decoded through the all-experts form of th
 every token, as this project's graph computed MoE layers before QMoE). The int4 quality section compares perplexities
 of the embedded trained model's folders (ours and the builder's int4, the float32 folder) on one text.
 
-    python tools/serving.py [--shapes 1.1B,8B,OLMoE-1B-7B] [--context 4096] [--work build/serving]
+    python -m tools serving [--shapes 1.1B,8B,OLMoE-1B-7B] [--context 4096] [--work build/serving]
                             [--cache-dtype float16]   # the folders cache float16 (rows "<shape>, float16 cache")
-    python tools/serving.py --quality                 # the embedded model's int4 perplexities only
-    python tools/serving.py --report-only             # rewrite benchmarks/scale.md from the JSONs
+    python -m tools serving --quality                 # the embedded model's int4 perplexities only
+    python -m tools serving --report-only             # rewrite benchmarks/scale.md from the JSONs
 
 Writes benchmarks/serving.json; tools/scale_report.py renders it (with tools/scale.py's build half) into
 benchmarks/scale.md. Not CI:
@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 BUILD_ARGS = ["--k-ratio", "0.75", "--weights", "int4", "--calib-text", "builtin:gpl-3", "--calib-tokens", "2048",
               "--parity-prompt-tokens", "128", "--parity-steps", "16"]
@@ -87,7 +85,7 @@ def cache_bytes(folder: Path, tokens: int) -> int:
 
 def serve_shape(name: str, work: Path, context: int, steps: int, rounds: int, genai_context: int,
                 args: list[str]) -> dict:
-    from checkpoints import write_checkpoint
+    from tools.checkpoints import write_checkpoint
 
     ckpt = work / f"ckpt-{name}"
     params = write_checkpoint(ckpt, name)
@@ -110,7 +108,7 @@ def measure_shape(name: str, work: Path, res: dict, context: int, steps: int, ro
     """Decode the built folders of a shape (res: serve_shape's build records) in onnxruntime-genai (a real prompt
     of genai_context tokens prefilled through it) and in this project's runtime (context written into the cache),
     then remove them."""
-    from moe_dense import all_experts_folder
+    from tools.moe_dense import all_experts_folder
 
     from aqua_export.bench import GENAI_PROMPT_CHUNK
 
@@ -171,7 +169,7 @@ def quality(work: Path) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1.1B,8B,OLMoE-1B-7B")
     ap.add_argument("--context", type=int, default=4096)
@@ -184,9 +182,9 @@ def main() -> None:
     ap.add_argument("--quality", action="store_true", help="only the embedded model's int4 perplexities")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--cache-dtype", choices=["float16"], help="build with --cache-dtype (recorded as its own rows)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     args = BUILD_ARGS + ["--cache-dtype", a.cache_dtype] * bool(a.cache_dtype)
-    from scale_report import write_report
+    from tools.scale_report import write_report
 
     results = json.loads(JSON.read_text()) if JSON.exists() else {}
     if not a.report_only:

@@ -68,7 +68,7 @@ PARITY_STEPS = 64  # greedy decode steps unless asked
 # Traces: logits per forward ([T, V] at prefill, [1, V] per step) on a prompt and fed tokens
 # --------------------------------------------------------------------------------------------
 
-def _ort_trace(lm, ids: np.ndarray, steps: int, tokens=None):
+def ort_trace(lm, ids: np.ndarray, steps: int, tokens=None):
     """Logits per forward and the tokens chosen (or fed: ``tokens``); what lm's probe recorded, it holds."""
     mask = np.ones_like(ids)
     past = lm.empty_past(1)
@@ -87,7 +87,7 @@ def _ort_trace(lm, ids: np.ndarray, steps: int, tokens=None):
     return trace, toks
 
 
-def _torch_trace(model, ids: np.ndarray, toks: list[int], cache, probe: ReplayProbe | None = None):
+def torch_trace(model, ids: np.ndarray, toks: list[int], cache, probe: ReplayProbe | None = None):
     """The reference's logits at the positions of an ORT trace on the same prompt and fed tokens, from one forward
     over all of them: attention is causal, so position t sees what it sees decoding step by step (an H2O forward
     evicts token by token as decoding does), and one forward costs one pass over the weights, not one per step."""
@@ -150,18 +150,18 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     runs: dict = {"float16_weights": "cast per node at run time" if lean else None}
     progress("ONNX Runtime, the folder's graph")
     with session("main", kernel, own_cache=True) as lm:
-        runs["main"] = _ort_trace(lm, ids, steps)
+        runs["main"] = ort_trace(lm, ids, steps)
     toks = runs["main"][1]
     if narrow:
         progress("ONNX Runtime, the folder's graph with its cache float32")
         with session("cache", kernel) as lm:
-            runs["cache"] = (_ort_trace(lm, ids, steps, tokens=toks)[0], toks)
+            runs["cache"] = (ort_trace(lm, ids, steps, tokens=toks)[0], toks)
     pages = config.selects_tokens
     if sparse or h2o or pages:
         progress("ONNX Runtime, the graph with its selections exposed")
         rec = RuntimeRecorder(evictions=h2o)
         with session("selection", "function", *gated, selection_outputs, probe=rec) as dbg:
-            trace = _ort_trace(dbg, ids, steps, tokens=toks)[0]
+            trace = ort_trace(dbg, ids, steps, tokens=toks)[0]
             names = dbg.output_names[dbg.n_outputs:]
         # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k] and the pages' order
         # [B, Hkv, 1, T, P]; per token and layer the live tokens
@@ -174,12 +174,12 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
         if "debug" not in runs:
             progress("ONNX Runtime, the function body" + (" with float32 activations" if gated else ""))
             with session("function", "function", *gated) as fn:
-                runs["debug"] = {"trace": _ort_trace(fn, ids, steps, tokens=toks)[0]}
+                runs["debug"] = {"trace": ort_trace(fn, ids, steps, tokens=toks)[0]}
     if kernel == "native":
         progress("ONNX Runtime, the native kernel")
         rec = RuntimeRecorder(evictions=h2o)
         with session("native", "native", *gated, probe=rec) as lm:
-            runs["native"] = (_ort_trace(lm, ids, steps, tokens=toks)[0], rec.live if h2o else None)
+            runs["native"] = (ort_trace(lm, ids, steps, tokens=toks)[0], rec.live if h2o else None)
     # the trace the values are gated on: the one whose selections are exposed, or the float32-activation one
     runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (sparse or h2o or pages or gated) else \
         runs.get("cache", runs["main"])[0]
@@ -188,7 +188,7 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
         no_evict = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF: no eviction
         # slice 0: every layer is d wide, so one k = r fits all nodes
         with session("k_eq_r", "auto", *gated, set_k(cfg.contract.widths[0]), lm_cfg=no_evict) as dense:
-            runs["k_eq_r"] = _ort_trace(dense, ids, steps, tokens=toks)[0]
+            runs["k_eq_r"] = ort_trace(dense, ids, steps, tokens=toks)[0]
     return runs
 
 
@@ -284,7 +284,7 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
     def trace(dtype, probe=None):  # token selection on the fed tokens' rows, as the graph's decode steps
         with apply_aqua(model, projection, config, probe=probe, token_rows_from=ids.shape[1]) as aqua, \
                 computing_in(model, dtype, weights):
-            return _torch_trace(model, ids, toks, aqua.new_cache(), probe)
+            return torch_trace(model, ids, toks, aqua.new_cache(), probe)
 
     own = trace(torch.float32)
     res["ort_vs_reference_unforced"] = compare(ort_trace, own, tol["aqua"], tol.get("logit_tie"))
@@ -345,11 +345,11 @@ def _versus_hf(res: dict, runs: dict, model, ids, config: AquaConfig, tol: dict,
         return
     toks = runs["main"][1]
     with computing_in(model, torch.float32, weights):
-        hf32 = _torch_trace(model, ids, toks, None)
+        hf32 = torch_trace(model, ids, toks, None)
     hf64 = None
     if tol["near_tie"] is not None:
         with computing_in(model, torch.float64, weights):
-            hf64 = _torch_trace(model, ids, toks, None)
+            hf64 = torch_trace(model, ids, toks, None)
     res["ort_k1_vs_hf"] = gate(trace, hf32, hf64, tol["dense_vs_hf"] if config.is_dense else tol["aqua"], tol)
     res["ort_k1_vs_hf"]["graph"] = "the folder's graph" if config.is_dense else \
         "this folder's graph with k set to r (calibrated P kept)" + (", H2O eviction off" if config.evicts else "")
@@ -365,7 +365,7 @@ def _quantization_reports(res, runs, model, ids, projection, config, tol, cfg) -
         res["activation_accuracy"] = {k: v for k, v in compare(main, runs["gated"], tol["aqua"], None).items()
                                       if k in keep}
     with apply_aqua(model, projection, config) as aqua, computing_in(model, torch.float32):
-        unquantized = _torch_trace(model, ids, toks, aqua.new_cache())
+        unquantized = torch_trace(model, ids, toks, aqua.new_cache())
     res["vs_float_weights"] = {k: v for k, v in compare(main, unquantized, tol["aqua"], None).items() if k in keep}
 
 

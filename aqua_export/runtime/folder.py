@@ -133,7 +133,7 @@ class FolderConfig:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ConfigError(f"{f} is corrupt (not JSON): rebuild the folder") from None
         if isinstance(data, dict) and CHECKSUM in data:  # folders built before it: nothing to compare
-            if data.pop(CHECKSUM) != _checksum(data):
+            if data.pop(CHECKSUM) != checksum_of(data):
                 raise ConfigError(f"{f} was edited after the build (its content no longer matches its checksum), so it "
                                   "may not describe the graph any more: rebuild the folder (a build's settings are "
                                   "given to the build, not written here)")
@@ -145,7 +145,7 @@ class FolderConfig:
     def write(self, folder: str | Path) -> None:
         d = self.to_dict()
         atomic_write_bytes(Path(folder) / CONFIG_FILE,
-                           json.dumps({**d, CHECKSUM: _checksum(d)}, indent=1, sort_keys=True).encode())
+                           json.dumps({**d, CHECKSUM: checksum_of(d)}, indent=1, sort_keys=True).encode())
 
     def seal(self, folder: str | Path) -> "FolderConfig":
         """The last write of a build: aqua_config.json with the manifest of every other file now in ``folder``."""
@@ -201,10 +201,10 @@ def foreign_files(folder: str | Path, files: dict | None) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.name not in mine)
 
 
-CHECKSUM = "sha256"  # aqua_config.json's own: SHA-256 of its other content (_checksum)
+CHECKSUM = "sha256"  # aqua_config.json's own: SHA-256 of its other content (checksum_of)
 
 
-def _checksum(d: dict) -> str:
+def checksum_of(d: dict) -> str:
     """SHA-256 of a config's content as canonical JSON (sorted keys, no spaces): what it was when written."""
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

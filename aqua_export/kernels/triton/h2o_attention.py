@@ -221,7 +221,7 @@ def tables_kernel(mask_ptr, ratio_ptr, before_ptr, keep_ptr, L, BLOCK: tl.conste
         carry += tl.sum(real, axis=0).to(tl.int64)
 
 
-def _tables(mask: torch.Tensor, ratio: float, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_tables(mask: torch.Tensor, ratio: float, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """tables_kernel: before [B, L + 1] int64, keep [B, L] int64 (one launch: torch's int64 prefix sum alone took
     53 us at 32k positions, batch 8, on an H100, and the same kernel in steps of 1024 positions about 100 us)."""
     b, length = mask.shape
@@ -278,7 +278,7 @@ def h2o_attention(q, key_new, value_new, past_key, past_value, past_heavy, past_
     if interpret is None:
         interpret = not q.is_cuda
     mask = mask.contiguous()
-    before, keep = _tables(mask, ratio, interpret)
+    before, keep = slot_tables(mask, ratio, interpret)
     if check:
         check_state(past_token, before, mask.shape[1] - t, ratio)
     cap = c if c >= rules.slots_needed(ratio, [mask.shape[1]]) else \

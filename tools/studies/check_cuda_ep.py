@@ -3,16 +3,13 @@ installed onnxruntime has one: float32 and float16 against the PyTorch reference
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import onnxruntime as ort
 
     from aqua_export.ops import topk_gather_dot

@@ -11,7 +11,7 @@ curves (each the sum of its heads': the per-layer allocation on the same measure
 builtin:gpl-3 in 512-token windows (tools/quality.py's text), dense, uniform k, per layer and per head, at the
 same average k; ratio = allocated increase / uniform's. Byte accounting under a per-head k is not measured here.
 
-    python tools/head_alloc_study.py      (about 20 minutes on 2 cores)
+    python -m tools.studies.head_alloc_study      (about 20 minutes on 2 cores)
     -> benchmarks/head_alloc_study.json and .md
 """
 
@@ -26,15 +26,14 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from aqua_export import corpus, evaluate, models  # noqa: E402
-from aqua_export.allocate import measured_curve, water_fill  # noqa: E402
-from aqua_export.config import AquaConfig  # noqa: E402
-from aqua_export.ops.rules import select_indices  # noqa: E402
-from aqua_export.outputs import atomic_write_bytes  # noqa: E402
-from aqua_export.projection import load_projection  # noqa: E402
-from aqua_export.slice_costs import SELECT_WIDTHS, Costs  # noqa: E402
+from aqua_export import corpus, evaluate, models
+from aqua_export.allocate import measured_curve, water_fill
+from aqua_export.config import AquaConfig
+from aqua_export.ops.rules import select_indices
+from aqua_export.outputs import atomic_write_bytes
+from aqua_export.projection import load_projection
+from aqua_export.slice_costs import SELECT_WIDTHS, Costs
 
 RULE, CALIB, EVAL = "weighted", "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (0.5, 0.4, 0.3)
@@ -80,7 +79,7 @@ def head_costs(model, tok, proj) -> np.ndarray:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     model, tok = models.load("llama")
@@ -124,7 +123,7 @@ def main() -> int:
 
 
 def report(res: dict) -> str:
-    lines = ["# k per (layer, KV head) against k per layer (`tools/head_alloc_study.py`)\n",
+    lines = ["# k per (layer, KV head) against k per layer (`python -m tools.studies.head_alloc_study`)\n",
              __doc__.split("\n\n")[0].replace("\n", " ") + "\n",
              f"Rule `{RULE}`; costs on {CALIB} (512 tokens), perplexity on {EVAL} (512-token windows); dense "
              f"{res['dense']:.4f}. Ratio = allocated increase / uniform's (issue 29 asks <= 0.5). Predicted: the "

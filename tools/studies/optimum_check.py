@@ -4,7 +4,7 @@ AQUA (k 0.75) and AQUA-Memory (slice 0.25) folders here (one calibration shared)
 environment and with `aqua-export run --kernel function` (optimum registers no kernel library, so both run the
 function bodies), and writes whether the tokens agree to benchmarks/optimum.md.
 
-    python tools/optimum_check.py [--work build/optimum] [--tokens 32]
+    python -m tools.studies.optimum_check [--work build/optimum] [--tokens 32]
 
 The environment (build/venvs/optimum: torch 2.13.0, optimum-onnx[onnxruntime] 0.1.0) is made on first use (PyPI).
 Not CI: minutes of installs and three builds.
@@ -57,11 +57,11 @@ def ours(folder: Path, n: int) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=str(ROOT / "build" / "optimum"))
     ap.add_argument("--tokens", type=int, default=32)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     python = environment()
@@ -87,7 +87,7 @@ def main() -> None:
                      "aqua-export run": mine})
         print(f"{name}: {'same tokens' if theirs == mine else 'DIFFERENT'}", flush=True)
     lines = ["# optimum's ORTModelForCausalLM on this project's folders", "",
-             f"Written by `python tools/optimum_check.py` (optimum-onnx {versions[0]}, transformers {versions[1]}, "
+             f"Written by `python -m tools.studies.optimum_check` (optimum-onnx {versions[0]}, transformers {versions[1]}, "
              f"onnxruntime {versions[2]} in build/venvs/optimum): the embedded model, greedy, {a.tokens} new tokens, "
              "against `aqua-export run --kernel function` (optimum registers no kernel library).", "",
              "| folder | prompt | same text | optimum |", "|---|---|---|---|"]

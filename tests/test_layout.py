@@ -1,0 +1,90 @@
+"""The repository's structure, as rules a change cannot break unnoticed: the package's imports form no circle, no
+file edits sys.path, nothing imports another package's private names, and every file under benchmarks/ names the
+command that writes it (tools/harness.py's registry)."""
+
+import ast
+import importlib
+import subprocess
+from pathlib import Path
+
+from tools import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tracked(pattern: str) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / p for p in out.split()]
+
+
+def _imports(path: Path):
+    """(module named, names imported, resolved package-relative module) of every from-import in path."""
+    tree = ast.parse(path.read_text())
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join([*base, node.module] if node.module else base)
+            yield mod, [a.name for a in node.names]
+
+
+def test_no_file_edits_sys_path():
+    hits = [str(p.relative_to(ROOT)) for p in _tracked("*.py") if "sys.path.insert" in p.read_text()
+            and p.name != "test_layout.py"]
+    assert not hits, f"import through packages (python -m tools NAME, pytest's pythonpath) instead: {hits}"
+
+
+def test_no_private_name_is_imported_across_packages():
+    bad = []
+    for p in _tracked("*.py"):
+        here = ".".join(p.relative_to(ROOT).with_suffix("").parts[:-1])
+        for mod, names in _imports(p):
+            there = mod.rsplit(".", 1)[0] if mod.count(".") else mod
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and mod.startswith(("aqua_export", "tools")) and there != here:
+                bad.append(f"{p.relative_to(ROOT)}: {mod} {private}")
+    assert not bad, bad
+
+
+def test_the_package_has_no_import_circle():
+    """Module-level imports inside aqua_export (lazy imports inside functions are the stage boundaries, not edges)."""
+    graph: dict[str, set[str]] = {}
+    for p in (ROOT / "aqua_export").rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(p.read_text())
+        pkg = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+                deps |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aqua_export"):
+                deps.add(node.module)
+        graph[name] = deps
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    # a package's __init__ may gather its own modules: an edge into a package from inside it is not a circle
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError(" -> ".join(path[path.index(d):] + [d]) if d in path else f"{m} -> {d}")
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_every_benchmark_file_names_its_command():
+    tracked = {p.name for p in _tracked("benchmarks/*")} - {"README.md"}
+    named = {f for b in harness.REGISTRY.values() for f in b.writes} | set(harness.STUDIES)
+    assert tracked <= named, f"written by no registered command: {sorted(tracked - named)}"
+    assert (ROOT / "benchmarks" / "README.md").read_text() == harness.index(), "rerun: python -m tools"
+    for b in harness.REGISTRY.values():  # each entry runs as python -m tools NAME
+        assert callable(importlib.import_module(f"tools.{b.module}").main)

@@ -1,0 +1,98 @@
+"""One measurement harness: the registry of the benchmarks (name -> module, what it measures, the files it writes
+under benchmarks/), the one interleaved-median timer and the one markdown table writer they share.
+
+    python -m tools                 the registry, and benchmarks/README.md rewritten from it
+    python -m tools NAME [ARGS]     run one (its --help says its options)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str  # tools.<module>, whose main(argv) runs it
+    measures: str
+    writes: tuple[str, ...]  # paths under benchmarks/ (or the repository, for docs)
+    needs: str = ""  # what it needs beyond `make setup` (a GPU, the peers' environments)
+
+
+REGISTRY = {
+    "attention": Benchmark("bench_attention", "one attention step of every kernel at long context, ONNX Runtime "
+                           "nodes on this CPU, against dense", ("attention_step.json",)),
+    "breakeven": Benchmark("bench_breakeven", "the context where AQUA's step overtakes dense, predicted and measured",
+                           ("breakeven.json",)),
+    "decode": Benchmark("bench_decode", "decode tokens/s and memory of built folders: every variant, genai, H2O, "
+                        "token selection, the 8k target", ("decode.json", "genai.json", "h2o.json", "tokens.json",
+                                                            "target.json", "capacity.json")),
+    "performance": Benchmark("perf_report", "benchmarks/performance.md from the JSON of attention, breakeven and "
+                             "decode", ("performance.md",)),
+    "prefill": Benchmark("bench_prefill", "time to first token, decode after it, the whole request and peak RSS "
+                         "against genai's builder, OpenVINO GenAI and llama.cpp", ("prefill.json", "prefill.md"),
+                         needs="the peers' environments: python -m tools prefill --setup"),
+    "quality": Benchmark("quality", "perplexity, retention, lm-eval, long windows and pass keys of every setting on "
+                         "the embedded model", ("quality.json", "quality.md", "retention.json", "retention.png",
+                                                "passkey.json")),
+    "scale": Benchmark("scale", "a build's time and memory against model size (random-weight checkpoints)",
+                       ("scale.json", "scale.md")),
+    "serving": Benchmark("serving", "serving at deployed sizes: load, decode and memory against genai's builder",
+                         ("serving.json", "scale.md")),
+    "gpu": Benchmark("bench_gpu", "the Triton kernels on a GPU against torch SDPA", ("gpu_attention.md",
+                                                                                     "gpu_attention.json"),
+                     needs="an NVIDIA GPU"),
+    "cli-reference": Benchmark("cli_reference", "docs/cli.md from the parsers, the settings and the capability table",
+                               ("../docs/cli.md",)),
+}
+# one-off studies (tools/studies/): what they wrote stays in benchmarks/ as the record of a decision
+STUDIES = {"head_alloc_study.json": "python -m tools.studies.head_alloc_study",
+           "head_alloc_study.md": "python -m tools.studies.head_alloc_study",
+           "optimum.md": "python -m tools.studies.optimum_check (in optimum-onnx's own environment)"}
+
+
+def command(name: str) -> str:
+    return f"python -m tools {name}"
+
+
+def interleaved_medians(fns: dict, reps: int, budget_s: float = float("inf"), warmup: bool = True) -> dict:
+    """Median seconds per callable of ``fns`` (name -> fn), measured in rounds that run every callable once, so
+    drift and frequency changes hit all of them alike; stops after ``budget_s`` once 5 rounds are in."""
+    if warmup:
+        for fn in fns.values():
+            fn()  # allocations, thread pools
+    times: dict = {name: [] for name in fns}
+    start = time.perf_counter()
+    for i in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s and i >= 4:
+            break
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    """A markdown table: the header row, the rule, one line per row (cells as str())."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+        ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def written_by(name: str) -> str:
+    """The line every markdown file a benchmark writes starts its body with."""
+    return f"Written by `{command(name)}` (tools/harness.py's registry); do not edit by hand."
+
+
+def index() -> str:
+    """benchmarks/README.md: which command writes which file."""
+    rows = [[f"`{f}`", f"`{command(name)}`", b.measures + (f" (needs {b.needs})" if b.needs else "")]
+            for name, b in REGISTRY.items() for f in b.writes if not f.startswith("..")]
+    rows += [[f"`{f}`", f"`{cmd}`", "a one-off study (tools/studies/)"] for f, cmd in STUDIES.items()]
+    return "\n".join(["# benchmarks/", "", "Every file here is written by a command; `python -m tools` rewrites this "
+                      "index from tools/harness.py's registry.", "", *table(["file", "written by", "what"], rows), ""])
