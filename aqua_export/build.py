@@ -2,7 +2,7 @@
 
 Folder contents: model.onnx (+ model.onnx.data when large), projection.safetensors, aqua_config.json
 (folder.FolderConfig), the tokenizer files, parity.json, and what onnxruntime-genai loads: genai_config.json,
-config.json, generation_config.json, libaqua_ort.so (backends/genai.py). It is assembled in a temporary
+config.json, generation_config.json, libaqua_ort.so (runtime/genai.py). It is assembled in a temporary
 sibling folder and renamed into place only when every stage succeeded, so a failure leaves nothing behind.
 """
 

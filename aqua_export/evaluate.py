@@ -122,7 +122,7 @@ def folder_perplexity(folder, text: str, *, tokens: int, seq_len: int | None = N
                       progress: bool = False) -> dict:
     """Perplexity of a built folder run by ONNX Runtime (the same windows as ``perplexity``): this tool's folders
     through their graph contract (runtime.OrtLM, the native kernels when built), a folder of onnxruntime-genai's
-    model builder through its genai_config.json (backends.genai.GenaiGraph), so two exports of one checkpoint
+    model builder through its genai_config.json (runtime.genai), so two exports of one checkpoint
     compare on the same text. A token-selection folder decodes each window token by token (a forward of a whole
     window would attend exactly, as a prompt does), slower but what serving computes."""
     from pathlib import Path

@@ -64,3 +64,15 @@ def smollm_projection(smollm, tmp_path_factory):
     path = tmp_path_factory.mktemp("proj") / "smollm.safetensors"
     artifact.write(path, tensors, meta)
     return artifact.load_projection(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(model, projection): the tiny random llama (models.tiny_model("llama")) and a projection calibrated on it,
+    made once per test process. Read-only: a test that changes the weights or the config makes its own."""
+    from helpers import tiny_projection
+
+    from aqua_export import models
+
+    m = models.tiny_model("llama")
+    return m, tiny_projection(m, tmp_path_factory.mktemp("tiny-llama"))

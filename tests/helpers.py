@@ -121,3 +121,14 @@ def random_projection(hkv, d, r, seed=1):
     """P [Hkv, d, r]: the first r columns of a random orthogonal matrix per KV head."""
     gen = torch.Generator().manual_seed(seed)
     return torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0][..., :r].contiguous()
+
+
+def one_line(capsys, needle: str = "") -> str:
+    """The one error line a command left on stderr (progress bars and warnings aside): it starts "aqua-export:
+    error: ", contains needle, and no traceback came with it."""
+    err = capsys.readouterr().err
+    lines = [x for x in err.replace("\r", "\n").splitlines()
+             if x.strip() and not x.startswith("aqua-export: warning") and "%|" not in x]
+    assert len(lines) == 1 and lines[0].startswith("aqua-export: error: ") and "Traceback" not in err, err
+    assert needle in lines[0], lines[0]
+    return lines[0]

@@ -20,7 +20,7 @@ import torch
 from helpers import H2O_MASKS, attention_inputs, h2o_inputs, random_projection
 
 from aqua_export.ops import aqua_attention, cache_update, h2o_attention, logit_rows, topk_gather_dot, value_product
-from aqua_export.ops.spec import RULE_NAMES
+from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC
 
 RULES = sorted(RULE_NAMES)  # every selection rule's code
 
@@ -98,7 +98,7 @@ SCORES = [
       for s, large in SCORE_SHAPES for which in (1, "half", "r") for rule in RULES],
     # 11 slots of which the first 7 are filled, a four-way tie
     *[Case(f"filled-7-of-11-k{k}-rule{rule}", lambda: _score_inputs((3, 2, 2, 5, 8, 11), seed=3, length=7),
-           {"k": k, "rule": rule}) for k, rule in ((1, 0), (3, 0), (8, 0), (3, 1), (3, 2))],
+           {"k": k, "rule": rule}) for k, rule in ((1, MAGNITUDE), (3, MAGNITUDE), (8, MAGNITUDE), (3, GROUP), (3, STATIC))],
     # a shared buffer of C = 1500 slots with L filled: scores [.., L]
     *[Case(f"filled-{n}-of-1500", lambda n=n: _score_inputs((2, 3, 3, 1, 64, 1500), seed=2, length=n), {"k": 48},
            large=True) for n in (0, 1, 1100)],
@@ -178,13 +178,13 @@ ATTENTION = [
       for s, large in ATTENTION_SHAPES for which in (1, "half", "r") for rule in RULES],
     # AQUA-Memory may cache V at its own width rv: out is rv wide (a split decode merges rv + 2 partials)
     *[Case(f"values-{rv}-wide-{'x'.join(map(str, s))}", lambda s=s, rv=rv: _attention_inputs(s, rv=rv),
-           {"k": s[4] // 2, "rule": 1}, large=large)
+           {"k": s[4] // 2, "rule": GROUP}, large=large)
       for s, rv, large in (((1, 2, 3, 1, 32, 3000, 3000), 48, True), ((2, 2, 3, 7, 16, 40, 40), 8, False),
                            ((2, 2, 3, 1, 64, 600, 600), 52, True), ((1, 2, 3, 2, 64, 300, 300), 100, True),
                            ((2, 2, 3, 2, 16, 50, 64), 24, False))],
-    Case("softcap", lambda: _attention_inputs((2, 2, 3, 4, 16, 50, 64), scale=4.0), {"k": 8, "rule": 1, "softcap": 5.0},
+    Case("softcap", lambda: _attention_inputs((2, 2, 3, 4, 16, 50, 64), scale=4.0), {"k": 8, "rule": GROUP, "softcap": 5.0},
          unlike=lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=8,
-                                                     rule=1)),
+                                                     rule=GROUP)),
     Case("float16", lambda: _attention_inputs((2, 3, 3, 2, 32, 120, 128), torch.float16), {"k": 16}, dtype="float16"),
     *[Case(f"projects-{'x'.join(map(str, s))}-d{d}-rule{rule}", lambda s=s, d=d: _attention_inputs(s, d=d),
            {"k": s[4] // 2, "rule": rule}, projected=True, large=large,
@@ -192,22 +192,22 @@ ATTENTION = [
       for s, d, large in (((1, 2, 3, 1, 64, 300, 300), 64, False), ((2, 2, 3, 4, 16, 40, 40), 24, False),
                           ((1, 2, 3, 1, 64, 3000, 3000), 64, True), ((3, 3, 3, 1, 32, 300, 517), 32, True),
                           ((2, 2, 4, 1, 96, 700, 800), 128, True))
-      for rule in (0, 1)],
+      for rule in (MAGNITUDE, GROUP)],
     Case("projects-float16", lambda: _attention_inputs((2, 3, 3, 2, 32, 200, 256), torch.float16, d=32),
-         {"k": 16, "rule": 1}, dtype="float16", projected=True),
+         {"k": 16, "rule": GROUP}, dtype="float16", projected=True),
     # token selection: a decode step attends the pages its approximate scores choose, a prompt every token exactly
     *[Case(f"tokens-{'x'.join(map(str, s))}-{'-'.join(f'{a}{v}' for a, v in tok.items())}-rule{rule}",
            lambda s=s: _attention_inputs(s), {"k": s[4] // 2, "rule": rule, **_tokens(**tok)}, large=large,
            unlike=_dense(s[4]) if unlike else None)
-      for s, tok, large, unlike in TOKEN_SHAPES for rule in (0, 1)],
+      for s, tok, large, unlike in TOKEN_SHAPES for rule in (MAGNITUDE, GROUP)],
     Case("tokens-projects", lambda: _attention_inputs((1, 2, 3, 1, 64, 300, 300), d=64),
-         {"k": 32, "rule": 1, **_tokens(ratio=0.3)}, projected=True, unlike=lambda ins: aqua_attention.reference(
-             *_unprojected(ins), k=32, rule=1, **_tokens(ratio=0.3))),
+         {"k": 32, "rule": GROUP, **_tokens(ratio=0.3)}, projected=True, unlike=lambda ins: aqua_attention.reference(
+             *_unprojected(ins), k=32, rule=GROUP, **_tokens(ratio=0.3))),
     # a float32 graph caching float16 (contract cache_dtype): the caches' values are exact in float64, so float32's
     # tolerance holds; decode split over threads, Llama's d = 128 (value vectors of 64), a prompt, projected, tokens
     *[Case(f"cache-float16-{'x'.join(map(str, s))}{'-projects' if d else ''}{'-tokens' if tok else ''}",
            lambda s=s, d=d: _attention_inputs(s, d=d, cache=torch.float16),
-           {"k": s[4] // 2, "rule": 1, **(_tokens(ratio=0.25) if tok else {})}, projected=d is not None,
+           {"k": s[4] // 2, "rule": GROUP, **(_tokens(ratio=0.25) if tok else {})}, projected=d is not None,
            cache_dtype="float16", only=("function", "native"))
       for s, d, tok in (((1, 2, 3, 1, 64, 700, 700), None, False), ((2, 1, 4, 1, 128, 300, 320), None, False),
                         ((2, 2, 3, 5, 16, 40, 40), None, False), ((1, 2, 3, 1, 64, 300, 300), 64, False),
@@ -221,7 +221,7 @@ ATTENTION = [
            {"k": s[4] // 4, "rule": rule, "head_prices": _prices(s[1]), **(_tokens(ratio=0.25) if tok else {})},
            dtype=dt, projected=d is not None, cache_dtype=None if c is None else "float16",
            only=() if c is None else ("function", "native"),
-           unlike=None if rule == 2 else lambda ins, s=s, rule=rule, d=d: aqua_attention.reference(
+           unlike=None if rule == STATIC else lambda ins, s=s, rule=rule, d=d: aqua_attention.reference(
                *(_unprojected(ins) if d else [x.double() if x.is_floating_point() else x for x in ins]), k=s[4] // 4, rule=rule, **(_tokens(ratio=0.25) if tok else {})))
       for s, rule, d, tok, dt, c in (((1, 3, 3, 1, 64, 700, 700), 0, None, False, "float32", None),
                                      ((2, 2, 3, 5, 16, 40, 40), 0, None, False, "float32", None),
@@ -234,9 +234,9 @@ ATTENTION = [
     Case("shared-k-prices-per-kv-head", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)),
          {"k": 8, "head_prices": [1.0, 2.0, 3.0]}, only=("native", "triton"), error="one price per kv head"),
     Case("tokens-float16", lambda: _attention_inputs((2, 3, 3, 1, 32, 200, 256), torch.float16),
-         {"k": 16, "rule": 1, **_tokens(ratio=0.3)}, dtype="float16"),
+         {"k": 16, "rule": GROUP, **_tokens(ratio=0.3)}, dtype="float16"),
     Case("tokens-softcap", lambda: _attention_inputs((2, 2, 3, 1, 16, 150, 160), scale=4.0),
-         {"k": 8, "rule": 0, "softcap": 5.0, **_tokens(ratio=0.25)}),
+         {"k": 8, "rule": MAGNITUDE, "softcap": 5.0, **_tokens(ratio=0.25)}),
     Case("tokens-ratio-past-1", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 8, **_tokens(ratio=1.5)},
          only=("native", "triton"), error="token_ratio must be in"),
     Case("row-hidden-everywhere", lambda: _attention_inputs((2, 2, 3, 1, 16, 30, 30), hidden_row=True), {"k": 8},
@@ -247,10 +247,10 @@ ATTENTION = [
          {"k": 8}, only=("native", "triton"), error="attention_mask"),
     # a sliding window (Gemma's, Mistral's local layers): decode, a prompt, token selection inside the window
     *[Case(f"sliding-window-{'x'.join(map(str, s))}-w{w}", lambda s=s: _attention_inputs(s),
-           {"k": s[4] // 2, "rule": 1, "sliding_window": w, **(_tokens(ratio=0.5) if s[3] == 1 and w > 40 else {})},
+           {"k": s[4] // 2, "rule": GROUP, "sliding_window": w, **(_tokens(ratio=0.5) if s[3] == 1 and w > 40 else {})},
            large=s[3] * s[5] > 3000,
            unlike=lambda ins, s=s: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins],
-                                                            k=s[4] // 2, rule=1))
+                                                            k=s[4] // 2, rule=GROUP))
       for s, w in (((2, 2, 3, 1, 16, 90, 100), 24), ((2, 2, 3, 40, 16, 64, 64), 24), ((1, 2, 3, 1, 32, 300, 300), 100),
                    ((1, 2, 3, 20, 32, 300, 320), 50))],
     # prompts (T >= 16 tokens: blocked matrix products): from an empty cache with a left-padded batch (its padding
@@ -264,22 +264,22 @@ ATTENTION = [
                        ((1, 1, 4, 300, 64, 300, 300), True), ((2, 1, 1, 17, 8, 30, 30), False),
                        ((1, 2, 8, 20, 128, 50, 64), True))
       for which in (1, "half", "r") for rule in RULES],
-    Case("prompt-values-24-wide", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), rv=24), {"k": 8, "rule": 1}),
-    Case("prompt-projects", lambda: _attention_inputs((1, 2, 3, 24, 32, 60, 64), d=48), {"k": 16, "rule": 0},
+    Case("prompt-values-24-wide", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), rv=24), {"k": 8, "rule": GROUP}),
+    Case("prompt-projects", lambda: _attention_inputs((1, 2, 3, 24, 32, 60, 64), d=48), {"k": 16, "rule": MAGNITUDE},
          projected=True),
     Case("prompt-shared-k", lambda: _attention_inputs((2, 3, 3, 20, 32, 40, 40)),
-         {"k": 8, "rule": 0, "head_prices": _prices(3)},
+         {"k": 8, "rule": MAGNITUDE, "head_prices": _prices(3)},
          unlike=lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=8),
          large=True),  # Triton: 25-45 s each in its interpreter; its shared k and tokens run at T <= 7 above
-    Case("prompt-tokens", lambda: _attention_inputs((2, 2, 3, 40, 16, 90, 100)), {"k": 8, "rule": 1, **_tokens(ratio=0.2)},
+    Case("prompt-tokens", lambda: _attention_inputs((2, 2, 3, 40, 16, 90, 100)), {"k": 8, "rule": GROUP, **_tokens(ratio=0.2)},
          unlike=lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=8,
-                                                     rule=1), large=True),
+                                                     rule=GROUP), large=True),
     Case("prompt-float16", lambda: _attention_inputs((2, 2, 3, 24, 32, 50, 64), torch.float16), {"k": 16},
          dtype="float16"),
     Case("prompt-cache-float16", lambda: _attention_inputs((2, 2, 3, 24, 32, 50, 64), cache=torch.float16),
-         {"k": 16, "rule": 1}, cache_dtype="float16", only=("function", "native")),
+         {"k": 16, "rule": GROUP}, cache_dtype="float16", only=("function", "native")),
     Case("prompt-softcap", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), scale=4.0),
-         {"k": 8, "rule": 1, "softcap": 5.0}),
+         {"k": 8, "rule": GROUP, "softcap": 5.0}),
     Case("k-past-r", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 17}, only=("native", "triton"),
          error="k must be in"),
     Case("keys-narrower-than-queries", lambda: [x[:, :, :8] if i == 1 else x for i, x in
@@ -331,20 +331,20 @@ H2O = [
                                                                     H2O_MASKS[mask].shape[1], 16, H2O_MASKS[mask]),
            {"k": k, "rule": rule, "ratio": 0.5}, check=_live([[12, 12]] if mask == "full" else [[11, 11], [11, 11]]),
            large=(rule, k) != (1, 8))  # Triton's interpreter runs one point of the grid per mask (about 10 s each)
-      for rule, k in [*((rule, 8) for rule in RULES), (0, 16), (0, 1)] for mask in sorted(H2O_MASKS)],
+      for rule, k in [*((rule, 8) for rule in RULES), (MAGNITUDE, 16), (MAGNITUDE, 1)] for mask in sorted(H2O_MASKS)],
     *[Case(f"values-{rv}-wide", lambda rv=rv: h2o_inputs(2, 2, 3, 24, 16, H2O_MASKS["padded"], rv=rv),
-           {"k": 8, "rule": 1, "ratio": 0.5}) for rv in (8, 24)],
+           {"k": 8, "rule": GROUP, "ratio": 0.5}) for rv in (8, 24)],
     Case("softcap-ratio-0.3", lambda: h2o_inputs(2, 2, 2, 24, 16, H2O_MASKS["padded"]),
          {"k": 6, "softcap": 2.0, "ratio": 0.3}),
     Case("float16", lambda: h2o_inputs(2, 2, 2, 24, 16, H2O_MASKS["padded"], dtype=torch.float16),
          {"k": 6, "ratio": 0.5}, dtype="float16"),
     # r = 64, g = 4: Triton takes 32 slots per block, so a 41-slot cache spans two blocks of every pass
     Case("several-blocks", lambda: h2o_inputs(1, 1, 4, 80, 64, torch.ones(1, 80, dtype=torch.int64)),
-         {"k": 48, "rule": 1, "ratio": 0.5}, check=_slots(41)),
+         {"k": 48, "rule": GROUP, "ratio": 0.5}, check=_slots(41)),
     *[Case(f"projects-d{d}-rule{rule}", lambda d=d: _h2o_projected(d), {"k": 6, "rule": rule, "ratio": 0.5},
            projected=True, unlike=_h2o_unprojected({"k": 6, "rule": rule, "ratio": 0.5}))
       for rule, d in ((0, 16), (1, 16), (1, 24))],
-    Case("projects-float16", lambda: _h2o_projected(24, torch.float16), {"k": 6, "rule": 1, "ratio": 0.5},
+    Case("projects-float16", lambda: _h2o_projected(24, torch.float16), {"k": 6, "rule": GROUP, "ratio": 0.5},
          dtype="float16", projected=True),
     Case("projection-wrong-shape", lambda: _h2o_projected(16)[:8] + [random_projection(3, 16, 16)],
          {"k": 6, "ratio": 0.5}, projected=True, only=("native", "triton"), error="projection must be"),

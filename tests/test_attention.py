@@ -157,9 +157,8 @@ def test_cached_decode_equals_full_forward(arch, cfg, tmp_path):
     assert (dense - full)[real].abs().max() > 1e-3
 
 
-def test_memory_cache_is_narrower_in_generate(tmp_path):
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp_path)
+def test_memory_cache_is_narrower_in_generate(tmp_path, tiny_llama):
+    m, proj = tiny_llama
     ids, mask = left_padded(128, [10, 6])
     with torch.no_grad(), apply_aqua(m, proj, AquaConfig(k_ratio=0.75, slice_ratio=0.25)) as aqua:
         cache = aqua.new_cache()

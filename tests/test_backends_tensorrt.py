@@ -10,15 +10,15 @@ from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.export.exporter import contract_for, export_onnx
 from aqua_export.ops import topk_gather_dot
 from aqua_export.runtime.tensorrt import optimization_profiles, pick_profile
+from aqua_export.ops.spec import GROUP
 from aqua_export.runtime.tensorrt_plugin import (PLUGIN_FIELDS, PLUGIN_ID, launch_plan, node_contract, output_dims,
                                                  output_type, require_tensorrt, tensorrt_available)
 
 
 @pytest.fixture(scope="module")
-def tiny_exports(tmp_path_factory):
+def tiny_exports(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("trt")
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp)
+    m, proj = tiny_llama
     out = {}
     for name, cfg in {"k0.5": AquaConfig(k_ratio=0.5), "k0.75-group": AquaConfig(k_ratio=0.75, selection="group")}.items():
         out[name] = (cfg, export_onnx(m, proj, cfg, tmp / f"{name}.onnx", fused=False))
@@ -93,7 +93,7 @@ def test_shape_and_type_inference():
 
 
 def test_launch_plan_grid_and_scalar_arguments():
-    plan = launch_plan(48, 36, "float16", rule=1, g=3)
+    plan = launch_plan(48, 36, "float16", rule=GROUP, g=3)
     assert (plan.block_r, plan.block_s) == (64, 128)
     assert plan.signature["q_ptr"] == "*fp16" and list(plan.signature)[:5] == ["q_ptr", "k_ptr", "S", "rows_per_kv", "out_ptr"]
     assert plan.constexprs == {"R": 48, "K": 36, "RULE": 1, "G": 3, "BLOCK_G": 4, "BLOCK_R": 64, "BLOCK_S": 128}

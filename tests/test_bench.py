@@ -3,19 +3,17 @@
 import json
 
 import pytest
-from helpers import folder_cfg, tiny_projection
+from helpers import folder_cfg
 
-from aqua_export import models
 from aqua_export.cli import main
 from aqua_export.config import AquaConfig
 from aqua_export.export.exporter import export_onnx
 
 
 @pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
+def tiny_folders(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("bench")
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp)
+    m, proj = tiny_llama
     out = []
     for cfg in (AquaConfig(), AquaConfig(k_ratio=0.5, slice_ratio=0.25), AquaConfig(k_ratio=0.75, h2o_ratio=0.5)):
         d = tmp / f"k{cfg.k_ratio}-s{cfg.slice_ratio}-h{cfg.h2o_ratio}"

@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import folder_cfg, tiny_projection
+from helpers import folder_cfg
 
-from aqua_export import capabilities, models
+from aqua_export import capabilities
 from aqua_export.build import BuildOptions, check_options
 from aqua_export.capabilities import BACKENDS, REFUSALS, Features
 from aqua_export.config import AquaConfig, ConfigError
@@ -31,12 +31,6 @@ PAIRS = [(f.name, b) for f in dataclasses.fields(Features) for b in BACKENDS]
 def test_every_feature_has_a_way_to_ask_for_it():
     assert set(ASKS) == {f.name for f in dataclasses.fields(Features)}
     assert all(line.count("\n") == 0 and "--" in line for line in REFUSALS.values())  # one line naming the fix
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    m = models.tiny_model("llama")
-    return m, tiny_projection(m, tmp_path_factory.mktemp("cap"))
 
 
 def _features(config, o):
@@ -62,8 +56,8 @@ def test_the_build_refuses_what_its_runtime_cannot_run(feature):
 
 
 @pytest.mark.parametrize("feature,backend", PAIRS)
-def test_every_pair_runs_or_is_refused_in_one_line(tiny, tmp_path, feature, backend):
-    model, proj = tiny
+def test_every_pair_runs_or_is_refused_in_one_line(tiny_llama, tmp_path, feature, backend):
+    model, proj = tiny_llama
     settings, o = ASKS[feature]
     config = AquaConfig(**settings)
     line = capabilities.refusal(_features(config, o), backend)

@@ -40,9 +40,8 @@ def test_aqua_perplexity_moves_with_k_and_needs_projection(char_tok, tmp_path):
         evaluate.perplexity(m, char_tok, text, tokens=96, seq_len=1)
 
 
-def test_retention_report_and_plot(char_tok, tmp_path):
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp_path)
+def test_retention_report_and_plot(char_tok, tmp_path, tiny_llama):
+    m, proj = tiny_llama
     text = "the cat sat on the mat; the dog sat on the log. " * 4
     rep = evaluate.retention_report(m, char_tok, text, proj, tokens=128, seq_len=64, k_ratio=0.5)
     assert set(rep["loss"]) == {"magnitude/offline", "static/offline", "magnitude/online", "static/online"}

@@ -32,11 +32,10 @@ IDS = ["dense", "k0.5", "memory", "h2o", "dense-shared", "memory-shared", "group
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, tiny_llama):
     """One tiny llama exported at every setting of CONFIGS (export is the slow part)."""
     tmp = tmp_path_factory.mktemp("export")
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp)
+    m, proj = tiny_llama
     out = {}
     for cfg, kv in CONFIGS:
         path = tmp / f"m-{cfg.k_ratio}-{cfg.slice_ratio}-{cfg.h2o_ratio}-{cfg.selection}-{kv}.onnx"
@@ -164,9 +163,8 @@ def test_dense_export_uses_identity_projection_and_matches_hf(exported):
     assert np.abs(logits - hf).max() <= 1e-5
 
 
-def test_export_refuses_what_it_cannot_do(tmp_path):
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp_path)
+def test_export_refuses_what_it_cannot_do(tmp_path, tiny_llama):
+    m, proj = tiny_llama
     with pytest.raises(ConfigError, match="another model"):
         check_exportable(models.tiny_model("llama", seed=3), proj, AquaConfig(k_ratio=0.5))
 

@@ -13,6 +13,7 @@ from helpers import H2O_MASKS, h2o_inputs, h2o_token_by_token
 from implementations import IMPLEMENTATIONS
 
 from aqua_export.ops import h2o_attention, rules
+from aqua_export.ops.spec import GROUP
 
 H2O = h2o_attention.OP
 NAMES = [n for n, impl in IMPLEMENTATIONS.items() if impl.supports(H2O)]
@@ -44,8 +45,8 @@ def test_a_prompt_in_one_forward_evicts_as_token_by_token(name):
     """A T-token forward reproduces T one-token forwards exactly (same slots, same heavy sums, same outputs),
     then decoding continues from either state alike."""
     ins = h2o_inputs(2, 2, 3, 24, 16, H2O_MASKS["padded"])
-    whole = _run(name, ins, k=8, rule=1, ratio=0.5)
-    out, state = h2o_token_by_token(lambda one: _run(name, one, k=8, rule=1, ratio=0.5), ins, whole[1].shape[2])
+    whole = _run(name, ins, k=8, rule=GROUP, ratio=0.5)
+    out, state = h2o_token_by_token(lambda one: _run(name, one, k=8, rule=GROUP, ratio=0.5), ins, whole[1].shape[2])
     assert torch.equal(out, whole[0])
     for a, b in zip(whole[1:], state):
         assert torch.equal(a, b)
@@ -78,8 +79,8 @@ def test_decode_over_a_long_scattered_past(name):
             torch.rand(b, hkv, cap, generator=gen) * live, token]
     for step in range(2):
         ins = h2o_inputs(b, hkv, 3, 1, r, np.ones((b, n + 1 + step), np.int64), past=past, seed=step)
-        got = _run(name, ins, k=6, rule=1, ratio=0.5)
-        _check(got, H2O.reference(*ins, k=6, rule=1, ratio=0.5))
+        got = _run(name, ins, k=6, rule=GROUP, ratio=0.5)
+        _check(got, H2O.reference(*ins, k=6, rule=GROUP, ratio=0.5))
         assert ((got[4] >= 0).sum(-1) == [501, 502][step]).all()  # one in and one out, then the budget grows
         past = [x.clone() for x in got[1:]]
 

@@ -16,6 +16,7 @@ from aqua_export.kernels.triton.aqua_attention import aqua_attention, split_coun
 from aqua_export.kernels.triton.tokens import Tokens, choose  # noqa: E402
 from aqua_export.kernels.triton.h2o_attention import block_s  # noqa: E402
 from aqua_export.kernels.triton.topk_gather_dot import block_sizes, topk_gather_dot  # noqa: E402
+from aqua_export.ops.spec import GROUP
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,7 +39,7 @@ def test_attention_splits_merge_exactly(splits):
     """Any split of the positions merges to the same result (the split count is the host's choice)."""
     q, kc, vc, length, mask = attention_inputs((1, 2, 3, 1, 32, 500, 512))
     got = aqua_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), length, mask.to(DEV), 16, 1, splits=splits).cpu()
-    want = attention_op.reference(q.double(), kc.double(), vc.double(), length, mask, k=16, rule=1)
+    want = attention_op.reference(q.double(), kc.double(), vc.double(), length, mask, k=16, rule=GROUP)
     assert (got.double() - want).abs().max() <= 2e-5
 
 
@@ -46,7 +47,7 @@ def test_many_splits_merge_in_chunks():
     """63 splits: more than merge_kernel's 32 per chunk (batch 1 at long contexts has ~100)."""
     q, kc, vc, length, mask = attention_inputs((1, 2, 3, 1, 32, 2000, 2000))
     got = aqua_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), length, mask.to(DEV), 16, 1, splits=100, block=16).cpu()
-    want = attention_op.reference(q.double(), kc.double(), vc.double(), length, mask, k=16, rule=1)
+    want = attention_op.reference(q.double(), kc.double(), vc.double(), length, mask, k=16, rule=GROUP)
     assert (got.double() - want).abs().max() <= 2e-5
 
 

@@ -6,20 +6,10 @@ import errno
 import shutil
 
 import pytest
-from helpers import saved_checkpoint
+from helpers import one_line, saved_checkpoint
 
 from aqua_export.cli import main
 from aqua_export.config import ConfigError
-
-
-def one_line(capsys, needle: str = "") -> str:
-    """The one error line of stderr (progress bars and warnings aside)."""
-    err = capsys.readouterr().err
-    lines = [x for x in err.replace("\r", "\n").splitlines()
-             if x.strip() and not x.startswith("aqua-export: warning") and "%|" not in x]
-    assert len(lines) == 1 and lines[0].startswith("aqua-export: error: ") and "Traceback" not in err, err
-    assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 SHORT_PARITY = ["--parity-prompt-tokens", "32", "--parity-steps", "2"]  # fits the tiny checkpoint's 64 positions, fast
@@ -153,7 +143,7 @@ def test_a_disk_filling_up_mid_build_is_one_line_and_leaves_nothing(ckpt, tmp_pa
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
 
-    monkeypatch.setattr(build, "_export", full)
+    monkeypatch.setattr(build, "export_folder", full)
     assert main(["--model", str(ckpt), "--k-ratio", "0.5", "--out", str(tmp_path / "o"), "--calib-tokens", "64",
                  "--calib-text", "builtin:gpl-3", *SHORT_PARITY]) == 2
     one_line(capsys, "No space left on device")

@@ -13,7 +13,7 @@ from op_catalogue import BUDGET_GOLDEN, CATALOGUE, SELECTION_GOLDEN
 from aqua_export.export.contract import Contract
 from aqua_export.ops import cache_update, h2o_attention, rules, topk_gather_dot
 from aqua_export.ops.catalogue import OPS
-from aqua_export.ops.spec import RULE_NAMES
+from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES
 from aqua_export.runtime.session import make_session, native_library
 
 INTERPRETED = not torch.cuda.is_available()
@@ -165,9 +165,9 @@ def test_group_rule_shares_one_selection():
 
     q = attention_inputs((2, 2, 3, 2, 8, 8, 8))[0]
     keys = torch.eye(8).expand(2, 2, 8, 8)
-    kept = topk_gather_dot.reference(q, keys, k=3, rule=1) != 0
+    kept = topk_gather_dot.reference(q, keys, k=3, rule=GROUP) != 0
     assert (kept == kept[:, :, :1]).all() and (kept.sum(-1) == 3).all()
-    own = topk_gather_dot.reference(q, keys, k=3, rule=0) != 0
+    own = topk_gather_dot.reference(q, keys, k=3, rule=MAGNITUDE) != 0
     assert not (own == own[:, :, :1]).all()
 
 

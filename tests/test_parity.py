@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 from conftest import CharTokenizer
-from helpers import folder_cfg, tiny_projection
+from helpers import folder_cfg
 
-from aqua_export import models
 from aqua_export.config import AquaConfig
 from aqua_export.export.exporter import export_onnx
 from aqua_export.parity.harness import run_parity
@@ -17,10 +16,9 @@ KERNEL = "native" if native_library() is not None else "function"
 
 
 @pytest.fixture(scope="module")
-def h2o_export(tmp_path_factory):
+def h2o_export(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("parity")
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp)
+    m, proj = tiny_llama
     cfg = AquaConfig(k_ratio=0.75, h2o_ratio=0.5)
     proto = export_onnx(m, proj, cfg, tmp / "h2o.onnx")
     return m, proj, cfg, proto, tmp / "h2o.onnx"
@@ -69,10 +67,9 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
     assert s["decisions_differing"] > 0 and not s["pass"]
 
 
-def test_parity_of_a_shared_buffer_export(tmp_path):
+def test_parity_of_a_shared_buffer_export(tmp_path, tiny_llama):
     """The shared-buffer graph (past and present one buffer) through the same harness, forced selection included."""
-    m = models.tiny_model("llama")
-    proj = tiny_projection(m, tmp_path)
+    m, proj = tiny_llama
     cfg = AquaConfig(k_ratio=0.5)
     path = tmp_path / "s.onnx"
     export_onnx(m, proj, cfg, path)

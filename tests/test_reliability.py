@@ -11,17 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import saved_checkpoint
+from helpers import one_line, saved_checkpoint
 
 from aqua_export.cli import main
-
-
-def _one_line_error(capsys, needle: str = "") -> str:
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("aqua-export: warning")]
-    assert len(lines) == 1 and lines[0].startswith("aqua-export: error: ") and "Traceback" not in err, err
-    assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +40,12 @@ def test_run_works_on_the_intact_folder(folder, capsys):
 
 def test_prompt_longer_than_the_context_is_refused_up_front(folder, capsys):
     assert main(["run", str(folder), "--prompt", "word " * 80, "--max-new-tokens", "4"]) == 2
-    _one_line_error(capsys, "past the model's context of 64")
+    one_line(capsys, "past the model's context of 64")
 
 
 def test_empty_prompt(folder, capsys):
     assert main(["run", str(folder), "--prompt", ""]) == 2
-    _one_line_error(capsys, "--prompt is empty")
+    one_line(capsys, "--prompt is empty")
 
 
 @pytest.mark.parametrize("damage,needle", [("truncate", "is damaged: model.onnx has"),
@@ -65,10 +57,10 @@ def test_corrupt_model_file(copy, capsys, damage, needle):
     data = m.read_bytes()
     m.write_bytes(data[: len(data) // 3] if damage == "truncate" else random.Random(0).randbytes(len(data)))
     assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
-    _one_line_error(capsys, needle)
+    one_line(capsys, needle)
     for cmd in (["parity", str(copy), "--steps", "1"], ["check", str(copy)]):
         assert main(cmd) == 2
-        _one_line_error(capsys, "is damaged: model.onnx")
+        one_line(capsys, "is damaged: model.onnx")
 
 
 def test_overwritten_weights_are_named_by_check_parity_and_run(copy, capsys):
@@ -84,9 +76,9 @@ def test_overwritten_weights_are_named_by_check_parity_and_run(copy, capsys):
         f.write(b"\xff" * 200)  # float32 NaNs
     for cmd in (["check", str(copy)], ["parity", str(copy), "--steps", "1"]):
         assert main(cmd) == 2
-        _one_line_error(capsys, "is damaged: model.onnx.data differs from what the build wrote")
+        one_line(capsys, "is damaged: model.onnx.data differs from what the build wrote")
     assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
-    _one_line_error(capsys, "computed logits that are not numbers")
+    one_line(capsys, "computed logits that are not numbers")
 
 
 def test_check_says_what_it_verified(folder, capsys):
@@ -110,7 +102,7 @@ def test_edited_config_is_refused_with_one_line(copy, capsys, edit, needle):
     f = copy / "aqua_config.json"
     f.write_text(json.dumps(_resealed(edit(json.loads(f.read_text())))))
     assert main(["run", str(copy), "--prompt", "Hi"]) == 2
-    _one_line_error(capsys, needle)
+    one_line(capsys, needle)
 
 
 def _resealed(c):
@@ -136,7 +128,7 @@ def test_an_edited_config_is_noticed_by_every_command(copy, capsys, command):
     where = [command[0], "--folder", str(copy)] + command[1:] if command[0] == "eval" else \
         [command[0], str(copy)] + command[1:]
     assert main(where) == 2
-    _one_line_error(capsys, "was edited after the build")
+    one_line(capsys, "was edited after the build")
 
 
 def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
@@ -148,7 +140,7 @@ def test_wrong_layer_count_is_caught_by_the_graph_check(copy, capsys):
         c["contract"][key].append(c["contract"][key][-1])
     f.write_text(json.dumps(_resealed(c)))
     assert main(["run", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
-    _one_line_error(capsys, "does not match its model.onnx")
+    one_line(capsys, "does not match its model.onnx")
 
 
 def test_fuzz_every_file_of_the_folder(folder, tmp_path, capsys):
@@ -183,7 +175,7 @@ def _damage(f: Path, kind: int, rng) -> None:
 def _zero_or_one_line(rc, capsys, what):
     if rc != 0:
         assert rc == 2, what
-        _one_line_error(capsys)
+        one_line(capsys)
     else:
         capsys.readouterr()
 
@@ -364,12 +356,12 @@ def test_retention_out_is_a_file(tmp_path, capsys):
     f.write_text("x")
     assert main(["retention", "--model", "llama", "--projection", str(tmp_path / "p"), "--text", "builtin:gpl-3",
                  "--out", str(f)]) == 2
-    _one_line_error(capsys)
+    one_line(capsys)
 
 
 def test_missing_model_path_is_named_as_a_path(tmp_path, capsys):
     assert main(["calibrate", "--model", str(tmp_path / "no" / "such"), "--out", str(tmp_path / "p.safetensors")]) == 2
-    _one_line_error(capsys, "does not exist")
+    one_line(capsys, "does not exist")
 
 
 def test_short_text_warns(tmp_path, capsys, char_tok):
@@ -391,7 +383,7 @@ def test_help_version_and_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "llama", "--selection", "bogus"])
     assert e.value.code == 2
-    _one_line_error(capsys, "invalid choice")
+    one_line(capsys, "invalid choice")
 
 
 @pytest.mark.slow

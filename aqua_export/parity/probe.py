@@ -146,7 +146,7 @@ def _relative_error(ours: list, exact: list | None) -> float | None:
 def _summary(flips: list, unit: str, noise: float | None, floor: float | None) -> dict:
     gap = max((f[2] for f in flips if f[1]), default=0.0)
     out = {unit: sum(f[0] for f in flips), f"{unit}_differing": sum(f[1] for f in flips), "max_gap_of_differing": gap}
-    if floor is None:  # float16: its rounding reorders close scores; gated elsewhere (parity.py)
+    if floor is None:  # float16: its rounding reorders close scores; gated elsewhere (parity/gates.py)
         return {**out, "gated": False}
     bound = max(floor, NOISE_FACTOR * (noise or 0.0))
     return {**out, "near_tie": bound, "near_tie_floor": floor, "float32_relative_error": noise, "pass": gap <= bound}

@@ -1,8 +1,8 @@
 """Runtimes a built folder runs in, behind one protocol (``LM``):
 
     aqua      this project's ONNX Runtime loop (runtime.OrtLM): every variant, H2O eviction included
-    genai     onnxruntime-genai (backends/genai.py): what production apps embed (C, C++, C#, Java, Python)
-    tensorrt  the folder's TensorRT engine in this project's loop (backends/tensorrt.py; needs TensorRT)
+    genai     onnxruntime-genai (runtime/genai.py): what production apps embed (C, C++, C#, Java, Python)
+    tensorrt  the folder's TensorRT engine in this project's loop (runtime/tensorrt.py; needs TensorRT)
 
 Both take padded prompts (runtime.encode_prompts pads on the right, as genai does) and return greedy or
 sampled ids; ``open_lm`` picks one by name.
