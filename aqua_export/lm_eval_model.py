@@ -33,7 +33,6 @@ from .reference.attention import apply_aqua
 from .runtime.folder import FolderConfig
 from .runtime.lm import OrtLM
 from .runtime.sampling import SamplingConfig
-from .runtime.text import load_tokenizer
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 LOCAL_TASKS = ("aqua_lastword", "aqua_choice", "aqua_rolling", "aqua_copy")
@@ -76,6 +75,17 @@ class _OrtModel(torch.nn.Module):
         return whole(new)
 
 
+def _hf_tokenizer(folder: str):
+    """The folder's tokenizer as transformers loads it: lm_eval's HFLM takes nothing else (serving uses
+    runtime.tokenizer, which needs no transformers)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def _config(**values) -> AquaConfig:
     """lm_eval passes model_args as strings: each setting's module converts its own, AquaConfig validates them."""
     return AquaConfig(**settings.from_text(values))
@@ -98,9 +108,8 @@ class AquaLM(HFLM):
             if projection is not None or given:
                 raise ConfigError("a folder carries its own AQUA settings: drop projection / "
                                   f"{' / '.join(self.SETTINGS)} with folder=")
-            tok = load_tokenizer(folder)
-
-            context = FolderConfig.from_folder(folder).context_length or 4096
+            context = FolderConfig.from_folder(folder).context_length or 4096  # a missing folder: one line
+            tok = _hf_tokenizer(folder)
             serving = (int(batch_size) if str(batch_size).isdigit() else 1, int(max_length or context))
             net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving, all_logits=True), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
