@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, calibrate, capabilities, models
+from . import __version__, calibrate, capabilities, models, settings
 from .capabilities import RUNTIMES, Features
 from .config import AquaConfig, ConfigError
 from .export.contract import Contract
@@ -63,15 +63,8 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions", calibrat
 def name_parts(config: AquaConfig, o: "BuildOptions") -> list[str]:
     """The parts of a default folder name after -k<R>: every setting that changes the built graph or engine, once it
     differs from its default."""
-    c, w, default = config, o.weights, BuildOptions()
-    parts = [f"s{c.slice_ratio:g}" if c.slice_ratio else "", f"h{c.h2o_ratio:g}" if c.evicts else "",
-             c.selection if c.selection != "magnitude" else "",
-             c.slice_alloc if c.slice_alloc != "uniform" and c.slice_ratio else "",
-             f"kalloc-{c.k_alloc}" if c.allocates_k else ""]
-    if c.selects_tokens:
-        parts += [f"tb{c.token_budget}" if c.token_budget else f"t{c.token_ratio:g}",
-                  f"sink{c.token_sink}" if c.token_sink != AquaConfig.token_sink else "",
-                  f"win{c.token_window}" if c.token_window != AquaConfig.token_window else ""]
+    w, default = o.weights, BuildOptions()
+    parts = settings.name_parts(config)  # each mechanism's (settings/)
     parts += [o.dtype if o.dtype != default.dtype else "", w.name if w.quantized else ""]
     if w.quantized:
         parts += [f"b{w.block}" if w.block != default.weights.block else "", "zp" if not w.symmetric else "",

@@ -13,7 +13,7 @@ MECHANISMS: tuple[Mechanism, ...] = (selection.MECHANISM, memory.MECHANISM, k_al
 SETTINGS: dict[str, Setting] = {s.name: s for m in MECHANISMS for s in m.settings}
 
 __all__ = ["MAX_TOKENS", "MECHANISMS", "SETTINGS", "Mechanism", "Setting", "add_arguments", "from_args",
-           "from_text", "node_attrs", "table"]
+           "from_text", "name_parts", "node_attrs", "table"]
 
 
 def add_arguments(parser) -> None:
@@ -40,6 +40,11 @@ def node_attrs(cfg) -> dict:
     for m in MECHANISMS:
         out.update(m.node_attrs(cfg))
     return out
+
+
+def name_parts(cfg) -> list[str]:
+    """The parts of a default folder name the mechanisms add (in MECHANISMS' order)."""
+    return [part for m in MECHANISMS for part in m.name_parts(cfg)]
 
 
 def table() -> str:

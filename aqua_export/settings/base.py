@@ -88,3 +88,6 @@ class Mechanism:
     on: Callable[[object], bool]
     check: Callable[[object], None] = lambda cfg: None
     node_attrs: Callable[[object], dict] = field(default=lambda cfg: {})
+    # the parts of a default folder name (build.default_out) this mechanism adds when on: every setting it has that
+    # changes the graph, once it differs from its default
+    name_parts: Callable[[object], list] = field(default=lambda cfg: [])

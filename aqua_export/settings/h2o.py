@@ -13,4 +13,5 @@ def evicts(cfg) -> bool:
 
 
 MECHANISM = Mechanism("h2o", "AQUA-H2O: heavy-hitter eviction from the cache", (RATIO,), on=evicts,
-                      node_attrs=lambda cfg: {"ratio": float(cfg.h2o_ratio)} if evicts(cfg) else {})
+                      node_attrs=lambda cfg: {"ratio": float(cfg.h2o_ratio)} if evicts(cfg) else {},
+                      name_parts=lambda cfg: [f"h{cfg.h2o_ratio:g}"] if evicts(cfg) else [])

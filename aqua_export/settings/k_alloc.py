@@ -24,4 +24,5 @@ def shares(cfg) -> bool:
     return allocates(cfg) and cfg.selection != "static" and cfg.h2o_ratio == 1.0
 
 
-MECHANISM = Mechanism("k_alloc", "the selection width spread over layers and heads", (ALLOC,), on=allocates)
+MECHANISM = Mechanism("k_alloc", "the selection width spread over layers and heads", (ALLOC,), on=allocates,
+                      name_parts=lambda cfg: [f"kalloc-{cfg.k_alloc}"] if allocates(cfg) else [])

@@ -13,5 +13,11 @@ ALLOC = Setting("slice_alloc", str, "uniform",
                 "spectra), measured (on measured costs of slicing: the projection's slice costs, measured by the "
                 "build or `calibrate --slice-costs`)", choices=("uniform", "energy", "measured"))
 
+def _name(cfg) -> list:
+    if not cfg.slice_ratio:
+        return []
+    return [f"s{cfg.slice_ratio:g}"] + ([cfg.slice_alloc] if cfg.slice_alloc != ALLOC.default else [])
+
+
 MECHANISM = Mechanism("memory", "AQUA-Memory: a narrower K^ and V in the cache", (RATIO, ALLOC),
-                      on=lambda cfg: cfg.slice_ratio > 0.0)
+                      on=lambda cfg: cfg.slice_ratio > 0.0, name_parts=_name)

@@ -40,5 +40,13 @@ def _attrs(cfg) -> dict:
             "token_window": cfg.token_window}
 
 
+def _name(cfg) -> list:
+    if not selects(cfg):
+        return []
+    return [f"tb{cfg.token_budget}" if cfg.token_budget else f"t{cfg.token_ratio:g}"] + \
+        ([f"sink{cfg.token_sink}"] if cfg.token_sink != SINK.default else []) + \
+        ([f"win{cfg.token_window}"] if cfg.token_window != WINDOW.default else [])
+
+
 MECHANISM = Mechanism("tokens", "token selection: a decode step attends the best-scored pages of tokens",
-                      (RATIO, BUDGET, SINK, WINDOW), on=selects, check=_check, node_attrs=_attrs)
+                      (RATIO, BUDGET, SINK, WINDOW), on=selects, check=_check, node_attrs=_attrs, name_parts=_name)
