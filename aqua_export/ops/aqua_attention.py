@@ -30,6 +30,7 @@ from .nodes import const, mask_nodes, projection_nodes, ref_constant, score_node
 from .spec import DOMAIN, PAGE, PROJECTION
 from .table import PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, LENGTH, RULE_ATTR
+from ..settings.tokens import reads_a_share
 
 SOFTCAP_ATTR = Attr("softcap", "float", "tanh soft-cap of the scores, 0 = none", required=False, default=0.0)
 WINDOW_ATTR = Attr("sliding_window", "int", "a query sees the keys less than this many positions before it, 0 = all",
@@ -59,7 +60,7 @@ def reference(query_hat, key_cache, value_cache, total_length, attention_mask, p
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     mask = mask.to(torch.float64)
-    if token_ratio < 1 or token_budget > 0:
+    if reads_a_share(token_ratio, token_budget):
         s, mask = _selected(query_hat, keys, s, mask, softcap, token_ratio, token_budget, token_sink, token_window)
     w = torch.softmax(s + mask, dim=-1) * (mask > rules.MASKED).any(-1, keepdim=True)  # a row seeing nothing: 0
     return (w @ value_cache[:, :, None, :total].to(torch.float64)).to(query_hat.dtype)

@@ -29,6 +29,7 @@ from ..config import AquaConfig, ConfigError
 from ..models import architecture_of, attention_geometry, cache_keyword
 from ..ops import rules
 from ..ops.rules import budget as h2o_budget
+from ..settings.h2o import keeps_a_share
 from ..ops.rules import h2o_keep, select_indices
 from ..projection import Projection
 from .cache import AquaCache, AquaLayerCache
@@ -114,7 +115,7 @@ class LayerAqua:
 
     @property
     def evicts(self) -> bool:
-        return self.h2o_ratio < 1.0
+        return keeps_a_share(self.h2o_ratio)
 
     @property
     def value_width(self) -> int:

@@ -8,8 +8,13 @@ RATIO = Setting("h2o_ratio", float, 1.0, "AQUA-H2O: share of tokens kept in the 
                 interval=(0.0, 1.0, True, False))
 
 
+def keeps_a_share(ratio: float) -> bool:
+    """Whether a cache keeping this share of the tokens (AquaConfig's h2o_ratio, a node's ratio) evicts."""
+    return ratio < 1.0
+
+
 def evicts(cfg) -> bool:
-    return cfg.h2o_ratio < 1.0
+    return keeps_a_share(cfg.h2o_ratio)
 
 
 MECHANISM = Mechanism("h2o", "AQUA-H2O: heavy-hitter eviction from the cache", (RATIO,), on=evicts,

@@ -17,9 +17,14 @@ SINK = Setting("token_sink", int, 16, "token selection: the first tokens every s
 WINDOW = Setting("token_window", int, 64, "token selection: the most recent tokens every step keeps")
 
 
+def reads_a_share(ratio: float, budget: int) -> bool:
+    """Whether a step with these settings (AquaConfig's, or a node's attributes) reads a share of the tokens."""
+    return ratio < 1.0 or budget > 0
+
+
 def selects(cfg) -> bool:
     """A decode step reads the chosen pages of the cache, not all of it."""
-    return cfg.token_ratio < 1.0 or cfg.token_budget > 0
+    return reads_a_share(cfg.token_ratio, cfg.token_budget)
 
 
 def _check(cfg) -> None:

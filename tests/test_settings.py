@@ -1,0 +1,63 @@
+"""The settings package is the one place a setting is spelled: AquaConfig's fields, every parser's flags, lm-eval's
+model_args, the docs table and the folder names all come from settings.MECHANISMS."""
+
+import dataclasses
+
+import pytest
+
+from aqua_export import settings
+from aqua_export.cli import build_arg_parser, build_parser
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.lm_eval_model import AquaLM, _config
+
+EVERY_ON = AquaConfig(k_ratio=0.5, slice_ratio=0.25, slice_alloc="energy", k_alloc="energy", selection="group",
+                      token_budget=256, token_sink=32, token_window=128)
+
+
+def _options(parser) -> dict:
+    return {o: a for a in parser._actions for o in a.option_strings}
+
+
+def test_aqua_config_is_made_of_the_settings():
+    assert [f.name for f in dataclasses.fields(AquaConfig)] == [*settings.SETTINGS, "version"]
+    assert AquaConfig() == AquaConfig(**{n: s.default for n, s in settings.SETTINGS.items()})
+    assert AquaConfig.from_json(EVERY_ON.to_json()) == EVERY_ON
+    assert set(EVERY_ON.on) == {"selection", "memory", "k_alloc", "tokens"} and AquaConfig().on == ()
+
+
+def test_every_command_taking_settings_has_each_flag_with_its_default():
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for parser in (build_arg_parser(), sub.choices["eval"], sub.choices["lm-eval"]):
+        opts = _options(parser)
+        for s in settings.SETTINGS.values():
+            assert opts[s.flag].default == s.default and s.help in opts[s.flag].help
+            assert tuple(opts[s.flag].choices or ()) == s.choices
+
+
+def test_lm_eval_model_args_are_the_settings_as_text():
+    assert AquaLM.SETTINGS == tuple(settings.SETTINGS)
+    text = {n: str(getattr(EVERY_ON, n)) for n in settings.SETTINGS}
+    assert _config(**text) == EVERY_ON
+    with pytest.raises(ConfigError, match="token_budget='lots' must be a whole number"):
+        _config(token_budget="lots")
+    with pytest.raises(ConfigError, match=r"k_ratio=1.5 is out of range: use a value in \(0, 1\]"):
+        _config(k_ratio="1.5")
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("k_ratio", 0.0, "out of range"), ("k_ratio", True, "must be a number"), ("k_ratio", float("nan"), "finite"),
+    ("slice_ratio", 1.0, "[0, 1)"), ("h2o_ratio", "x", "must be a number"), ("selection", "best", "is unknown"),
+    ("token_budget", -1, "whole number"), ("token_window", 1 << 25, "past any context"),
+])
+def test_each_setting_refuses_bad_values_in_one_line(name, value, needle):
+    with pytest.raises(ConfigError) as e:
+        AquaConfig(**{name: value})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_mechanisms_own_their_node_attributes_and_name_parts():
+    attrs = settings.node_attrs(EVERY_ON)
+    assert attrs == {"rule": 1, "token_ratio": 1.0, "token_budget": 256, "token_sink": 32, "token_window": 128}
+    assert settings.node_attrs(AquaConfig(k_ratio=0.5, h2o_ratio=0.5)) == {"rule": 0, "ratio": 0.5}
+    assert settings.name_parts(EVERY_ON) == ["group", "s0.25", "energy", "kalloc-energy", "tb256", "sink32", "win128"]
+    assert settings.name_parts(AquaConfig()) == []
