@@ -26,7 +26,8 @@ class Features:
     tokens: bool = False  # token selection: a mode of the fused AquaAttention node
     shared_k: bool = False  # a layer's heads share its k per token (head_prices)
     uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
-    narrow_cache: bool = False  # the cache in float16 under a float32 graph
+    narrow_cache: bool = False  # the cache in float16 or int8 under a float32 graph
+    int8_cache: bool = False  # int8 rows with their scales' exponents (ops.spec)
     float16: bool = False  # a float16 graph
     quantized: bool = False  # int4 / int8 weights (MatMulNBits)
 
@@ -35,14 +36,16 @@ class Features:
         """From a build's settings (config.AquaConfig), before any work."""
         return cls(h2o=config.evicts, tokens=config.selects_tokens, shared_k=config.shares_k,
                    uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform",
-                   narrow_cache=cache_dtype not in (None, dtype), float16=dtype == "float16", quantized=quantized)
+                   narrow_cache=cache_dtype not in (None, dtype), int8_cache=cache_dtype == "int8",
+                   float16=dtype == "float16", quantized=quantized)
 
     @classmethod
     def of_folder(cls, cfg) -> Features:
         """From a built folder's FolderConfig (its contract says what the graph holds)."""
         ct = cfg.contract
         return cls(h2o=ct.h2o, tokens=cfg.aqua.selects_tokens, shared_k=ct.prices is not None,
-                   uneven_widths=not ct.uniform, narrow_cache=ct.cache_dtype != ct.dtype, float16=ct.dtype == "float16",
+                   uneven_widths=not ct.uniform, narrow_cache=ct.cache_dtype != ct.dtype,
+                   int8_cache=ct.cache_dtype == "int8", float16=ct.dtype == "float16",
                    quantized=cfg.weights.quantized)
 
 
@@ -57,9 +60,11 @@ REFUSALS = {
     ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "
                               "the fused AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: use "
                               "--runtime aqua, or --k-alloc uniform or --selection static",
-    ("narrow_cache", "tensorrt"): "--cache-dtype float16 under a float32 graph is read by AquaAttention's ONNX Runtime "
-                                  "kernels; TensorRT's separate nodes take one type: use --runtime aqua, or drop "
-                                  "--cache-dtype",
+    ("narrow_cache", "tensorrt"): "--cache-dtype float16 / int8 under a float32 graph is read by AquaAttention's ONNX "
+                                  "Runtime kernels; TensorRT's separate nodes take one type: use --runtime aqua, or "
+                                  "drop --cache-dtype",
+    ("int8_cache", "triton"): "an int8 cache (--cache-dtype int8) is read by the ONNX Runtime kernels on a CPU; the "
+                              "Triton kernels read the GPU's float caches: use --cache-dtype float16 there",
     ("quantized", "tensorrt"): "--weights int4 / int8 are ONNX Runtime's MatMulNBits with float32 activations: use "
                                "--runtime aqua or genai (float16 is TensorRT's format: drop --weights)",
     ("float16", "native"): "the native kernels run float32 graphs (a float16 kernel would round the scores to float16 "

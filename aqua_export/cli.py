@@ -20,7 +20,7 @@ import sys
 from . import commands
 from .capabilities import KERNELS, RUNTIMES
 from .config import ConfigError
-from .ops.spec import FLOAT_TYPES
+from .ops.spec import CACHE_TYPES, FLOAT_TYPES
 from .outputs import Terminated, on_signal
 
 
@@ -69,10 +69,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                                         "nothing else (a user's file in it: refused)")
     ap.add_argument("--dtype", default="float32", choices=list(FLOAT_TYPES),
                     help="weights, activations and KV cache of the export (default %(default)s)")
-    ap.add_argument("--cache-dtype", choices=list(FLOAT_TYPES),
-                    help="the KV cache's type (default: --dtype's): float16 under float32 halves the bytes a CPU "
-                         "decode step reads at long context, as llama.cpp's default cache does (new tokens are "
-                         "rounded to it; parity gates the export on the same rounding and reports the distance)")
+    ap.add_argument("--cache-dtype", choices=list(CACHE_TYPES),
+                    help="the KV cache's type (default: --dtype's). Under float32: float16 halves the bytes a CPU "
+                         "decode step reads at long context, as llama.cpp's default cache does; int8 quarters them "
+                         "(each token's K^ column and V row as int8 with a power-of-two scale, as llama.cpp's q8_0 "
+                         "and OpenVINO's u8 caches do). New tokens are rounded to it as they are written; parity "
+                         "gates the export on the same rounding and reports the distance")
     ap.add_argument("--weights", default="float", choices=["float", "int4", "int8"],
                     help="the linear layers, MoE experts, output layer and embedding: float (--dtype), or int4 / int8 "
                          "blocks (ONNX Runtime's MatMulNBits, QMoE, GatherBlockQuantized; float32 activations), what CPU "

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from helpers import H2O_MASKS, attention_inputs, h2o_inputs, random_projection
 
-from aqua_export.ops import aqua_attention, cache_update, h2o_attention, logit_rows, topk_gather_dot, value_product
+from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_rows, rules, topk_gather_dot,
+                             value_product)
 from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC
 
 RULES = sorted(RULE_NAMES)  # every selection rule's code
@@ -119,7 +120,9 @@ SCORES = [
 
 def _attention_inputs(shape, dtype=torch.float32, rv=None, scale=1.0, d=None, hidden_row=False, cache=None):
     q, kc, vc, length, mask = attention_inputs(shape, dtype, rv=rv)
-    if cache is not None:  # the caches of another float type (contract cache_dtype)
+    if cache is torch.int8:  # int8 rows with their exponents (contract cache_dtype int8; rules.int8_rows)
+        kc, vc = rules.int8_rows(kc.transpose(-1, -2)).transpose(-1, -2).contiguous(), rules.int8_rows(vc)
+    elif cache is not None:  # the caches of another float type (contract cache_dtype)
         kc, vc = kc.to(cache), vc.to(cache)
     if hidden_row:
         mask[1] = 0  # a sequence of padding only: its query rows see no key
@@ -212,6 +215,22 @@ ATTENTION = [
       for s, d, tok in (((1, 2, 3, 1, 64, 700, 700), None, False), ((2, 1, 4, 1, 128, 300, 320), None, False),
                         ((2, 2, 3, 5, 16, 40, 40), None, False), ((1, 2, 3, 1, 64, 300, 300), 64, False),
                         ((1, 2, 3, 1, 64, 700, 700), None, True), ((3, 2, 3, 1, 32, 90, 130), 32, True))],
+    # a float32 graph caching int8 rows (contract cache_dtype int8): the values q 2^e are exact in float64 and the
+    # kernels apply each token's scale to its score and weight (the same products), so float32's tolerance holds;
+    # decode split over threads, d = 128, a short prompt, projected, tokens, shared k
+    *[Case(f"cache-int8-{'x'.join(map(str, s))}{'-projects' if d else ''}{'-tokens' if tok else ''}"
+           f"{'-shared-k' if shared else ''}",
+           lambda s=s, d=d: _attention_inputs(s, d=d, cache=torch.int8),
+           {"k": s[4] // 2, "rule": GROUP, "cache_scales": 1, **(_tokens(ratio=0.25) if tok else {}),
+            **({"head_prices": _prices(s[1])} if shared else {})}, projected=d is not None,
+           cache_dtype="int8", only=("function", "native"))
+      for s, d, tok, shared in (((1, 2, 3, 1, 64, 700, 700), None, False, False),
+                                ((2, 1, 4, 1, 128, 300, 320), None, False, False),
+                                ((2, 2, 3, 5, 16, 40, 40), None, False, False),
+                                ((1, 2, 3, 1, 64, 300, 300), 64, False, False),
+                                ((1, 2, 3, 1, 64, 700, 700), None, True, False),
+                                ((3, 2, 3, 1, 32, 90, 130), 32, True, False),
+                                ((2, 3, 3, 1, 32, 90, 130), None, False, True))],
     # shared k (head_prices, allocate's k sharing): per token the heads share Hkv g' k coordinates at their prices;
     # a row may keep none or all r. Decode split over threads or programs, batched prompts, projected, token
     # selection, float16, a float16 cache; the static rule ignores the prices (the last case: a price per kv head
@@ -278,6 +297,11 @@ ATTENTION = [
          dtype="float16"),
     Case("prompt-cache-float16", lambda: _attention_inputs((2, 2, 3, 24, 32, 50, 64), cache=torch.float16),
          {"k": 16, "rule": GROUP}, cache_dtype="float16", only=("function", "native")),
+    Case("prompt-cache-int8", lambda: _attention_inputs((2, 2, 3, 24, 32, 50, 64), cache=torch.int8),
+         {"k": 16, "rule": GROUP, "cache_scales": 1}, cache_dtype="int8", only=("function", "native")),
+    Case("prompt-cache-int8-projects", lambda: _attention_inputs((1, 2, 3, 40, 32, 90, 100), d=48, cache=torch.int8),
+         {"k": 16, "rule": MAGNITUDE, "cache_scales": 1}, projected=True, cache_dtype="int8",
+         only=("function", "native")),
     Case("prompt-softcap", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), scale=4.0),
          {"k": 8, "rule": GROUP, "softcap": 5.0}),
     Case("k-past-r", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 17}, only=("native", "triton"),
@@ -371,7 +395,13 @@ def _update_inputs(past_slots, total, new=2, seed=0):
 # (slots past C >= L, as a shared buffer, are written in place: test_ops.py binds one buffer as past and present)
 UPDATES = [Case("growing", lambda: _update_inputs(4, 6), {}),  # a past of L - S slots: present grows to L
            Case("filled-to-the-end", lambda: _update_inputs(6, 6), {}),  # C = L: slots L-S..L-1 overwritten
-           Case("empty-past", lambda: _update_inputs(0, 3, new=3), {})]
+           Case("empty-past", lambda: _update_inputs(0, 3, new=3), {}),
+           # the caches a float32 graph may keep in another type (contract cache_dtype): bytes like any other
+           Case("float16-cache", lambda: [x.half() if x.is_floating_point() else x for x in _update_inputs(4, 6)], {},
+                cache_dtype="float16", only=("function", "native")),
+           Case("int8-cache", lambda: [rules.int8_rows(x) if x.is_floating_point() else x
+                                       for x in _update_inputs(4, 6)], {}, cache_dtype="int8",
+                only=("function", "native"))]
 
 
 def _probs(shape, dtype="float32", seed=3):

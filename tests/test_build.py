@@ -182,6 +182,36 @@ def test_float16_cache_build(tmp_path, proj, capsys):
 
 
 @pytest.mark.slow
+def test_int8_cache_build(tmp_path, proj, capsys):
+    """A float32 graph caching int8 rows (--cache-dtype int8) under token selection: the gates run on the same graph
+    caching float32 (rewrites.float32_cache) and pass as a float32 build's do; the folder's own run agrees with it
+    at gates.CACHE_TOP1; the buffers are int8 and one exponent wider, a quarter of float32's bytes; it runs in both
+    runtimes, the same tokens."""
+    out = tmp_path / "kv8"
+    assert main(["--model", "llama", "--k-ratio", "0.5", "--selection", "group-weighted", "--token-budget", "64",
+                 "--cache-dtype", "int8", "--projection", str(proj), "--out", str(out), "--parity-steps", "8",
+                 "--parity-prompt-tokens", "128"]) == 0
+    par = json.loads((out / "parity.json").read_text())
+    fr, c = par["ort_vs_reference"], par["cache_rounding"]
+    assert par["pass"] and max(fr["max_abs_logit_diff_prefill"], fr["max_abs_logit_diff_decode"]) <= fr["tolerance"]
+    assert c["pass"] and c["cache_dtype"] == "int8" and c["max_abs_logit_diff_decode"] > fr["tolerance"]
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    ins = {v.name: v.type.tensor_type for v in m.graph.input}
+    assert ins["past_key_values.3.key"].elem_type == onnx.TensorProto.INT8
+    assert ins["past_key_values.3.key"].shape.dim[-1].dim_value == 65
+    cfg = FolderConfig.from_folder(out)
+    f32 = dataclasses.replace(cfg.contract, cache_dtype="float32")
+    assert cfg.contract.cache_bytes(1, 100) == f32.cache_bytes(1, 100) // 4 + 2 * 30 * 3 * 100
+    assert json.loads((out / "genai_config.json").read_text())["model"]["decoder"]["head_size"] == 65
+    said = []
+    for runtime in ("aqua", "genai"):
+        capsys.readouterr()
+        assert main(["run", str(out), "--prompt", "The license says", "--max-new-tokens", "8", "--runtime", runtime]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[0] == said[1] and said[0].strip()
+
+
+@pytest.mark.slow
 def test_memory_h2o_build(tmp_path, proj):
     """AQUA-Memory (energy-allocated: each layer's own width) and AQUA-H2O together on the embedded model: narrow
     caches of different widths, eviction in the graph, parity under ORT's selection and ORT's evictions

@@ -49,9 +49,23 @@ def test_cache_dtype():
     assert _contract(dtype="float16").cache_dtype == "float16"
     for kw, needle in (({"dtype": "float16", "cache_dtype": "float32"}, "a float16 graph caches float16"),
                        ({"cache_dtype": "float16", "h2o": True}, "AQUA-H2O's slot buffers"),
-                       ({"cache_dtype": "int8"}, "contract.cache_dtype must be one of")):
+                       ({"cache_dtype": "int4"}, "contract.cache_dtype must be one of"),
+                       ({"dtype": "float16", "cache_dtype": "int8"}, "is for float32 graphs"),
+                       ({"cache_dtype": "int8", "h2o": True}, "AQUA-H2O's slot buffers")):
         with pytest.raises(ConfigError, match=needle):
             _contract(**kw)
+
+
+def test_int8_cache_rows_carry_their_exponent():
+    """An int8 cache: each K^ column and V row one element wider (its scale's exponent), int8, a quarter of float32's
+    bytes and the exponents; it round-trips and says so in its layout."""
+    ct, i8 = _contract(), _contract(cache_dtype="int8")
+    assert Contract.from_dict(json.loads(json.dumps(i8.to_dict()))) == i8 and i8.scale_slots == 1
+    specs = {t.name: t for t in i8.inputs() + i8.outputs()}
+    assert specs["past_key_values.1.key"].dtype == "int8" and specs["present.2.value"].shape[-1] == ct.widths[2] + 1
+    assert i8.empty_buffer("key", 1, 4, 0).shape[-1] == ct.widths[0] + 1
+    per_slot = sum(w + rv + 2 for w, rv in zip(ct.widths, ct.value_widths)) * ct.kv_heads
+    assert i8.cache_bytes(2, 10) == 2 * 10 * per_slot and "int8" in i8.layout()
 
 
 def test_layers_of_different_widths():

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -337,3 +339,58 @@ def test_padding_side_does_not_matter(exported, cfg, kv):
         ref = aqua.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                             eos_token_id=None)
     assert np.array_equal(left_out, right_out) and np.array_equal(left_out, ref[:, ids.shape[1]:].numpy())
+
+
+@pytest.mark.parametrize("settings", [dict(k_ratio=0.5), dict(k_ratio=0.5, token_budget=32, selection="group"),
+                                      dict(k_ratio=0.5, k_alloc="energy")], ids=["aqua", "tokens", "shared-k"])
+def test_int8_cache_graph_and_its_float_twin(tiny_llama, tmp_path, settings):
+    """An int8-cache export writes int8 rows through standard ops (nodes.int8_row_nodes: the bytes rules.int8_rows
+    makes) and rewrites.float32_cache turns it back into the float32-cache export exactly, which parity gates."""
+    from aqua_export.export.rewrites import all_logits, float32_cache, graph_variant
+    from aqua_export.runtime.lm import OrtLM
+    from aqua_export.runtime.sampling import SamplingConfig
+    from aqua_export.runtime.session import make_session
+
+    m, proj = tiny_llama
+    cfg = AquaConfig(**settings)
+    wide = folder_cfg(m, cfg, projection=proj)
+    narrow = dataclasses.replace(wide, contract=dataclasses.replace(wide.contract, cache_dtype="int8"))
+    ids = np.random.default_rng(0).integers(3, 120, (2, 30)).astype(np.int64)
+    logits = {}
+    for name, cd, transforms, fc in (("float", None, (), wide), ("int8", "int8", (), narrow),
+                                     ("twin", "int8", (float32_cache(narrow.contract),), wide)):
+        path = tmp_path / f"{name}.onnx"
+        export_onnx(m, proj, cfg, path, cache_dtype=cd)
+        with graph_variant(path, name, all_logits, *transforms) as p:
+            lm = OrtLM(make_session(p, kernel="function"), fc, all_rows=True)
+            seen = []
+            lm.generate(ids, np.ones_like(ids), SamplingConfig(max_new_tokens=6), on_logits=lambda s, x: seen.append(x))
+            logits[name] = np.stack(seen)
+    assert np.array_equal(logits["twin"], logits["float"])
+    first = np.abs(logits["int8"][0] - logits["float"][0]).max()  # the prompt's: both runs on the same tokens
+    assert 1e-5 < first < 0.05, first  # the rounding shows, and stays small
+
+
+def test_int8_row_nodes_write_the_rules_bytes():
+    """nodes.int8_row_nodes (the graph's standard ops) against rules.int8_rows, bit for bit: rows of zeros, exact
+    powers of two times 127 and their neighbours, subnormal and the largest magnitudes, ties at half a step."""
+    import onnxruntime as ort
+    from onnx import helper as H
+
+    from aqua_export.ops import rules
+    from aqua_export.ops.nodes import int8_row_nodes
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 40, 16)) * np.exp2(rng.integers(-30, 30, (6, 40, 1)))).astype(np.float32)
+    x[0, :6] = 0.0
+    x[0, 1, 0], x[0, 2, 0] = 127.0, np.nextafter(np.float32(127.0), np.float32(200.0))  # 2^0 exactly, then past it
+    x[0, 3] = 1e-41  # subnormal: the lowest exponent
+    x[0, 4, :2] = [3e38, -3e38]  # float32's largest magnitudes: 3e38 / 127 needs 2^121
+    x[0, 5, :3] = [127.0, 0.5, 1.5]  # scale 1: the halves round to even
+    graph = H.make_graph(int8_row_nodes("x", "rows", "q/"), "q", [H.make_tensor_value_info("x", 1, [None, None, 16])],
+                         [H.make_tensor_value_info("rows", 3, [None, None, 17])])
+    model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20)], ir_version=10)
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    want = rules.int8_rows(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, want) and want[0, 0, -1] == -126 and want[0, 2, -1] == 1 and want[0, 4, -1] == 121
+    assert list(want[0, 5, :3]) == [127, 0, 2]

@@ -173,11 +173,12 @@ def test_group_rule_shares_one_selection():
 
 @pytest.mark.skipif(native_library() is None, reason="native kernel not built (run `make plugin`)")
 @pytest.mark.parametrize("op,cache_dtype", [(op, None) for op in OPS] +
-                         [(op, "float16") for op in OPS if any(p.type == "C" for p in op.inputs)],
+                         [(op, c) for op in OPS if any(p.type == "C" for p in op.inputs) for c in ("float16", "int8")
+                          if op.name != "TopKGatherDot" or c == "float16"],
                          ids=lambda x: getattr(x, "name", x))
 def test_native_kernel_runs_not_the_body(op, cache_dtype, tmp_path):
     """Profiling shows each op's node ran as the library's kernel (a library missing an op, or the op at a type pair,
-    would silently run its function body instead), float16 caches under a float32 query too."""
+    would silently run its function body instead), float16 and int8 caches under a float32 query too."""
     import onnxruntime as ort
 
     entry = next(e for e in CATALOGUE if e.op is op)

@@ -10,7 +10,10 @@ the layers, unless AQUA-Memory's slicing is allocated: allocate.py), the decoder
     past_key_values.{i}.key   [batch, kv_heads, past, r]     K^ buffer, memory dim-major (see below)
     past_key_values.{i}.value [batch, kv_heads, past, rv]    V buffer (P_v's basis), memory token-major
   both of cache_dtype: the graph's dtype, or float16 under a float32 graph (half the cache's bytes, what a CPU
-  decode step at long context mostly reads; the new tokens are rounded to it as they are written)
+  decode step at long context mostly reads; the new tokens are rounded to it as they are written), or int8 under
+  a float32 graph (a quarter of float32's): each token's K^ column and V row then holds its values as int8 and,
+  one element further, the exponent of its power-of-two scale (ops.spec, ops.rules.int8_rows), so the buffers
+  are declared r + 1 and rv + 1 wide (scale_slots) and onnxruntime-genai carries them like any other
   and H2O graphs also (The H2O state, below)
     past_key_values.{i}.heavy [batch, kv_heads, past]        float32 accumulated attention of each slot
     past_key_values.{i}.token [batch, kv_heads, past]        int64   which token a slot holds, -1 = free
@@ -54,7 +57,7 @@ import numpy as np
 from .. import capabilities
 from ..capabilities import Features
 from ..config import ConfigError, reject_unknown
-from ..ops.spec import FLOAT_TYPES, FREE
+from ..ops.spec import CACHE_TYPES, FLOAT_TYPES, FREE, SCALE_SLOTS
 
 CONTRACT_VERSION = 5  # 5: AquaAttention reads attention_mask, last_logits; 4: K^, V widths and k per layer
 DTYPES = FLOAT_TYPES
@@ -136,12 +139,12 @@ class Contract:
 
     @staticmethod
     def check_cache_dtype(dtype: str, cache_dtype: str, h2o: bool) -> None:
-        """One ConfigError line for a cache type the graph cannot have: its own dtype, or float16 under float32
+        """One ConfigError line for a cache type the graph cannot have: its own dtype, or float16 / int8 under float32
         (not for AQUA-H2O, whose node keeps its slot buffers in the graph's dtype)."""
-        if cache_dtype not in DTYPES:
-            raise ConfigError(f"contract.cache_dtype must be one of {DTYPES}, got {cache_dtype!r}")
-        if cache_dtype != dtype and (dtype, cache_dtype) != ("float32", "float16"):
-            raise ConfigError(f"a {dtype} graph caches {dtype}: --cache-dtype float16 is for float32 graphs")
+        if cache_dtype not in CACHE_TYPES:
+            raise ConfigError(f"contract.cache_dtype must be one of {CACHE_TYPES}, got {cache_dtype!r}")
+        if cache_dtype != dtype and dtype != "float32":
+            raise ConfigError(f"a {dtype} graph caches {dtype}: --cache-dtype float16 / int8 is for float32 graphs")
         if cache_dtype != dtype and h2o:
             raise ConfigError("AQUA-H2O's slot buffers are kept in the graph's dtype: drop --cache-dtype, or use "
                               "--k-ratio / --token-budget without --h2o-ratio")
@@ -169,6 +172,11 @@ class Contract:
         return self.KV + (self.H2O_STATE if self.h2o else ())
 
     @property
+    def scale_slots(self) -> int:
+        """What a token's K^ column / V row carries beyond its width: an int8 cache's exponent (ops.spec)."""
+        return SCALE_SLOTS.get(self.cache_dtype, 0)
+
+    @property
     def uniform(self) -> bool:
         """Every layer caches K^ and V at one width (what onnxruntime-genai's single head_size describes)."""
         return len(set(self.widths) | set(self.value_widths)) == 1
@@ -177,7 +185,7 @@ class Contract:
     def _buffer_spec(self, name: str, kind: str, slots: str, layer: int) -> TensorSpec:
         dtype = {"heavy": "float32", "token": "int64"}.get(kind, self.cache_dtype)
         width = {"key": self.widths, "value": self.value_widths}.get(kind)
-        shape = ("batch", self.kv_heads, slots) + ((width[layer],) if width else ())
+        shape = ("batch", self.kv_heads, slots) + ((width[layer] + self.scale_slots,) if width else ())
         return TensorSpec(name, dtype, shape)
 
     def inputs(self) -> list[TensorSpec]:
@@ -207,8 +215,8 @@ class Contract:
     # ---------------------------------------------------------------- the cache
     def cache_bytes(self, batch: int, slots: int) -> int:
         """Bytes of every layer's buffers for ``batch`` sequences of ``slots`` slots each."""
-        elem = np.dtype(self.cache_dtype).itemsize
-        per_slot = sum(w + rv for w, rv in zip(self.widths, self.value_widths)) * elem
+        elem, extra = np.dtype(self.cache_dtype).itemsize, 2 * self.scale_slots
+        per_slot = sum(w + rv + extra for w, rv in zip(self.widths, self.value_widths)) * elem
         if self.h2o:
             per_slot += self.layers * (4 + 8)  # heavy (float32) and token (int64) per slot
         return batch * self.kv_heads * slots * per_slot
@@ -238,7 +246,9 @@ class Contract:
         def declared(kind: str) -> str:
             spec = self._buffer_spec("", kind, "slots", 0)
             width = {"key": self.widths, "value": self.value_widths}.get(kind)
-            dims = [str(d) for d in spec.shape[:3]] + (["r" if len(set(width)) > 1 else str(width[0])] if width else [])
+            extra = f" + {self.scale_slots}" if self.scale_slots else ""
+            dims = [str(d) for d in spec.shape[:3]] + ([("r" if len(set(width)) > 1 else str(width[0])) + extra]
+                                                       if width else [])
             return f"[{', '.join(dims)}] {spec.dtype}"
 
         out = {"key": f"declared {declared('key')}; memory K^ = RoPE(k) @ P[:, :r] dim-major [batch, kv_heads, r, "
@@ -247,6 +257,10 @@ class Contract:
                "value": f"{declared('value')} in P_v's basis (folded into W_V / W_O)",
                "update": "new tokens at slots total-sequence..total-1; a buffer shared by past and present "
                          "(onnxruntime-genai's past_present_share_buffer, `aqua-export run`) is written in place"}
+        if self.scale_slots:
+            out["int8"] = ("each token's K^ column and V row: round(x / 2^e) as int8, then e (its scale's exponent, "
+                           "the smallest power of two >= max |x| / 127): K^'s exponents one more dim-major row, V's "
+                           "one more column (ops.rules.int8_rows)")
         if self.h2o:
             out["heavy"] = f"{declared('heavy')}: the attention each slot has accumulated"
             out["token"] = f"{declared('token')}: which token a slot holds, {self.FREE} = free"

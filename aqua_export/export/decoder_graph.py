@@ -43,6 +43,7 @@ from onnx import TensorProto
 
 from ..fold import attention_projections
 from ..ops import aqua_attention, cache_update, h2o_attention, logit_rows, topk_gather_dot, value_product
+from ..ops.nodes import int8_row_nodes
 from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
 from .blocks import Blocks, stack
@@ -54,6 +55,7 @@ ATTENTION, H2O, SCORES = aqua_attention.OP.name, h2o_attention.OP.name, topk_gat
 ROWS = logit_rows.OP.name
 KEY_UPDATE, VALUE_UPDATE, VALUE_PRODUCT = cache_update.KEY.name, cache_update.VALUE.name, value_product.OP.name
 CACHE_CAST = "CastCache"  # the node names' last part of the casts rounding new k^ / v to a float16 cache
+CACHE_QUANT = "QuantizeCache"  # the prefix of the nodes writing new k^ / v as int8 rows (nodes.int8_row_nodes)
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,7 @@ class DecoderGraph(Blocks):
             a = gb.op(f"{n}/{ATTENTION}", ATTENTION, [q, kc, vc, io["total"], io["attention_mask"]] +
                       [proj] * (proj is not None), domain=self.domain, softcap=float(p.attn_softcap or 0.0),
                       sliding_window=int(window or 0), **attrs,
+                      **({"cache_scales": 1} if self.contract.scale_slots else {}),
                       **({} if prices is None else {"head_prices": prices}))  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])
@@ -343,16 +346,23 @@ class DecoderGraph(Blocks):
         """k^, v [B,Hkv,T,r] -> (K^ as [B,Hkv,r,C] over present.{i}.key's memory, present.{i}.value). The
         native update writes a shared buffer in place; the key view is a Reshape (no copy); TopKGatherDot and
         ValueProduct read only the L filled slots. A float16 cache under a float32 graph: the new tokens are cast
-        as they are written (AquaAttention reads float16 caches whatever its query's type)."""
+        as they are written (AquaAttention reads float16 caches whatever its query's type); an int8 cache: each new
+        token's K^ column and V row become int8 rows with their scale's exponent (nodes.int8_row_nodes), and K^'s
+        view has r + 1 dim-major rows."""
         gb, c, ct = self.gb, self.gb.const, self.contract
-        if ct.cache_dtype != ct.dtype:
+        if ct.cache_dtype == "int8":
+            for name, x in (("k", kh), ("v", v)):
+                p = f"{n}/{name}/{CACHE_QUANT}/"
+                gb.nodes.extend(int8_row_nodes(x, p + "rows", p))
+            kh, v = f"{n}/k/{CACHE_QUANT}/rows", f"{n}/v/{CACHE_QUANT}/rows"
+        elif ct.cache_dtype != ct.dtype:
             kh = gb.op(f"{n}/k/{CACHE_CAST}", "Cast", [kh], to=ONNX[ct.cache_dtype])
             v = gb.op(f"{n}/v/{CACHE_CAST}", "Cast", [v], to=ONNX[ct.cache_dtype])
         kc = gb.op(f"{n}/k/CacheUpdate", KEY_UPDATE, [ct.past(i, "key"), kh, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "key")])[0]
         vc = gb.op(f"{n}/v/CacheUpdate", VALUE_UPDATE, [ct.past(i, "value"), v, io["total"]], domain=self.domain,
                    outputs=[ct.present(i, "value")])[0]
-        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, c([0, 0, self.p.r(i), -1])])  # B, Hkv kept; C inferred
+        kr = gb.op(f"{n}/k/DimMajorView", "Reshape", [kc, c([0, 0, self.p.r(i) + ct.scale_slots, -1])])  # C inferred
         return kr, vc
 
     # ---------------------------------------------------------------- head

@@ -113,7 +113,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         if any(n.domain == MS for n in gb.nodes):
             domains[MS] = 1
         m = gb.model("aqua_decoder", domains,
-                     function_bodies(spec.OPSET, plan.projects_query, config.selects_tokens, ct.prices is not None),
+                     function_bodies(spec.OPSET, plan.projects_query, config.selects_tokens, ct.prices is not None,
+                                     ct.scale_slots > 0),
                      "aqua-export")
     finally:
         store.close()

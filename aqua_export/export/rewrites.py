@@ -22,7 +22,7 @@ from ..ops.catalogue import OPS
 from ..ops.spec import DOMAIN, ONNX
 from .builder import load_graph, save_graph
 from .contract import Contract
-from .decoder_graph import CACHE_CAST
+from .decoder_graph import CACHE_CAST, CACHE_QUANT
 
 
 @contextlib.contextmanager
@@ -136,21 +136,61 @@ def selection_outputs(m):
 
 
 def float32_cache(ct):
-    """The graph of contract ``ct`` with its KV buffers (float16: ct.cache_dtype) in ct.dtype: the past / present
-    inputs and outputs retyped and the casts that round the new tokens (decoder_graph.CACHE_CAST) made Identity. What
-    is left is the export the reference computes; the folder's own run shows what the float16 cache changes."""
-    wide = ONNX[ct.dtype]
+    """The graph of contract ``ct`` with its KV buffers (float16 or int8: ct.cache_dtype) in ct.dtype: the past /
+    present inputs and outputs retyped (an int8 cache's also narrowed by its exponent), the casts that round the new
+    tokens (decoder_graph.CACHE_CAST) made Identity, the nodes writing int8 rows (CACHE_QUANT) bypassed, K^'s
+    dim-major view r rows again, and AquaAttention's float-cache body. What is left is the export the reference
+    computes; the folder's own run shows what the narrow cache changes."""
+    wide, extra = ONNX[ct.dtype], ct.scale_slots
     buffers = {name(i, kind) for i in range(ct.layers) for kind in ct.KV for name in (ct.past, ct.present)}
 
     def transform(m):
         for v in list(m.graph.input) + list(m.graph.output):
             if v.name in buffers:
                 v.type.tensor_type.elem_type = wide
+                last = v.type.tensor_type.shape.dim[-1]
+                if extra and last.HasField("dim_value"):
+                    last.dim_value -= extra
         for n in m.graph.node:
             if n.op_type == "Cast" and n.name.endswith(f"/{CACHE_CAST}"):
                 n.op_type = "Identity"
                 del n.attribute[:]
+        if extra:
+            _without_int8_rows(m, ct)
     return transform
+
+
+def _without_int8_rows(m, ct) -> None:
+    """An int8-cache graph made float: each cache update takes the float k^ / v its int8 rows were made from, the
+    row-making nodes go, K^'s view has r rows, and AquaAttention carries its float-cache body."""
+    from onnx import numpy_helper
+
+    from ..ops import aqua_attention
+
+    quant = [n for n in m.graph.node if f"/{CACHE_QUANT}/" in n.name]
+    source = {n.name.rsplit("/", 1)[0] + "/rows": n.input[0] for n in quant if n.op_type == "Abs"}
+    for n in m.graph.node:
+        for j, x in enumerate(n.input):
+            n.input[j] = source.get(x, x)
+        if n.op_type == "AquaAttention":
+            kept = [a for a in n.attribute if a.name != "cache_scales"]
+            del n.attribute[:]
+            n.attribute.extend(kept)
+    for n in quant:
+        m.graph.node.remove(n)
+    for n in m.graph.node:
+        if n.name.endswith("/k/DimMajorView"):
+            layer = int(n.name.split("layers.")[1].split("/")[0])
+            name = f"{n.name}/rows_{ct.widths[layer]}"
+            m.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, ct.widths[layer], -1], np.int64), name))
+            n.input[1] = name
+    for i, f in enumerate(m.functions):
+        if f.name == aqua_attention.OP.name:
+            attrs = set(f.attribute)
+            body = aqua_attention.OP.bodied(
+                next(o.version for o in f.opset_import if o.domain == ""), "projection" in f.input,
+                tokens="token_ratio" in attrs, pooled="head_prices" in attrs, scaled=False)
+            m.functions[i].CopyFrom(body)
 
 
 def all_logits(m):

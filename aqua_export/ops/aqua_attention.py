@@ -26,7 +26,7 @@ from onnx import TensorProto
 from onnx import helper as H
 
 from . import rules
-from .nodes import const, mask_nodes, projection_nodes, ref_constant, score_nodes
+from .nodes import const, int8_value_nodes, mask_nodes, projection_nodes, ref_constant, score_nodes
 from .spec import DOMAIN, PAGE, PROJECTION
 from .table import PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, LENGTH, RULE_ATTR
@@ -37,6 +37,9 @@ WINDOW_ATTR = Attr("sliding_window", "int", "a query sees the keys less than thi
                    required=False, default=0)
 PRICES_ATTR = Attr("head_prices", "floats", "[Hkv]: the heads share the layer's k per token, each head's selection "
                    "scores times its price (ops.rules, pooled); absent: each row keeps its own k", required=False)
+SCALED_ATTR = Attr("cache_scales", "int", "1: the caches are int8, each token's K^ column and V row ending in the "
+                   "exponent of its power-of-two scale (ops.rules.int8_rows; contract cache_dtype int8)",
+                   required=False)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
                     required=False),
                Attr("token_budget", "int", "token selection: tokens a decode step attends (0: by token_ratio)",
@@ -50,7 +53,12 @@ def reference(query_hat, key_cache, value_cache, total_length, attention_mask, p
               token_budget: int = 0, token_sink: int = 0, token_window: int = 0, head_prices=None,
               **plugin) -> torch.Tensor:
     """The node in PyTorch, scores and softmax in float64; attention_mask [B, L] (rules.visible); head_prices [Hkv]
-    or None (shared k). Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
+    or None (shared k); int8 caches (cache_scales) are read as rules.int8_values. Returns [B, Hkv, g, T, rv] in
+    query_hat's dtype."""
+    if key_cache.dtype == torch.int8:
+        key_cache = rules.int8_values(key_cache.transpose(-1, -2)).transpose(-1, -2).to(query_hat.dtype)
+        value_cache = rules.int8_values(value_cache).to(query_hat.dtype)
+    plugin.pop("cache_scales", None)
     total = int(total_length)
     mask = rules.additive_mask(torch.as_tensor(attention_mask), query_hat.shape[3], sliding_window)
     if projection is not None:
@@ -86,7 +94,7 @@ def _selected(query_hat, keys, approx, mask, softcap, ratio, budget, sink, windo
 BASE_ATTRS = ["k", "rule", "softcap", "sliding_window", "plugin_namespace", "plugin_version"]
 
 
-def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False):
+def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False, scaled: bool = False):
     """The portable body (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
@@ -98,9 +106,10 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
     pages hidden. A query row that sees no key outputs zeros (as the kernels: a padding token of a prompt). An ONNX
     function cannot test whether an optional input is present, so a graph carries the body of the form its nodes
     use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
-    pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes).
+    pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes). scaled: int8 caches (attribute
+    cache_scales; nodes.int8_value_nodes).
     """
-    head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled) + [
+    head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled, scaled) + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -119,7 +128,8 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
         H.make_node("Mul", ["probs_all", "seen_any"], ["probs_f"]),
         H.make_node("CastLike", ["probs_f", "query_hat"], ["probs"]),
         H.make_node("Slice", ["value_cache", "zero_1", "total_length", "axis_2"], ["value_s"]),
-        H.make_node("CastLike", ["value_s", "query_hat"], ["value_l"]),
+        *(int8_value_nodes("value_s", "value_l", "vq_", "query_hat", -1) if scaled else
+          [H.make_node("CastLike", ["value_s", "query_hat"], ["value_l"])]),
         H.make_node("Unsqueeze", ["value_l", "axis_2"], ["value_g"]),
         H.make_node("MatMul", ["probs", "value_g"], ["out"]),
     ]
@@ -127,7 +137,8 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
     inputs = ["query" if projected else "query_hat", *OP.input_names[1:]]
     return H.make_function(DOMAIN, OP.name, inputs + [PROJECTION] * projected, ["out"], head + middle + tail,
                            [H.make_opsetid("", opset)],
-                           attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens + [PRICES_ATTR.name] * pooled)
+                           attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens + [PRICES_ATTR.name] * pooled
+                           + [SCALED_ATTR.name] * scaled)
 
 
 def _token_nodes() -> list:
@@ -226,7 +237,9 @@ OP = OpDef("AquaAttention",
            inputs=(Port("query_hat", rank=5), Port("key_cache", "C"), Port("value_cache", "C"), LENGTH,
                    Port("attention_mask", "int64", 2)),
            outputs=(Port("out", rank=5),),
-           attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, WINDOW_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR),
+           attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, WINDOW_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR,
+                       SCALED_ATTR),
            body=body, reference=reference, projectable=True,
-           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,))),
+           forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,)),
+                  ("scaled", (SCALED_ATTR.name,))),
            shape=lambda d: {"out": d["query_hat"][:4] + d["value_cache"][3:]})

@@ -81,7 +81,7 @@ def _body(op: str):
 
 def _op(name: str, layout: str) -> OpDef:
     return OpDef(name, f"present = past with new written at slots L-S..L-1, max(C, L) slots; memory {layout}",
-                 inputs=(Port("past"), Port("new"), LENGTH), outputs=(Port("present"),),
+                 inputs=(Port("past", "C"), Port("new", "C"), LENGTH), outputs=(Port("present", "C"),),
                  body=_body(name), reference=_reference(name == "KeyCacheUpdate"),
                  shape=lambda d: {"present": d["past"][:2] + [ANY] + d["past"][3:]})
 

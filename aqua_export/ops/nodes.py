@@ -7,7 +7,7 @@ import numpy as np
 from onnx import AttributeProto, TensorProto
 from onnx import helper as H
 
-from .spec import GROUP, PROJECTION, STATIC
+from .spec import EXPONENTS, GROUP, PROJECTION, STATIC
 
 
 def ref_constant(name: str, attr: str, kind: str):
@@ -16,6 +16,51 @@ def ref_constant(name: str, attr: str, kind: str):
     node.attribute.append(AttributeProto(name=kind, ref_attr_name=attr, type=(
         AttributeProto.INT if kind == "value_int" else AttributeProto.FLOAT)))
     return node
+
+
+def int8_row_nodes(x: str, out: str, p: str) -> list:
+    """x [..., w] float32 -> out [..., w + 1] int8: ops.rules.int8_rows in standard ops, each node and value named
+    from the prefix p. The exponent counts the powers of two below amax / 127 (no logarithm: exact), and 2^e is
+    read from a table of them, so this writes the bytes rules.int8_rows does."""
+    n, f = H.make_node, TensorProto.FLOAT
+    lo, hi = EXPONENTS
+    nodes = [
+        const(p + "last", [-1]), const(p + "d127", 127.0), const(p + "bias", -lo), const(p + "top", hi - lo),
+        const(p + "qmin", -127.0), const(p + "qmax", 127.0),
+        H.make_node("Constant", [], [p + "powers"],
+                    value=H.make_tensor(p + "powers", f, [hi - lo + 1], [2.0 ** j for j in range(lo, hi + 1)])),
+        n("Abs", [x], [p + "abs"]), n("ReduceMax", [p + "abs", p + "last"], [p + "amax"], keepdims=1),
+        n("Div", [p + "amax", p + "d127"], [p + "least"]),  # the scale must reach amax / 127
+        n("Less", [p + "powers", p + "least"], [p + "below"]), n("Cast", [p + "below"], [p + "below_i"], to=7),
+        n("ReduceSum", [p + "below_i", p + "last"], [p + "count"], keepdims=1),
+        n("Min", [p + "count", p + "top"], [p + "at"]),  # e - lo
+        n("Gather", [p + "powers", p + "at"], [p + "scale"], axis=0),
+        n("Div", [x, p + "scale"], [p + "scaled"]), n("Round", [p + "scaled"], [p + "rounded"]),
+        n("Clip", [p + "rounded", p + "qmin", p + "qmax"], [p + "q_f"]), n("Cast", [p + "q_f"], [p + "q"], to=3),
+        n("Sub", [p + "at", p + "bias"], [p + "e"]), n("Cast", [p + "e"], [p + "e8"], to=3),
+        n("Concat", [p + "q", p + "e8"], [out], axis=-1),
+    ]
+    for node in nodes:
+        node.name = p + node.output[0].removeprefix(p)
+    return nodes
+
+
+def int8_value_nodes(rows: str, out: str, p: str, like: str, axis: int) -> list:
+    """rows int8 whose last element along ``axis`` (-1: a V row; -2: K^'s dim-major exponent row) is the exponent ->
+    out, the values q 2^e (exact) of ``like``'s type: ops.rules.int8_values."""
+    n, lo, hi = H.make_node, *EXPONENTS
+    return [
+        const(p + "zero", [0]), const(p + "minus1", [-1]), const(p + "end", [2 ** 62]), const(p + "axis", [axis]),
+        const(p + "bias", -lo),
+        H.make_node("Constant", [], [p + "powers"], value=H.make_tensor(
+            p + "powers", TensorProto.FLOAT, [hi - lo + 1], [2.0 ** j for j in range(lo, hi + 1)])),
+        n("Slice", [rows, p + "zero", p + "minus1", p + "axis"], [p + "q"]),
+        n("Slice", [rows, p + "minus1", p + "end", p + "axis"], [p + "e8"]),
+        n("Cast", [p + "e8"], [p + "e"], to=7), n("Add", [p + "e", p + "bias"], [p + "at"]),
+        n("Gather", [p + "powers", p + "at"], [p + "scale"], axis=0),
+        n("Cast", [p + "q"], [p + "q_f"], to=TensorProto.FLOAT), n("Mul", [p + "q_f", p + "scale"], [p + "v"]),
+        n("CastLike", [p + "v", like], [out]),
+    ]
 
 
 def const(name: str, value, kind=None):
@@ -113,17 +158,19 @@ def pool_nodes() -> list:
     ]
 
 
-def score_nodes(scores: str, pooled: bool = False) -> list:
+def score_nodes(scores: str, pooled: bool = False, scaled: bool = False) -> list:
     """query_hat, key_cache, total_length -> ``scores`` = q_selected @ K^[:, :, :, :total_length] (the head of the
-    TopKGatherDot and AquaAttention bodies; pooled: selection_nodes')."""
+    TopKGatherDot and AquaAttention bodies; pooled: selection_nodes'; scaled: an int8 cache, K^'s last dim-major
+    row its exponents)."""
     return selection_nodes(pooled) + [
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
         H.make_node("Constant", [], ["axis_3"], value_ints=[3]),
         H.make_node("Slice", ["key_cache", "zero_1", "total_length", "axis_3"], ["key_cache_s"]),
+    ] + (int8_value_nodes("key_cache_s", "key_cache_l", "kq_", "query_hat", -2) if scaled else [
         # a float16 cache under a float32 query (contract cache_dtype) widened; of the query's type, nothing
         # (ONNX Runtime drops a Cast to the type it has)
-        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"]),
+        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"])]) + [
         H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
         H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
     ]

@@ -28,7 +28,13 @@ SLOT_EXTRA_BYTES = 4 + 8  # per H2O slot and KV head beyond K^ and V: heavy (flo
 # The float types a graph, a cache or a kernel runs in: their names are numpy's and torch's (np.dtype(name),
 # getattr(torch, name)); ONNX numbers them
 FLOAT_TYPES = ("float32", "float16")
-ONNX = {"float32": 1, "float16": 10}  # onnx.TensorProto.FLOAT / FLOAT16
+ONNX = {"float32": 1, "float16": 10, "int8": 3}  # onnx.TensorProto.FLOAT / FLOAT16 / INT8
+# The cache types a float32 graph may keep beside its own: float16 (rounded), or int8 rows that carry their scale:
+# each token's K^ column / V row holds round(x / 2^e) in [-127, 127] and, one element further, the exponent e of its
+# power-of-two scale (ops.rules.int8_rows defines e; K^'s exponents are one more dim-major row, V's one more column)
+CACHE_TYPES = ("float32", "float16", "int8")
+SCALE_SLOTS = {"int8": 1}  # the elements a token's K^ column / V row carries beyond its width, by cache type
+EXPONENTS = (-126, 127)  # the exponent range of an int8 row's scale: float32's normal powers of two
 
 
 def type_name(dtype) -> str:

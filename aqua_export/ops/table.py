@@ -13,6 +13,7 @@ from typing import Callable
 from .spec import DOMAIN, ONNX, OPSET, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION, PROJECTION
 
 FLOATS = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
+CACHES = FLOATS + ("tensor(int8)",)  # an int8 cache: rows with their scale's exponent (ops.spec)
 ELEMENT = {"int64": 7, "float": 1}  # onnx.TensorProto.INT64 / FLOAT
 ANY = None  # in an op's shape rule: a dimension shape inference cannot know (a slot count, total_length's L)
 
@@ -91,8 +92,8 @@ class OpDef:
             self.name, DOMAIN, OPSET_VERSION, doc=self.doc,
             inputs=[formal(p) for p in self.inputs] + [formal(PROJECTION_PORT, True)] * self.projectable,
             outputs=[formal(p) for p in self.outputs],
-            type_constraints=[("T", list(FLOATS), "float types")] +
-            [("C", list(FLOATS), "the caches' float types")] * any(p.type == "C" for p in self.inputs),
+            type_constraints=[("T", list(FLOATS), "float types")] * any(p.type == "T" for p in self.inputs) +
+            [("C", list(CACHES), "the caches' types")] * any(p.type == "C" for p in self.inputs),
             attributes=[OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.required)
                         for a in self.attributes])
         if self.shape is not None:

@@ -23,7 +23,12 @@ TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "t
                          "own_top1": 0.95}}
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
          "pages": "token pages near-ties", "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
-         "ort_k1_vs_hf": "ORT at k = r vs HF", "cache_rounding": "float16 cache vs float32 cache"}
+         "ort_k1_vs_hf": "ORT at k = r vs HF", "cache_rounding": "narrow cache vs float32 cache"}
+# The folder's narrow cache against the same graph caching float32, on the same tokens: top-1 at least this (beyond
+# logit ties), or one forward differing. An int8 row rounds to 2^-7 of its largest value where float16 rounds to
+# 2^-11 of each value, so near-ties flip more often; what it costs is measured where it matters (perplexity, pass keys:
+# benchmarks/quality.md), and a cache that moved more than one forward in ten fails here.
+CACHE_TOP1 = {"float16": 0.95, "int8": 0.9}
 
 
 def diffs(a, b) -> tuple[float, float]:

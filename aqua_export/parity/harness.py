@@ -26,10 +26,10 @@ the other instruction-set mixes): one forward's error estimates the noise only t
 relative error (parity_probe). float16 builds are compared with the float32 reference under fixed allowances for
 float16's own rounding (TOLERANCE).
 
-A float16 cache under a float32 graph (contract cache_dtype) rounds each new K^ and V to float16, which the reference
-does not: every gate above runs the graph with its cache float32 (rewrites.float32_cache), and the folder's own run
-is compared with that one (top-1 gated as the native kernel's is, the logit differences reported: what the cache's
-rounding costs). The kernels' float16-cache paths are checked against float64 by the op catalogue.
+A float16 or int8 cache under a float32 graph (contract cache_dtype) rounds each new K^ and V as it is written, which
+the reference does not: every gate above runs the graph with its cache float32 (rewrites.float32_cache), and the
+folder's own run is compared with that one (top-1 gated at gates.CACHE_TOP1, the logit differences reported: what the
+cache's rounding costs). The kernels' narrow-cache paths are checked against float64 by the op catalogue.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from ..reference.precision import computing_in
 from ..runtime.folder import FolderConfig
 from ..runtime.lm import OrtLM
 from ..runtime.session import make_session
-from .gates import GATES, TOLERANCE, compare, eviction_agreement, gate
+from .gates import CACHE_TOP1, GATES, TOLERANCE, compare, eviction_agreement, gate
 from .probe import NOISE_FACTOR, ReplayProbe, RuntimeRecorder
 
 PARITY_TEXT = "builtin:gpl-3"
@@ -323,7 +323,8 @@ def _cache_rounding(res: dict, runs: dict, tol: dict, cache_dtype: str) -> None:
     """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
     gated as the native kernel's is (a near-tie may flip under the cache's rounding), the logit differences reported
     (what the narrower cache costs)."""
-    res["cache_rounding"] = {**_top1_gate(runs["main"][0], runs["cache"][0], tol), "cache_dtype": cache_dtype}
+    res["cache_rounding"] = {**_top1_gate(runs["main"][0], runs["cache"][0], {**tol, "own_top1": CACHE_TOP1[cache_dtype]}),
+                             "cache_dtype": cache_dtype}
 
 
 def _top1_gate(trace, other, tol: dict) -> dict:

@@ -55,7 +55,7 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
             "bos_token_id": bos, "context_length": context, "eos_token_id": eos, "pad_token_id": pad,
             "type": "decoder",  # genai's generic decoder-only LLM: the graph does everything model-specific
             "vocab_size": cfg.contract.vocab,
-            "decoder": {"session_options": session, "filename": "model.onnx", "head_size": cfg.contract.widths[0],
+            "decoder": {"session_options": session, "filename": "model.onnx", "head_size": cfg.contract.widths[0] + cfg.contract.scale_slots,
                         "hidden_size": g.hidden_size, "num_attention_heads": g.heads,
                         "num_hidden_layers": g.layers, "num_key_value_heads": g.kv_heads,
                         "inputs": inputs, "outputs": outputs},

@@ -3,7 +3,9 @@
 //
 //   query_hat   [B, Hkv, g, T, r]    q^ with the attention scale folded in
 //   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key); both caches float32 or float16,
-//                                    whatever the query's type (contract cache_dtype)
+//                                    whatever the query's type, or int8 under a float32 query (contract
+//                                    cache_dtype): then [B, Hkv, r + 1, C] and [B, Hkv, Cv, rv + 1], each token's
+//                                    K^ column and V row ending in its scale's exponent (aqua_ops.h kScaleSlots)
 //   value_cache [B, Hkv, Cv, rv]     present.value (rv: V's width, r unless AQUA-Memory cuts K^ and V apart)
 //   total_length [1] int64           L <= C, Cv: the slots filled so far
 //   attention_mask [B|1, L] int64    0 = padding; the query at position p = L - T + t sees keys j <= p that are
@@ -71,8 +73,11 @@ void attention_task(void* data, size_t task_index) {
     mb[rr] = mbuf + rr * kPos;
   }
   const int64_t p0 = split * j.split_len, p1 = std::min(j.len, p0 + j.split_len);
-  const C* key = j.key + bh * j.r * j.key_stride;
-  const C* value = j.value + bh * j.value_slots * j.rv;
+  constexpr int64_t extra = kScaleSlots<C>;
+  const int64_t vs = j.rv + extra;  // a V row's elements: its exponent after an int8 row
+  const C* key = j.key + bh * (j.r + extra) * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * vs;
+  alignas(64) static thread_local float scale[kPos];
   for (int64_t s0 = p0; s0 < p1; s0 += kPos) {
     const int64_t n = std::min(kPos, p1 - s0);
     bool visible = false;
@@ -80,8 +85,16 @@ void attention_task(void* data, size_t task_index) {
     if (!visible) continue;  // a block the mask hides from every row (a causal prompt's later keys): skipped
     for (int rr = 0; rr < nr; ++rr) seen[rr].block(s0, n, mbuf + rr * kPos);
     accumulate_rows(nr, key + s0, j.key_stride, uni, nu, wbuf, n, s, kPos);
+    if constexpr (extra > 0) {  // int8: each token's key scale on its scores, its value scale on its weights
+      scales_of(key + j.r * j.key_stride + s0, n, 1, scale);
+      scale_rows(nr, s, kPos, n, scale);
+    }
     online_softmax(nr, n, j.softcap, mb, s, m, l, o, j.rv);
-    add_values_rows(nr, s, kPos, value + s0 * j.rv, n, j.rv, o, kMaxWidth);
+    if constexpr (extra > 0) {
+      scales_of(value + s0 * vs + j.rv, n, vs, scale);
+      scale_rows(nr, s, kPos, n, scale);
+    }
+    add_values_rows(nr, s, kPos, value + s0 * vs, n, j.rv, vs, o, kMaxWidth);
   }
   finish_rows<T>(j, j, task, bh, tile, nr, o, m, l);
 }
@@ -116,7 +129,7 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: expected query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache "
                         "[B,Hkv,C,rv] and attention_mask [B,L]", ORT_INVALID_ARGUMENT);
     }
-    const int64_t r = ks[2], rv = vs[3];
+    const int64_t r = ks[2] - kScaleSlots<C>, rv = vs[3] - kScaleSlots<C>;  // an int8 row's exponent aside
     const OrtValue* p_value = ctx.GetInputCount() > 5 ? static_cast<const OrtValue*>(ctx.GetInput(5)) : nullptr;
     Ort::ConstValue p_in{p_value};
     if (p_value != nullptr) {
@@ -213,9 +226,11 @@ void add_attention_ops(Ort::CustomOpDomain& domain) {
   static AttentionOp<float> f32;
   static AttentionOp<Ort::Float16_t> f16;
   static AttentionOp<float, Ort::Float16_t> f32_cache16;  // a float32 graph with a float16 cache
+  static AttentionOp<float, int8_t> f32_cache8;  // a float32 graph with an int8 cache
   domain.Add(&f32);
   domain.Add(&f16);
   domain.Add(&f32_cache16);
+  domain.Add(&f32_cache8);
 }
 
 }  // namespace aqua

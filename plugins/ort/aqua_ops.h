@@ -13,7 +13,7 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
 
@@ -21,6 +21,9 @@ namespace aqua {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
+// An int8 cache (contract cache_dtype int8) is read as its stored integers; the kernels apply each token's
+// power-of-two scale to the scores (keys) and the probabilities (values) instead, which is exact (scale_rows).
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
 
@@ -39,6 +42,26 @@ inline void widen(const Ort::Float16_t* x, int64_t n, float* out) {
 
 // x[0..n) as float32 values: float rows where they are, float16 ones widened into buf (n elements).
 inline const float* as_floats(const float* x, int64_t /*n*/, float* /*buf*/) { return x; }
+inline void widen(const int8_t* x, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {  // 8 bytes -> 8 int32 -> 8 floats: two instructions
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  }
+#elif defined(__SSE4_1__)
+  for (; i + 4 <= n; i += 4) {
+    int32_t w;
+    std::memcpy(&w, x + i, sizeof w);
+    _mm_storeu_ps(out + i, _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(w))));
+  }
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+inline const float* as_floats(const int8_t* x, int64_t n, float* buf) {
+  widen(x, n, buf);
+  return buf;
+}
 inline const float* as_floats(const Ort::Float16_t* x, int64_t n, float* buf) {
   widen(x, n, buf);
   return buf;
@@ -147,6 +170,39 @@ inline f8 load8(const Ort::Float16_t* p) {
   float x[8];
   widen(p, 8, x);
   return load8(x);
+}
+inline f8 load8(const int8_t* p) {
+  float x[8];
+  widen(p, 8, x);
+  return load8(x);
+}
+
+// An int8 cache's rows (ops.spec, ops.rules.int8_rows): each token's K^ column and V row end in the exponent e of
+// its scale 2^e, one element past the width (K^: one more dim-major row; V: one more column).
+template <typename C>
+constexpr int64_t kScaleSlots = std::is_same_v<C, int8_t> ? 1 : 0;
+
+// 2^e for e in [-126, 127] (ops.spec EXPONENTS): float32's normal powers of two, built from their bits (a loop of
+// these vectorises; std::ldexp is a library call per value).
+inline float pow2(int8_t e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// out[i] = 2^e[i * stride] for n exponents.
+inline void scales_of(const int8_t* e, int64_t n, int64_t stride, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = pow2(e[i * stride]);
+}
+
+// s[rr][0..n) *= scale[0..n) for nr rows `pitch` apart: a token's scale applied to its score or probability (a
+// power of two: the same bits as scaling the cached values first).
+inline void scale_rows(int nr, float* s, int64_t pitch, int64_t n, const float* scale) {
+  for (int rr = 0; rr < nr; ++rr) {
+    float* x = s + rr * pitch;
+    for (int64_t i = 0; i < n; ++i) x[i] *= scale[i];
+  }
 }
 
 constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
@@ -347,14 +403,14 @@ constexpr int64_t kCols = 32;
 constexpr int64_t kValueAhead = 16;
 
 template <int NR, bool Full, typename T>
-void add_value_tile(const float* p, int64_t p_pitch, const T* __restrict v, int64_t n, int64_t r, int64_t nc,
+void add_value_tile(const float* p, int64_t p_pitch, const T* __restrict v, int64_t n, int64_t vs, int64_t nc,
                     float* __restrict o, int64_t o_pitch) {
   float acc[NR][kCols];
   for (int rr = 0; rr < NR; ++rr) {
     for (int64_t c = 0; c < kCols; ++c) acc[rr][c] = Full || c < nc ? o[rr * o_pitch + c] : 0.0f;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const T* vr = v + i * r;
+    const T* vr = v + i * vs;
     float vv[kCols];
     for (int64_t c = 0; c < kCols; ++c) vv[c] = Full || c < nc ? load(vr, c) : 0.0f;
     for (int rr = 0; rr < NR; ++rr) {
@@ -370,7 +426,7 @@ void add_value_tile(const float* p, int64_t p_pitch, const T* __restrict v, int6
 }
 
 template <int NR, int W, bool Ahead, typename T>
-void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, int64_t n, int64_t r,
+void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, int64_t n, int64_t vs,
                        float* __restrict o, int64_t o_pitch) {
   constexpr int kPerLine = 64 / (8 * sizeof(T));  // vectors of 8 per 64-byte line: one prefetch each
   f8 acc[NR][W];
@@ -379,10 +435,10 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
   }
   for (int64_t i = 0; i < n; ++i) {
     if constexpr (Ahead) {
-      for (int w = 0; w < W; w += kPerLine) __builtin_prefetch(v + (i + kValueAhead) * r + 8 * w);
+      for (int w = 0; w < W; w += kPerLine) __builtin_prefetch(v + (i + kValueAhead) * vs + 8 * w);
     }
     f8 vv[W];
-    for (int w = 0; w < W; ++w) vv[w] = load8(v + i * r + 8 * w);
+    for (int w = 0; w < W; ++w) vv[w] = load8(v + i * vs + 8 * w);
     for (int rr = 0; rr < NR; ++rr) {
       const float pw = p[rr * p_pitch + i];
       for (int w = 0; w < W; ++w) acc[rr][w] += pw * vv[w];
@@ -393,33 +449,35 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
   }
 }
 
+// V rows `vs` elements apart (r, or r + 1 in an int8 cache: the exponent rides at the end of each row).
 template <int NR, bool Ahead, typename T>
-void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o, int64_t o_pitch) {
+void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, int64_t vs, float* o,
+                int64_t o_pitch) {
   int64_t c0 = 0;
-  {  // float32 and float16 rows alike (load8 widens float16)
-    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
-    if (c0 + 32 <= r) add_value_vectors<NR, 4, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch), c0 += 32;
-    for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1, Ahead>(p, p_pitch, v + c0, n, r, o + c0, o_pitch);
+  {  // float32, float16 and int8 rows alike (load8 widens float16 and int8)
+    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch);
+    if (c0 + 32 <= r) add_value_vectors<NR, 4, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch), c0 += 32;
+    for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch);
   }
   for (; c0 < r; c0 += kCols) {
     const int64_t nc = std::min(kCols, r - c0);
     if (nc == kCols) {
-      add_value_tile<NR, true>(p, p_pitch, v + c0, n, r, nc, o + c0, o_pitch);
+      add_value_tile<NR, true>(p, p_pitch, v + c0, n, vs, nc, o + c0, o_pitch);
     } else {
-      add_value_tile<NR, false>(p, p_pitch, v + c0, n, r, nc, o + c0, o_pitch);
+      add_value_tile<NR, false>(p, p_pitch, v + c0, n, vs, nc, o + c0, o_pitch);
     }
   }
 }
 
 // Ahead: as accumulate_rows' (V rows kValueAhead on, off for token selection's scattered pages).
 template <bool Ahead = true, typename T>
-void add_values_rows(int nr, const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, float* o,
+void add_values_rows(int nr, const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, int64_t vs, float* o,
                      int64_t o_pitch) {
   switch (nr) {
-    case 1: add_values<1, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
-    case 2: add_values<2, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
-    case 3: add_values<3, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
-    default: add_values<4, Ahead>(p, p_pitch, v, n, r, o, o_pitch); break;
+    case 1: add_values<1, Ahead>(p, p_pitch, v, n, r, vs, o, o_pitch); break;
+    case 2: add_values<2, Ahead>(p, p_pitch, v, n, r, vs, o, o_pitch); break;
+    case 3: add_values<3, Ahead>(p, p_pitch, v, n, r, vs, o, o_pitch); break;
+    default: add_values<4, Ahead>(p, p_pitch, v, n, r, vs, o, o_pitch); break;
   }
 }
 
@@ -453,6 +511,7 @@ inline int64_t total_length(Ort::KernelContext& ctx, size_t index) {
 template <typename T>
 constexpr ONNXTensorElementDataType element_type() {
   if constexpr (std::is_same_v<T, float>) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if constexpr (std::is_same_v<T, int8_t>) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 }
 

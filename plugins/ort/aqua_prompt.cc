@@ -62,13 +62,17 @@ void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kk, 
   }
 }
 
-// dst[0..n) = src[0..n) as float32, then zeros up to `width`.
+// dst[0..n) = src[0..n) as float32, each times scale[i] when given (an int8 cache's K^ row: its tokens' scales;
+// exact, powers of two), then zeros up to `width`.
 template <typename C>
-inline void widen_row(const C* src, int64_t n, float* dst, int64_t width) {
+inline void widen_row(const C* src, int64_t n, float* dst, int64_t width, const float* scale = nullptr) {
   if constexpr (std::is_same_v<C, float>) {
     std::memcpy(dst, src, sizeof(float) * n);
   } else {
     widen(src, n, dst);
+  }
+  if (scale != nullptr) {
+    for (int64_t i = 0; i < n; ++i) dst[i] *= scale[i];
   }
   std::fill(dst + n, dst + width, 0.0f);
 }
@@ -159,8 +163,11 @@ void prompt_task(void* data, size_t index) {
   const Seen first = j.mask.at(b, t0), last = j.mask.at(b, t0 + nt - 1);
   // the keys any row sees lie in [first.lo, last.hi]; every row sees all of [last.lo, first.hi] that is not padding
   const int64_t k_begin = first.lo / kKeys * kKeys, k_end = last.hi + 1;
-  const C* key = j.key + bh * r * j.key_stride;
-  const C* value = j.value + bh * j.value_slots * j.rv;
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s exponent row, each V row's last element
+  const int64_t vs = j.rv + extra;
+  const C* key = j.key + bh * (r + extra) * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * vs;
+  alignas(64) float scale[kKeys];
   for (int64_t s0 = k_begin; s0 < k_end; s0 += kKeys) {
     const int64_t n = std::min(kKeys, k_end - s0);
     if (!last.any(s0, n) && !first.any(s0, n)) {
@@ -168,7 +175,10 @@ void prompt_task(void* data, size_t index) {
       for (int64_t t = 1; t + 1 < nt && !any; ++t) any = j.mask.at(b, t0 + t).any(s0, n);
       if (!any) continue;
     }
-    for (int64_t c = 0; c < r; ++c) widen_row(key + c * j.key_stride + s0, n, kp + c * kKeys, kKeys);
+    if constexpr (extra > 0) scales_of(key + r * j.key_stride + s0, n, 1, scale);
+    for (int64_t c = 0; c < r; ++c) {
+      widen_row(key + c * j.key_stride + s0, n, kp + c * kKeys, kKeys, extra > 0 ? scale : nullptr);
+    }
     gemm<false>(q, r, kp, kKeys, r, s, kKeys, rows_pad, kKeys);
     bool whole = s0 >= last.lo && s0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
     for (int64_t i = s0; i < s0 + n && whole; ++i) whole = first.am[i] != 0;
@@ -184,7 +194,13 @@ void prompt_task(void* data, size_t index) {
       softmax_row(sr, n, mbuf[row], lbuf[row], o + row * rvp, rvp);
     }
     for (int64_t p = 0; p < kKeys; ++p) {
-      widen_row(value + (s0 + std::min(p, n - 1)) * j.rv, p < n ? j.rv : 0, vp + p * rvp, rvp);
+      const C* row = value + (s0 + std::min(p, n - 1)) * vs;
+      float sv = 1.0f;
+      if constexpr (extra > 0) sv = pow2(row[j.rv]);
+      widen_row(row, p < n ? j.rv : 0, vp + p * rvp, rvp);
+      if constexpr (extra > 0) {
+        for (int64_t c = 0; c < j.rv; ++c) vp[p * rvp + c] *= sv;
+      }
     }
     gemm<true>(s, kKeys, vp, rvp, kKeys, o, rvp, rows_pad, rvp);
   }
@@ -216,5 +232,7 @@ template void attend_prompt<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&,
 template void attend_prompt<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&,
                                                    const Ort::Float16_t*, const Ort::Float16_t*, const MaskRows&,
                                                    float*, int64_t, int64_t, int64_t, int64_t, float);
+template void attend_prompt<float, int8_t>(Ort::KernelContext&, const QueryRows<float>&, const int8_t*, const int8_t*,
+                                           const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float);
 
 }  // namespace aqua

@@ -54,9 +54,11 @@ void score_task(void* data, size_t index) {
   float* best = j.best + bh * j.pages;
   std::fill(best + p0 / kPage, best + (p1 + kPage - 1) / kPage, -INFINITY);
   const Seen seen = seen_by(j, bh);
-  const C* key = j.key + bh * j.r * j.key_stride;
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s exponent row after its r rows
+  const C* key = j.key + bh * (j.r + extra) * j.key_stride;
   alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
   alignas(64) static thread_local float s[kRows * kScoreBlock];
+  alignas(64) static thread_local float scale[kScoreBlock];
   static thread_local int32_t uni[kMaxWidth];
   for (int64_t tile = 0; tile * kRows < j.g; ++tile) {
     const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
@@ -64,6 +66,10 @@ void score_task(void* data, size_t index) {
     for (int64_t s0 = p0; s0 < p1; s0 += kScoreBlock) {
       const int64_t n = std::min(kScoreBlock, p1 - s0);
       accumulate_rows(nr, key + s0, j.key_stride, uni, nu, wbuf, n, s, kScoreBlock);
+      if constexpr (extra > 0) {
+        scales_of(key + j.r * j.key_stride + s0, n, 1, scale);
+        scale_rows(nr, s, kScoreBlock, n, scale);
+      }
       for (int rr = 0; rr < nr && j.softcap > 0.0f; ++rr) {
         for (int64_t i = 0; i < n; ++i) s[rr * kScoreBlock + i] = std::tanh(s[rr * kScoreBlock + i] / j.softcap) * j.softcap;
       }
@@ -202,25 +208,36 @@ void attend_task(void* data, size_t task_index) {
   const int64_t count = choose_pages(j, bh, chosen), per = (count + j.splits - 1) / j.splits;
   const int64_t c1 = std::min(count, (split + 1) * per);
   const Seen seen = seen_by(j, bh);
-  const C* key = j.key + bh * j.r * j.key_stride;
-  const C* value = j.value + bh * j.value_slots * j.rv;
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s exponent row, each V row's last element
+  const int64_t vs = j.rv + extra, kr = j.r + extra;
+  const C* key = j.key + bh * kr * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * vs;
+  alignas(64) static thread_local float scale[kPos];
   const int64_t c0 = split * per;
-  prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key, j.key_stride, j.r);
+  prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key, j.key_stride, kr);
   for (Chunk ch = gather_chunk(chosen, c0, c1, j.len); ch.nruns > 0; ch = gather_chunk(chosen, ch.end, c1, j.len)) {
-    prefetch_values(ch, value, j.rv);
+    prefetch_values(ch, value, vs);
     int64_t requested = std::min(c1, c0 + kAheadPages);
     for (int i = 0; i < ch.nruns; ++i) {
       const auto& run = ch.runs[i];
       const int64_t ahead = std::min(c1, run.last + kAheadPages);
-      prefetch_keys(chosen, std::max(requested, run.last), ahead, key, j.key_stride, j.r);
+      prefetch_keys(chosen, std::max(requested, run.last), ahead, key, j.key_stride, kr);
       requested = std::max(requested, ahead);
       seen.block(run.start, run.n, mg + run.at);
       accumulate_rows<false>(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
+      if constexpr (extra > 0) {  // int8: the run's key scales on its scores
+        scales_of(key + j.r * j.key_stride + run.start, run.n, 1, scale);
+        scale_rows(nr, s + run.at, kPos, run.n, scale);
+      }
     }
     online_softmax(nr, ch.filled, j.softcap, mb, s, m, l, o, j.rv);
     for (int i = 0; i < ch.nruns; ++i) {
       const auto& run = ch.runs[i];
-      add_values_rows<false>(nr, s + run.at, kPos, value + run.start * j.rv, run.n, j.rv, o, kMaxWidth);
+      if constexpr (extra > 0) {  // and its value scales on its weights
+        scales_of(value + run.start * vs + j.rv, run.n, vs, scale);
+        scale_rows(nr, s + run.at, kPos, run.n, scale);
+      }
+      add_values_rows<false>(nr, s + run.at, kPos, value + run.start * vs, run.n, j.rv, vs, o, kMaxWidth);
     }
   }
   finish_rows<T>(j, j, task, bh, tile, nr, o, m, l);
@@ -272,5 +289,8 @@ template void attend_pages<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&, 
 template void attend_pages<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&, const Ort::Float16_t*,
                                                   const Ort::Float16_t*, const MaskRows&, float*, int64_t, int64_t,
                                                   int64_t, int64_t, float, const TokenRule&);
+template void attend_pages<float, int8_t>(Ort::KernelContext&, const QueryRows<float>&, const int8_t*, const int8_t*,
+                                          const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
+                                          const TokenRule&);
 
 }  // namespace aqua

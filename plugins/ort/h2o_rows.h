@@ -192,7 +192,7 @@ void attend_blocks(const H2OJob<T>& j, int64_t bh, const Row& w, int64_t h0, int
     }
     accumulate_rows(nr, key + s0, cap, uni, nu, wbuf, n, xb, kBlock);
     block_softmax(nr, xb, kBlock, on, n, j.softcap, m, l, o, rv);
-    add_values_rows(nr, xb, kBlock, value + s0 * rv, n, rv, o, rv);
+    add_values_rows(nr, xb, kBlock, value + s0 * rv, n, rv, rv, o, rv);
     for (int rr = 0; rr < nr; ++rr) {
       f[(h0 + rr) * j.blocks + blk] = m[rr];  // the max the block's e^(x - m) are relative to
       std::memcpy(s + (h0 + rr) * cap + s0, xb + rr * kBlock, sizeof(float) * n);

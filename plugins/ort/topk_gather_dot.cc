@@ -369,6 +369,8 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, 
   static CacheOp<Ort::Float16_t, true> key_f16;
   static CacheOp<float, false> value_f32;
   static CacheOp<Ort::Float16_t, false> value_f16;
+  static CacheOp<int8_t, true> key_i8;  // an int8 cache's rows (ops.spec): bytes like any other
+  static CacheOp<int8_t, false> value_i8;
   static ValueOp<float> product_f32;
   static ValueOp<Ort::Float16_t> product_f16;
   try {
@@ -379,6 +381,8 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, 
     domain.Add(&key_f16);
     domain.Add(&value_f32);
     domain.Add(&value_f16);
+    domain.Add(&key_i8);
+    domain.Add(&value_i8);
     domain.Add(&product_f32);
     domain.Add(&product_f16);
     add_attention_ops(domain);
