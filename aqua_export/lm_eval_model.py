@@ -86,7 +86,7 @@ def _hf_tokenizer(folder: str):
     return tok
 
 
-def _config(**values) -> AquaConfig:
+def config_of_model_args(**values) -> AquaConfig:
     """lm_eval passes model_args as strings: each setting's module converts its own, AquaConfig validates them."""
     return AquaConfig(**settings.from_text(values))
 
@@ -114,7 +114,7 @@ class AquaLM(HFLM):
             net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving, all_logits=True), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
-            config = _config(**given)
+            config = config_of_model_args(**given)
             if projection is None and not config.is_dense:
                 raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1, token_ratio=1 need "
                                   "projection=FILE")

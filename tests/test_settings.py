@@ -8,7 +8,7 @@ import pytest
 from aqua_export import settings
 from aqua_export.cli import build_arg_parser, build_parser
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.lm_eval_model import AquaLM, _config
+from aqua_export.lm_eval_model import AquaLM, config_of_model_args
 
 EVERY_ON = AquaConfig(k_ratio=0.5, slice_ratio=0.25, slice_alloc="energy", k_alloc="energy", selection="group",
                       token_budget=256, token_sink=32, token_window=128)
@@ -37,11 +37,11 @@ def test_every_command_taking_settings_has_each_flag_with_its_default():
 def test_lm_eval_model_args_are_the_settings_as_text():
     assert AquaLM.SETTINGS == tuple(settings.SETTINGS)
     text = {n: str(getattr(EVERY_ON, n)) for n in settings.SETTINGS}
-    assert _config(**text) == EVERY_ON
+    assert config_of_model_args(**text) == EVERY_ON
     with pytest.raises(ConfigError, match="token_budget='lots' must be a whole number"):
-        _config(token_budget="lots")
+        config_of_model_args(token_budget="lots")
     with pytest.raises(ConfigError, match=r"k_ratio=1.5 is out of range: use a value in \(0, 1\]"):
-        _config(k_ratio="1.5")
+        config_of_model_args(k_ratio="1.5")
 
 
 @pytest.mark.parametrize("name,value,needle", [
