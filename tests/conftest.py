@@ -76,3 +76,13 @@ def tiny_llama(tmp_path_factory):
 
     m = models.tiny_model("llama")
     return m, tiny_projection(m, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def proj(tmp_path, smollm_projection):
+    """The session's SmolLM2 projection as a file (a build reuses it instead of calibrating)."""
+    from aqua_export.projection import write
+
+    path = tmp_path / "proj.safetensors"
+    write(path, smollm_projection.tensors(), smollm_projection.metadata)
+    return path
