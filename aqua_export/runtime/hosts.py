@@ -32,8 +32,10 @@ def open_lm(folder: str | Path, runtime: str = "aqua", threads: int = 0, kernel:
     tool built is refused in the capability table's one line when ``runtime`` (or ``kernel``) cannot run it."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
-    if (Path(folder) / CONFIG_FILE).is_file():  # not a folder of genai's builder, which genai runs as it is
-        capabilities.check(Features.of_folder(FolderConfig.from_folder(folder)), runtime)  # (kernel: OrtLM.open)
+    # aqua and genai check the folder where they open it (OrtLM.open: its kernel; GenaiLM: Contract.genai_io), so the
+    # config is read once; a TensorRT engine is checked here
+    if runtime == "tensorrt" and (Path(folder) / CONFIG_FILE).is_file():
+        capabilities.check(Features.of_folder(FolderConfig.from_folder(folder)), runtime)
     if runtime == "aqua":
         from .lm import OrtLM
 
