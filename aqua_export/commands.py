@@ -3,6 +3,7 @@ bad input raises ConfigError, which cli.main turns into one ``aqua-export: error
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -133,6 +134,9 @@ def cmd_eval(a) -> int:
 
 
 def cmd_lm_eval(a) -> int:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("aqua-export lm-eval needs lm-evaluation-harness, an optional part of this package: "
+                          "pip install 'aqua-export[eval]'")
     tasks = [t for t in a.tasks.split(",") if t]
     if a.limit is not None and not a.limit > 0:
         raise ConfigError(f"--limit {a.limit:g} is not a number of items: give a count >= 1, or a share in (0, 1)")

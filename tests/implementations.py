@@ -57,7 +57,7 @@ class Triton:
 
         # not imported here: Triton's language follows the interpreter setting of its first import (select.triton_for)
         if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (it comes with `pip install -e .[test]`)"
+            return "triton is not installed (it comes with `pip install -e '.[test]'`)"
         return None
 
     def supports(self, op) -> bool:

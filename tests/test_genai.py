@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install -e .[test])")
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a dependency of the package (pip install -e .)")
 
 from aqua_export.build import BuildOptions, export_folder  # noqa: E402
 from aqua_export.config import AquaConfig, ConfigError  # noqa: E402
@@ -22,7 +22,7 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
            "The GNU General Public License is a free, copyleft license for",
            "Once upon a time",
            "import numpy as np\n\n# a function that normalises the rows of a matrix\ndef"]
-STEPS = 64
+STEPS = 32
 
 
 @pytest.fixture(scope="module")
