@@ -34,6 +34,9 @@ REGISTRY = {
                                                             "target.json", "capacity.json")),
     "performance": Benchmark("perf_report", "benchmarks/performance.md from the JSON of attention, breakeven and "
                              "decode", ("performance.md",)),
+    "prompt": Benchmark("bench_prompt", "attention over a whole prompt: AquaAttention's blocked kernel against ONNX "
+                        "Runtime's GroupQueryAttention (genai's builder) and the CPU's matrix-product rate",
+                        ("prompt_attention.json", "prompt_attention.md")),
     "prefill": Benchmark("bench_prefill", "time to first token, decode after it, the whole request and peak RSS "
                          "against genai's builder, OpenVINO GenAI and llama.cpp", ("prefill.json", "prefill.md"),
                          needs="the peers' environments: python -m tools prefill --setup"),

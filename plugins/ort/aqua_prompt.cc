@@ -5,13 +5,16 @@
 //   tasks (batch, kv head, block of kQueryRows query rows: all g heads of consecutive tokens, so K^ and V are read
 //   once for the GQA group), each walking the keys its rows see in blocks of kKeys:
 //
-//     K^[:, block] --packed [r][kKeys] float--> S = Q K^  (Q [rows][r])        micro-kernel of 6 x 16 scores
+//     K^[:, block] --packed in panels [kKeys / 16][r][16]--> S = Q K^  (Q [rows][r])   micro-kernel of 6 x 16 scores
 //     S --softcap, mask (attention_mask, causal, sliding window)--> online softmax: m, l, O rescaled, P = e^(S - m)
-//     V[block] --packed [kKeys][rv] float--> O += P V                             the same micro-kernel
+//     V[block] --packed in panels [rv / 16][kKeys][16]--> O += P V                     the same micro-kernel
 //
 //   then O / l into out. A block the mask hides from every row of the task (a causal prompt's later keys, a
-//   window's earlier ones) is skipped. Packing converts a float16 cache once per block (and pads a short last
-//   block with zeros), so the micro-kernel reads contiguous float32 tiles that stay in L1 / L2.
+//   window's earlier ones) is skipped. Packing converts a float16 or int8 cache once per block (and pads a short
+//   last block with zeros) into panels: the 16 columns a micro-kernel reads lie in one contiguous run (4 KB of K^,
+//   8 KB of V) that stays in L1 while every row tile of the task passes over it. Rows of a plain [r][kKeys] tile
+//   lie 512 bytes apart, which maps a column tile's lines onto an eighth of L1's sets, where the streamed query
+//   rows evicted them.
 //
 // The micro-kernel keeps a 6 x 16 tile of its output in 12 vector registers (GCC vector extensions: AVX2's 16
 // ymm registers hold it with the two B vectors and the broadcast A value) and runs the shared dimension through
@@ -30,17 +33,17 @@ constexpr int64_t kKeys = 128;        // keys per block
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// c[MR][16] (+)= a[MR][kk] (rows lda apart) . b[kk][16] (rows ldb apart); c rows ldc apart.
+// c[MR][16] (+)= a[MR][kk] (rows lda apart) . b[kk][16] (a panel: rows 16 apart); c rows ldc apart.
 template <int MR, bool Add>
-inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb, int64_t kk,
-                  float* __restrict c, int64_t ldc) {
+inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t kk, float* __restrict c,
+                  int64_t ldc) {
   f8 lo[MR], hi[MR];
   for (int i = 0; i < MR; ++i) {
     lo[i] = Add ? load8(c + i * ldc) : f8{};
     hi[i] = Add ? load8(c + i * ldc + 8) : f8{};
   }
   for (int64_t p = 0; p < kk; ++p) {
-    const f8 b0 = load8(b + p * ldb), b1 = load8(b + p * ldb + 8);
+    const f8 b0 = load8(b + p * kNR), b1 = load8(b + p * kNR + 8);
     for (int i = 0; i < MR; ++i) {
       const float x = a[i * lda + p];
       lo[i] += x * b0;
@@ -53,13 +56,20 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
   }
 }
 
-// C[m][n] (+)= A[m][kk] . B[kk][n], m a multiple of kMR, n of kNR (rows of A lda apart, of B ldb, of C ldc).
+// C[m][n] (+)= A[m][kk] . B[kk][n], m a multiple of kMR, n of kNR (rows of A lda apart, of C ldc; B in panels
+// [n / kNR][kk][kNR]).
 template <bool Add>
-void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kk, float* c, int64_t ldc, int64_t m,
-          int64_t n) {
+void gemm(const float* a, int64_t lda, const float* b, int64_t kk, float* c, int64_t ldc, int64_t m, int64_t n) {
   for (int64_t j0 = 0; j0 < n; j0 += kNR) {
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) micro<kMR, Add>(a + i0 * lda, lda, b + j0, ldb, kk, c + i0 * ldc + j0, ldc);
+    const float* panel = b + j0 * kk;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) micro<kMR, Add>(a + i0 * lda, lda, panel, kk, c + i0 * ldc + j0, ldc);
   }
+}
+
+// row[0..width) (a multiple of kNR) into column `col` of panels [width / kNR][kk][kNR]: chunk j of the row is
+// row `col` of panel j.
+inline void to_panels(const float* row, int64_t width, float* panels, int64_t kk, int64_t col) {
+  for (int64_t j = 0; j < width; j += kNR) std::memcpy(panels + j * kk + col * kNR, row + j, sizeof(float) * kNR);
 }
 
 // dst[0..n) = src[0..n) as float32, each times scale[i] when given (an int8 cache's K^ row: its tokens' scales;
@@ -127,14 +137,7 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
 // One row's online softmax over a block of n keys: s[0..n) (masked: -inf) -> e^(s - m') in place (0 past n up to
 // kKeys), m, l and the row's output o[0..rvp) updated. A block the row sees nothing of leaves it as it was.
 inline void softmax_row(float* s, int64_t n, float& m, float& l, float* o, int64_t rvp) {
-  float lane[kLanes];
-  std::fill(lane, lane + kLanes, -INFINITY);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int e = 0; e < kLanes; ++e) lane[e] = std::max(lane[e], s[i + e]);
-  }
-  for (; i < n; ++i) lane[0] = std::max(lane[0], s[i]);
-  const float top = *std::max_element(lane, lane + kLanes);
+  const float top = row_max(s, n);
   if (top == -INFINITY) {
     std::fill(s, s + kKeys, 0.0f);
     return;
@@ -149,7 +152,7 @@ void prompt_task(void* data, size_t index) {
   const int64_t blk = static_cast<int64_t>(index) % j.blocks, bh = static_cast<int64_t>(index) / j.blocks;
   const int64_t t0 = blk * j.tokens_per_block, nt = std::min(j.tokens_per_block, j.t - t0);
   const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = round_up(j.rv, kNR), r = j.r;
-  static thread_local std::vector<float> qbuf, kbuf, vbuf, sbuf, obuf, mbuf, lbuf;
+  static thread_local std::vector<float> qbuf, kbuf, vbuf, sbuf, obuf, mbuf, lbuf, wide;
   qbuf.resize(static_cast<size_t>(rows_pad * r));
   kbuf.resize(static_cast<size_t>(r * kKeys));
   vbuf.resize(static_cast<size_t>(kKeys * rvp));
@@ -157,7 +160,8 @@ void prompt_task(void* data, size_t index) {
   obuf.assign(static_cast<size_t>(rows_pad * rvp), 0.0f);
   mbuf.assign(static_cast<size_t>(rows_pad), -INFINITY);
   lbuf.assign(static_cast<size_t>(rows_pad), 0.0f);
-  float *q = qbuf.data(), *kp = kbuf.data(), *vp = vbuf.data(), *s = sbuf.data(), *o = obuf.data();
+  wide.resize(static_cast<size_t>(std::max(kKeys, rvp)));
+  float *q = qbuf.data(), *kp = kbuf.data(), *vp = vbuf.data(), *s = sbuf.data(), *o = obuf.data(), *w = wide.data();
   query_block(j, bh, t0, nt, q, rows_pad);
   const int64_t b = bh / j.heads;
   const Seen first = j.mask.at(b, t0), last = j.mask.at(b, t0 + nt - 1);
@@ -177,9 +181,10 @@ void prompt_task(void* data, size_t index) {
     }
     if constexpr (extra > 0) scales_of(key + r * j.key_stride + s0, n, 1, scale);
     for (int64_t c = 0; c < r; ++c) {
-      widen_row(key + c * j.key_stride + s0, n, kp + c * kKeys, kKeys, extra > 0 ? scale : nullptr);
+      widen_row(key + c * j.key_stride + s0, n, w, kKeys, extra > 0 ? scale : nullptr);
+      to_panels(w, kKeys, kp, r, c);
     }
-    gemm<false>(q, r, kp, kKeys, r, s, kKeys, rows_pad, kKeys);
+    gemm<false>(q, r, kp, r, s, kKeys, rows_pad, kKeys);
     bool whole = s0 >= last.lo && s0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
     for (int64_t i = s0; i < s0 + n && whole; ++i) whole = first.am[i] != 0;
     for (int64_t row = 0; row < rows; ++row) {
@@ -197,12 +202,13 @@ void prompt_task(void* data, size_t index) {
       const C* row = value + (s0 + std::min(p, n - 1)) * vs;
       float sv = 1.0f;
       if constexpr (extra > 0) sv = pow2(row[j.rv]);
-      widen_row(row, p < n ? j.rv : 0, vp + p * rvp, rvp);
+      widen_row(row, p < n ? j.rv : 0, w, rvp);
       if constexpr (extra > 0) {
-        for (int64_t c = 0; c < j.rv; ++c) vp[p * rvp + c] *= sv;
+        for (int64_t c = 0; c < j.rv; ++c) w[c] *= sv;
       }
+      to_panels(w, rvp, vp, kKeys, p);
     }
-    gemm<true>(s, kKeys, vp, rvp, kKeys, o, rvp, rows_pad, rvp);
+    gemm<true>(s, kKeys, vp, kKeys, o, rvp, rows_pad, rvp);
   }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t tt = t0 + row / j.g, h = row % j.g;

@@ -44,7 +44,7 @@ inline void block_softmax(int nr, float* x, int64_t pitch, const int32_t* on, in
     if (softcap > 0.0f) {
       for (int64_t i = 0; i < n; ++i) xr[i] = std::tanh(xr[i] / softcap) * softcap;
     }
-    float lane[kLanes];  // partial maxima: see exp_sum
+    float lane[kLanes];  // partial maxima: see kLanes
     std::fill(lane, lane + kLanes, -INFINITY);
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
