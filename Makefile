@@ -57,8 +57,9 @@ demo: setup
 # Every temporary file of the run (pytest's folders, torch's and Triton's caches) goes under build/test-tmp,
 # removed when the run passes; a failed run leaves only its failed tests' folders there for a look.
 TEST_TMP := $(CURDIR)/build/test-tmp
-# two processes (pytest-xdist), a module's tests together so that its fixtures are made once
-PARALLEL := -n 2 --dist loadfile
+# two processes (pytest-xdist), a module's tests together so that its fixtures are made once, the long modules
+# first (tests/conftest.py: LONG_MODULES)
+PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup $(PORTABLE)
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
