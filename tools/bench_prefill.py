@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"cpu": cpu_name(), "threads": a.threads}
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     Path(a.out + ".md").write_text(_markdown(meta, rows))
-    print(table([r for r in rows if tuple(r[k] for k in key) in ran]))
+    print(rows_table([r for r in rows if tuple(r[k] for k in key) in ran]))
     return 0
 
 
