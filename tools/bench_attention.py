@@ -65,6 +65,28 @@ TOKEN_SETTINGS = [(0.25, 0, "group", 0.5), (0.125, 0, "group", 0.5), (0.125, 0, 
 SINK, WINDOW = 16, 64
 
 
+def gqa_model(**attributes):
+    """ONNX Runtime's GroupQueryAttention (onnxruntime-genai's op) at the embedded model's geometry: q [B, S, HQ D],
+    k / v [B, S, HKV D] for S new tokens (1 at decode, the prompt's length in a prefill) after a past [B, HKV, P, D]
+    (P 0 for a prompt); attributes beyond the heads (scale) as given."""
+    from onnx import TensorProto
+    from onnx import helper as H
+
+    f = TensorProto.FLOAT
+    node = H.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
+                       ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV,
+                       **attributes)
+    ins = [H.make_tensor_value_info("q", f, ["B", "S", HQ * D]), H.make_tensor_value_info("k", f, ["B", "S", HKV * D]),
+           H.make_tensor_value_info("v", f, ["B", "S", HKV * D]),
+           H.make_tensor_value_info("past_k", f, ["B", HKV, "P", D]),
+           H.make_tensor_value_info("past_v", f, ["B", HKV, "P", D]),
+           H.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+           H.make_tensor_value_info("total", TensorProto.INT32, [1])]
+    outs = [H.make_tensor_value_info(n, f, None) for n in ("out", "present_k", "present_v")]
+    g = H.make_graph([node], "gqa", ins, outs)
+    return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
+
+
 def _graph(kind: str):
     """The two baselines without a custom node: ORT's GroupQueryAttention ("gqa") and the standard-op dense step."""
     from onnx import TensorProto
@@ -72,18 +94,7 @@ def _graph(kind: str):
 
     f = TensorProto.FLOAT
     if kind == "gqa":
-        node = H.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
-                           ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV)
-        ins = [H.make_tensor_value_info("q", f, ["B", 1, HQ * D]), H.make_tensor_value_info("k", f, ["B", 1, HKV * D]),
-               H.make_tensor_value_info("v", f, ["B", 1, HKV * D]),
-               H.make_tensor_value_info("past_k", f, ["B", HKV, "T", D]),
-               H.make_tensor_value_info("past_v", f, ["B", HKV, "T", D]),
-               H.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
-               H.make_tensor_value_info("total", TensorProto.INT32, [1])]
-        outs = [H.make_tensor_value_info("out", f, None), H.make_tensor_value_info("present_k", f, None),
-                H.make_tensor_value_info("present_v", f, None)]
-        g = H.make_graph([node], "gqa", ins, outs)
-        return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
+        return gqa_model()
     # ORT dense; AquaAttention is ops.aqua_attention.OP.model (its ports: query_hat, key_cache, ...)
     nodes = [H.make_node("Constant", [], ["ax2"], value_ints=[2]),
              H.make_node("Unsqueeze", ["kc", "ax2"], ["kc_g"]), H.make_node("Unsqueeze", ["vc", "ax2"], ["v_g"]),

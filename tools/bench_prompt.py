@@ -26,28 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.bench_attention import HKV, HQ, D, gqa_model
 from tools.harness import command, interleaved_medians, table, written_by
 
 ROOT = Path(__file__).resolve().parents[1]
-HQ, HKV, D = 9, 3, 64
-
-
-def _gqa(t: int):
-    """GroupQueryAttention over a prompt of t tokens with an empty past (genai's builder's node, no rotary)."""
-    from onnx import TensorProto
-    from onnx import helper as H
-
-    f, i32 = TensorProto.FLOAT, TensorProto.INT32
-    node = H.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
-                       ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV,
-                       scale=1.0)  # AquaAttention's scores are unscaled (a folder folds 1/sqrt(d) into P)
-    ins = [H.make_tensor_value_info("q", f, [1, t, HQ * D]), H.make_tensor_value_info("k", f, [1, t, HKV * D]),
-           H.make_tensor_value_info("v", f, [1, t, HKV * D]), H.make_tensor_value_info("past_k", f, [1, HKV, 0, D]),
-           H.make_tensor_value_info("past_v", f, [1, HKV, 0, D]), H.make_tensor_value_info("seqlens_k", i32, [1]),
-           H.make_tensor_value_info("total", i32, [1])]
-    outs = [H.make_tensor_value_info(n, f, None) for n in ("out", "present_k", "present_v")]
-    g = H.make_graph([node], "gqa", ins, outs)
-    return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)], ir_version=10)
 
 
 def _matmul():
@@ -76,7 +58,7 @@ def measure(t: int, threads: int, reps: int) -> dict:
     ours_feed = dict(zip([i.name for i in ours.get_inputs()],
                          [q, np.ascontiguousarray(k.transpose(0, 1, 3, 2)), v, np.array([t], np.int64),
                           np.ones((1, t), np.int64)]))
-    gqa = sess(_gqa(t))
+    gqa = sess(gqa_model(scale=1.0))  # AquaAttention's scores are unscaled (a folder folds 1/sqrt(d) into P)
     empty = np.zeros((1, HKV, 0, D), np.float32)
     gqa_feed = {"q": np.ascontiguousarray(q.transpose(0, 3, 1, 2, 4).reshape(1, t, HQ * D)),
                 "k": np.ascontiguousarray(k.transpose(0, 2, 1, 3).reshape(1, t, HKV * D)),
