@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
             # the fused node's ports (ops/aqua_attention.py); every slot filled
             fused = {"query_hat": q, "key_cache": kc, "value_cache": v, "total_length": np.array([t], np.int64),
-                     "mask": feed["mask"]}
+                     "attention_mask": np.ones((b, t), np.int64)}
             # the AQUA nodes take q = q^ P^T and P: the same q^, so the same selections
             P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
             projected = {**fused, "query_hat": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32),

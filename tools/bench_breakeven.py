@@ -46,7 +46,7 @@ def _graph(k: int | None, P: np.ndarray):
     nodes.append(H.make_node(op.name, ["q", "kc", "v", "n", "mask"] + ["P"] * (k is not None), ["out"],
                              domain=DOMAIN, k=k or D, rule=1, softcap=0.0, plugin_namespace="aqua", plugin_version="1"))
     ins = [H.make_tensor_value_info("q", f, [1, HKV, G, 1, D]), H.make_tensor_value_info("kc", f, [1, HKV, D, "T"]),
-           H.make_tensor_value_info("v", f, [1, HKV, "T", D]), H.make_tensor_value_info("mask", f, [1, 1, 1, 1, "T"])]
+           H.make_tensor_value_info("v", f, [1, HKV, "T", D]), H.make_tensor_value_info("mask", TensorProto.INT64, [1, "T"])]
     g = H.make_graph(nodes, "breakeven", ins, [H.make_tensor_value_info("out", f, None)], initializer=inits)
     return H.make_model(g, opset_imports=[H.make_opsetid("", 20), H.make_opsetid(DOMAIN, OPSET_VERSION)],
                         functions=[op.body(20, projected=k is not None)], ir_version=10)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in CONTEXTS:
         kc = rng.standard_normal((1, HKV, D, t), dtype=np.float32)
         v = rng.standard_normal((1, HKV, t, D), dtype=np.float32)
-        feed = {"q": q, "kc": kc, "v": v, "mask": np.zeros((1, 1, 1, 1, t), np.float32)}
+        feed = {"q": q, "kc": kc, "v": v, "mask": np.ones((1, t), np.int64)}  # the node's 2-D attention_mask
         med = interleaved_medians({name: (lambda s=s: s.run(None, feed)) for name, s in sessions.items()},
                                    a.reps, 10.0)
         for k in ks:
