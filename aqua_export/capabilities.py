@@ -27,7 +27,7 @@ class Features:
     shared_k: bool = False  # a layer's heads share its k per token (head_prices)
     uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
     narrow_cache: bool = False  # the cache in float16 or int8 under a float32 graph
-    int8_cache: bool = False  # int8 rows with their scales' exponents (ops.spec)
+    int8_cache: bool = False  # int8 rows with their scales' codes (ops.spec)
     float16: bool = False  # a float16 graph
     quantized: bool = False  # int4 / int8 weights (MatMulNBits)
 

@@ -72,7 +72,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dtype", choices=list(CACHE_TYPES),
                     help="the KV cache's type (default: --dtype's). Under float32: float16 halves the bytes a CPU "
                          "decode step reads at long context, as llama.cpp's default cache does; int8 quarters them "
-                         "(each token's K^ column and V row as int8 with a power-of-two scale, as llama.cpp's q8_0 "
+                         "(each token's K^ column and V row as int8 with its own scale, as llama.cpp's q8_0 "
                          "and OpenVINO's u8 caches do). New tokens are rounded to it as they are written; parity "
                          "gates the export on the same rounding and reports the distance")
     ap.add_argument("--weights", default="float", choices=["float", "int4", "int8"],

@@ -56,7 +56,9 @@ REGISTRY = {
 # one-off studies (tools/studies/): what they wrote stays in benchmarks/ as the record of a decision
 STUDIES = {"head_alloc_study.json": "python -m tools.studies.head_alloc_study",
            "head_alloc_study.md": "python -m tools.studies.head_alloc_study",
-           "optimum.md": "python -m tools.studies.optimum_check (in optimum-onnx's own environment)"}
+           "optimum.md": "python -m tools.studies.optimum_check (in optimum-onnx's own environment)",
+           "int8_scale_study.json": "python -m tools.studies.int8_scale_study",
+           "int8_scale_study.md": "python -m tools.studies.int8_scale_study"}
 
 
 def command(name: str) -> str:

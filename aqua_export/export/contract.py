@@ -12,7 +12,7 @@ the layers, unless AQUA-Memory's slicing is allocated: allocate.py), the decoder
   both of cache_dtype: the graph's dtype, or float16 under a float32 graph (half the cache's bytes, what a CPU
   decode step at long context mostly reads; the new tokens are rounded to it as they are written), or int8 under
   a float32 graph (a quarter of float32's): each token's K^ column and V row then holds its values as int8 and,
-  one element further, the exponent of its power-of-two scale (ops.spec, ops.rules.int8_rows), so the buffers
+  one element further, the code of its scale, a quarter power of two (ops.spec, ops.rules.int8_rows), so the buffers
   are declared r + 1 and rv + 1 wide (scale_slots) and onnxruntime-genai carries them like any other
   and H2O graphs also (The H2O state, below)
     past_key_values.{i}.heavy [batch, kv_heads, past]        float32 accumulated attention of each slot
@@ -59,7 +59,9 @@ from ..capabilities import Features
 from ..config import ConfigError, reject_unknown
 from ..ops.spec import CACHE_TYPES, FLOAT_TYPES, FREE, SCALE_SLOTS
 
-CONTRACT_VERSION = 5  # 5: AquaAttention reads attention_mask, last_logits; 4: K^, V widths and k per layer
+# 6: an int8 cache's scales in quarter powers of two; 5: AquaAttention reads attention_mask, last_logits; 4: K^, V
+# widths and k per layer
+CONTRACT_VERSION = 6
 DTYPES = FLOAT_TYPES
 
 
@@ -173,7 +175,7 @@ class Contract:
 
     @property
     def scale_slots(self) -> int:
-        """What a token's K^ column / V row carries beyond its width: an int8 cache's exponent (ops.spec)."""
+        """What a token's K^ column / V row carries beyond its width: an int8 cache's scale code (ops.spec)."""
         return SCALE_SLOTS.get(self.cache_dtype, 0)
 
     @property
@@ -258,9 +260,9 @@ class Contract:
                "update": "new tokens at slots total-sequence..total-1; a buffer shared by past and present "
                          "(onnxruntime-genai's past_present_share_buffer, `aqua-export run`) is written in place"}
         if self.scale_slots:
-            out["int8"] = ("each token's K^ column and V row: round(x / 2^e) as int8, then e (its scale's exponent, "
-                           "the smallest power of two >= max |x| / 127): K^'s exponents one more dim-major row, V's "
-                           "one more column (ops.rules.int8_rows)")
+            out["int8"] = ("each token's K^ column and V row: round(x / 2^(c/4)) as int8, then c (its scale's code, "
+                           "the smallest quarter power of two >= max |x| / 127): K^'s codes one more dim-major row, "
+                           "V's one more column (ops.rules.int8_rows)")
         if self.h2o:
             out["heavy"] = f"{declared('heavy')}: the attention each slot has accumulated"
             out["token"] = f"{declared('token')}: which token a slot holds, {self.FREE} = free"

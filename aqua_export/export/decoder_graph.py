@@ -347,7 +347,7 @@ class DecoderGraph(Blocks):
         native update writes a shared buffer in place; the key view is a Reshape (no copy); TopKGatherDot and
         ValueProduct read only the L filled slots. A float16 cache under a float32 graph: the new tokens are cast
         as they are written (AquaAttention reads float16 caches whatever its query's type); an int8 cache: each new
-        token's K^ column and V row become int8 rows with their scale's exponent (nodes.int8_row_nodes), and K^'s
+        token's K^ column and V row become int8 rows with their scale's code (nodes.int8_row_nodes), and K^'s
         view has r + 1 dim-major rows."""
         gb, c, ct = self.gb, self.gb.const, self.contract
         if ct.cache_dtype == "int8":

@@ -137,7 +137,7 @@ def selection_outputs(m):
 
 def float32_cache(ct):
     """The graph of contract ``ct`` with its KV buffers (float16 or int8: ct.cache_dtype) in ct.dtype: the past /
-    present inputs and outputs retyped (an int8 cache's also narrowed by its exponent), the casts that round the new
+    present inputs and outputs retyped (an int8 cache's also narrowed by its scale code), the casts that round the new
     tokens (decoder_graph.CACHE_CAST) made Identity, the nodes writing int8 rows (CACHE_QUANT) bypassed, K^'s
     dim-major view r rows again, and AquaAttention's float-cache body. What is left is the export the reference
     computes; the folder's own run shows what the narrow cache changes."""

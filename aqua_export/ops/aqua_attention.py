@@ -38,7 +38,7 @@ WINDOW_ATTR = Attr("sliding_window", "int", "a query sees the keys less than thi
 PRICES_ATTR = Attr("head_prices", "floats", "[Hkv]: the heads share the layer's k per token, each head's selection "
                    "scores times its price (ops.rules, pooled); absent: each row keeps its own k", required=False)
 SCALED_ATTR = Attr("cache_scales", "int", "1: the caches are int8, each token's K^ column and V row ending in the "
-                   "exponent of its power-of-two scale (ops.rules.int8_rows; contract cache_dtype int8)",
+                   "code of its scale (ops.rules.int8_rows; contract cache_dtype int8)",
                    required=False)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
                     required=False),

@@ -7,7 +7,7 @@ import numpy as np
 from onnx import AttributeProto, TensorProto
 from onnx import helper as H
 
-from .spec import EXPONENTS, GROUP, PROJECTION, STATIC
+from .spec import GROUP, PROJECTION, SCALE_CODES, STATIC, int8_scales
 
 
 def ref_constant(name: str, attr: str, kind: str):
@@ -18,27 +18,32 @@ def ref_constant(name: str, attr: str, kind: str):
     return node
 
 
+def _scale_table(name: str):
+    """A Constant node holding spec.int8_scales(): the scale of each int8 row code, lowest code first."""
+    table = int8_scales()
+    value = H.make_tensor(name, TensorProto.FLOAT, [table.size], table.tolist())
+    return H.make_node("Constant", [], [name], value=value)
+
+
 def int8_row_nodes(x: str, out: str, p: str) -> list:
     """x [..., w] float32 -> out [..., w + 1] int8: ops.rules.int8_rows in standard ops, each node and value named
-    from the prefix p. The exponent counts the powers of two below amax / 127 (no logarithm: exact), and 2^e is
-    read from a table of them, so this writes the bytes rules.int8_rows does."""
-    n, f = H.make_node, TensorProto.FLOAT
-    lo, hi = EXPONENTS
+    from the prefix p. The code counts the table's scales below amax / 127 (no logarithm: exact) and the scale is
+    read from that table, so this writes the bytes rules.int8_rows does."""
+    n = H.make_node
+    lo, hi = SCALE_CODES
     nodes = [
         const(p + "last", [-1]), const(p + "d127", 127.0), const(p + "bias", -lo), const(p + "top", hi - lo),
-        const(p + "qmin", -127.0), const(p + "qmax", 127.0),
-        H.make_node("Constant", [], [p + "powers"],
-                    value=H.make_tensor(p + "powers", f, [hi - lo + 1], [2.0 ** j for j in range(lo, hi + 1)])),
+        const(p + "qmin", -127.0), const(p + "qmax", 127.0), _scale_table(p + "scales"),
         n("Abs", [x], [p + "abs"]), n("ReduceMax", [p + "abs", p + "last"], [p + "amax"], keepdims=1),
         n("Div", [p + "amax", p + "d127"], [p + "least"]),  # the scale must reach amax / 127
-        n("Less", [p + "powers", p + "least"], [p + "below"]), n("Cast", [p + "below"], [p + "below_i"], to=7),
+        n("Less", [p + "scales", p + "least"], [p + "below"]), n("Cast", [p + "below"], [p + "below_i"], to=7),
         n("ReduceSum", [p + "below_i", p + "last"], [p + "count"], keepdims=1),
-        n("Min", [p + "count", p + "top"], [p + "at"]),  # e - lo
-        n("Gather", [p + "powers", p + "at"], [p + "scale"], axis=0),
+        n("Min", [p + "count", p + "top"], [p + "at"]),  # c - lo
+        n("Gather", [p + "scales", p + "at"], [p + "scale"], axis=0),
         n("Div", [x, p + "scale"], [p + "scaled"]), n("Round", [p + "scaled"], [p + "rounded"]),
         n("Clip", [p + "rounded", p + "qmin", p + "qmax"], [p + "q_f"]), n("Cast", [p + "q_f"], [p + "q"], to=3),
-        n("Sub", [p + "at", p + "bias"], [p + "e"]), n("Cast", [p + "e"], [p + "e8"], to=3),
-        n("Concat", [p + "q", p + "e8"], [out], axis=-1),
+        n("Sub", [p + "at", p + "bias"], [p + "c"]), n("Cast", [p + "c"], [p + "c8"], to=3),
+        n("Concat", [p + "q", p + "c8"], [out], axis=-1),
     ]
     for node in nodes:
         node.name = p + node.output[0].removeprefix(p)
@@ -46,18 +51,16 @@ def int8_row_nodes(x: str, out: str, p: str) -> list:
 
 
 def int8_value_nodes(rows: str, out: str, p: str, like: str, axis: int) -> list:
-    """rows int8 whose last element along ``axis`` (-1: a V row; -2: K^'s dim-major exponent row) is the exponent ->
-    out, the values q 2^e (exact) of ``like``'s type: ops.rules.int8_values."""
-    n, lo, hi = H.make_node, *EXPONENTS
+    """rows int8 whose last element along ``axis`` (-1: a V row; -2: K^'s dim-major code row) is the scale's code ->
+    out, the values q s (s = spec.int8_scales()[c]) of ``like``'s type: ops.rules.int8_values."""
+    n, lo = H.make_node, SCALE_CODES[0]
     return [
         const(p + "zero", [0]), const(p + "minus1", [-1]), const(p + "end", [2 ** 62]), const(p + "axis", [axis]),
-        const(p + "bias", -lo),
-        H.make_node("Constant", [], [p + "powers"], value=H.make_tensor(
-            p + "powers", TensorProto.FLOAT, [hi - lo + 1], [2.0 ** j for j in range(lo, hi + 1)])),
+        const(p + "bias", -lo), _scale_table(p + "scales"),
         n("Slice", [rows, p + "zero", p + "minus1", p + "axis"], [p + "q"]),
-        n("Slice", [rows, p + "minus1", p + "end", p + "axis"], [p + "e8"]),
-        n("Cast", [p + "e8"], [p + "e"], to=7), n("Add", [p + "e", p + "bias"], [p + "at"]),
-        n("Gather", [p + "powers", p + "at"], [p + "scale"], axis=0),
+        n("Slice", [rows, p + "minus1", p + "end", p + "axis"], [p + "c8"]),
+        n("Cast", [p + "c8"], [p + "c"], to=7), n("Add", [p + "c", p + "bias"], [p + "at"]),
+        n("Gather", [p + "scales", p + "at"], [p + "scale"], axis=0),
         n("Cast", [p + "q"], [p + "q_f"], to=TensorProto.FLOAT), n("Mul", [p + "q_f", p + "scale"], [p + "v"]),
         n("CastLike", [p + "v", like], [out]),
     ]
@@ -161,7 +164,7 @@ def pool_nodes() -> list:
 def score_nodes(scores: str, pooled: bool = False, scaled: bool = False) -> list:
     """query_hat, key_cache, total_length -> ``scores`` = q_selected @ K^[:, :, :, :total_length] (the head of the
     TopKGatherDot and AquaAttention bodies; pooled: selection_nodes'; scaled: an int8 cache, K^'s last dim-major
-    row its exponents)."""
+    row its scale codes)."""
     return selection_nodes(pooled) + [
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),

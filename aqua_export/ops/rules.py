@@ -39,7 +39,7 @@ import torch
 
 from . import counts
 from .counts import slots_needed  # noqa: F401  (the H2O node sizes its slots by it)
-from .spec import EXPONENTS, GROUP, MAGNITUDE, PAGE, RULE_NAMES, SELECTIONS, STATIC
+from .spec import GROUP, MAGNITUDE, PAGE, RULE_NAMES, SCALE_CODES, SELECTIONS, STATIC, int8_scales
 
 HIDDEN = float(torch.finfo(torch.float32).min)  # a score that softmax weighs 0: a hidden or free slot
 MASKED = -1e37  # an attention mask entry at or below this hides its slot (the kernels read it so)
@@ -248,28 +248,29 @@ def budget(ratio: float, n):
     return torch.ceil(ratio * x - 1e-6 * x - 1e-9).to(torch.int64).clamp_min(1)
 
 
-def int8_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """The exponent e of an int8 row's scale (ops.spec: an int8 cache): the smallest power of two 2^e >= amax / 127
-    (amax / 127 rounded to float32 once), e in EXPONENTS (a row of zeros: the lowest); amax float32 [...] -> int64
-    [...]. Every implementation finds this e exactly (frexp, or counting the powers of two below), so all of them
-    store the same bytes."""
-    s = amax.to(torch.float32) / 127.0
-    m, x = torch.frexp(s)
-    e = torch.where(m == 0.5, x - 1, x).to(torch.int64)
-    return torch.where(s == 0, EXPONENTS[0], e).clamp(*EXPONENTS)
+def int8_code(amax: torch.Tensor) -> torch.Tensor:
+    """The code c of an int8 row's scale (ops.spec: an int8 cache): the smallest int8_scales()[c] >= amax / 127
+    (amax / 127 rounded to float32 once; a row of zeros: the lowest; past the table: the top, its values then
+    saturate); amax float32 [...] -> int64 [...]. Counting the table's entries below is exact, so every
+    implementation stores the same bytes."""
+    table = torch.from_numpy(int8_scales()).to(amax.device)
+    at = torch.searchsorted(table, (amax.to(torch.float32) / 127.0).contiguous())
+    return at.clamp(max=table.numel() - 1) + SCALE_CODES[0]
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., w] float -> [..., w + 1] int8: round(x / 2^e) (half to even) and, last, e (int8_exponent of each row's
-    largest |x|): what an int8 cache stores for a token's K^ column or V row."""
-    e = int8_exponent(x.float().abs().amax(-1))
-    q = torch.round(x.float() / torch.exp2(e.float())[..., None]).clamp(-127, 127)
-    return torch.cat([q, e[..., None].float()], -1).to(torch.int8)
+    """x [..., w] float -> [..., w + 1] int8: round(x / s) (half to even, clipped to +-127) and, last, the code c of
+    s (int8_code of each row's largest |x|): what an int8 cache stores for a token's K^ column or V row."""
+    c = int8_code(x.float().abs().amax(-1))
+    scale = torch.from_numpy(int8_scales()).to(x.device)[c - SCALE_CODES[0]]
+    q = torch.round(x.float() / scale[..., None]).clamp(-127, 127)
+    return torch.cat([q, c[..., None].float()], -1).to(torch.int8)
 
 
 def int8_values(rows: torch.Tensor) -> torch.Tensor:
-    """int8_rows' [..., w + 1] -> the float32 values [..., w] they stand for: q 2^e (exact)."""
-    return rows[..., :-1].float() * torch.exp2(rows[..., -1:].float())
+    """int8_rows' [..., w + 1] -> the float32 values [..., w] they stand for: q s (s = int8_scales()[c])."""
+    scale = torch.from_numpy(int8_scales()).to(rows.device)[rows[..., -1:].long() - SCALE_CODES[0]]
+    return rows[..., :-1].float() * scale
 
 
 def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ class OrtLM:
             return
         by_name = {i.name: i for i in self.session.get_inputs()}
         keys = [by_name[n] for n in (self.contract.past(i, "key") for i in range(len(by_name))) if n in by_name]
-        extra = self.contract.scale_slots  # an int8 cache's rows carry their exponent
+        extra = self.contract.scale_slots  # an int8 cache's rows carry their scale's code
         widths = [k.shape[3] - extra if len(k.shape) == 4 and isinstance(k.shape[3], int) else None for k in keys]
         heads = {k.shape[1] for k in keys if len(k.shape) == 4}
         h2o = self.contract.past(0, "token") in by_name

@@ -5,7 +5,7 @@
 //   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key); both caches float32 or float16,
 //                                    whatever the query's type, or int8 under a float32 query (contract
 //                                    cache_dtype): then [B, Hkv, r + 1, C] and [B, Hkv, Cv, rv + 1], each token's
-//                                    K^ column and V row ending in its scale's exponent (aqua_ops.h kScaleSlots)
+//                                    K^ column and V row ending in its scale's code (aqua_ops.h kScaleSlots)
 //   value_cache [B, Hkv, Cv, rv]     present.value (rv: V's width, r unless AQUA-Memory cuts K^ and V apart)
 //   total_length [1] int64           L <= C, Cv: the slots filled so far
 //   attention_mask [B|1, L] int64    0 = padding; the query at position p = L - T + t sees keys j <= p that are
@@ -74,7 +74,7 @@ void attention_task(void* data, size_t task_index) {
   }
   const int64_t p0 = split * j.split_len, p1 = std::min(j.len, p0 + j.split_len);
   constexpr int64_t extra = kScaleSlots<C>;
-  const int64_t vs = j.rv + extra;  // a V row's elements: its exponent after an int8 row
+  const int64_t vs = j.rv + extra;  // a V row's elements: its scale's code after an int8 row
   const C* key = j.key + bh * (j.r + extra) * j.key_stride;
   const C* value = j.value + bh * j.value_slots * vs;
   alignas(64) static thread_local float scale[kPos];
@@ -129,7 +129,7 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: expected query_hat [B,Hkv,g,T,r], key_cache [B,Hkv,r,C], value_cache "
                         "[B,Hkv,C,rv] and attention_mask [B,L]", ORT_INVALID_ARGUMENT);
     }
-    const int64_t r = ks[2] - kScaleSlots<C>, rv = vs[3] - kScaleSlots<C>;  // an int8 row's exponent aside
+    const int64_t r = ks[2] - kScaleSlots<C>, rv = vs[3] - kScaleSlots<C>;  // an int8 row's scale code aside
     const OrtValue* p_value = ctx.GetInputCount() > 5 ? static_cast<const OrtValue*>(ctx.GetInput(5)) : nullptr;
     Ort::ConstValue p_in{p_value};
     if (p_value != nullptr) {

@@ -21,8 +21,8 @@ namespace aqua {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const Ort::Float16_t* p, int64_t i) { return p[i].ToFloat(); }
-// An int8 cache (contract cache_dtype int8) is read as its stored integers; the kernels apply each token's
-// power-of-two scale to the scores (keys) and the probabilities (values) instead, which is exact (scale_rows).
+// An int8 cache (contract cache_dtype int8) is read as its stored integers; the kernels apply each token's scale
+// to its scores (keys) and probabilities (values) instead, one multiply a token rather than one a value (scale_rows).
 inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
@@ -177,27 +177,30 @@ inline f8 load8(const int8_t* p) {
   return load8(x);
 }
 
-// An int8 cache's rows (ops.spec, ops.rules.int8_rows): each token's K^ column and V row end in the exponent e of
-// its scale 2^e, one element past the width (K^: one more dim-major row; V: one more column).
+// An int8 cache's rows (ops.spec, ops.rules.int8_rows): each token's K^ column and V row end in the code c of its
+// scale 2^(c / 4), one element past the width (K^: one more dim-major row; V: one more column).
 template <typename C>
 constexpr int64_t kScaleSlots = std::is_same_v<C, int8_t> ? 1 : 0;
 
-// 2^e for e in [-126, 127] (ops.spec EXPONENTS): float32's normal powers of two, built from their bits (a loop of
-// these vectorises; std::ldexp is a library call per value).
-inline float pow2(int8_t e) {
-  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
+// The scale of code c (ops.spec int8_scales): 2^floor(c / 4), built from its bits, times 2^((c mod 4) / 4) rounded
+// from double to float as the table is (a power of two times a constant: exact, the table's bits). A loop of these
+// vectorises; std::ldexp / exp2f are library calls per value and not bit-equal to the table.
+inline float int8_scale(int8_t c) {
+  static constexpr float kRoots[4] = {1.0f, static_cast<float>(1.189207115002721), static_cast<float>(1.4142135623730951),
+                                      static_cast<float>(1.681792830507429)};
+  const uint32_t bits = static_cast<uint32_t>((c >> 2) + 127) << 23;  // c >> 2: floor(c / 4), in [-32, 31]
+  float two;
+  std::memcpy(&two, &bits, sizeof two);
+  return two * kRoots[c & 3];
 }
 
-// out[i] = 2^e[i * stride] for n exponents.
-inline void scales_of(const int8_t* e, int64_t n, int64_t stride, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = pow2(e[i * stride]);
+// out[i] = the scale of code c[i * stride] for n codes.
+inline void scales_of(const int8_t* c, int64_t n, int64_t stride, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = int8_scale(c[i * stride]);
 }
 
-// s[rr][0..n) *= scale[0..n) for nr rows `pitch` apart: a token's scale applied to its score or probability (a
-// power of two: the same bits as scaling the cached values first).
+// s[rr][0..n) *= scale[0..n) for nr rows `pitch` apart: a token's scale applied to its score or probability (what
+// scaling its cached values first would give, up to float32 rounding).
 inline void scale_rows(int nr, float* s, int64_t pitch, int64_t n, const float* scale) {
   for (int rr = 0; rr < nr; ++rr) {
     float* x = s + rr * pitch;
@@ -475,7 +478,7 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
   }
 }
 
-// V rows `vs` elements apart (r, or r + 1 in an int8 cache: the exponent rides at the end of each row).
+// V rows `vs` elements apart (r, or r + 1 in an int8 cache: the scale's code rides at the end of each row).
 template <int NR, bool Ahead, typename T>
 void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, int64_t vs, float* o,
                 int64_t o_pitch) {

@@ -167,7 +167,7 @@ void prompt_task(void* data, size_t index) {
   const Seen first = j.mask.at(b, t0), last = j.mask.at(b, t0 + nt - 1);
   // the keys any row sees lie in [first.lo, last.hi]; every row sees all of [last.lo, first.hi] that is not padding
   const int64_t k_begin = first.lo / kKeys * kKeys, k_end = last.hi + 1;
-  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s exponent row, each V row's last element
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row, each V row's last element
   const int64_t vs = j.rv + extra;
   const C* key = j.key + bh * (r + extra) * j.key_stride;
   const C* value = j.value + bh * j.value_slots * vs;
@@ -201,7 +201,7 @@ void prompt_task(void* data, size_t index) {
     for (int64_t p = 0; p < kKeys; ++p) {
       const C* row = value + (s0 + std::min(p, n - 1)) * vs;
       float sv = 1.0f;
-      if constexpr (extra > 0) sv = pow2(row[j.rv]);
+      if constexpr (extra > 0) sv = int8_scale(row[j.rv]);
       widen_row(row, p < n ? j.rv : 0, w, rvp);
       if constexpr (extra > 0) {
         for (int64_t c = 0; c < j.rv; ++c) w[c] *= sv;

@@ -54,7 +54,7 @@ void score_task(void* data, size_t index) {
   float* best = j.best + bh * j.pages;
   std::fill(best + p0 / kPage, best + (p1 + kPage - 1) / kPage, -INFINITY);
   const Seen seen = seen_by(j, bh);
-  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s exponent row after its r rows
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row after its r rows
   const C* key = j.key + bh * (j.r + extra) * j.key_stride;
   alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
   alignas(64) static thread_local float s[kRows * kScoreBlock];
@@ -208,7 +208,7 @@ void attend_task(void* data, size_t task_index) {
   const int64_t count = choose_pages(j, bh, chosen), per = (count + j.splits - 1) / j.splits;
   const int64_t c1 = std::min(count, (split + 1) * per);
   const Seen seen = seen_by(j, bh);
-  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s exponent row, each V row's last element
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row, each V row's last element
   const int64_t vs = j.rv + extra, kr = j.r + extra;
   const C* key = j.key + bh * kr * j.key_stride;
   const C* value = j.value + bh * j.value_slots * vs;
