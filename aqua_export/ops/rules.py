@@ -248,29 +248,32 @@ def budget(ratio: float, n):
     return torch.ceil(ratio * x - 1e-6 * x - 1e-9).to(torch.int64).clamp_min(1)
 
 
-def int8_code(amax: torch.Tensor) -> torch.Tensor:
-    """The code c of an int8 row's scale (ops.spec: an int8 cache): the smallest int8_scales()[c] >= amax / 127
-    (amax / 127 rounded to float32 once; a row of zeros: the lowest; past the table: the top, its values then
-    saturate); amax float32 [...] -> int64 [...]. Counting the table's entries below is exact, so every
-    implementation stores the same bytes."""
-    table = torch.from_numpy(int8_scales()).to(amax.device)
+def _scale_table(device) -> torch.Tensor:
+    """spec.int8_scales() [256] float32 on ``device``: the scale of each int8 row code, lowest code first."""
+    return torch.from_numpy(int8_scales()).to(device)
+
+
+def _scale_at(amax: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The table index (code - SCALE_CODES[0]) of an int8 row's scale: the smallest table[at] >= amax / 127 (amax /
+    127 rounded to float32 once; a row of zeros: the lowest; past the table: the top, its values then saturate);
+    amax float32 [...] -> int64 [...]. Counting the table's entries below is exact, so every implementation (the
+    graph's Less / ReduceSum, nodes.int8_row_nodes) stores the same bytes."""
     at = torch.searchsorted(table, (amax.to(torch.float32) / 127.0).contiguous())
-    return at.clamp(max=table.numel() - 1) + SCALE_CODES[0]
+    return at.clamp(max=table.numel() - 1)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., w] float -> [..., w + 1] int8: round(x / s) (half to even, clipped to +-127) and, last, the code c of
-    s (int8_code of each row's largest |x|): what an int8 cache stores for a token's K^ column or V row."""
-    c = int8_code(x.float().abs().amax(-1))
-    scale = torch.from_numpy(int8_scales()).to(x.device)[c - SCALE_CODES[0]]
-    q = torch.round(x.float() / scale[..., None]).clamp(-127, 127)
-    return torch.cat([q, c[..., None].float()], -1).to(torch.int8)
+    s (_scale_at each row's largest |x|): what an int8 cache stores for a token's K^ column or V row."""
+    table = _scale_table(x.device)
+    at = _scale_at(x.float().abs().amax(-1), table)
+    q = torch.round(x.float() / table[at][..., None]).clamp(-127, 127)
+    return torch.cat([q, (at + SCALE_CODES[0])[..., None].float()], -1).to(torch.int8)
 
 
 def int8_values(rows: torch.Tensor) -> torch.Tensor:
     """int8_rows' [..., w + 1] -> the float32 values [..., w] they stand for: q s (s = int8_scales()[c])."""
-    scale = torch.from_numpy(int8_scales()).to(rows.device)[rows[..., -1:].long() - SCALE_CODES[0]]
-    return rows[..., :-1].float() * scale
+    return rows[..., :-1].float() * _scale_table(rows.device)[rows[..., -1:].long() - SCALE_CODES[0]]
 
 
 def h2o_keep(visible: torch.Tensor, acc: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
