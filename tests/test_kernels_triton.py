@@ -94,7 +94,7 @@ def test_choose_kernel_is_the_page_rule(tokens):
         n_pages = -(-total // 16)
         best = torch.randint(-3, 4, (3, 2, n_pages), generator=gen).float()
         best[best == 0] = torch.tensor([0.0, -0.0])[torch.randint(0, 2, (int((best == 0).sum()),), generator=gen)]
-        count = torch.nn.functional.pad(visible.int(), (0, n_pages * 16 - total)).reshape(3, 2, n_pages, 16).sum(-1)
+        count = rules.from_origin(visible, visible, False).int().reshape(3, 2, n_pages, 16).sum(-1)  # from the origin
         best = best.masked_fill(count == 0, float("-inf"))
         got = choose(best.reshape(6, -1).to(DEV), count.reshape(6, -1).int().to(DEV), tokens, total,
                      interpret=DEV == "cpu").cpu()

@@ -25,17 +25,20 @@ PAGE_GOLDEN = [
     ([0.0, 0.0, 0.9, 0.1, 0.0], 80, 0, {"budget": 16, "sink": 1, "window": 1}, [0, 4]),  # forced pages fill the want
     ([0.0, 0.0, 0.9, 0.1, 0.0], 80, 0, {"budget": 48, "sink": 1, "window": 1}, [0, 2, 4]),
     ([0.2, 0.8, 0.1, 0.7, 0.3, 0.6, 0.4], 100, 0, {"ratio": 0.3}, [1, 3]),  # ceil(0.3 x 100) = 30 tokens: 2 pages
-    ([0.9, 0.1, 0.5, 0.2], 64, 20, {"budget": 16, "sink": 1}, [1]),  # padding: the sink is the first visible token
-    ([0.9, 0.1, 0.5, 0.2], 64, 20, {"budget": 1000}, [1, 2, 3]),  # more than visible: every visible page
+    # padding: pages count from the first visible token (slot 20), the sink's page is page 0
+    ([0.9, 0.1, 0.5, 0.2], 64, 20, {"budget": 16, "sink": 1}, [0]),
+    ([0.9, 0.1, 0.5, 0.2], 64, 20, {"budget": 1000}, [0, 1, 2]),  # more than visible: every visible page
+    ([0.1, 0.2, 0.3], 40, 8, {"budget": 32}, [0, 1]),  # 32 visible tokens from slot 8: two whole pages, all attended
     ([0.9, 0.1, 0.5, 0.2, 0.3], 70, 0, {"budget": 16, "window": 8}, [3, 4]),  # a partial last page; window spans 2
 ]
 
 
 def _golden_inputs(scores, length, first):
     """r = 2, k = 1: q^ = [1, 0.5] keeps coordinate 0, K^[0] = its page's score, K^[1] = 0, so a token's approximate
-    and exact scores are its page's; V = the one-hot of the token's page: out[p] > 0 iff page p was attended."""
+    and exact scores are its page's; V = the one-hot of the token's page: out[p] > 0 iff page p was attended. Pages
+    count from the first visible slot (ops.rules.page_origin)."""
     pages = len(scores)
-    page_of = torch.arange(length) // PAGE
+    page_of = (torch.arange(length) - first).clamp_min(0) // PAGE
     q = torch.tensor([1.0, 0.5]).reshape(1, 1, 1, 1, 2)
     kc = torch.zeros(1, 1, 2, length)
     kc[0, 0, 0] = torch.tensor(scores)[page_of]

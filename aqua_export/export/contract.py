@@ -59,9 +59,10 @@ from ..capabilities import Features
 from ..config import ConfigError, reject_unknown
 from ..ops.spec import CACHE_TYPES, FLOAT_TYPES, FREE, SCALE_SLOTS
 
-# 6: an int8 cache's scales in quarter powers of two; 5: AquaAttention reads attention_mask, last_logits; 4: K^, V
+# 7: token selection's pages count from the first slot a step sees (ops.rules.page_origin); 6: an int8 cache's scales
+# in quarter powers of two; 5: AquaAttention reads attention_mask, last_logits; 4: K^, V
 # widths and k per layer
-CONTRACT_VERSION = 6
+CONTRACT_VERSION = 7
 DTYPES = FLOAT_TYPES
 
 
@@ -223,12 +224,13 @@ class Contract:
             per_slot += self.layers * (4 + 8)  # heavy (float32) and token (int64) per slot
         return batch * self.kv_heads * slots * per_slot
 
-    def empty_buffer(self, kind: str, batch: int, slots: int, layer: int, allocate=np.empty):
+    def empty_buffer(self, kind: str, batch: int, slots: int, layer: int, allocate=np.empty, zeroed: bool = False):
         """A fresh buffer of ``kind`` for ``layer`` (numpy, from allocate(shape, dtype)): zeros, a token buffer all
-        free."""
+        free. zeroed: allocate gives zeros already (the pages then stay untouched until written)."""
         spec = self._buffer_spec("", kind, slots, layer)
         out = allocate(tuple(batch if d == "batch" else d for d in spec.shape), np.dtype(spec.dtype))
-        out[...] = self.FREE if kind == "token" else 0
+        if kind == "token" or not zeroed:
+            out[...] = self.FREE if kind == "token" else 0
         return out
 
     @staticmethod

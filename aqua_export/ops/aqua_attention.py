@@ -87,7 +87,7 @@ def _selected(query_hat, keys, approx, mask, softcap, ratio, budget, sink, windo
     score = rules.page_scores(approx.transpose(2, 3), visible)  # [B, Hkv, T, P]
     forced = rules.forced_pages(visible, sink, window)
     pages = rules.select_pages(score, forced, rules.tokens_attended(visible, ratio, budget))
-    chosen = rules.page_tokens(pages, length)[:, :, None]  # [B, Hkv, 1, T, L]
+    chosen = rules.page_tokens(pages, visible)[:, :, None]  # [B, Hkv, 1, T, L]
     return s, torch.where(chosen, mask, torch.full_like(mask, rules.HIDDEN))
 
 
@@ -164,15 +164,24 @@ def _token_nodes() -> list:
         c("tk_masked", rules.MASKED, f), c("tk_neg_inf", -math.inf, f), c("tk_pos_inf", math.inf, f),
         c("tk_hidden", rules.HIDDEN, f), c("tk_page", PAGE), c("tk_page_1d", [PAGE]), c("tk_zero", 0),
         c("tk_one", 1), c("tk_axis_g", [2]), c("tk_axis_l", [4]), c("tk_last", [-1]), c("tk_minus_one", [-1]),
-        c("tk_zeros9", [0] * 9), c("tk_zero_1d", [0]), c("tk_four", [4]), c("tk_four_s", 4),
+        c("tk_four_s", 4),
         n("Greater", ["mask", "tk_masked"], ["visible"]),
         n("Where", ["visible", "logits_raw", "tk_neg_inf"], ["approx_visible"]),
         n("ReduceMax", ["approx_visible", "tk_axis_g"], ["row_best"], keepdims=1),
         n("Shape", ["logits_raw"], ["tk_len"], start=4, end=5),
         n("Mod", ["tk_len", "tk_page_1d"], ["tk_len_mod"]), n("Sub", ["tk_page_1d", "tk_len_mod"], ["tk_short"]),
-        n("Mod", ["tk_short", "tk_page_1d"], ["tk_pad"]), n("Concat", ["tk_zeros9", "tk_pad"], ["tk_pads"], axis=0),
-        n("Pad", ["row_best", "tk_pads", "tk_neg_inf"], ["row_padded"]),
+        n("Mod", ["tk_short", "tk_page_1d"], ["tk_pad"]),
+        # pages count from the first visible slot (rules.page_origin): slot origin + j read at j, -inf past the end
+        n("Cast", ["visible"], ["tk_vis_f"], to=f), n("ArgMax", ["tk_vis_f"], ["tk_origin"], axis=4, keepdims=1),
+        n("Add", ["tk_len", "tk_pad"], ["tk_len_p"]), n("Squeeze", ["tk_len_p"], ["tk_len_p_s"]),
+        n("Range", ["tk_zero", "tk_len_p_s", "tk_one"], ["tk_rel"]), n("Add", ["tk_rel", "tk_origin"], ["tk_at"]),
+        n("Sub", ["tk_len", "tk_one"], ["tk_len_less"]), n("Min", ["tk_at", "tk_len_less"], ["tk_at_c"]),
+        n("Less", ["tk_at", "tk_len"], ["tk_in"]),
         n("Shape", ["row_best"], ["tk_lead"], start=0, end=4),
+        n("Concat", ["tk_lead", "tk_len_p"], ["tk_row_p_shape"], axis=0),
+        n("Expand", ["tk_at_c", "tk_row_p_shape"], ["tk_at_row"]),
+        n("GatherElements", ["row_best", "tk_at_row"], ["tk_row_shift"], axis=4),
+        n("Where", ["tk_in", "tk_row_shift", "tk_neg_inf"], ["row_padded"]),
         n("Concat", ["tk_lead", "tk_minus_one", "tk_page_1d"], ["tk_paged_shape"], axis=0),
         n("Reshape", ["row_padded", "tk_paged_shape"], ["row_pages"]),
         n("ReduceMax", ["row_pages", "tk_last"], ["page_score"], keepdims=0),
@@ -187,8 +196,11 @@ def _token_nodes() -> list:
         n("Sub", ["tk_total", "tk_count"], ["tk_after"]), n("Less", ["tk_after", "tk_window"], ["near_end"]),
         n("Or", ["near_start", "near_end"], ["near"]), n("And", ["visible", "near"], ["forced_tok"]),
         n("Cast", ["forced_tok"], ["forced_tok_i"], to=i64),
-        n("Pad", ["forced_tok_i", "tk_pads", "tk_zero"], ["forced_padded"]),
         n("Shape", ["forced_tok_i"], ["tk_mask_lead"], start=0, end=4),
+        n("Concat", ["tk_mask_lead", "tk_len_p"], ["tk_mask_p_shape"], axis=0),
+        n("Expand", ["tk_at_c", "tk_mask_p_shape"], ["tk_at_mask"]),
+        n("GatherElements", ["forced_tok_i", "tk_at_mask"], ["tk_forced_shift"], axis=4),
+        n("Where", ["tk_in", "tk_forced_shift", "tk_zero"], ["forced_padded"]),
         n("Concat", ["tk_mask_lead", "tk_minus_one", "tk_page_1d"], ["tk_mask_paged"], axis=0),
         n("Reshape", ["forced_padded", "tk_mask_paged"], ["forced_pages_t"]),
         n("ReduceMax", ["forced_pages_t", "tk_last"], ["forced_i"], keepdims=0),
@@ -223,7 +235,14 @@ def _token_nodes() -> list:
         n("Expand", ["tk_chosen_col", "tk_chosen_wide"], ["tk_chosen_pages"]),
         n("Concat", ["tk_lead", "tk_minus_one"], ["tk_flat_shape"], axis=0),
         n("Reshape", ["tk_chosen_pages", "tk_flat_shape"], ["tk_chosen_flat"]),
-        n("Slice", ["tk_chosen_flat", "tk_zero_1d", "tk_len", "tk_four"], ["chosen_tok"]),
+        # back to slots: slot j holds page slot j - origin's choice (none before the origin)
+        n("Squeeze", ["tk_len"], ["tk_len_s"]), n("Range", ["tk_zero", "tk_len_s", "tk_one"], ["tk_slots"]),
+        n("Sub", ["tk_slots", "tk_origin"], ["tk_back"]), n("Max", ["tk_back", "tk_zero"], ["tk_back_c"]),
+        n("Concat", ["tk_lead", "tk_len"], ["tk_row_shape"], axis=0),
+        n("Expand", ["tk_back_c", "tk_row_shape"], ["tk_back_row"]),
+        n("GatherElements", ["tk_chosen_flat", "tk_back_row"], ["tk_chosen_rel"], axis=4),
+        n("GreaterOrEqual", ["tk_back", "tk_zero"], ["tk_from_origin"]),
+        n("And", ["tk_chosen_rel", "tk_from_origin"], ["chosen_tok"]),
         n("Shape", ["query_hat"], ["tk_t"], start=3, end=4), n("Squeeze", ["tk_t"], ["tk_t_s"]),
         n("Equal", ["tk_t_s", "tk_one"], ["tk_decode"]), n("Not", ["tk_decode"], ["tk_prompt"]),
         n("Or", ["chosen_tok", "tk_prompt"], ["tk_keep"]),

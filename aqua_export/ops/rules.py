@@ -15,7 +15,9 @@ Selection (per query row of q^ [..., Hkv, g, T, r]):
 
 Token selection (per sequence, KV head and decode step; L visible tokens, scores from the selected coordinates):
 
-    page    PAGE consecutive slots; its score the largest approximate score of the GQA group's rows over its tokens
+    page    PAGE consecutive slots counted from the first slot the step sees (its origin: so where a sequence
+            starts in the buffer, after left padding or in a batch of others, cuts its tokens into the same pages);
+            its score the largest approximate score of the GQA group's rows over its tokens
     keep    the pages holding the first `sink` and the last `window` visible tokens, then the best-scored others,
             until budget(ratio, L) tokens' worth of pages (or a fixed token budget; ties: the lower page)
     attend  exact scores (all r coordinates) and softmax over the kept pages' visible tokens
@@ -163,12 +165,27 @@ def tokens_attended(visible: torch.Tensor, ratio: float, budget_tokens: int) -> 
     return torch.minimum(want, n)
 
 
+def page_origin(visible: torch.Tensor) -> torch.Tensor:
+    """visible [..., L] -> [...] int64: the first slot seen, where page 0 starts (0 when none is)."""
+    return visible.to(torch.uint8).argmax(-1) if visible.shape[-1] else visible.sum(-1)
+
+
+def from_origin(x: torch.Tensor, visible: torch.Tensor, fill) -> torch.Tensor:
+    """x [..., L] (broadcast with visible [..., L]) -> [..., P * PAGE]: slot origin + j at j, ``fill`` past the end,
+    so that the last axis reshapes into pages."""
+    x, visible = torch.broadcast_tensors(x, visible)
+    length = x.shape[-1]
+    at = torch.arange(length + (-length % PAGE), device=x.device) + page_origin(visible)[..., None]
+    got = x.gather(-1, at.clamp_max(max(length - 1, 0))) if length else x
+    return torch.where(at < length, got, torch.full_like(got, fill))
+
+
 def page_scores(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """scores [..., g, L] (the group's approximate scores of one step), visible [..., L] -> [..., P]: each page's
-    largest score over its visible tokens and the g rows (-inf for a page with none), P = ceil(L / PAGE)."""
+    largest score over its visible tokens and the g rows (-inf for a page with none), P = ceil(L / PAGE), pages
+    counted from the origin (page_origin)."""
     s = scores.masked_fill(~visible[..., None, :], -math.inf).amax(-2)
-    pad = -s.shape[-1] % PAGE
-    s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
+    s = from_origin(s, visible, -math.inf)
     return s.reshape(*s.shape[:-1], -1, PAGE).amax(-1)
 
 
@@ -176,9 +193,7 @@ def forced_pages(visible: torch.Tensor, sink: int, window: int) -> torch.Tensor:
     """visible [..., L] -> [..., P] bool: the pages holding the first ``sink`` or the last ``window`` visible tokens."""
     count = visible.long().cumsum(-1)  # visible tokens up to and including each slot
     total = count[..., -1:] if count.shape[-1] else count.sum(-1, keepdim=True)
-    keep = visible & ((count <= sink) | (total - count < window))
-    pad = -keep.shape[-1] % PAGE
-    keep = torch.nn.functional.pad(keep, (0, pad), value=False)
+    keep = from_origin(visible & ((count <= sink) | (total - count < window)), visible, False)
     return keep.reshape(*keep.shape[:-1], -1, PAGE).any(-1)
 
 
@@ -228,9 +243,14 @@ def pages_dropped(n: int, ratio: float, budget_tokens: int, sink: int, window: i
     return max(0, -(-n // PAGE) - want)
 
 
-def page_tokens(pages: torch.Tensor, length: int) -> torch.Tensor:
-    """pages [..., P] bool -> [..., length] bool: the slots of the chosen pages."""
-    return pages.repeat_interleave(PAGE, -1)[..., :length]
+def page_tokens(pages: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """pages [..., P] bool (counted from visible's origin), visible [..., L] -> [..., L] bool: the chosen pages'
+    slots."""
+    length = visible.shape[-1]
+    rel = pages.repeat_interleave(PAGE, -1)  # [..., P * PAGE]: by slot - origin
+    origin = page_origin(visible).expand(pages.shape[:-1])[..., None]
+    at = torch.arange(length, device=pages.device) - origin
+    return torch.where(at >= 0, rel.gather(-1, at.clamp_min(0)), torch.zeros_like(at, dtype=torch.bool))
 
 
 # --------------------------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def _select_tokens(st: LayerAqua, qh, kh, scores, allowed, scaling, softcap, pos
     if st.probe is not None:
         pages = st.probe.pages(st, positions[rows], score, forced, attended, pages)
     chosen = allowed.clone()
-    chosen[:, :, rows] = allowed[:, :, rows] & rules.page_tokens(pages, s)
+    chosen[:, :, rows] = allowed[:, :, rows] & rules.page_tokens(pages, vis)
     mass = None
     if tk.mean_value:  # the approximate softmax mass of the chosen tokens, on the selecting rows
         p = torch.softmax(scores.masked_fill(~allowed[:, :, None], torch.finfo(scores.dtype).min), -1)

@@ -13,7 +13,8 @@
 //               pages merged into runs, s = q^ . K^[:, run] with all r coordinates, + mask, online softmax,
 //               o += e^(s - m) V[run]; then the splits merge, as the dense pass's do
 //
-// A page is PAGE = 16 slots: one 64-byte line of each float32 K^ coordinate row (the cache is dim-major). A layout
+// A page is PAGE = 16 slots counted from the first slot the step sees (its origin: a sequence after left padding, or
+// placed anywhere in a batch, is cut into the same pages as alone); when the origin is a multiple of 16, one 64-byte line of each float32 K^ coordinate row (the cache is dim-major). A layout
 // with each page's K^ contiguous reads the chosen pages faster but the score pass's k rows slower, by more at
 // k = r/4 (measured: the dim-major layout's two passes are the cheapest pair).
 
@@ -35,6 +36,7 @@ struct PageJob : QueryRows<T>, RowsOut<T> {
   float* best;        // [B * Hkv, pages]: each page's best approximate score
   const char* forced; // [mask.rows, pages]
   const int64_t* want;// [mask.rows]: pages a step attends
+  const int64_t* origin;  // [mask.rows]: the first slot seen, where page 0 starts (len when none is)
   int64_t len, key_stride, value_slots, pages, score_splits, score_len;
   float softcap;
 };
@@ -44,15 +46,21 @@ Seen seen_by(const PageJob<T, C>& j, int64_t bh) {
   return j.mask.at(bh / j.heads, 0);
 }
 
+template <typename T, typename C>
+int64_t origin_of(const PageJob<T, C>& j, int64_t bh) {
+  return j.origin[j.mask.rows == 1 ? 0 : bh / j.heads];
+}
+
 // 2: the page maxima of one (batch, kv head) over one split of the positions.
 template <typename T, typename C>
 void score_task(void* data, size_t index) {
   const auto& j = *static_cast<const PageJob<T, C>*>(data);
   const int64_t split = static_cast<int64_t>(index) % j.score_splits, bh = static_cast<int64_t>(index) / j.score_splits;
-  const int64_t p0 = split * j.score_len, p1 = std::min(j.len, p0 + j.score_len);
+  const int64_t o = origin_of(j, bh);  // splits and pages from the origin: no page straddles two splits
+  const int64_t p0 = o + split * j.score_len, p1 = std::min(j.len, p0 + j.score_len);
   if (p0 >= p1) return;
   float* best = j.best + bh * j.pages;
-  std::fill(best + p0 / kPage, best + (p1 + kPage - 1) / kPage, -INFINITY);
+  std::fill(best + (p0 - o) / kPage, best + (p1 - o + kPage - 1) / kPage, -INFINITY);
   const Seen seen = seen_by(j, bh);
   constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row after its r rows
   const C* key = j.key + bh * (j.r + extra) * j.key_stride;
@@ -81,22 +89,26 @@ void score_task(void* data, size_t index) {
       for (int64_t i0 = 0; i0 < n; i0 += kPage) {
         float top = -INFINITY;
         for (int64_t i = i0; i < std::min(n, i0 + kPage); ++i) top = std::max(top, s[i]);
-        float& b = best[(s0 + i0) / kPage];
+        float& b = best[(s0 - o + i0) / kPage];
         b = std::max(b, top);
       }
     }
   }
 }
 
-// Per attention_mask row: which pages are forced and how many pages a step attends. Only the ends are scanned for
-// the forced tokens (the count is one vectorised pass), so a row costs O(L / 16), not a branch per slot.
-void forced_pages(const Seen& seen, int64_t len, int64_t pages, const TokenRule& rule, char* forced, int64_t& want) {
+// Per attention_mask row: its origin, which pages are forced and how many pages a step attends. Only the ends are
+// scanned for the forced tokens (the count is one vectorised pass), so a row costs O(L / 16), not a branch per slot.
+void forced_pages(const Seen& seen, int64_t len, int64_t pages, const TokenRule& rule, char* forced, int64_t& want,
+                  int64_t& origin) {
   int64_t n = 0;
   for (int64_t i = seen.lo; i <= seen.hi; ++i) n += seen.am[i] != 0;
+  origin = seen.lo;
+  while (origin < len && !seen(origin)) ++origin;
   std::fill(forced, forced + pages, 0);
   int64_t n_forced = 0;
   const auto force = [&](int64_t i) {
-    if (!forced[i / kPage]) forced[i / kPage] = 1, ++n_forced;
+    const int64_t p = (i - origin) / kPage;
+    if (!forced[p]) forced[p] = 1, ++n_forced;
   };
   const int64_t sink = std::min(rule.sink, n), window = std::min(rule.window, n);
   for (int64_t i = seen.lo, found = 0; found < sink; ++i) {
@@ -121,7 +133,8 @@ int64_t choose_pages(const PageJob<T, C>& j, int64_t bh, int32_t* chosen) {
   static thread_local std::vector<std::pair<float, int32_t>> free_pages;  // (-score, page): ascending = best first
   free_pages.clear();
   int64_t n = 0;
-  for (int64_t p = 0; p < j.pages; ++p) {
+  const int64_t pages = (j.len - origin_of(j, bh) + kPage - 1) / kPage;  // the row's: best is not written past them
+  for (int64_t p = 0; p < pages; ++p) {
     if (forced[p]) {
       chosen[n++] = static_cast<int32_t>(p);
     } else if (best[p] > -INFINITY) {  // a page with a visible token (NaN: none)
@@ -147,10 +160,10 @@ struct Chunk {
   int64_t filled = 0, end = 0;  // positions in the chunk; the next chosen page after it
 };
 
-inline Chunk gather_chunk(const int32_t* chosen, int64_t c, int64_t c1, int64_t len) {
+inline Chunk gather_chunk(const int32_t* chosen, int64_t c, int64_t c1, int64_t len, int64_t origin) {
   Chunk ch;
   for (; c < c1 && ch.filled + kPage <= kPos; ++c) {
-    const int64_t start = chosen[c] * kPage, n = std::min(kPage, len - start);
+    const int64_t start = origin + chosen[c] * kPage, n = std::min(kPage, len - start);
     if (ch.nruns > 0 && ch.runs[ch.nruns - 1].start + ch.runs[ch.nruns - 1].n == start) {
       ch.runs[ch.nruns - 1].n += n, ch.runs[ch.nruns - 1].last = c + 1;
     } else {
@@ -171,7 +184,7 @@ constexpr int64_t kAheadPages = 2;
 template <typename T>
 void prefetch_keys(const int32_t* chosen, int64_t from, int64_t to, const T* key, int64_t key_stride, int64_t r) {
   for (int64_t c = from; c < to; ++c) {
-    const T* k0 = key + chosen[c] * kPage;
+    const T* k0 = key + chosen[c] * kPage;  // key: at the row's origin
     for (int64_t row = 0; row < r; ++row) __builtin_prefetch(k0 + row * key_stride);
   }
 }
@@ -213,15 +226,16 @@ void attend_task(void* data, size_t task_index) {
   const C* key = j.key + bh * kr * j.key_stride;
   const C* value = j.value + bh * j.value_slots * vs;
   alignas(64) static thread_local float scale[kPos];
-  const int64_t c0 = split * per;
-  prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key, j.key_stride, kr);
-  for (Chunk ch = gather_chunk(chosen, c0, c1, j.len); ch.nruns > 0; ch = gather_chunk(chosen, ch.end, c1, j.len)) {
+  const int64_t c0 = split * per, org = origin_of(j, bh);
+  prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key + org, j.key_stride, kr);
+  for (Chunk ch = gather_chunk(chosen, c0, c1, j.len, org); ch.nruns > 0;
+       ch = gather_chunk(chosen, ch.end, c1, j.len, org)) {
     prefetch_values(ch, value, vs);
     int64_t requested = std::min(c1, c0 + kAheadPages);
     for (int i = 0; i < ch.nruns; ++i) {
       const auto& run = ch.runs[i];
       const int64_t ahead = std::min(c1, run.last + kAheadPages);
-      prefetch_keys(chosen, std::max(requested, run.last), ahead, key, j.key_stride, kr);
+      prefetch_keys(chosen, std::max(requested, run.last), ahead, key + org, j.key_stride, kr);
       requested = std::max(requested, ahead);
       seen.block(run.start, run.n, mg + run.at);
       accumulate_rows<false>(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
@@ -262,8 +276,9 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, 
   auto& best = call_buffer<float, Buffer::kPageBest>(static_cast<size_t>(bh * pages));
   auto& forced = call_buffer<char, Buffer::kPageForced>(static_cast<size_t>(mask_rows * pages));
   auto& want = call_buffer<int64_t, Buffer::kPageWant>(static_cast<size_t>(mask_rows));
+  auto& origin = call_buffer<int64_t, Buffer::kPageOrigin>(static_cast<size_t>(mask_rows));
   for (int64_t row = 0; row < mask_rows; ++row) {
-    forced_pages(mask.at(row, 0), len, pages, rule, forced.data() + row * pages, want[row]);
+    forced_pages(mask.at(row, 0), len, pages, rule, forced.data() + row * pages, want[row], origin[row]);
   }
   const int64_t most = *std::max_element(want.begin(), want.end());
   int64_t splits = 1;  // a split of at least one block of positions, so one sequence's heads keep both cores busy
@@ -273,7 +288,7 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, 
   const size_t n_part = splits > 1 ? static_cast<size_t>(bh * tiles * splits * kRows * (rv + 2)) : 0;
   auto& part = call_buffer<float, Buffer::kPagePartials>(n_part);
   PageJob<T, C> job{q, {out, part.data(), rv, tiles, splits}, key, value, mask, best.data(), forced.data(),
-                 want.data(), len, key_stride, value_slots, pages, score_splits, score_len, softcap};
+                 want.data(), origin.data(), len, key_stride, value_slots, pages, score_splits, score_len, softcap};
   ctx.ParallelFor(&score_task<T, C>, static_cast<size_t>(bh * score_splits), 0, &job);
   ctx.ParallelFor(&attend_task<T, C>, static_cast<size_t>(bh * tiles * splits), 0, &job);
   if (splits > 1) ctx.ParallelFor(&merge_task<T, PageJob<T, C>>, static_cast<size_t>(bh * tiles), 0, &job);

@@ -203,12 +203,12 @@ def key_tile(krow, use, s0, pages_ptr, N_LIST, C, BLOCK_U: tl.constexpr, BLOCK_S
     """(jit helper) -> (K^ [BLOCK_U, BLOCK_S] at the block's positions, the positions [BLOCK_S], in range
     [BLOCK_S]). Unpaged: positions s0 + arange, loaded under the capacity C only, so the loads stay 16-byte
     vectors (a mask that varies inside a vector would split them); positions past L hold whatever the cache has
-    there and the caller discards their scores. Paged (pages_ptr: the row's chosen pages, -1 past the last):
-    the block covers BLOCK_S / PAGE list places, each page's PAGE positions contiguous."""
+    there and the caller discards their scores. Paged (pages_ptr: the first slots of the row's chosen pages, -1
+    past the last): the block covers BLOCK_S / PAGE list places, each page's PAGE positions contiguous."""
     if PAGED:
         at = s0 // PAGE + tl.arange(0, BLOCK_S // PAGE)
         pg = tl.load(pages_ptr + at, mask=at < N_LIST, other=-1)
-        s2 = pg[:, None] * PAGE + tl.arange(0, PAGE)[None, :]  # [NPG, PAGE]
+        s2 = pg[:, None] + tl.arange(0, PAGE)[None, :]  # [NPG, PAGE]
         ok2 = (pg >= 0)[:, None] & (s2 < C)
         kb = tl.load(krow[:, None, None] + s2[None, :, :], mask=use[:, None, None] & ok2[None, :, :], other=0.0)
         return tl.reshape(kb, [BLOCK_U, BLOCK_S]), tl.reshape(s2, [BLOCK_S]), tl.reshape(ok2, [BLOCK_S])

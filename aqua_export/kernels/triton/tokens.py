@@ -2,7 +2,7 @@
 chosen on the device with no host round trip, so a step can be captured in a CUDA graph.
 
     select_kernel (select.py) at the node's k --> qs, idx: the group's union of selected coordinates
-    page_score_kernel, per (sequence, KV head, block of positions):
+    page_score_kernel, per (sequence, KV head, block of positions from the row's origin, ops.rules.page_origin):
         K^[union rows, block] (a dense tile: only the selected rows load)  -->  q^[I] . K^[I, s]
         --> best [B * Hkv, P]: each page's largest score over the group's rows and its visible positions
             count [B * Hkv, P]: each page's visible positions
@@ -12,6 +12,7 @@ chosen on the device with no host round trip, so a step can be captured in a CUD
         the other pages' best-scored want - forced: the threshold found by select.kth_key (a 4-way search on
         the scores' ordered bits), ties at it to the lower page (a prefix sum)
         --> pages [B * Hkv, N_LIST]: the chosen pages ascending, -1 past the last (N_LIST = most_pages)
+    chosen_pages: those pages as their first slots (origin + PAGE page), what the attention walks
 
 aqua_attention then walks only those pages' positions with every coordinate.
 """
@@ -46,15 +47,17 @@ class Tokens:
         return self.ratio < 1 or self.budget > 0
 
 
-def page_score_kernel(qs_ptr, idx_ptr, key_ptr, mask_ptr, best_ptr, count_ptr, HKV, L, C, MASK_BATCH, WINDOW, N_PAGES,
+def page_score_kernel(qs_ptr, idx_ptr, key_ptr, mask_ptr, origin_ptr, best_ptr, count_ptr, HKV, L, C, MASK_BATCH,
+                      WINDOW, N_PAGES,
                       R: tl.constexpr, G: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_U: tl.constexpr,
                       BLOCK_S: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
     bh = tl.program_id(0)  # a decode step: T = 1, so select_kernel's row is the (sequence, KV head)
     blk = tl.program_id(1)
     qs, krow, use = selected_rows(qs_ptr, idx_ptr, key_ptr, bh, bh, R, C, BLOCK_U, BLOCK_M, IEEE)
-    kb, s, ok = key_tile(krow, use, blk * BLOCK_S, qs_ptr, 0, C, BLOCK_U, BLOCK_S, False, PAGE)
+    origin = tl.load(origin_ptr + tl.where(MASK_BATCH > 0, bh // HKV, 0))  # positions (and pages) counted from it
+    kb, s, ok = key_tile(krow + origin, use, blk * BLOCK_S, qs_ptr, 0, C - origin, BLOCK_U, BLOCK_S, False, PAGE)
     lo = tl.where(WINDOW > 0, tl.maximum(L - WINDOW, 0), 0)  # the step's position is L - 1
-    sc, vis = scores_of(qs, kb, s, ok, mask_ptr + (bh // HKV) * MASK_BATCH, L, lo, L - 1, SOFTCAP, IEEE)
+    sc, vis = scores_of(qs, kb, s + origin, ok, mask_ptr + (bh // HKV) * MASK_BATCH, L, lo, L - 1, SOFTCAP, IEEE)
     sc = tl.where((tl.arange(0, BLOCK_M) < G)[:, None] & vis[None, :], sc, float("-inf"))
     best = tl.max(tl.reshape(tl.max(sc, axis=0), [BLOCK_S // PAGE, PAGE]), axis=1)
     count = tl.sum(tl.reshape(vis.to(tl.int32), [BLOCK_S // PAGE, PAGE]), axis=1)
@@ -105,17 +108,29 @@ def most_pages(tokens: Tokens, total: int, n_pages: int) -> int:
     return max(1, min(n_pages, -(-min(attended, total) // PAGE) + forced))
 
 
-def page_scores(qs, idx, g: int, kc, mask, total: int, softcap: float, interpret: bool, window: int = 0):
+def page_origin(mask, total: int, window: int = 0):
+    """attention_mask [B|1, L] -> [B|1] int32: each row's first slot a decode step sees (ops.rules.page_origin), on
+    the device (no host sync)."""
+    vis = mask[:, :total] != 0
+    if window > 0:
+        vis[:, :max(total - window, 0)] = False
+    return torch.where(vis.any(-1), vis.to(torch.int32).argmax(-1), 0).to(torch.int32)
+
+
+def page_scores(qs, idx, g: int, kc, mask, total: int, softcap: float, interpret: bool, window: int = 0,
+                origin=None):
     """page_score_kernel: qs, idx (select.select at the node's k), kc [B, Hkv, r, C], attention_mask [B|1, L] int32,
-    the sliding window -> (best [B * Hkv, P] float32, count [B * Hkv, P] int32), P = ceil(L / PAGE)."""
+    the sliding window, origin (page_origin) -> (best [B * Hkv, P] float32, count [B * Hkv, P] int32),
+    P = ceil(L / PAGE) pages from each row's origin."""
     b, hkv, r, cap = kc.shape
+    origin = page_origin(mask, total, window) if origin is None else origin
     n_pages = -(-total // PAGE)
     best = torch.empty(b * hkv, n_pages, dtype=torch.float32, device=kc.device)
     count = torch.empty(b * hkv, n_pages, dtype=torch.int32, device=kc.device)
     kernel, _ = jit(page_score_kernel, interpret)
     with triton_for(interpret):
         kernel[(b * hkv, -(-total // SCORE_BLOCK))](
-            qs, idx, kc, mask, best, count, hkv, total, cap, 0 if mask.shape[0] == 1 else total, int(window), n_pages,
+            qs, idx, kc, mask, origin, best, count, hkv, total, cap, 0 if mask.shape[0] == 1 else total, int(window), n_pages,
             R=r, G=g, SOFTCAP=float(softcap), BLOCK_U=qs.shape[2], BLOCK_S=SCORE_BLOCK, PAGE=PAGE, BLOCK_M=qs.shape[1],
             IEEE=ieee(kc.dtype, interpret))
     return best, count
@@ -138,6 +153,11 @@ def choose(best: torch.Tensor, count: torch.Tensor, tokens: Tokens, total: int, 
 
 def chosen_pages(qs, idx, g: int, kc, mask, total: int, softcap: float, tokens: Tokens,
                  interpret: bool, window: int = 0) -> torch.Tensor:
-    """A decode step's chosen pages [B * Hkv, N_LIST] (page_scores, then choose)."""
-    best, count = page_scores(qs, idx, g, kc, mask, total, softcap, interpret, window)
-    return choose(best, count, tokens, total, interpret)
+    """A decode step's chosen pages as their first slots [B * Hkv, N_LIST] int32 (page_scores, then choose), -1 past
+    each row's last."""
+    origin = page_origin(mask, total, window)
+    best, count = page_scores(qs, idx, g, kc, mask, total, softcap, interpret, window, origin)
+    pages = choose(best, count, tokens, total, interpret)
+    hkv = kc.shape[1]
+    first = origin.repeat_interleave(hkv) if mask.shape[0] > 1 else origin.expand(pages.shape[0])
+    return torch.where(pages >= 0, first[:, None] + pages * PAGE, -1).to(torch.int32)
