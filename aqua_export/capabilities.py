@@ -15,7 +15,8 @@ from .errors import ConfigError
 
 RUNTIMES = ("aqua", "genai", "tensorrt")  # --runtime: what drives a folder
 KERNELS = ("auto", "native", "function")  # --kernel: what runs the custom nodes under ONNX Runtime
-BACKENDS = ("native", "function", "genai", "tensorrt", "triton")  # the table's columns
+# the table's columns; serve: `aqua-export serve`'s continuous batching (serving.engine), over the aqua runtime
+BACKENDS = ("native", "function", "genai", "tensorrt", "triton", "serve")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ REFUSALS = {
                               "Triton kernels read the GPU's float caches: use --cache-dtype float16 there",
     ("quantized", "tensorrt"): "--weights int4 / int8 are ONNX Runtime's MatMulNBits with float32 activations: use "
                                "--runtime aqua or genai (float16 is TensorRT's format: drop --weights)",
+    ("h2o", "serve"): "AQUA-H2O folders evict tokens inside the graph, per row, which continuous batching's row moves "
+                      "cannot follow: serve a folder built without --h2o-ratio (or run it with `aqua-export run`)",
     ("float16", "native"): "the native kernels run float32 graphs (a float16 kernel would round the scores to float16 "
                            "before the softmax): run this float16 folder with --kernel function (auto does)",
 }

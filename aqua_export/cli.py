@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import shlex
 import signal
 import sys
@@ -250,6 +251,31 @@ def _run_parser(sub) -> None:
     p.set_defaults(fn=commands.cmd_run)
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server of a built folder: continuous batching, a "
+                                     "prefix cache")
+    p.add_argument("folder", help="a folder built by aqua-export (not AQUA-H2O)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0: every "
+                                                       "interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535 (default %(default)s)")
+    p.add_argument("--max-seqs", type=int, default=8, help="sequences decoded together, >= 1 (default %(default)s)")
+    p.add_argument("--context", type=int, default=0, help="tokens per sequence, prompt and answer (default: the "
+                                                          "model's context)")
+    p.add_argument("--queue", type=int, default=64, help="requests that may wait for a free sequence before the "
+                                                         "server answers 429 (default %(default)s)")
+    p.add_argument("--chunk", type=int, default=512, help="prompt tokens per prefill forward, interleaved with the "
+                                                          "others' decode steps (default %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, help="memory kept for prompts' cache rows, reused by "
+                                                                    "prompts that start the same way; 0 = off "
+                                                                    "(default %(default)s)")
+    p.add_argument("--model-name", default="", help="the model id clients name (default: the folder's name)")
+    p.add_argument("--api-key", default=os.environ.get("AQUA_API_KEY", ""),
+                   help="ask clients for `Authorization: Bearer KEY` on /v1 (default: $AQUA_API_KEY; none when unset)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--kernel", default="auto", choices=KERNELS, help="what runs the custom nodes (default %(default)s)")
+    p.set_defaults(fn=commands.cmd_serve)
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="decode tokens/s and decode memory of built folders, measured interleaved")
     p.add_argument("folders", nargs="+", help="folders built by aqua-export (or by onnxruntime-genai's builder, "
@@ -292,7 +318,7 @@ def _check_parser(sub) -> None:
 
 
 SUBPARSERS = {"calibrate": _calibrate_parser, "eval": _eval_parser, "lm-eval": _lm_eval_parser,
-              "retention": _retention_parser, "run": _run_parser, "bench": _bench_parser, "parity": _parity_parser,
+              "retention": _retention_parser, "run": _run_parser, "serve": _serve_parser, "bench": _bench_parser, "parity": _parity_parser,
               "check": _check_parser}  # subcommand -> what adds its parser
 SUBCOMMANDS = tuple(SUBPARSERS)
 

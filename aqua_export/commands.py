@@ -255,6 +255,77 @@ def cmd_run(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from . import capabilities
+    from .capabilities import Features
+    from .runtime.folder import FolderConfig
+    from .runtime.lm import OrtLM
+    from .runtime.session import available_memory
+    from .runtime.text import load_tokenizer
+    from .serving.api import Api
+    from .serving.engine import Engine
+
+    check_threads(a.threads)
+    if not 0 < a.port < 65536 or a.max_seqs < 1 or a.queue < 0 or a.chunk < 1 or a.context < 0 \
+            or a.prefix_cache_mb < 0:
+        raise ConfigError("--port must be in 1..65535, --max-seqs and --chunk >= 1, --queue, --context and "
+                          "--prefix-cache-mb >= 0")
+    cfg = FolderConfig.from_folder(a.folder)
+    cfg.verify(a.folder)
+    capabilities.check(Features.of_folder(cfg), "serve")
+    model_context = cfg.context_length or 4096
+    if a.context > model_context:
+        raise ConfigError(f"--context {a.context} exceeds the model's context of {model_context} tokens: give at most "
+                          f"{model_context}")
+    context = a.context or model_context
+    rows, slots = a.max_seqs + 1, Engine.capacity_for(context)  # the batch's rows and one prefilling alone
+    prefix = a.prefix_cache_mb << 20
+    if prefix > available_memory() // 2:
+        raise ConfigError(f"--prefix-cache-mb {a.prefix_cache_mb} is more than half the memory available now "
+                          f"({available_memory() >> 20} MB): give less")
+    _check_port(a.host, a.port)
+    tok = load_tokenizer(a.folder)
+    lm = OrtLM.from_folder(a.folder, threads=a.threads, kernel=a.kernel, serving=(rows, slots))
+    engine = Engine(lm, max_seqs=a.max_seqs, context=context, chunk=a.chunk, queue=a.queue, prefix_bytes=prefix)
+    return _serve_http(Api(engine, tok, a.model_name or Path(a.folder).resolve().name, a.api_key), a.host, a.port)
+
+
+def _check_port(host: str, port: int) -> None:
+    """The address must be free before the model loads (uvicorn would find out after)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host") \
+                from None
+
+
+def _serve_http(api, host: str, port: int) -> int:
+    """uvicorn in this thread until SIGINT / SIGTERM (graceful: the requests in flight finish first)."""
+    import uvicorn
+
+    engine = api.engine
+    print(f"aqua-export: serving {api.name} on http://{host}:{port}/v1 ({engine.max_seqs} sequences of up to "
+          f"{engine.context} tokens, prefix cache {engine.prefix.budget >> 20} MB)", file=sys.stderr, flush=True)
+    import signal
+
+    got: list[int] = []
+    # uvicorn handles SIGINT / SIGTERM itself (no new connections, the requests in flight finish), then raises the
+    # signal again for the handler it found: ours only notes it, so the server's exit is a clean one
+    old = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(api.app(), host=host, port=port, log_level="warning", timeout_graceful_shutdown=None)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    how = f" by {signal.Signals(got[0]).name}" if got else ""
+    print(f"aqua-export: server stopped{how}; {engine.finished} requests served", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(a) -> int:
     from .bench import bench, table
 

@@ -38,11 +38,13 @@ PY = {"ours": sys.executable, "openvino": str(VENVS / "openvino" / "bin" / "pyth
 # the peers' environments: torch pinned to the local CPU wheel (optimum-intel's converter would pull CUDA's), and
 # torchvision removed (its 0.28 wheel does not load with torch 2.13, and transformers then fails to import)
 ENVS = {"openvino": (["openvino-genai", "optimum-intel[openvino]", "torch==2.13.0"], ["torchvision"]),
-        "llamacpp": (["llama-cpp-python", "numpy"], [])}
+        "llamacpp": (["llama-cpp-python[server]", "numpy"], [])}  # [server]: tools/bench_serve.py's peer
 OURS = {"dense": [], "int4": ["--weights", "int4"],
         "tokens-int4-f16": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
                             "--weights", "int4", "--cache-dtype", "float16"],
-        "tokens": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512"]}
+        "tokens": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512"],
+        "tokens-int4-i8": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
+                           "--weights", "int4", "--cache-dtype", "int8"]}  # tools/bench_serve.py's
 # engine name -> (environment, runner engine, folder maker)
 ENGINES = {
     "genai:ours-dense": ("ours", "genai", "ours:dense"), "genai:ours-int4": ("ours", "genai", "ours:int4"),

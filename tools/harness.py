@@ -40,6 +40,10 @@ REGISTRY = {
     "prefill": Benchmark("bench_prefill", "time to first token, decode after it, the whole request and peak RSS "
                          "against genai's builder, OpenVINO GenAI and llama.cpp", ("prefill.json", "prefill.md"),
                          needs="the peers' environments: python -m tools prefill --setup"),
+    "serve": Benchmark("bench_serve", "`aqua-export serve` under load over HTTP: 200 requests 16 at a time, continuous "
+                       "batching against one at a time, the prefix cache, llama.cpp's server at 1k and 8k",
+                       ("serve.json", "serve.md"), needs="build/prefill's folders and llama-cpp-python[server]: "
+                       "python -m tools prefill --setup"),
     "quality": Benchmark("quality", "perplexity, retention, lm-eval, long windows and pass keys of every setting on "
                          "the embedded model", ("quality.json", "quality.md", "retention.json", "retention.png",
                                                 "passkey.json")),

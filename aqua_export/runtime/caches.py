@@ -23,6 +23,15 @@ from ..ops.counts import slots_needed
 HUGE = 2 << 20  # a transparent huge page (x86-64, most Arm64 kernels)
 
 
+def large_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros; at least a huge page of them as large_empty's anonymous mapping, which the kernel backs with zero pages
+    only once written: a fixed-capacity buffer (RowCache) takes memory as its slots fill, not all at once."""
+    dtype = np.dtype(dtype)
+    if int(np.prod(shape)) * dtype.itemsize < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.zeros(shape, dtype)
+    return large_empty(shape, dtype)  # an anonymous mapping reads as zeros
+
+
 def large_empty(shape: tuple, dtype) -> np.ndarray:
     """An uninitialised array; one of at least a huge page in memory the kernel is asked to back with huge pages
     (madvise(MADV_HUGEPAGE), Linux with transparent huge pages in "madvise" mode, Debian's default). Token selection
@@ -123,3 +132,92 @@ class H2OCache(SharedCache):
         np.put_along_axis(out, np.where(tok >= 0, tok, self.length), True, axis=-1)
         return out[..., : self.length]
 
+
+
+class RowCache:
+    """Continuous batching's buffers (serving.engine): ``rows`` sequences of up to ``capacity`` slots, allocated once,
+    zeroed, past and present of a forward over the first n rows (numpy views: the batch axis is outermost, so rows
+    0..n-1 are one contiguous block; the live sequences are kept packed there).
+
+    Every row's tokens sit right-aligned at slots [start, total), the same ``total`` for all (the contract writes a
+    forward's new tokens at total - sequence .. total - 1 of every row); slots before a row's start are masked out
+    (attention_mask 0), and positions come from the mask, so where a row starts changes nothing it computes. Token
+    selection's pages are cut at fixed slots, though: the engine keeps the starts on multiples of a page where it can
+    (Engine docstring)."""
+
+    def __init__(self, contract: Contract, rows: int, capacity: int):
+        self.contract, self.rows, self.capacity = contract, rows, capacity
+        self.arrays = {k: [contract.empty_buffer(k, rows, capacity, i, large_zeros, zeroed=True)
+                           for i in range(contract.layers)] for k in contract.kinds}
+        self._ort: dict[int, dict[str, list]] = {}  # n -> OrtValues over the first n rows (no copy)
+
+    def bytes(self) -> int:
+        return self.contract.cache_bytes(self.rows, self.capacity)
+
+    def view(self, n: int, total: int) -> _Rows:
+        """Rows 0..n-1 holding ``total`` slots, as OrtLM.step takes a cache (its next forward writes slots from
+        total on)."""
+        return _Rows(self, n, total)
+
+    def bind(self, io, n: int) -> None:
+        """The first n rows of every buffer as past and present of an IOBinding."""
+        import onnxruntime as ort
+
+        if n not in self._ort:
+            self._ort[n] = {k: [ort.OrtValue.ortvalue_from_numpy(a[:n]) for a in v] for k, v in self.arrays.items()}
+        ct = self.contract
+        for i in range(ct.layers):
+            for kind in ct.kinds:
+                io.bind_ortvalue_input(ct.past(i, kind), self._ort[n][kind][i])
+                io.bind_ortvalue_output(ct.present(i, kind), self._ort[n][kind][i])
+
+    def shift(self, n: int, lo: int, hi: int, by: int) -> None:
+        """Slots [lo, hi) of rows 0..n-1 moved ``by`` slots (either way; numpy copies through a buffer where the two
+        ranges overlap)."""
+        for kind, layers in self.arrays.items():
+            for a in layers:
+                s = slot_view(self.contract, kind, a)
+                s[:n, ..., lo + by:hi + by] = s[:n, ..., lo:hi]
+
+    def put(self, row: int, src: SharedCache, at: int) -> None:
+        """A sequence prefilled on its own (a one-row SharedCache of ``src.length`` tokens) into ``row`` at slots
+        [at, at + length)."""
+        copy_slots(self.contract, (self.arrays, row, at), (src.arrays, 0, 0), src.length)
+
+    def move(self, dst: int, src: int, lo: int, hi: int) -> None:
+        """Row src's slots [lo, hi) into row dst (a finished row's place taken by the last live one)."""
+        copy_slots(self.contract, (self.arrays, dst, lo), (self.arrays, src, lo), hi - lo)
+
+
+def slot_view(contract: Contract, kind: str, a: np.ndarray) -> np.ndarray:
+    """A buffer with its slot axis last (K^ dim-major [B, Hkv, r, C]; V [B, Hkv, C, rv] seen as [B, Hkv, rv, C])."""
+    return contract.key_rows(a) if kind == "key" else np.moveaxis(a, 2, 3)
+
+
+def copy_slots(contract: Contract, dst: tuple, src: tuple, m: int) -> None:
+    """m slots of one row between buffers of the same kinds and layers: dst and src are (arrays {kind: [layer
+    buffers]}, row, first slot)."""
+    (da, dr, dat), (sa, sr, sat) = dst, src
+    for kind in da:
+        for a, b in zip(da[kind], sa[kind]):
+            slot_view(contract, kind, a)[dr, ..., dat:dat + m] = slot_view(contract, kind, b)[sr, ..., sat:sat + m]
+
+
+class _Rows:
+    """The first n rows of a RowCache as OrtLM's shared-buffer forward drives a cache (SharedCache's methods)."""
+
+    def __init__(self, cache: RowCache, n: int, total: int):
+        self.cache, self.n, self.length = cache, n, total
+
+    def slots_for(self, attention_mask: np.ndarray) -> int:
+        return attention_mask.shape[1]
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.cache.capacity:  # the engine compacts before: a slip here would write out of bounds
+            raise ValueError(f"{needed} slots asked of a row cache of {self.cache.capacity}")
+
+    def bind(self, io) -> None:
+        self.cache.bind(io, self.n)
+
+    def after(self, new_tokens: int) -> None:
+        self.length += new_tokens

@@ -1,0 +1,355 @@
+"""`aqua-export serve`: continuous batching never changes results (dense and token-selection folders, with and without
+the prefix cache), and the OpenAI API as the official `openai` client sees it, under load and faults (429, a client
+that goes away, SIGTERM, kill -9 and a restart)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from helpers import folder_cfg
+
+from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.export.exporter import export_onnx
+from aqua_export.runtime.lm import OrtLM
+from aqua_export.runtime.sampling import SamplingConfig
+from aqua_export.serving.engine import Engine, Sequence
+
+CONTEXT = 128
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _tokenizer(folder) -> None:
+    """A character tokenizer of the tiny model's 128 ids (0 pad, 1 bos, 2 eos, printable ASCII and newline), with a
+    chat template: the files a folder's runtime.tokenizer reads."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 3} | {chr(c): 4 + i for i, c in enumerate(range(32, 127))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": TEMPLATE}))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_llama):
+    """A dense folder (k 0.5) and a token-selection one (budget 32 tokens: 2 pages), each with a tokenizer."""
+    m, proj = tiny_llama
+    out = {}
+    for name, cfg in (("dense", AquaConfig(k_ratio=0.5)), ("tokens", AquaConfig(k_ratio=0.5, token_budget=32))):
+        d = tmp_path_factory.mktemp(name)
+        export_onnx(m, proj, cfg, d / "model.onnx")
+        _tokenizer(d)
+        folder_cfg(m, cfg).seal(d)
+        out[name] = d
+    return out
+
+
+def _requests(n: int, seed: int = 0, shared: int = 0):
+    """n (prompt ids, tokens to generate) of mixed lengths; with ``shared``, every other prompt starts with the same
+    ``shared`` tokens (a system prompt)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(4, 128, shared)
+    out = [(rng.integers(4, 128, 3), 40)]  # a short prompt first: the longer ones that follow move the rows right
+    for i in range(1, n):
+        p = rng.integers(4, 128, int(rng.integers(3, 80 - shared)))
+        out.append((np.concatenate([system, p]) if shared and i % 2 == 0 else p, int(rng.integers(1, 48))))
+    return out
+
+
+def _serve_all(lm, requests, **engine_args):
+    """Every request submitted at once to an Engine run in this thread: (ids per request, the engine)."""
+    engine = Engine(lm, context=CONTEXT, queue=len(requests), margin=16, **engine_args)  # compacts every 16 steps
+    seqs = [Sequence(p, SamplingConfig(max_new_tokens=n), lambda t, f: None) for p, n in requests]
+    for s in seqs:
+        engine.submit(s)
+    while engine.busy():
+        engine.turn()
+    return [s.out for s in seqs], engine
+
+
+@pytest.mark.parametrize("kind", ["dense", "tokens"])
+def test_batching_never_changes_results(folders, kind):
+    """32 requests of mixed lengths, 8 at a time, prefilled in chunks between the others' steps, with the rows moved
+    left and right as they come and go: token for token what each gives alone; with the prefix cache on (half the
+    prompts share a 64-token prefix) too, and the prefix cache is used."""
+    lm = OrtLM.from_folder(folders[kind], threads=1)
+    for shared in (0, 64):
+        reqs = _requests(32, seed=shared, shared=shared)
+        alone, _ = _serve_all(lm, reqs, max_seqs=1, chunk=16)
+        batched, engine = _serve_all(lm, reqs, max_seqs=8, chunk=16, prefix_bytes=(1 << 20) * shared)
+        assert min(engine.moves.values()) > 0 and engine.steps < sum(n for _, n in reqs), (engine.moves, engine.steps)
+        if shared:
+            assert engine.prefix.hits >= 8 and engine.prefix.reused_tokens >= 8 * 64
+        for i, (a, b) in enumerate(zip(alone, batched)):
+            assert a == b, (kind, shared, i)
+    # and alone through the engine is OrtLM.generate's answer (the whole prompt in one forward)
+    p, n = reqs[1]
+    assert alone[1] == lm.generate(p[None], np.ones((1, len(p)), np.int64), SamplingConfig(max_new_tokens=n))[0].tolist()
+
+
+def test_prefix_cache_is_bounded_and_evicts_the_oldest(folders):
+    lm = OrtLM.from_folder(folders["dense"], threads=1)
+    per_chunk = lm.contract.cache_bytes(1, 16)
+    engine = Engine(lm, max_seqs=2, context=CONTEXT, chunk=16, prefix_bytes=per_chunk * 6)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 128, 50) for _ in range(3)]  # 48 tokens kept of each: 3 chunks
+    for p in prompts:
+        engine.submit(Sequence(p, SamplingConfig(max_new_tokens=2), lambda t, f: None))
+        while engine.busy():
+            engine.turn()
+    assert engine.prefix.used <= per_chunk * 6 and len(engine.prefix.entries) == 2
+    assert engine.prefix.lookup(prompts[0])[0] == 0 and engine.prefix.lookup(prompts[2])[0] == 48
+
+
+def test_the_engine_refuses_what_cannot_fit(folders):
+    lm = OrtLM.from_folder(folders["dense"], threads=1)
+    engine = Engine(lm, max_seqs=1, context=CONTEXT, queue=1)
+    with pytest.raises(ConfigError, match="exceed the context of 128 tokens"):
+        engine.submit(Sequence(np.arange(4, 104), SamplingConfig(max_new_tokens=40), lambda t, f: None))
+    engine.submit(Sequence(np.arange(4, 14), SamplingConfig(max_new_tokens=4), lambda t, f: None))
+    with pytest.raises(Exception, match="1 requests are waiting"):
+        engine.submit(Sequence(np.arange(4, 14), SamplingConfig(max_new_tokens=4), lambda t, f: None))
+
+
+# ---------------------------------------------------------------------------------------------- the HTTP server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`aqua-export serve` in a child process on 127.0.0.1 (stopped by the test or at exit)."""
+
+    def __init__(self, folder, *args, port=None):
+        self.model = folder.name  # the id clients name: the folder's name by default
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "aqua_export", "serve", str(folder), "--port",
+                                      str(self.port), "--threads", "1", "--context", str(CONTEXT), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.communicate()[1]
+            try:
+                if self.health()["status"] == "ok":
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start in 120 s")
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    s = Server(folders["tokens"], "--max-seqs", "4")
+    yield s
+    s.stop()
+
+
+def test_openai_client_completions_and_chat(server, folders):
+    """Greedy (temperature 0): streamed text equals the whole answer, which equals the engine's own tokens decoded;
+    usage counts them; a stop string cuts the text and finishes with "stop"."""
+    from aqua_export.runtime.text import load_tokenizer
+
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [folders["tokens"].name]
+    whole = c.completions.create(model=server.model, prompt="The quick brown fox", max_tokens=24, temperature=0)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=server.model, prompt="The quick brown fox", max_tokens=24, temperature=0, stream=True))
+    assert whole.choices[0].text == streamed and whole.usage.prompt_tokens == 19
+    tok = load_tokenizer(folders["tokens"])
+    lm = OrtLM.from_folder(folders["tokens"], threads=1)
+    ids = tok("The quick brown fox")["input_ids"]
+    out, _ = _serve_all(lm, [(np.array(ids), 24)], max_seqs=1, chunk=512)
+    assert whole.choices[0].text == tok.decode(out[0], skip_special_tokens=True)
+    assert whole.usage.completion_tokens == len(out[0])
+    by_ids = c.completions.create(model=server.model, prompt=ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == whole.choices[0].text
+    msgs = [{"role": "user", "content": "Hello there"}]
+    chat = c.chat.completions.create(model=server.model, messages=msgs, max_tokens=20, temperature=0)
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=server.model, messages=msgs, max_tokens=20, temperature=0, stream=True) if ch.choices]
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == "".join(parts)
+    text = whole.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2] if len(text) >= 4 else None
+    if stop:
+        cut = c.completions.create(model=server.model, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.find(stop)]
+    seeded = [c.completions.create(model=server.model, prompt="abc", max_tokens=12, seed=7).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]  # sampling (temperature 1) with a seed repeats
+
+
+def test_bad_requests_get_openai_errors(server):
+    import openai
+
+    c = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=server.model, prompt="x" * 100, max_tokens=100)
+    assert e.value.code == "context_length_exceeded" and "context is 128 tokens" in e.value.message
+    for bad in ({"temperature": 3}, {"n": 2}, {"prompt": ""}, {"prompt": [1, 500]}, {"max_tokens": 0},
+                {"stop": [""]}, {"logprobs": 2}):
+        args = {"model": server.model, "prompt": "hi", "max_tokens": 4} | bad
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(**args)
+        assert e.value.body["type"] == "invalid_request_error", bad
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=server.model, messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
+    assert e.value.code == "model_not_found"
+    for body in (b"{not json", b'{"prompt": "\xff\xfe", "model": "x"}', b"[1, 2]"):
+        req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400 and "JSON" in json.loads(e.value.read())["error"]["message"], body
+    assert server.health()["status"] == "ok"  # and it keeps serving
+    metrics = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
+    assert 'aqua_requests_rejected_total{reason="invalid"}' in metrics
+    assert "aqua_time_to_first_token_seconds_count" in metrics and "aqua_generated_tokens_total" in metrics
+
+
+def test_a_client_that_goes_away_frees_its_row(server):
+    before = server.health()["cancelled"]
+    c = server.client()
+    stream = c.completions.create(model=server.model, prompt="Tell me a long story", max_tokens=100, temperature=0,
+                                  stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 10
+    while server.health()["cancelled"] == before and time.time() < deadline:
+        time.sleep(0.05)
+    h = server.health()
+    assert h["cancelled"] == before + 1 and h["running"] == 0
+
+
+def test_an_api_key_is_asked_when_set(folders):
+    import openai
+
+    s = Server(folders["dense"], "--api-key", "sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            s.client().completions.create(model=s.model, prompt="hi", max_tokens=2)
+        assert e.value.code == "invalid_api_key"
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0)
+        assert c.completions.create(model=s.model, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert s.health()["status"] == "ok"  # health and metrics ask for no key (probes, scrapers)
+    finally:
+        s.stop()
+
+
+def test_a_full_queue_answers_429_with_retry_after(folders):
+    import openai
+
+    s = Server(folders["dense"], "--max-seqs", "1", "--queue", "1", "--chunk", "4")
+    try:
+        c = s.client()
+        results, errors = [], []
+
+        def one():
+            try:
+                results.append(c.completions.create(model=s.model, prompt="a" * 40, max_tokens=80, temperature=0))
+            except openai.RateLimitError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors and results and len(errors) + len(results) == 6
+        assert errors[0].response.headers["retry-after"] == "1"
+        assert all(r.choices[0].text == results[0].choices[0].text for r in results)
+    finally:
+        s.stop()
+
+
+def test_sigterm_finishes_requests_in_flight_and_kill_9_restarts(folders):
+    s = Server(folders["dense"], "--max-seqs", "2")
+    c = s.client()
+    stream = c.completions.create(model=s.model, prompt="Once upon a time", max_tokens=100, temperature=0, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    s.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest and rest[-1].choices[0].finish_reason in ("length", "stop")
+    assert len(first.choices[0].text + "".join(ch.choices[0].text for ch in rest)) > 0
+    code, err = s.stop()
+    assert code == 0 and "server stopped by SIGTERM; 1 requests served" in err, err
+    # kill -9 under load, then a restart on the same port serves at once (the server owns no file)
+    s = Server(folders["dense"], "--max-seqs", "2", port=s.port)
+    threads = [threading.Thread(target=lambda: _swallow(s.client().completions.create, model=s.model, prompt="abc",
+                                                         max_tokens=100)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    s.stop(signal.SIGKILL)
+    for t in threads:
+        t.join()
+    s = Server(folders["dense"], "--max-seqs", "2", port=s.port)
+    try:
+        assert s.client().completions.create(model=s.model, prompt="abc", max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        s.stop()
+
+
+def _swallow(fn, **kw):
+    try:
+        fn(**kw)
+    except Exception:  # the server was killed under it: what the test does
+        pass
+
+
+def test_serve_refuses_bad_options_before_loading(folders, tmp_path, capsys):
+    from aqua_export.cli import main
+
+    assert main(["serve", str(folders["dense"]), "--max-seqs", "0"]) == 2
+    assert "--max-seqs and --chunk >= 1" in capsys.readouterr().err
+    assert main(["serve", str(folders["dense"]), "--context", "100000"]) == 2
+    assert "exceeds the model's context" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", str(folders["dense"]), "--port", str(busy.getsockname()[1])]) == 2
+    assert "choose another --port" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path)]) == 2
+    assert "aqua_config.json" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_serving_imports_no_torch(folders):
+    """The server's process (folder, engine, API app) never imports torch or transformers."""
+    code = ("import sys; from aqua_export.runtime.lm import OrtLM; from aqua_export.runtime.text import load_tokenizer; "
+            "from aqua_export.serving.api import Api; from aqua_export.serving.engine import Engine; "
+            "lm = OrtLM.from_folder(sys.argv[1], threads=1); "
+            "Api(Engine(lm, max_seqs=2, context=64), load_tokenizer(sys.argv[1]), 'm').app(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(folders["dense"])], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout
