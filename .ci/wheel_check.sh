@@ -24,5 +24,24 @@ tail -1 "$work/build.log"
 for runtime in aqua genai; do
   "${bare[@]}" aqua-export run "$work/folder" --prompt "The license" --max-new-tokens 4 --runtime $runtime > /dev/null
 done
-echo "wheel check: $(basename "$work"/dist/*.whl) installed in a fresh venv, built and ran a folder (aqua, genai)"
+# and served over HTTP: one completion through the installed server, then SIGTERM (a clean exit)
+port=$("$work/venv/bin/python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+"${bare[@]}" aqua-export serve "$work/folder" --port "$port" --max-seqs 2 --context 64 > "$work/serve.log" 2>&1 &
+server=$!
+"$work/venv/bin/python" - "$port" "$(basename "$work/folder")" <<'PY'
+import json, sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(240):
+    try:
+        urllib.request.urlopen(url + "/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(0.5)
+body = json.dumps({"model": sys.argv[2], "prompt": "The license", "max_tokens": 4, "temperature": 0}).encode()
+req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+assert out["usage"]["completion_tokens"] >= 1, out
+PY
+kill -TERM "$server" && wait "$server"
+echo "wheel check: $(basename "$work"/dist/*.whl) installed in a fresh venv, built, ran (aqua, genai) and served a folder"
 rm -rf "$work"

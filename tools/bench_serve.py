@@ -88,6 +88,7 @@ class Server:
             gguf = models.embedded_gguf()
             cmd = [str(LLAMACPP), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(context),
                    "--n_threads", str(threads), "--n_threads_batch", str(threads), "--flash_attn", "True",
+                   "--interrupt_requests", "False",  # its default cuts a streaming request short when another comes
                    "--host", "127.0.0.1", "--port", str(self.port)]
             self.model = str(gguf)
         else:
@@ -190,6 +191,9 @@ def drive(server: Server, text: Text, prompts: list[str], new: int, concurrency:
             "decode_tokens_per_s": round(decode_pieces / decoding, 2) if decoding > 0 else None}
 
 
+SCENARIOS = ("load", "batching", "prefix", "peers")
+
+
 def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
@@ -280,7 +284,12 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run; writes nothing)")
     ap.add_argument("--skip-peers", action="store_true", help="no llama.cpp server")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="load,batching,prefix,peers",
+                    help="scenarios to run (comma-separated); the others' figures are kept from benchmarks/serve.json")
     a = ap.parse_args(argv)
+    only = a.only.split(",")
+    if set(only) - set(SCENARIOS):
+        raise SystemExit(f"--only takes {', '.join(SCENARIOS)}")
     if not a.skip_peers and not LLAMACPP.exists():
         raise SystemExit(f"no {LLAMACPP}: python -m tools prefill --setup")
     from tools.bench_prefill import _make
@@ -288,19 +297,20 @@ def main(argv=None) -> None:
     for f in FOLDERS.values():  # built once under build/prefill (calibration included: minutes each)
         _make("ours:" + f.name.removeprefix("ours-"))
     text = Text()
-    res = {"threads": a.threads}
-    print("load", flush=True)
-    res["load"] = load(text, a.threads, 24 if a.quick else 200)
-    print(" ", res["load"], flush=True)
-    print("batching", flush=True)
-    res["batching"] = batching(text, a.threads, 4 if a.quick else 16)
-    print(" ", {k: v["ratio"] for k, v in res["batching"].items()}, flush=True)
-    print("prefix", flush=True)
-    res["prefix"] = prefix(text, a.threads, 2 if a.quick else 4)
-    print(" ", res["prefix"], flush=True)
-    print("peers", flush=True)
-    res["peers"] = peers(text, a.threads, a.quick, a.skip_peers)
-    if not a.quick:
+    path = BENCHMARKS / "serve.json"
+    res = json.loads(path.read_text()) if path.exists() and len(only) < len(SCENARIOS) else {}
+    res["threads"] = a.threads
+    runs = {"load": lambda: load(text, a.threads, 24 if a.quick else 200),
+            "batching": lambda: batching(text, a.threads, 4 if a.quick else 16),
+            "prefix": lambda: prefix(text, a.threads, 2 if a.quick else 4),
+            "peers": lambda: peers(text, a.threads, a.quick, a.skip_peers)}
+    for i, name in enumerate(SCENARIOS):
+        if name in only:
+            print(name, flush=True)
+            text.at = i * len(text.ids) // len(SCENARIOS)  # each scenario its own part of the text, run alone or not
+            res[name] = runs[name]()
+            print(" ", res[name], flush=True)
+    if not a.quick and all(k in res for k in SCENARIOS):
         write(res)
     print(json.dumps(res))
 
