@@ -305,13 +305,13 @@ def _check_port(host: str, port: int) -> None:
 
 def _serve_http(api, host: str, port: int) -> int:
     """uvicorn in this thread until SIGINT / SIGTERM (graceful: the requests in flight finish first)."""
+    import signal
+
     import uvicorn
 
     engine = api.engine
     print(f"aqua-export: serving {api.name} on http://{host}:{port}/v1 ({engine.max_seqs} sequences of up to "
           f"{engine.context} tokens, prefix cache {engine.prefix.budget >> 20} MB)", file=sys.stderr, flush=True)
-    import signal
-
     got: list[int] = []
     # uvicorn handles SIGINT / SIGTERM itself (no new connections, the requests in flight finish), then raises the
     # signal again for the handler it found: ours only notes it, so the server's exit is a clean one

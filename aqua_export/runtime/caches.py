@@ -133,7 +133,6 @@ class H2OCache(SharedCache):
         return out[..., : self.length]
 
 
-
 class RowCache:
     """Continuous batching's buffers (serving.engine): ``rows`` sequences of up to ``capacity`` slots, allocated once,
     zeroed, past and present of a forward over the first n rows (numpy views: the batch axis is outermost, so rows
@@ -141,18 +140,14 @@ class RowCache:
 
     Every row's tokens sit right-aligned at slots [start, total), the same ``total`` for all (the contract writes a
     forward's new tokens at total - sequence .. total - 1 of every row); slots before a row's start are masked out
-    (attention_mask 0), and positions come from the mask, so where a row starts changes nothing it computes. Token
-    selection's pages are cut at fixed slots, though: the engine keeps the starts on multiples of a page where it can
-    (Engine docstring)."""
+    (attention_mask 0), and positions come from the mask and token selection's pages from the first visible slot
+    (ops.rules.page_origin), so where a row starts changes nothing it computes."""
 
     def __init__(self, contract: Contract, rows: int, capacity: int):
         self.contract, self.rows, self.capacity = contract, rows, capacity
         self.arrays = {k: [contract.empty_buffer(k, rows, capacity, i, large_zeros, zeroed=True)
                            for i in range(contract.layers)] for k in contract.kinds}
         self._ort: dict[int, dict[str, list]] = {}  # n -> OrtValues over the first n rows (no copy)
-
-    def bytes(self) -> int:
-        return self.contract.cache_bytes(self.rows, self.capacity)
 
     def view(self, n: int, total: int) -> _Rows:
         """Rows 0..n-1 holding ``total`` slots, as OrtLM.step takes a cache (its next forward writes slots from

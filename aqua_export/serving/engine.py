@@ -13,9 +13,8 @@ One thread runs the model (Engine.run); requests arrive from any thread (submit,
 Slots: a row's tokens sit at [start, total); slots before start are masked (attention_mask 0). When a prompt is
 longer than ``total`` the rows move right to make room; when ``total`` reaches the capacity they move left by the
 smallest start (each sequence is at most ``context`` tokens, the capacity context + a margin, so that frees at least
-the margin). Positions come from the mask, so where a row starts changes nothing dense attention computes; token
-selection cuts its pages at fixed slots (ops.rules), so a row not starting on a page boundary may choose other tokens
-than alone (docs/reference.md, Serving).
+the margin). Positions come from the mask and token selection's pages from each row's first visible slot
+(ops.rules.page_origin), so where a row starts changes nothing it computes (docs/design.md, Serving many users).
 """
 
 from __future__ import annotations
@@ -31,12 +30,10 @@ import numpy as np
 from .. import capabilities
 from ..capabilities import Features
 from ..config import ConfigError
+from ..ops.spec import PAGE  # the margin and the capacity are whole pages
 from ..runtime.caches import RowCache, SharedCache, copy_slots
 from ..runtime.sampling import SamplingConfig, check_finite, pick
 from .prefix import PrefixCache
-
-PAGE = 16  # token selection's page (ops.spec): the margin and the capacity are whole pages
-
 
 class Busy(Exception):
     """The queue is full (the server answers 429)."""
@@ -57,8 +54,7 @@ class Sequence:
     start: int = 0  # its first slot in the row cache
     done: bool = False
     cancelled: bool = False
-    reused: int = 0  # prompt tokens the prefix cache gave it
-    times: dict = field(default_factory=dict)  # submitted, first_token, finished (time.perf_counter)
+    times: dict = field(default_factory=dict)  # submitted, first_token (time.perf_counter)
 
     def __post_init__(self):
         self.ids = np.asarray(self.ids, np.int64).reshape(-1)
@@ -68,7 +64,6 @@ class Sequence:
     def finish(self, reason: str) -> None:
         if not self.done:
             self.done = True
-            self.times["finished"] = time.perf_counter()
             self.on_event(None, reason)
 
 
@@ -182,7 +177,7 @@ class Engine:
         m, entry = self.prefix.lookup(seq.ids) if self.prefix.budget else (0, None)
         if m:
             copy_slots(self.lm.contract, (self.private.arrays, 0, 0), (entry.arrays, 0, 0), m)
-            self.private.length = seq.reused = m
+            self.private.length = m
         self.filled = m
 
     def _prefill_chunk(self) -> None:
