@@ -40,8 +40,7 @@ inline void widen(const Ort::Float16_t* x, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = x[i].ToFloat();
 }
 
-// x[0..n) as float32 values: float rows where they are, float16 ones widened into buf (n elements).
-inline const float* as_floats(const float* x, int64_t /*n*/, float* /*buf*/) { return x; }
+// x[0..n) -> out[0..n) float32: an int8 cache's stored integers.
 inline void widen(const int8_t* x, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -57,14 +56,6 @@ inline void widen(const int8_t* x, int64_t n, float* out) {
   }
 #endif
   for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
-}
-inline const float* as_floats(const int8_t* x, int64_t n, float* buf) {
-  widen(x, n, buf);
-  return buf;
-}
-inline const float* as_floats(const Ort::Float16_t* x, int64_t n, float* buf) {
-  widen(x, n, buf);
-  return buf;
 }
 
 // The nodes' `rule` attribute (aqua_export/ops/spec.py: MAGNITUDE 0, GROUP 1, STATIC 2). The weighted rules
@@ -166,15 +157,31 @@ inline f8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+// Eight float16 or int8 cache elements widened in registers where the CPU has the instructions (F16C; AVX2's
+// sign extension), through a small buffer otherwise.
 inline f8 load8(const Ort::Float16_t* p) {
+#if defined(__F16C__)
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  f8 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
   float x[8];
   widen(p, 8, x);
   return load8(x);
+#endif
 }
 inline f8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  f8 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
   float x[8];
   widen(p, 8, x);
   return load8(x);
+#endif
 }
 
 // An int8 cache's rows (ops.spec, ops.rules.int8_rows): each token's K^ column and V row end in the code c of its
@@ -335,7 +342,7 @@ inline void merge_splits(const float* first, int64_t step, int64_t splits, int64
 }
 
 // The per-call buffers (call_buffer): one tag each, so no two uses share one.
-enum class Buffer { kPoolValue, kPoolIndex, kDensePartials, kPageBest, kPageForced, kPageWant, kPageOrigin, kPageChosen, kPagePartials, kH2OVisibleBefore };
+enum class Buffer { kPoolValue, kPoolIndex, kDensePartials, kPageBest, kPageForced, kPageWant, kPageOrigin, kPageChosen, kPagePartials, kH2OVisibleBefore, kPromptPanels };
 
 // A per-call buffer of n elements, kept by the calling thread between calls. Its elements are stale: each use
 // writes what it reads. Fresh vectors of tens to hundreds of KB cost 15-27 us a call here (measured: glibc hands
@@ -359,55 +366,115 @@ inline int64_t union_of(const char* mark, int64_t r, int32_t* uni) {
   }
   return nu;
 }
-constexpr int64_t kLine = 16;        // elements per prefetch request (a 64-byte line of float32)
+constexpr int64_t kLine = 16;        // positions per step of accumulate()
 constexpr int64_t kKeyAhead = 512;   // elements ahead on a key row that accumulate() prefetches
 
-// acc[rr][0..n) = sum over c in the union of w[c][rr] * key[c][0..n): one pass over each selected key
-// row segment (n contiguous values, prefetch-friendly) feeds NR rows' L1-resident accumulators.
-// acc rows are `pitch` floats apart. Ahead: request each row kKeyAhead on (a stream over the cache); token
-// selection's scattered pages turn it off (the lines ahead are pages nobody reads).
-template <int NR, bool Ahead, typename T>
-void accumulate(const T* __restrict key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
-                int64_t n, float* __restrict acc, int64_t pitch) {
+// acc[rr][0..n) = sum over c in the union of w[c][rr] * key[c][0..n) (rows `pitch` floats apart; uni[0..nu) the
+// coordinates, ascending; key rows `stride` elements apart, float32, float16 or int8 widened in registers). Two
+// shapes, for the two ways the kernels read K^, with the same sums (four rows' products added, then the rows left
+// one at a time), so either gives the same float32 scores:
+//   streams (Ahead: the dense pass, token selection's score pass, TopKGatherDot): long segments of a few rows. Four
+//     rows per pass over the segment, the accumulators in L1, read and written once per four rows: four streams at
+//     a time (16 at once, one per selected row, ran 1.3x slower on a float16 cache at 8k), each requested
+//     kKeyAhead on;
+//   pages (token selection's attend pass): runs of 16 positions of every row, scattered. 8 positions at a time,
+//     NR accumulator vectors held in registers over all the rows and stored once (the stream shape on 16-position
+//     runs spent the pass in its accumulators' loads and stores: 1.6x slower at batch 16, 1k context).
+template <int NR, typename T>
+void accumulate_stream(const T* __restrict key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
+                       int64_t n, float* __restrict acc, int64_t pitch) {
+  constexpr int64_t kLineElems = 64 / sizeof(T);
   for (int rr = 0; rr < NR; ++rr) std::memset(acc + rr * pitch, 0, sizeof(float) * n);
+  const int64_t whole = n / kLine * kLine;
   int64_t u = 0;
-  // four key rows per pass: the accumulators are read and written once per four rows
   for (; u + 4 <= nu; u += 4) {
-    const T* k0 = key + uni[u] * stride;
-    const T* k1 = key + uni[u + 1] * stride;
-    const T* k2 = key + uni[u + 2] * stride;
-    const T* k3 = key + uni[u + 3] * stride;
-    float w[4][NR];
+    const T* k[4];
+    f8 w[4][NR];
     for (int t = 0; t < 4; ++t) {
-      for (int rr = 0; rr < NR; ++rr) w[t][rr] = wbuf[uni[u + t] * kRows + rr];
+      k[t] = key + uni[u + t] * stride;
+      for (int rr = 0; rr < NR; ++rr) w[t][rr] = f8{} + wbuf[uni[u + t] * kRows + rr];
     }
-    for (int64_t i0 = 0; i0 < n; i0 += kLine) {
-      // the four rows' segments a block further on, requested now: without it the four strided streams
-      // ran at two thirds of the streaming bandwidth (prefetching past a row's end is harmless)
-      if constexpr (Ahead) {
-        __builtin_prefetch(k0 + i0 + kKeyAhead), __builtin_prefetch(k1 + i0 + kKeyAhead);
-        __builtin_prefetch(k2 + i0 + kKeyAhead), __builtin_prefetch(k3 + i0 + kKeyAhead);
+    for (int64_t i0 = 0; i0 < whole; i0 += kLine) {
+      if (i0 % kLineElems == 0) {
+        for (int t = 0; t < 4; ++t) __builtin_prefetch(k[t] + i0 + kKeyAhead);
       }
-      const int64_t i1 = std::min(n, i0 + kLine);
-      alignas(64) float buf[4][kLine];  // float16 segments widened (float32 ones are read in place)
-      const float* f0 = as_floats(k0 + i0, i1 - i0, buf[0]) - i0;
-      const float* f1 = as_floats(k1 + i0, i1 - i0, buf[1]) - i0;
-      const float* f2 = as_floats(k2 + i0, i1 - i0, buf[2]) - i0;
-      const float* f3 = as_floats(k3 + i0, i1 - i0, buf[3]) - i0;
-      for (int64_t i = i0; i < i1; ++i) {
-        const float a0 = f0[i], a1 = f1[i], a2 = f2[i], a3 = f3[i];
-        for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] += w[0][rr] * a0 + w[1][rr] * a1 + w[2][rr] * a2 + w[3][rr] * a3;
+      f8 lo[4], hi[4];
+      for (int t = 0; t < 4; ++t) lo[t] = load8(k[t] + i0), hi[t] = load8(k[t] + i0 + 8);
+      for (int rr = 0; rr < NR; ++rr) {
+        float* a = acc + rr * pitch + i0;
+        store8(a, load8(a) + (w[0][rr] * lo[0] + w[1][rr] * lo[1] + w[2][rr] * lo[2] + w[3][rr] * lo[3]));
+        store8(a + 8, load8(a + 8) + (w[0][rr] * hi[0] + w[1][rr] * hi[1] + w[2][rr] * hi[2] + w[3][rr] * hi[3]));
+      }
+    }
+    for (int64_t i = whole; i < n; ++i) {
+      for (int rr = 0; rr < NR; ++rr) {
+        acc[rr * pitch + i] += w[0][rr][0] * load(k[0], i) + w[1][rr][0] * load(k[1], i) +
+                               w[2][rr][0] * load(k[2], i) + w[3][rr][0] * load(k[3], i);
       }
     }
   }
   for (; u < nu; ++u) {
     const T* kr = key + uni[u] * stride;
-    float w[NR];
-    for (int rr = 0; rr < NR; ++rr) w[rr] = wbuf[uni[u] * kRows + rr];
     for (int64_t i = 0; i < n; ++i) {
       const float kv = load(kr, i);
-      for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] += w[rr] * kv;
+      for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] += wbuf[uni[u] * kRows + rr] * kv;
     }
+  }
+}
+
+template <int NR, typename T>
+void accumulate_pages(const T* __restrict key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf,
+                      int64_t n, float* __restrict acc, int64_t pitch) {
+  // the sums grouped as accumulate_stream groups them (four rows, then one at a time): the same float32 results,
+  // so the path a step takes never changes a score
+  int64_t i0 = 0;
+  for (; i0 + kLine <= n; i0 += kLine) {
+    for (int half = 0; half < 2; ++half) {
+      const int64_t at = i0 + 8 * half;
+      f8 sum[NR];
+      for (int rr = 0; rr < NR; ++rr) sum[rr] = f8{};
+      int64_t u = 0;
+      for (; u + 4 <= nu; u += 4) {
+        f8 k[4];
+        const float* w[4];
+        for (int t = 0; t < 4; ++t) k[t] = load8(key + uni[u + t] * stride + at), w[t] = wbuf + uni[u + t] * kRows;
+        for (int rr = 0; rr < NR; ++rr) {
+          sum[rr] = sum[rr] + (w[0][rr] * k[0] + w[1][rr] * k[1] + w[2][rr] * k[2] + w[3][rr] * k[3]);
+        }
+      }
+      for (; u < nu; ++u) {
+        const f8 k = load8(key + uni[u] * stride + at);
+        for (int rr = 0; rr < NR; ++rr) sum[rr] += wbuf[uni[u] * kRows + rr] * k;
+      }
+      for (int rr = 0; rr < NR; ++rr) store8(acc + rr * pitch + at, sum[rr]);
+    }
+  }
+  for (int64_t i = i0; i < n; ++i) {  // the last n mod 16 positions (a sequence's last, partial page)
+    float sum[NR] = {};
+    int64_t u = 0;
+    for (; u + 4 <= nu; u += 4) {
+      float k[4];
+      for (int t = 0; t < 4; ++t) k[t] = load(key + uni[u + t] * stride, i);
+      for (int rr = 0; rr < NR; ++rr) {
+        sum[rr] += wbuf[uni[u] * kRows + rr] * k[0] + wbuf[uni[u + 1] * kRows + rr] * k[1] +
+                   wbuf[uni[u + 2] * kRows + rr] * k[2] + wbuf[uni[u + 3] * kRows + rr] * k[3];
+      }
+    }
+    for (; u < nu; ++u) {
+      const float kv = load(key + uni[u] * stride, i);
+      for (int rr = 0; rr < NR; ++rr) sum[rr] += wbuf[uni[u] * kRows + rr] * kv;
+    }
+    for (int rr = 0; rr < NR; ++rr) acc[rr * pitch + i] = sum[rr];
+  }
+}
+
+template <int NR, bool Ahead, typename T>
+void accumulate(const T* key, int64_t stride, const int32_t* uni, int64_t nu, const float* wbuf, int64_t n,
+                float* acc, int64_t pitch) {
+  if constexpr (Ahead) {
+    accumulate_stream<NR>(key, stride, uni, nu, wbuf, n, acc, pitch);
+  } else {
+    accumulate_pages<NR>(key, stride, uni, nu, wbuf, n, acc, pitch);
   }
 }
 
@@ -424,9 +491,9 @@ void accumulate_rows(int nr, const T* key, int64_t stride, const int32_t* uni, i
 
 // o[rr][0..r) += p[rr][i] * V[i][0..r) over n positions (V rows r apart; p rows p_pitch apart, o rows o_pitch
 // apart): the value product of AquaAttention and H2OAttention.
-//   r a multiple of 8 (float32, or float16 widened 8 at a time): GCC/Clang vector registers, one pass over each V row for up to 64 columns with the
-//     row kValueAhead positions on prefetched (a pass per column tile, without prefetch, ran at half the machine's
-//     streaming bandwidth on 2 cores);
+//   r a multiple of 8 (float32, or float16 / int8 widened 8 at a time): GCC/Clang vector registers, a pass over the
+//     V rows per tile of 8 kValueVectors columns, the row kValueAhead positions on prefetched (without prefetch,
+//     passes per column tile ran at half the machine's streaming bandwidth on 2 cores);
 //   otherwise: column tiles of kCols with NR x kCols accumulators (o read and written once per call).
 constexpr int64_t kCols = 32;
 constexpr int64_t kValueAhead = 16;
@@ -466,11 +533,11 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
     if constexpr (Ahead) {
       for (int w = 0; w < W; w += kPerLine) __builtin_prefetch(v + (i + kValueAhead) * vs + 8 * w);
     }
-    f8 vv[W];
-    for (int w = 0; w < W; ++w) vv[w] = load8(v + i * vs + 8 * w);
-    for (int rr = 0; rr < NR; ++rr) {
-      const float pw = p[rr * p_pitch + i];
-      for (int w = 0; w < W; ++w) acc[rr][w] += pw * vv[w];
+    f8 pw[NR];
+    for (int rr = 0; rr < NR; ++rr) pw[rr] = f8{} + p[rr * p_pitch + i];
+    for (int w = 0; w < W; ++w) {
+      const f8 vv = load8(v + i * vs + 8 * w);
+      for (int rr = 0; rr < NR; ++rr) acc[rr][w] += pw[rr] * vv;
     }
   }
   for (int rr = 0; rr < NR; ++rr) {
@@ -478,14 +545,20 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
   }
 }
 
+// Vectors of 8 columns per pass over the V rows for NR rows: NR x W accumulators, NR broadcast weights and one V
+// vector within AVX2's 16 registers (wider tiles spilled the accumulators to the stack: a load and a store per
+// multiply-add); the passes after the first read the rows from L1.
+template <int NR>
+constexpr int kValueVectors = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+
 // V rows `vs` elements apart (r, or r + 1 in an int8 cache: the scale's code rides at the end of each row).
 template <int NR, bool Ahead, typename T>
 void add_values(const float* p, int64_t p_pitch, const T* v, int64_t n, int64_t r, int64_t vs, float* o,
                 int64_t o_pitch) {
+  constexpr int W = kValueVectors<NR>;
   int64_t c0 = 0;
   {  // float32, float16 and int8 rows alike (load8 widens float16 and int8)
-    for (; c0 + 64 <= r; c0 += 64) add_value_vectors<NR, 8, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch);
-    if (c0 + 32 <= r) add_value_vectors<NR, 4, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch), c0 += 32;
+    for (; c0 + 8 * W <= r; c0 += 8 * W) add_value_vectors<NR, W, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch);
     for (; c0 + 8 <= r; c0 += 8) add_value_vectors<NR, 1, Ahead>(p, p_pitch, v + c0, n, vs, o + c0, o_pitch);
   }
   for (; c0 < r; c0 += kCols) {

@@ -10,8 +10,9 @@
 //     V[block] --packed in panels [rv / 16][kKeys][16]--> O += P V                     the same micro-kernel
 //
 //   then O / l into out. A block the mask hides from every row of the task (a causal prompt's later keys, a
-//   window's earlier ones) is skipped. Packing converts a float16 or int8 cache once per block (and pads a short
-//   last block with zeros) into panels: the 16 columns a micro-kernel reads lie in one contiguous run (4 KB of K^,
+//   window's earlier ones) is skipped. The panels are packed once per call, before the tasks (pack_task), which
+//   converts a float16 or int8 cache (and pads a short last block with zeros): the 16 columns a micro-kernel reads
+//   lie in one contiguous run (4 KB of K^,
 //   8 KB of V) that stays in L1 while every row tile of the task passes over it. Rows of a plain [r][kKeys] tile
 //   lie 512 bytes apart, which maps a column tile's lines onto an eighth of L1's sets, where the streamed query
 //   rows evicted them.
@@ -96,7 +97,47 @@ struct PromptJob : QueryRows<T> {
   int64_t rv, key_stride, value_slots, blocks;  // blocks: query blocks per (batch, kv head)
   int64_t tokens_per_block;
   float softcap;
+  float* packed;        // [B * Hkv][key_blocks][K^ panels kKeys * r, then V panels kKeys * rvp]
+  int64_t key_blocks;   // blocks of kKeys keys per (batch, kv head): ceil(L / kKeys)
+  int64_t rvp() const { return round_up(rv, kNR); }
+  int64_t block_floats() const { return kKeys * (this->r + rvp()); }
 };
+
+// Pack task (batch, kv head, block of keys): K^[:, block] and V[block] as float32 panels (K^ [kKeys / 16][r][16],
+// V [rvp / 16][kKeys][16]; an int8 cache times each token's scale, exact; a short last block padded with zeros),
+// once per call. Every query task of the (batch, kv head) reads them: packed per task instead, a key was copied by
+// each of the ~T / 64 tasks that see it (perf at T 8000: a tenth of the kernel in the copies).
+template <typename T, typename C>
+void pack_task(void* data, size_t index) {
+  const auto& j = *static_cast<const PromptJob<T, C>*>(data);
+  const int64_t blk = static_cast<int64_t>(index) % j.key_blocks, bh = static_cast<int64_t>(index) / j.key_blocks;
+  const int64_t b = bh / j.heads, s0 = blk * kKeys, r = j.r, rvp = j.rvp();
+  // the keys the call's rows can see: [first row's lo, last row's hi] (a block before or after them is never read)
+  if (s0 + kKeys <= j.mask.at(b, 0).lo / kKeys * kKeys || s0 > j.mask.at(b, j.t - 1).hi) return;
+  const int64_t n = std::min(kKeys, j.mask.len - s0);
+  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row, each V row's last element
+  const int64_t vs = j.rv + extra;
+  const C* key = j.key + bh * (r + extra) * j.key_stride;
+  const C* value = j.value + bh * j.value_slots * vs;
+  float* kp = j.packed + (bh * j.key_blocks + blk) * j.block_floats();
+  float* vp = kp + kKeys * r;
+  alignas(64) float scale[kKeys];
+  alignas(64) float w[kMaxWidth > kKeys ? kMaxWidth : kKeys];
+  if constexpr (extra > 0) scales_of(key + r * j.key_stride + s0, n, 1, scale);
+  for (int64_t c = 0; c < r; ++c) {
+    widen_row(key + c * j.key_stride + s0, n, w, kKeys, extra > 0 ? scale : nullptr);
+    to_panels(w, kKeys, kp, r, c);
+  }
+  for (int64_t p = 0; p < kKeys; ++p) {
+    const C* row = value + (s0 + std::min(p, n - 1)) * vs;
+    widen_row(row, p < n ? j.rv : 0, w, rvp);
+    if constexpr (extra > 0) {
+      const float sv = int8_scale(row[j.rv]);
+      for (int64_t c = 0; c < j.rv; ++c) w[c] *= sv;
+    }
+    to_panels(w, rvp, vp, kKeys, p);
+  }
+}
 
 // The task's query rows (token-major: row = token * g + head) as float q^ with each row's unselected coordinates
 // zero: q [rows_pad][r]; rows beyond the task's are zero.
@@ -151,27 +192,20 @@ void prompt_task(void* data, size_t index) {
   const auto& j = *static_cast<const PromptJob<T, C>*>(data);
   const int64_t blk = static_cast<int64_t>(index) % j.blocks, bh = static_cast<int64_t>(index) / j.blocks;
   const int64_t t0 = blk * j.tokens_per_block, nt = std::min(j.tokens_per_block, j.t - t0);
-  const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = round_up(j.rv, kNR), r = j.r;
-  static thread_local std::vector<float> qbuf, kbuf, vbuf, sbuf, obuf, mbuf, lbuf, wide;
+  const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = j.rvp(), r = j.r;
+  static thread_local std::vector<float> qbuf, sbuf, obuf, mbuf, lbuf;
   qbuf.resize(static_cast<size_t>(rows_pad * r));
-  kbuf.resize(static_cast<size_t>(r * kKeys));
-  vbuf.resize(static_cast<size_t>(kKeys * rvp));
   sbuf.resize(static_cast<size_t>(rows_pad * kKeys));
   obuf.assign(static_cast<size_t>(rows_pad * rvp), 0.0f);
   mbuf.assign(static_cast<size_t>(rows_pad), -INFINITY);
   lbuf.assign(static_cast<size_t>(rows_pad), 0.0f);
-  wide.resize(static_cast<size_t>(std::max(kKeys, rvp)));
-  float *q = qbuf.data(), *kp = kbuf.data(), *vp = vbuf.data(), *s = sbuf.data(), *o = obuf.data(), *w = wide.data();
+  float *q = qbuf.data(), *s = sbuf.data(), *o = obuf.data();
   query_block(j, bh, t0, nt, q, rows_pad);
   const int64_t b = bh / j.heads;
   const Seen first = j.mask.at(b, t0), last = j.mask.at(b, t0 + nt - 1);
   // the keys any row sees lie in [first.lo, last.hi]; every row sees all of [last.lo, first.hi] that is not padding
   const int64_t k_begin = first.lo / kKeys * kKeys, k_end = last.hi + 1;
-  constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row, each V row's last element
-  const int64_t vs = j.rv + extra;
-  const C* key = j.key + bh * (r + extra) * j.key_stride;
-  const C* value = j.value + bh * j.value_slots * vs;
-  alignas(64) float scale[kKeys];
+  const float* packed = j.packed + bh * j.key_blocks * j.block_floats();
   for (int64_t s0 = k_begin; s0 < k_end; s0 += kKeys) {
     const int64_t n = std::min(kKeys, k_end - s0);
     if (!last.any(s0, n) && !first.any(s0, n)) {
@@ -179,11 +213,8 @@ void prompt_task(void* data, size_t index) {
       for (int64_t t = 1; t + 1 < nt && !any; ++t) any = j.mask.at(b, t0 + t).any(s0, n);
       if (!any) continue;
     }
-    if constexpr (extra > 0) scales_of(key + r * j.key_stride + s0, n, 1, scale);
-    for (int64_t c = 0; c < r; ++c) {
-      widen_row(key + c * j.key_stride + s0, n, w, kKeys, extra > 0 ? scale : nullptr);
-      to_panels(w, kKeys, kp, r, c);
-    }
+    const float* kp = packed + (s0 / kKeys) * j.block_floats();
+    const float* vp = kp + kKeys * r;
     gemm<false>(q, r, kp, r, s, kKeys, rows_pad, kKeys);
     bool whole = s0 >= last.lo && s0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
     for (int64_t i = s0; i < s0 + n && whole; ++i) whole = first.am[i] != 0;
@@ -197,16 +228,6 @@ void prompt_task(void* data, size_t index) {
         for (int64_t i = 0; i < n; ++i) sr[i] = seen(s0 + i) ? sr[i] : -INFINITY;
       }
       softmax_row(sr, n, mbuf[row], lbuf[row], o + row * rvp, rvp);
-    }
-    for (int64_t p = 0; p < kKeys; ++p) {
-      const C* row = value + (s0 + std::min(p, n - 1)) * vs;
-      float sv = 1.0f;
-      if constexpr (extra > 0) sv = int8_scale(row[j.rv]);
-      widen_row(row, p < n ? j.rv : 0, w, rvp);
-      if constexpr (extra > 0) {
-        for (int64_t c = 0; c < j.rv; ++c) w[c] *= sv;
-      }
-      to_panels(w, rvp, vp, kKeys, p);
     }
     gemm<true>(s, kKeys, vp, kKeys, o, rvp, rows_pad, rvp);
   }
@@ -224,8 +245,13 @@ template <typename T, typename C>
 void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
                    T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap) {
   const int64_t per = std::max<int64_t>(1, kQueryRows / q.g), blocks = (q.t + per - 1) / per;
-  PromptJob<T, C> job{q, key, value, mask, out, rv, key_stride, value_slots, blocks, per, softcap};
-  const size_t tasks = static_cast<size_t>(batch * q.heads * blocks);
+  const int64_t key_blocks = (mask.len + kKeys - 1) / kKeys, bh = batch * q.heads;
+  PromptJob<T, C> job{q, key, value, mask, out, rv, key_stride, value_slots, blocks, per, softcap, nullptr,
+                      key_blocks};
+  auto& packed = call_buffer<float, Buffer::kPromptPanels>(static_cast<size_t>(bh * key_blocks * job.block_floats()));
+  job.packed = packed.data();
+  const size_t packs = static_cast<size_t>(bh * key_blocks), tasks = static_cast<size_t>(bh * blocks);
+  ctx.ParallelFor(&pack_task<T, C>, packs, 0, &job);
   ctx.ParallelFor(&prompt_task<T, C>, tasks, tasks, &job);  // a batch per task: scheduled as threads free up
 }
 
