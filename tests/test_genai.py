@@ -103,3 +103,44 @@ def test_genai_refuses_h2o_and_allocated_folders_with_one_line(tmp_path, what):
     with pytest.raises(ConfigError, match="--runtime aqua") as e:
         GenaiLM(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_equals_one_forward(folders, monkeypatch):
+    """A prompt longer than the chunk, prefilled in forwards of 16 tokens (`aqua-export run`: OrtLM.prefill; genai:
+    search.chunk_size, which a user may set at batch 1) gives the tokens and, within float noise, the logits of one
+    forward of the whole prompt."""
+    import onnxruntime_genai as og
+
+    from aqua_export.runtime import lm as lm_module
+    from aqua_export.runtime.hosts import open_lm
+    from aqua_export.runtime.text import load_tokenizer
+
+    folder = folders["k0.75"]
+    tok = load_tokenizer(folder)
+    ids, mask = encode_prompts(tok, [" ".join(PROMPTS) * 2])
+    assert ids.shape[1] > 100
+    whole, whole_logits = _generate(open_lm(folder, "aqua"), tok, [" ".join(PROMPTS) * 2])
+    calls = []
+    lm = open_lm(folder, "aqua")
+    step = lm.step
+    monkeypatch.setattr(lm, "step", lambda i, m, p: (calls.append(i.shape[1]), step(i, m, p))[1])
+    monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 16)
+    chunked, chunked_logits = _generate(lm, tok, [" ".join(PROMPTS) * 2])
+    assert calls[:ids.shape[1] // 16] == [16] * (ids.shape[1] // 16), calls[:12]  # the prompt went in 16 at a time
+    assert np.array_equal(chunked, whole)
+    assert max(np.abs(a - b).max() for a, b in zip(chunked_logits, whole_logits)) <= 1e-3
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"search": {"chunk_size": 16}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=ids.shape[1] + STEPS, batch_size=1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    first = np.asarray(gen.get_logits()).reshape(-1)
+    assert np.abs(first - whole_logits[0][0]).max() <= 1e-3  # genai's chunked prefill: the same last logits
+    got = []
+    for _ in range(whole.shape[1]):
+        gen.generate_next_token()
+        got.append(int(np.asarray(gen.get_next_tokens())[0]))
+    assert got == whole[0].tolist()

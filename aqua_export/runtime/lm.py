@@ -15,7 +15,7 @@ from ..export.contract import Contract
 from .caches import H2OCache, SharedCache
 from .folder import FolderConfig
 from .sampling import SamplingConfig, check_finite, emit, pick
-from .session import check_serving, default_kernel, make_session
+from .session import PREFILL_CHUNK, check_serving, default_kernel, make_session
 
 CACHES = ("shared", "concat")
 
@@ -191,6 +191,19 @@ class OrtLM:
         cache.after(t)
         return self._rows(logits, mask), cache, [o.numpy() for o in outs[1:1 + len(extra)]]
 
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+        """Prompts [B, T] (attention_mask [B, T]) into a fresh cache -> (the last forward's logits, past), as step
+        returns them. Forwards of PREFILL_CHUNK tokens when every row ends at the last column (its last token then
+        falls in the last chunk; right-padded rows are one forward) and no probe watches; AQUA-H2O: one forward."""
+        t = input_ids.shape[1]
+        chunk = t
+        if t > PREFILL_CHUNK and self.probe is None and not self.h2o and bool((attention_mask[:, -1] != 0).all()):
+            chunk = PREFILL_CHUNK
+        past = self.empty_past(input_ids.shape[0])
+        for s in range(0, t, chunk):
+            logits, past = self.step(input_ids[:, s:s + chunk], attention_mask[:, :s + chunk], past)
+        return logits, past
+
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
                  eos_token_id: int | None = None, on_token=None, on_logits=None, stop=None) -> np.ndarray:
         """Padded prompts [B, T] (padding left or right: positions come from the mask) -> generated ids
@@ -200,7 +213,7 @@ class OrtLM:
         rng = np.random.default_rng(sampling.seed if sampling.seed >= 0 else None)  # < 0: fresh, as genai
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
-        logits, past = self.step(input_ids, mask, self.empty_past(b))
+        logits, past = self.prefill(input_ids, mask)
         logits = self._rows(logits, mask, pick=True)  # a session computing every row: each prompt's last token's
         done = np.zeros(b, dtype=bool)
         out = []

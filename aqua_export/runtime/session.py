@@ -18,6 +18,13 @@ def providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
 
 
+# Tokens per forward of a long prompt in `aqua-export run` (OrtLM.prefill). ONNX Runtime's float32 MatMul (MLAS)
+# multiplies an 8k prompt's rows in one product at about two thirds of the rate it reaches on 1,024 rows at a time
+# (`python -m tools prompt`: the MatMul columns); the prompt kernel's attention is the same work either way, and the
+# activations' peak shrinks with the chunk. (genai's search.chunk_size does the same at batch 1; genai 0.18 refuses
+# it for a batch, so folders leave it unset: docs/reference.md.)
+PREFILL_CHUNK = 1024
+
 NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
 VARIANT_ENV = "AQUA_ORT_ISA"  # force one of the library's instruction-set variants (plugins/ort/loader.cc)
 
