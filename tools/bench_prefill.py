@@ -9,8 +9,8 @@ Engines (each request in a fresh process of its own environment: tools/request_r
     builder-*     onnxruntime-genai's model builder (-e cpu: GroupQueryAttention, MatMulNBits for int4)
     openvino-*    OpenVINO GenAI's LLMPipeline on optimum-intel's conversion (int4: --weight-format int4 --group-size 32
                   --ratio 1.0, its default inference precision and u8 KV cache; f32: float32 inference precision)
-    llamacpp-q4_1 llama-cpp-python (built from PyPI) on the GGUF the project embeds: f16 KV cache, flash attention,
-                  OMP_WAIT_POLICY=passive (batch 1 only: its Llama serves one sequence)
+    llamacpp-q4_1 llama-cpp-python (built from PyPI) on the GGUF the project embeds: f16 KV cache (-q8_0: q8_0 keys
+                  and values), flash attention, OMP_WAIT_POLICY=passive (batch 1 only: its Llama serves one sequence)
 Prompt: English prose (builtin:python-reference), the first T tokens of the model's tokenizer; NEW greedy tokens
 (the "8k request": 7,936 + 256 = 8,192 tokens, the embedded model's whole context).
 
@@ -54,7 +54,9 @@ ENGINES = {
     "genai:builder-fp32": ("ours", "genai", "builder:fp32"), "genai:builder-int4": ("ours", "genai", "builder:int4"),
     "openvino-int4": ("openvino", "openvino", "openvino:int4"),
     "openvino-f32": ("openvino", "openvino", "openvino:fp32@f32"),
+    "genai:ours-tokens-int4-i8": ("ours", "genai", "ours:tokens-int4-i8"),
     "llamacpp-q4_1": ("llamacpp", "llamacpp", "gguf:"),
+    "llamacpp-q4_1-q8_0": ("llamacpp", "llamacpp", "gguf:@q8_0"),
 }
 DEFAULT = ["genai:ours-dense", "genai:ours-int4", "genai:ours-tokens-int4-f16", "run:ours-tokens-int4-f16",
            "genai:builder-fp32", "genai:builder-int4", "openvino-int4", "openvino-f32", "llamacpp-q4_1"]
@@ -87,7 +89,7 @@ def _make(spec: str) -> str:
     if kind == "gguf":
         from aqua_export import models
 
-        return str(models.embedded_gguf())
+        return str(models.embedded_gguf()) + (f"@{suffix}" if suffix else "")
     if not out.exists():
         tmp = WORK / f"{out.name}.tmp"
         if kind == "ours":

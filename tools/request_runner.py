@@ -5,10 +5,11 @@ numpy and the engine's package, so the peers run from their own virtual environm
     python request_runner.py ENGINE PATH PROMPT.npy BATCH CHUNK NEW THREADS  -> one JSON line on stdout:
     {"ttft_s", "decode_tokens_per_s", "e2e_s", "load_s", "peak_rss_mb", "loaded_rss_mb", "first_tokens"}
 
-ENGINE: genai (onnxruntime-genai, any folder: ours or its model builder's; DIR@no-arena turns its CPU arena off), aqua (`aqua-export run`'s runtime),
+ENGINE: genai (onnxruntime-genai, any folder: ours or its model builder's; DIR@no-arena turns its CPU arena off),
+aqua (`aqua-export run`'s runtime: a long prompt in forwards of runtime.session.PREFILL_CHUNK tokens),
 openvino (OpenVINO GenAI's LLMPipeline on an optimum-intel folder; PATH may end in @f32 for float32 inference
-precision), llamacpp (llama-cpp-python on a GGUF: f16 KV cache, flash attention). PROMPT.npy holds [T] int64 ids,
-repeated over the batch. CHUNK 0 appends the prompt in one call; otherwise in calls of CHUNK tokens (genai, batch 1).
+precision), llamacpp (llama-cpp-python on a GGUF: f16 KV cache, or q8_0 for GGUF@q8_0, flash attention).
+PROMPT.npy holds [T] int64 ids, repeated over the batch. CHUNK 0 appends the prompt in one call; otherwise in calls of CHUNK tokens (genai, batch 1).
 Time to first token runs from handing over the prompt to the first generated id; decode tokens/s counts the
 NEW - 1 tokens after it per sequence (batch x that over the time). Peak RSS is the process's VmHWM, loading included;
 loaded RSS the resident memory once the model is loaded, before the prompt.
@@ -105,11 +106,15 @@ def _openvino(path, prompt, chunk, new, threads, clock):
 def _llamacpp(path, prompt, chunk, new, threads, clock):
     from llama_cpp import Llama
 
+    import llama_cpp
+
     b, t = prompt.shape
     if b != 1:
         raise SystemExit("llamacpp: llama-cpp-python's Llama serves one sequence: batch 1 only")
+    path, _, cache = path.partition("@")  # GGUF@q8_0: a q8_0 KV cache (-ctk / -ctv q8_0), else float16
+    kv = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0} if cache == "q8_0" else {}
     llm = Llama(model_path=path, n_ctx=t + new + 8, n_threads=threads, n_threads_batch=threads, n_batch=chunk or 2048,
-                n_ubatch=512, flash_attn=True, verbose=False, logits_all=False)
+                n_ubatch=512, flash_attn=True, verbose=False, logits_all=False, **kv)
     clock("load")
     out = []
     for tok in llm.generate(prompt[0].tolist(), temp=0.0, top_k=1, reset=True):
