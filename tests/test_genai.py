@@ -118,15 +118,16 @@ def test_chunked_prefill_equals_one_forward(folders, monkeypatch):
 
     folder = folders["k0.75"]
     tok = load_tokenizer(folder)
-    ids, mask = encode_prompts(tok, [" ".join(PROMPTS) * 2])
+    prompt = [" ".join(PROMPTS) * 2]
+    ids, _ = encode_prompts(tok, prompt)
     assert ids.shape[1] > 100
-    whole, whole_logits = _generate(open_lm(folder, "aqua"), tok, [" ".join(PROMPTS) * 2])
+    whole, whole_logits = _generate(open_lm(folder, "aqua"), tok, prompt)
     calls = []
     lm = open_lm(folder, "aqua")
     step = lm.step
     monkeypatch.setattr(lm, "step", lambda i, m, p: (calls.append(i.shape[1]), step(i, m, p))[1])
     monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 16)
-    chunked, chunked_logits = _generate(lm, tok, [" ".join(PROMPTS) * 2])
+    chunked, chunked_logits = _generate(lm, tok, prompt)
     assert calls[:ids.shape[1] // 16] == [16] * (ids.shape[1] // 16), calls[:12]  # the prompt went in 16 at a time
     assert np.array_equal(chunked, whole)
     assert max(np.abs(a - b).max() for a, b in zip(chunked_logits, whole_logits)) <= 1e-3

@@ -104,8 +104,6 @@ def _openvino(path, prompt, chunk, new, threads, clock):
 
 
 def _llamacpp(path, prompt, chunk, new, threads, clock):
-    from llama_cpp import Llama
-
     import llama_cpp
 
     b, t = prompt.shape
@@ -113,8 +111,8 @@ def _llamacpp(path, prompt, chunk, new, threads, clock):
         raise SystemExit("llamacpp: llama-cpp-python's Llama serves one sequence: batch 1 only")
     path, _, cache = path.partition("@")  # GGUF@q8_0: a q8_0 KV cache (-ctk / -ctv q8_0), else float16
     kv = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0} if cache == "q8_0" else {}
-    llm = Llama(model_path=path, n_ctx=t + new + 8, n_threads=threads, n_threads_batch=threads, n_batch=chunk or 2048,
-                n_ubatch=512, flash_attn=True, verbose=False, logits_all=False, **kv)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=t + new + 8, n_threads=threads, n_threads_batch=threads,
+                          n_batch=chunk or 2048, n_ubatch=512, flash_attn=True, verbose=False, logits_all=False, **kv)
     clock("load")
     out = []
     for tok in llm.generate(prompt[0].tolist(), temp=0.0, top_k=1, reset=True):

@@ -35,6 +35,7 @@ from ..runtime.caches import RowCache, SharedCache, copy_slots
 from ..runtime.sampling import SamplingConfig, check_finite, pick
 from .prefix import PrefixCache
 
+
 class Busy(Exception):
     """The queue is full (the server answers 429)."""
 
