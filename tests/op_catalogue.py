@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from helpers import H2O_MASKS, attention_inputs, h2o_inputs, random_projection
 
-from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_rows, rules, topk_gather_dot,
-                             value_product)
-from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC
+from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_rows, quantize_rows, rules,
+                             topk_gather_dot, value_product)
+from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC, int8_scales
 
 RULES = sorted(RULE_NAMES)  # every selection rule's code
 
@@ -448,6 +448,42 @@ LOGIT_ROWS = [Case(f"{b}x{t}x{v}-{'all' if every else 'last'}-{dt}", lambda b=b,
          error="not a position")]
 
 
+# --------------------------------------------------------------------------------------------
+# QuantizeRows
+# --------------------------------------------------------------------------------------------
+
+def _rows_to_quantize(kind: str) -> list:
+    """x [B, Hkv, S, w] float32 rows an int8 cache stores: K^ columns / V rows of a decode step and a prompt, and the
+    edges every implementation must write alike: zeros, table scales times 127 and their neighbours, rows below and
+    above the table's scales, ties at half a step, magnitudes over 2^+-30."""
+    gen = torch.Generator().manual_seed(5)
+    if kind == "decode":
+        return [torch.randn(2, 3, 1, 64, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[None, :, None, None]]
+    if kind == "prompt":
+        return [torch.randn(1, 3, 40, 48, generator=gen) * torch.linspace(3, 0.3, 48)]
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 40, 16)) * np.exp2(rng.integers(-30, 30, (6, 40, 1)))).astype(np.float32)
+    x[0, :6] = 0.0
+    x[0, 1, 0], x[0, 2, 0] = 127.0, np.nextafter(np.float32(127.0), np.float32(200.0))  # scale 1 exactly, then past it
+    x[0, 3] = 1e-41  # below 2^-32 * 127: the lowest code
+    x[0, 4, :2] = [3e38, -3e38]  # past 2^31.75 * 127: the top code, the values saturate
+    x[0, 5, :3] = [127.0, 0.5, 1.5]  # scale 1: the halves round to even
+    x[1, 0] = int8_scales()[140] * 127 * np.linspace(-1, 1, 16, dtype=np.float32)  # max / 127 is a table scale
+    return [torch.from_numpy(x)[None]]
+
+
+def _edge_codes(outs, ins):
+    """The edges land where ops.spec says: zeros and the smallest rows on the lowest code, 127 on scale 1 and one ulp
+    more on the next, the largest saturated on the top code, halves to even."""
+    rows = outs[0][0].numpy()
+    assert rows[0, 0, -1] == -128 and rows[0, 1, -1] == 0 and rows[0, 2, -1] == 1 and rows[0, 3, -1] == -128
+    assert list(rows[0, 4, :3]) == [127, -127, 0] and rows[0, 4, -1] == 127 and list(rows[0, 5, :3]) == [127, 0, 2]
+
+
+QUANTIZE_ROWS = [Case(kind, lambda kind=kind: _rows_to_quantize(kind), {}, check=_edge_codes if kind == "edges" else None)
+                 for kind in ("decode", "prompt", "edges")]
+
+
 FLOAT32 = {"float32": {"*": (1e-5, True)}}
 CATALOGUE = [
     OpCases(topk_gather_dot.OP, SCORES, {**FLOAT32, "float16": {"scores": (2e-3, True)}}),
@@ -459,6 +495,7 @@ CATALOGUE = [
     OpCases(h2o_attention.OP, H2O, {"float32": {"present_heavy": (1e-5, True), "*": (1e-5, False)},
                                     "float16": {"out": (2e-2, False)}}, int_outputs=("present_token",)),
     OpCases(logit_rows.OP, LOGIT_ROWS, {"float32": {"logits": (0.0, False)}, "float16": {"logits": (0.0, False)}}),
+    OpCases(quantize_rows.OP, QUANTIZE_ROWS, {"float32": {"rows": (0.0, False)}}, int_outputs=("rows",)),  # the bytes
 ]
 
 

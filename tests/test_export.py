@@ -344,8 +344,9 @@ def test_padding_side_does_not_matter(exported, cfg, kv):
 @pytest.mark.parametrize("settings", [dict(k_ratio=0.5), dict(k_ratio=0.5, token_budget=32, selection="group"),
                                       dict(k_ratio=0.5, k_alloc="energy")], ids=["aqua", "tokens", "shared-k"])
 def test_int8_cache_graph_and_its_float_twin(tiny_llama, tmp_path, settings):
-    """An int8-cache export writes int8 rows through standard ops (nodes.int8_row_nodes: the bytes rules.int8_rows
-    makes) and rewrites.float32_cache turns it back into the float32-cache export exactly, which parity gates."""
+    """An int8-cache export writes int8 rows with QuantizeRows (its function body here: the bytes rules.int8_rows
+    makes; the op catalogue holds every implementation to them) and rewrites.float32_cache turns it back into the
+    float32-cache export exactly, which parity gates."""
     from aqua_export.export.rewrites import all_logits, float32_cache, graph_variant
     from aqua_export.runtime.lm import OrtLM
     from aqua_export.runtime.sampling import SamplingConfig
@@ -369,29 +370,3 @@ def test_int8_cache_graph_and_its_float_twin(tiny_llama, tmp_path, settings):
     assert np.array_equal(logits["twin"], logits["float"])
     first = np.abs(logits["int8"][0] - logits["float"][0]).max()  # the prompt's: both runs on the same tokens
     assert 1e-5 < first < 0.05, first  # the rounding shows, and stays small
-
-
-def test_int8_row_nodes_write_the_rules_bytes():
-    """nodes.int8_row_nodes (the graph's standard ops) against rules.int8_rows, bit for bit: rows of zeros, table
-    scales times 127 and their neighbours, rows below and above the table's scales, ties at half a step."""
-    import onnxruntime as ort
-    from onnx import helper as H
-
-    from aqua_export.ops import rules
-    from aqua_export.ops.nodes import int8_row_nodes
-
-    rng = np.random.default_rng(0)
-    x = (rng.standard_normal((6, 40, 16)) * np.exp2(rng.integers(-30, 30, (6, 40, 1)))).astype(np.float32)
-    x[0, :6] = 0.0
-    x[0, 1, 0], x[0, 2, 0] = 127.0, np.nextafter(np.float32(127.0), np.float32(200.0))  # scale 1 exactly, then past it
-    x[0, 3] = 1e-41  # below 2^-32 * 127: the lowest code
-    x[0, 4, :2] = [3e38, -3e38]  # past 2^31.75 * 127: the top code, the values saturate
-    x[0, 5, :3] = [127.0, 0.5, 1.5]  # scale 1: the halves round to even
-    graph = H.make_graph(int8_row_nodes("x", "rows", "q/"), "q", [H.make_tensor_value_info("x", 1, [None, None, 16])],
-                         [H.make_tensor_value_info("rows", 3, [None, None, 17])])
-    model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20)], ir_version=10)
-    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
-    want = rules.int8_rows(torch.from_numpy(x)).numpy()
-    assert np.array_equal(got, want) and want[0, 0, -1] == -128 and want[0, 1, -1] == 0 and want[0, 2, -1] == 1
-    assert want[0, 3, -1] == -128 and list(want[0, 4, :3]) == [127, -127, 0] and want[0, 4, -1] == 127
-    assert list(want[0, 5, :3]) == [127, 0, 2]

@@ -42,8 +42,7 @@ import torch
 from onnx import TensorProto
 
 from ..fold import attention_projections
-from ..ops import aqua_attention, cache_update, h2o_attention, logit_rows, topk_gather_dot, value_product
-from ..ops.nodes import int8_row_nodes
+from ..ops import aqua_attention, cache_update, h2o_attention, logit_rows, quantize_rows, topk_gather_dot, value_product
 from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
 from .blocks import Blocks, stack
@@ -52,10 +51,10 @@ from .contract import Contract
 
 F32 = TensorProto.FLOAT
 ATTENTION, H2O, SCORES = aqua_attention.OP.name, h2o_attention.OP.name, topk_gather_dot.OP.name
-ROWS = logit_rows.OP.name
+ROWS, QUANTIZE = logit_rows.OP.name, quantize_rows.OP.name
 KEY_UPDATE, VALUE_UPDATE, VALUE_PRODUCT = cache_update.KEY.name, cache_update.VALUE.name, value_product.OP.name
 CACHE_CAST = "CastCache"  # the node names' last part of the casts rounding new k^ / v to a float16 cache
-CACHE_QUANT = "QuantizeCache"  # the prefix of the nodes writing new k^ / v as int8 rows (nodes.int8_row_nodes)
+CACHE_QUANT = "QuantizeCache"  # the node names' last part of the QuantizeRows writing new k^ / v as int8 rows
 
 
 @dataclass(frozen=True)
@@ -347,14 +346,12 @@ class DecoderGraph(Blocks):
         native update writes a shared buffer in place; the key view is a Reshape (no copy); TopKGatherDot and
         ValueProduct read only the L filled slots. A float16 cache under a float32 graph: the new tokens are cast
         as they are written (AquaAttention reads float16 caches whatever its query's type); an int8 cache: each new
-        token's K^ column and V row become int8 rows with their scale's code (nodes.int8_row_nodes), and K^'s
-        view has r + 1 dim-major rows."""
+        token's K^ column and V row become int8 rows with their scale's code (QuantizeRows), and K^'s view has
+        r + 1 dim-major rows."""
         gb, c, ct = self.gb, self.gb.const, self.contract
         if ct.cache_dtype == "int8":
-            for name, x in (("k", kh), ("v", v)):
-                p = f"{n}/{name}/{CACHE_QUANT}/"
-                gb.nodes.extend(int8_row_nodes(x, p + "rows", p))
-            kh, v = f"{n}/k/{CACHE_QUANT}/rows", f"{n}/v/{CACHE_QUANT}/rows"
+            kh = gb.op(f"{n}/k/{CACHE_QUANT}", QUANTIZE, [kh], domain=self.domain)
+            v = gb.op(f"{n}/v/{CACHE_QUANT}", QUANTIZE, [v], domain=self.domain)
         elif ct.cache_dtype != ct.dtype:
             kh = gb.op(f"{n}/k/{CACHE_CAST}", "Cast", [kh], to=ONNX[ct.cache_dtype])
             v = gb.op(f"{n}/v/{CACHE_CAST}", "Cast", [v], to=ONNX[ct.cache_dtype])

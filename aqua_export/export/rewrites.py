@@ -138,8 +138,8 @@ def selection_outputs(m):
 def float32_cache(ct):
     """The graph of contract ``ct`` with its KV buffers (float16 or int8: ct.cache_dtype) in ct.dtype: the past /
     present inputs and outputs retyped (an int8 cache's also narrowed by its scale code), the casts that round the new
-    tokens (decoder_graph.CACHE_CAST) made Identity, the nodes writing int8 rows (CACHE_QUANT) bypassed, K^'s
-    dim-major view r rows again, and AquaAttention's float-cache body. What is left is the export the reference
+    tokens (decoder_graph.CACHE_CAST) made Identity, the QuantizeRows nodes writing int8 rows (CACHE_QUANT) bypassed,
+    K^'s dim-major view r rows again, and AquaAttention's float-cache body. What is left is the export the reference
     computes; the folder's own run shows what the narrow cache changes."""
     wide, extra = ONNX[ct.dtype], ct.scale_slots
     buffers = {name(i, kind) for i in range(ct.layers) for kind in ct.KV for name in (ct.past, ct.present)}
@@ -167,8 +167,8 @@ def _without_int8_rows(m, ct) -> None:
 
     from ..ops import aqua_attention
 
-    quant = [n for n in m.graph.node if f"/{CACHE_QUANT}/" in n.name]
-    source = {n.name.rsplit("/", 1)[0] + "/rows": n.input[0] for n in quant if n.op_type == "Abs"}
+    quant = [n for n in m.graph.node if n.name.endswith(f"/{CACHE_QUANT}")]
+    source = {n.output[0]: n.input[0] for n in quant}
     for n in m.graph.node:
         for j, x in enumerate(n.input):
             n.input[j] = source.get(x, x)

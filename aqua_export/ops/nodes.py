@@ -18,36 +18,11 @@ def ref_constant(name: str, attr: str, kind: str):
     return node
 
 
-def _scale_table(name: str):
+def scale_table(name: str):
     """A Constant node holding spec.int8_scales(): the scale of each int8 row code, lowest code first."""
     table = int8_scales()
     value = H.make_tensor(name, TensorProto.FLOAT, [table.size], table.tolist())
     return H.make_node("Constant", [], [name], value=value)
-
-
-def int8_row_nodes(x: str, out: str, p: str) -> list:
-    """x [..., w] float32 -> out [..., w + 1] int8: ops.rules.int8_rows in standard ops, each node and value named
-    from the prefix p. The code counts the table's scales below amax / 127 (no logarithm: exact) and the scale is
-    read from that table, so this writes the bytes rules.int8_rows does."""
-    n = H.make_node
-    lo, hi = SCALE_CODES
-    nodes = [
-        const(p + "last", [-1]), const(p + "d127", 127.0), const(p + "bias", -lo), const(p + "top", hi - lo),
-        const(p + "qmin", -127.0), const(p + "qmax", 127.0), _scale_table(p + "scales"),
-        n("Abs", [x], [p + "abs"]), n("ReduceMax", [p + "abs", p + "last"], [p + "amax"], keepdims=1),
-        n("Div", [p + "amax", p + "d127"], [p + "least"]),  # the scale must reach amax / 127
-        n("Less", [p + "scales", p + "least"], [p + "below"]), n("Cast", [p + "below"], [p + "below_i"], to=7),
-        n("ReduceSum", [p + "below_i", p + "last"], [p + "count"], keepdims=1),
-        n("Min", [p + "count", p + "top"], [p + "at"]),  # c - lo
-        n("Gather", [p + "scales", p + "at"], [p + "scale"], axis=0),
-        n("Div", [x, p + "scale"], [p + "scaled"]), n("Round", [p + "scaled"], [p + "rounded"]),
-        n("Clip", [p + "rounded", p + "qmin", p + "qmax"], [p + "q_f"]), n("Cast", [p + "q_f"], [p + "q"], to=3),
-        n("Sub", [p + "at", p + "bias"], [p + "c"]), n("Cast", [p + "c"], [p + "c8"], to=3),
-        n("Concat", [p + "q", p + "c8"], [out], axis=-1),
-    ]
-    for node in nodes:
-        node.name = p + node.output[0].removeprefix(p)
-    return nodes
 
 
 def int8_value_nodes(rows: str, out: str, p: str, like: str, axis: int) -> list:
@@ -56,7 +31,7 @@ def int8_value_nodes(rows: str, out: str, p: str, like: str, axis: int) -> list:
     n, lo = H.make_node, SCALE_CODES[0]
     return [
         const(p + "zero", [0]), const(p + "minus1", [-1]), const(p + "end", [2 ** 62]), const(p + "axis", [axis]),
-        const(p + "bias", -lo), _scale_table(p + "scales"),
+        const(p + "bias", -lo), scale_table(p + "scales"),
         n("Slice", [rows, p + "zero", p + "minus1", p + "axis"], [p + "q"]),
         n("Slice", [rows, p + "minus1", p + "end", p + "axis"], [p + "c8"]),
         n("Cast", [p + "c8"], [p + "c"], to=7), n("Add", [p + "c", p + "bias"], [p + "at"]),

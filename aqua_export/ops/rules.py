@@ -277,7 +277,7 @@ def _scale_at(amax: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The table index (code - SCALE_CODES[0]) of an int8 row's scale: the smallest table[at] >= amax / 127 (amax /
     127 rounded to float32 once; a row of zeros: the lowest; past the table: the top, its values then saturate);
     amax float32 [...] -> int64 [...]. Counting the table's entries below is exact, so every implementation (the
-    graph's Less / ReduceSum, nodes.int8_row_nodes) stores the same bytes."""
+    QuantizeRows' body's Less / ReduceSum, its native kernel's search) stores the same bytes."""
     at = torch.searchsorted(table, (amax.to(torch.float32) / 127.0).contiguous())
     return at.clamp(max=table.numel() - 1)
 

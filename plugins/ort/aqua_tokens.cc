@@ -51,6 +51,77 @@ int64_t origin_of(const PageJob<T, C>& j, int64_t bh) {
   return j.origin[j.mask.rows == 1 ? 0 : bh / j.heads];
 }
 
+// best[p] = max(best[p], the largest score of page p's visible positions over the nr rows) for the pages of a block
+// of n positions from slot s0 (s [nr][kScoreBlock], times each token's scale when given, soft-capped when softcap >
+// 0). One pass over the rows in registers: the maximum is taken before the scale, which is positive, so rounding
+// (monotonic) gives the same value as scaling each row first; soft-capping (tanh) goes first, per row, as before.
+inline void page_maxima(float* s, int nr, int64_t n, const float* scale, float softcap, const Seen& seen, int64_t s0,
+                        float* best) {
+  for (int rr = 0; rr < nr && softcap > 0.0f; ++rr) {
+    float* x = s + rr * kScoreBlock;
+    if (scale != nullptr) {
+      for (int64_t i = 0; i < n; ++i) x[i] *= scale[i];
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
+  }
+  if (softcap > 0.0f) scale = nullptr;  // applied above, before the cap
+  // every position of the block visible (a decode step's usual case): no per-slot test
+  bool whole = s0 >= seen.lo && s0 + n - 1 <= seen.hi;
+  if (whole) {  // a count, not a loop that stops at the first hidden slot: the compiler vectorises it
+    int64_t hidden = 0;
+    for (int64_t i = 0; i < n; ++i) hidden += seen.am[s0 + i] == 0;
+    whole = hidden == 0;
+  }
+  const f8 lowest = f8{} - INFINITY;
+  int64_t i0 = 0;
+  for (; i0 + kPage <= n; i0 += kPage) {
+    f8 lo = load8(s + i0), hi = load8(s + i0 + 8);
+    for (int rr = 1; rr < nr; ++rr) {
+      const f8 a = load8(s + rr * kScoreBlock + i0), b = load8(s + rr * kScoreBlock + i0 + 8);
+      lo = a > lo ? a : lo;
+      hi = b > hi ? b : hi;
+    }
+    if (scale != nullptr) lo *= load8(scale + i0), hi *= load8(scale + i0 + 8);
+    if (!whole) {
+      for (int e = 0; e < 8; ++e) {
+        if (!seen(s0 + i0 + e)) lo[e] = -INFINITY;
+        if (!seen(s0 + i0 + 8 + e)) hi[e] = -INFINITY;
+      }
+    }
+    f8 top = hi > lo ? hi : lo;
+    top = top > lowest ? top : lowest;  // NaN ignored, as std::max ignores it
+    float m = top[0];
+    for (int e = 1; e < 8; ++e) m = std::max(m, top[e]);
+    float& b = best[i0 / kPage];
+    b = std::max(b, m);
+  }
+  if (i0 < n) {  // a sequence's last, partial page
+    float m = -INFINITY;
+    for (int64_t i = i0; i < n; ++i) {
+      float x = s[i];
+      for (int rr = 1; rr < nr; ++rr) x = std::max(x, s[rr * kScoreBlock + i]);
+      if (scale != nullptr) x *= scale[i];
+      if (seen(s0 + i)) m = std::max(m, x);
+    }
+    float& b = best[i0 / kPage];
+    b = std::max(b, m);
+  }
+}
+
+// The score pass's per-thread buffers, reached through one call: the address of a thread_local array used in an
+// inlined loop was recomputed (a __tls_get_addr call) on every iteration.
+struct ScoreScratch {
+  alignas(64) float wbuf[kRows * kMaxWidth];
+  alignas(64) float s[kRows * kScoreBlock];
+  alignas(64) float scale[kScoreBlock];
+  int32_t uni[kMaxWidth];
+};
+
+__attribute__((noinline)) ScoreScratch& score_scratch() {
+  static thread_local ScoreScratch scratch;
+  return scratch;
+}
+
 // 2: the page maxima of one (batch, kv head) over one split of the positions.
 template <typename T, typename C>
 void score_task(void* data, size_t index) {
@@ -64,34 +135,17 @@ void score_task(void* data, size_t index) {
   const Seen seen = seen_by(j, bh);
   constexpr int64_t extra = kScaleSlots<C>;  // an int8 cache: K^'s scale-code row after its r rows
   const C* key = j.key + bh * (j.r + extra) * j.key_stride;
-  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
-  alignas(64) static thread_local float s[kRows * kScoreBlock];
-  alignas(64) static thread_local float scale[kScoreBlock];
-  static thread_local int32_t uni[kMaxWidth];
+  ScoreScratch& sc = score_scratch();
+  float *wbuf = sc.wbuf, *s = sc.s, *scale = sc.scale;
+  int32_t* uni = sc.uni;
   for (int64_t tile = 0; tile * kRows < j.g; ++tile) {
     const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
     const int64_t nu = tile_weights<T>(j, j.k, bh, tile, nr, wbuf, uni);
     for (int64_t s0 = p0; s0 < p1; s0 += kScoreBlock) {
       const int64_t n = std::min(kScoreBlock, p1 - s0);
       accumulate_rows(nr, key + s0, j.key_stride, uni, nu, wbuf, n, s, kScoreBlock);
-      if constexpr (extra > 0) {
-        scales_of(key + j.r * j.key_stride + s0, n, 1, scale);
-        scale_rows(nr, s, kScoreBlock, n, scale);
-      }
-      for (int rr = 0; rr < nr && j.softcap > 0.0f; ++rr) {
-        for (int64_t i = 0; i < n; ++i) s[rr * kScoreBlock + i] = std::tanh(s[rr * kScoreBlock + i] / j.softcap) * j.softcap;
-      }
-      // the rows' maximum at each visible position (branch-free: the compiler vectorises it), then per page
-      for (int rr = 1; rr < nr; ++rr) {
-        for (int64_t i = 0; i < n; ++i) s[i] = std::max(s[i], s[rr * kScoreBlock + i]);
-      }
-      for (int64_t i = 0; i < n; ++i) s[i] = seen(s0 + i) ? s[i] : -INFINITY;
-      for (int64_t i0 = 0; i0 < n; i0 += kPage) {
-        float top = -INFINITY;
-        for (int64_t i = i0; i < std::min(n, i0 + kPage); ++i) top = std::max(top, s[i]);
-        float& b = best[(s0 - o + i0) / kPage];
-        b = std::max(b, top);
-      }
+      if constexpr (extra > 0) scales_of(key + j.r * j.key_stride + s0, n, 1, scale);
+      page_maxima(s, nr, n, extra > 0 ? scale : nullptr, j.softcap, seen, s0, best + (s0 - o) / kPage);
     }
   }
 }

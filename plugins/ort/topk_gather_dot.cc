@@ -388,6 +388,7 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, 
     add_attention_ops(domain);
     add_h2o_ops(domain);
     add_logit_rows_ops(domain);
+    add_quantize_rows_ops(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(g_mutex);
     g_domains.push_back(std::move(domain));
