@@ -40,6 +40,9 @@ REGISTRY = {
     "prefill": Benchmark("bench_prefill", "time to first token, decode after it, the whole request and peak RSS "
                          "against genai's builder, OpenVINO GenAI and llama.cpp", ("prefill.json", "prefill.md"),
                          needs="the peers' environments: python -m tools prefill --setup"),
+    "steps": Benchmark("bench_steps", "decode after a real prompt, our folders stepping in turn in one process: the "
+                       "int8 cache against float16 at batch 1 and 8", ("steps.json", "steps.md"),
+                       needs="build/prefill's token folders (made when absent)"),
     "serve": Benchmark("bench_serve", "`aqua-export serve` under load over HTTP: 200 requests 16 at a time, continuous "
                        "batching against one at a time, the prefix cache, llama.cpp's server at 1k and 8k",
                        ("serve.json", "serve.md"), needs="build/prefill's folders and llama-cpp-python[server]: "

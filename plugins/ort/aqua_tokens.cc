@@ -252,6 +252,21 @@ void prefetch_values(const Chunk& ch, const T* value, int64_t rv) {
   }
 }
 
+// The attend pass's per-thread buffers, reached through one call (as ScoreScratch).
+struct AttendScratch {
+  alignas(64) float wbuf[kRows * kMaxWidth];
+  alignas(64) float s[kRows * kPos];
+  alignas(64) float o[kRows * kMaxWidth];
+  alignas(64) float mg[kPos];
+  alignas(64) float scale[kPos];
+  int32_t uni[kMaxWidth];
+};
+
+__attribute__((noinline)) AttendScratch& attend_scratch() {
+  static thread_local AttendScratch scratch;
+  return scratch;
+}
+
 // 3: one tile of the group's rows over one split of the chosen pages, all r coordinates.
 template <typename T, typename C>
 void attend_task(void* data, size_t task_index) {
@@ -259,11 +274,9 @@ void attend_task(void* data, size_t task_index) {
   const int64_t task = static_cast<int64_t>(task_index);
   const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
   const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
-  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
-  alignas(64) static thread_local float s[kRows * kPos];
-  alignas(64) static thread_local float o[kRows * kMaxWidth];
-  alignas(64) static thread_local float mg[kPos];
-  static thread_local int32_t uni[kMaxWidth];
+  AttendScratch& sc = attend_scratch();
+  float *wbuf = sc.wbuf, *s = sc.s, *o = sc.o, *mg = sc.mg, *scale = sc.scale;
+  int32_t* uni = sc.uni;
   const int64_t nu = tile_weights<T>(j, j.r, bh, tile, nr, wbuf, uni);
   float m[kRows], l[kRows];
   const float* mb[kRows];
@@ -279,7 +292,6 @@ void attend_task(void* data, size_t task_index) {
   const int64_t vs = j.rv + extra, kr = j.r + extra;
   const C* key = j.key + bh * kr * j.key_stride;
   const C* value = j.value + bh * j.value_slots * vs;
-  alignas(64) static thread_local float scale[kPos];
   const int64_t c0 = split * per, org = origin_of(j, bh);
   prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key + org, j.key_stride, kr);
   for (Chunk ch = gather_chunk(chosen, c0, c1, j.len, org); ch.nruns > 0;
