@@ -57,6 +57,9 @@ REGISTRY = {
     "gpu": Benchmark("bench_gpu", "the Triton kernels on a GPU against torch SDPA", ("gpu_attention.md",
                                                                                      "gpu_attention.json"),
                      needs="an NVIDIA GPU"),
+    "gpu-generate": Benchmark("bench_gpu_generate", "transformers' generate on a GPU, a Llama-3.1-8B-shaped model "
+                              "attending through the Triton kernels against SDPA: prefill, decode, a graph-replayed "
+                              "step", ("gpu_generate.md", "gpu_generate.json"), needs="an NVIDIA GPU"),
     "cli-reference": Benchmark("cli_reference", "docs/cli.md from the parsers, the settings and the capability table",
                                ("../docs/cli.md",)),
 }
