@@ -9,8 +9,8 @@ after an 8k prompt) is a ratio of these medians; the peers' decode rates come fr
 Sessions run without spinning threads (several pools in one process would otherwise take each other's cores), so a
 step here is slower than in a process of its own; only the ratios in one table are compared.
 
-Rerun: `.venv/bin/python -m tools steps` (the two token folders of build/prefill, made by `python -m tools prefill`
-when absent; ~4 minutes a folder of prefill at batch 8).
+Rerun: `.venv/bin/python -m tools steps` (the two token folders of build/prefill, made as `python -m tools prefill`
+makes them when absent; ~4 minutes a folder of prefill at batch 8).
 """
 
 from __future__ import annotations
@@ -28,24 +28,17 @@ from tools.harness import command, table, written_by
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _open(folder: str, threads: int):
-    from aqua_export.runtime.folder import FolderConfig
-    from aqua_export.runtime.lm import OrtLM
-
-    cfg = FolderConfig.from_folder(folder)
-    cfg.verify(folder)
-    return OrtLM.open(Path(folder) / "model.onnx", cfg, threads, spin=False)
-
-
 def measure(folders: dict, prompt: int, batch: int, steps: int, threads: int) -> list[dict]:
     """Per folder: the prefill's seconds, the median step (ms) over ``steps`` rounds after 5 warm ones, tokens/s
     (batch / step) and the cache's bytes per token; folders (name -> path) prefilled one after another."""
     import numpy as np
 
+    from aqua_export.runtime.lm import OrtLM
+
     ids = np.repeat(np.load(_prompt(prompt))[None, :prompt], batch, 0)
     state = {}
     for name, path in folders.items():
-        lm = _open(path, threads)
+        lm = OrtLM.from_folder(path, threads, serving=(batch, prompt + steps + 5), spin=False)
         mask = np.ones_like(ids)
         t = time.perf_counter()
         _, past = lm.prefill(ids, mask)
@@ -61,11 +54,9 @@ def measure(folders: dict, prompt: int, batch: int, steps: int, threads: int) ->
     rows = []
     for name, s in state.items():
         step = statistics.median(s["times"])
-        past = s["past"]
-        cache = sum(a.nbytes for kind in past.arrays.values() for a in kind) / (past.capacity * batch)
         rows.append({"folder": name, "prompt": prompt, "batch": batch, "prefill_s": round(s["prefill_s"], 2),
                      "step_ms": round(1e3 * step, 2), "tokens_per_s": round(batch / step, 1),
-                     "cache_bytes_per_token": int(cache)})
+                     "cache_bytes_per_token": s["lm"].contract.cache_bytes(1, 1)})
     first = rows[0]["step_ms"]
     for r in rows:
         r["vs_first"] = round(first / r["step_ms"], 3)

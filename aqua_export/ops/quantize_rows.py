@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from onnx import helper as H
 
-from .nodes import scale_table, const
+from .nodes import const, scale_table
 from .spec import DOMAIN, SCALE_CODES
 from .table import ANY, OpDef, Port
 

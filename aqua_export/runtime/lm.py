@@ -88,13 +88,14 @@ class OrtLM:
 
     @classmethod
     def from_folder(cls, folder: str | Path, threads: int = 0, kernel: str = "auto", cache: str = "shared",
-                    serving: tuple[int, int] | None = None, all_logits: bool = False) -> OrtLM:
+                    serving: tuple[int, int] | None = None, all_logits: bool = False, **session) -> OrtLM:
         """serving: (batch, tokens) the caller will run, checked against the memory before loading (check_serving;
-        default: one sequence of the model's context). all_logits: every position's logits (perplexity, lm-eval)."""
+        default: one sequence of the model's context). all_logits: every position's logits (perplexity, lm-eval).
+        session: make_session's other options."""
         cfg = FolderConfig.from_folder(folder)
         cfg.verify(folder)  # every file the build wrote, of its size (`aqua-export check` compares checksums too)
         check_serving(cfg, folder, *(serving or (1, cfg.context_length or 4096)))
-        lm = cls.open(Path(folder) / "model.onnx", cfg, threads, kernel, cache, all_logits)
+        lm = cls.open(Path(folder) / "model.onnx", cfg, threads, kernel, cache, all_logits, **session)
         lm.folder = Path(folder)
         return lm
 
