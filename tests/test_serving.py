@@ -358,3 +358,27 @@ def test_serving_imports_no_torch(folders):
     r = subprocess.run([sys.executable, "-c", code, str(folders["dense"])], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == "[]", r.stdout
+
+
+def test_a_stop_string_found_after_the_engine_finished_is_a_stop():
+    """The engine's thread can run to max_tokens before the event loop reads the token that completes a stop string
+    (a loaded machine): the answer still finishes with "stop", cut there, and the tokens after it are not counted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aqua_export.serving.api import Run
+
+    cancelled = []
+    api = SimpleNamespace(engine=SimpleNamespace(cancel=cancelled.append), eos=frozenset(),
+                          tok=SimpleNamespace(decode=lambda ids, **kw: "".join(chr(96 + i) for i in ids)))
+
+    async def main():
+        run = Run(api, [1, 2], SamplingConfig(max_new_tokens=4), ["cd"], chat=False)
+        for event in ((1, None), (3, None), (4, None), (5, None), (None, "length")):  # "acde", then the limit
+            run.queue.put_nowait(event)
+        while await run._next(request=None):
+            pass
+        return run
+
+    run = asyncio.run(main())
+    assert (run.finish, run.text, run.tokens, cancelled) == ("stop", "a", [1, 3, 4], [run.seq])

@@ -265,12 +265,13 @@ class Run:
                 if await request.is_disconnected():
                     self.api.engine.cancel(self.seq)
                     raise asyncio.CancelledError from None
-        if finish is not None:
-            self.finish = "stop" if finish in ("stop", "cancelled") else finish
+        if finish is not None:  # a stop string found here ends it as "stop" even when the engine ran to its limit
+            self.finish = "stop" if self.stopped or finish in ("stop", "cancelled") else finish  # before the cancel
             self._decode(final=True)
             return False
-        self.tokens.append(token)
-        self._decode(final=False)
+        if not self.stopped:  # tokens the engine made before the cancel reached it are not the answer's
+            self.tokens.append(token)
+            self._decode(final=False)
         return True
 
     def _decode(self, final: bool) -> None:
