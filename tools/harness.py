@@ -68,7 +68,9 @@ STUDIES = {"head_alloc_study.json": "python -m tools.studies.head_alloc_study",
            "head_alloc_study.md": "python -m tools.studies.head_alloc_study",
            "optimum.md": "python -m tools.studies.optimum_check (in optimum-onnx's own environment)",
            "int8_scale_study.json": "python -m tools.studies.int8_scale_study",
-           "int8_scale_study.md": "python -m tools.studies.int8_scale_study"}
+           "int8_scale_study.md": "python -m tools.studies.int8_scale_study",
+           "int8_long_study.json": "python -m tools.studies.int8_long_study",
+           "int8_long_study.md": "python -m tools.studies.int8_long_study"}
 
 
 def command(name: str) -> str:

@@ -56,17 +56,29 @@ CANDIDATES = {  # name -> x [..., w] -> the values its int8 rows stand for
 }
 
 
-def rounding_attention(inner, proj: Projection, rounded):
-    """The attention function ``inner`` (reference.attention.aqua_attention) with K^ and V rounded through
-    ``rounded`` first (P and P_v orthogonal at full width: rotating back is exact up to float32)."""
+def rounding_attention(inner, proj: Projection, k_round, v_round):
+    """The attention function ``inner`` (reference.attention.aqua_attention) with K^ and V rounded first, each
+    through its function (x [B, Hkv, S, w], the layer's index) -> x rounded, or None to leave it (P and P_v
+    orthogonal at full width: rotating back is exact up to float32)."""
 
     def attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
         i = module._aqua.index
         P, P_v = proj.P[i].float()[None], proj.P_v[i].float()[None]
-        key = rounded(key @ P) @ P.transpose(-1, -2)
-        value = rounded(value @ P_v) @ P_v.transpose(-1, -2)
+        if k_round is not None:
+            key = k_round(key @ P, i) @ P.transpose(-1, -2)
+        if v_round is not None:
+            value = v_round(value @ P_v, i) @ P_v.transpose(-1, -2)
         return inner(module, query, key, value, attention_mask, scaling, dropout, **kw)
     return attend
+
+
+def projection(model, tok) -> Projection:
+    """P calibrated as tools/quality.py calibrates (another text than the evaluations'), made once under build/."""
+    path = ROOT / "build" / "int8_scale_study" / "projection.safetensors"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_projection(path, *calibrate.calibrate(model, tok, texts=[CALIB], tokens=16384))
+    return load_projection(path)
 
 
 def render(rows: dict) -> str:
@@ -87,16 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(2)
     model, tok = models.load("llama")
-    path = ROOT / "build" / "int8_scale_study" / "projection.safetensors"
-    if not path.is_file():  # calibrated as tools/quality.py calibrates (another text than the evaluation's)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_projection(path, *calibrate.calibrate(model, tok, texts=[CALIB], tokens=16384))
-    proj = load_projection(path)
+    proj = projection(model, tok)
     text = corpus.read_text(TEXT)
     inner, rows = ra.aqua_attention, {}
     try:
         for name, rounded in {"none": None, **CANDIDATES}.items():
-            ra.aqua_attention = inner if rounded is None else rounding_attention(inner, proj, rounded)
+            every_layer = None if rounded is None else (lambda x, i, f=rounded: f(x))  # the same in every layer
+            ra.aqua_attention = inner if rounded is None else rounding_attention(inner, proj, every_layer, every_layer)
             t = time.perf_counter()
             r = evaluate.perplexity(model, tok, text, tokens=TOKENS, seq_len=SEQ_LEN, projection=proj, config=CONFIG)
             rows[name] = {"perplexity": r["perplexity"], "tokens": r["tokens"], "seconds": time.perf_counter() - t}
