@@ -5,12 +5,14 @@ int4 token folder's setting (k 0.25 group-weighted, budget 512) on float32 weigh
 tools/quality.py calibrates. Perplexity of the last LAST tokens of windows of 8192 of builtin:licenses (the measure
 of tools/quality_long.py: the window's earlier tokens are their prompt, each scored row selects its pages).
 
-Variants: none; both rounded (the shipped cache); K^ only; V only; K^ divided by the calibrated per-coordinate key
-RMS before rounding and multiplied back after (a per-coordinate balance ahead of the per-token scale: K^'s leading
-coordinates carry most of the energy, so one scale per token leaves the trailing ones few codes).
+Variants: none; both rounded as a magnitude or group rule's cache holds them (K^ = K P, V in P_v's basis); K^
+only; V only; K^ / w and V, w the calibrated per-coordinate key RMS: what a weighted rule's cache holds
+(fold.selection_bases scales q^ by w and k^ by 1/w so that the kernels rank plain |q^'|), so this is the int4 token
+folder's int8 cache (group-weighted). Dividing by w evens out K^'s coordinates, whose leading ones carry most of
+the energy, ahead of the one scale per token.
 
-    python -m tools.studies.int8_long_study [--windows 3] [--variants none,shipped]   (about 3.5 min a window and
-    variant on 2 cores)  -> benchmarks/int8_long_study.json and .md
+    python -m tools.studies.int8_long_study [--windows 1] [--last 0] [--variants none,...]   (about 3.5 min a window
+    and variant on 2 cores scoring the last 1024, 8 min every token)  -> benchmarks/int8_long_study.json and .md
 """
 
 from __future__ import annotations
@@ -46,21 +48,24 @@ def _balanced(proj):
 
 def variants(proj) -> dict:
     """name -> (K^'s rounding, V's rounding), each (x [B, Hkv, S, w], layer) -> x rounded, or None."""
-    return {"none": (None, None), "shipped": (_int8, _int8), "K only": (_int8, None), "V only": (None, _int8),
-            "K balanced + V": (_balanced(proj), _int8)}
+    return {"none": (None, None), "K^ and V": (_int8, _int8), "K^ only": (_int8, None), "V only": (None, _int8),
+            "K^ / w and V (weighted rules)": (_balanced(proj), _int8)}
 
 
-def render(rows: dict, windows: int) -> str:
-    base = rows.get("none")
+def render(rows: list[dict], windows: int) -> str:
+    """The md from the rows of every run so far (one per variant and scored share), each against the same share's
+    none."""
+    none = {r["last"]: r["perplexity"] for r in rows if r["variant"] == "none"}
+    cells = [[r["variant"], "every row" if r["last"] == 0 else f"last {r['last']}", f"{r['perplexity']:.4f}",
+              f"{100 * (r['perplexity'] / none[r['last']] - 1):+.2f}%" if r["last"] in none else ""] for r in rows]
     md = ["# int8 cache at long context: where the rounding costs", "",
-          f"`python -m tools.studies.int8_long_study --windows {windows}`: the PyTorch reference with the cached K^ "
-          f"and V rows rounded to int8 as named (ops.rules.int8_rows, one scale per token), k 0.25 group-weighted, "
-          f"budget 512, float32 weights; perplexity of the last {LAST} tokens of {windows} window(s) of {SEQ_LEN} of "
-          f"`{LONG_TEXT}` (each scored row selects its pages; the rest is its prompt, attended exactly).", "",
-          *table(["variant", "perplexity", "against none"],
-                 [[name, f"{r['perplexity']:.4f}",
-                   f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}%" if base else ""]
-                  for name, r in rows.items()]), ""]
+          f"`python -m tools.studies.int8_long_study --windows {windows} [--last 0]`: the PyTorch reference with the "
+          f"cached K^ and V rows rounded to int8 as named (ops.rules.int8_rows, one scale per token), k 0.25 "
+          f"group-weighted, budget 512, float32 weights; perplexity of {windows} window(s) of {SEQ_LEN} of "
+          f"`{LONG_TEXT}`, scored on the last {LAST} tokens (the rest is their prompt, attended exactly) or on "
+          "every token (every row selects its pages, as a folder's token-by-token `eval --folder` does). w is the "
+          "calibrated key RMS per coordinate: a weighted rule's cache holds K^ / w.", "",
+          *table(["variant", "scored", "perplexity", "against none"], cells), ""]
     return "\n".join(md)
 
 
@@ -68,28 +73,32 @@ def main(argv: list[str] | None = None) -> int:
     from aqua_export.reference import attention as ra
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--windows", type=int, default=3)
-    ap.add_argument("--variants", default="none,shipped,K only,V only,K balanced + V")
+    ap.add_argument("--windows", type=int, default=1)
+    ap.add_argument("--last", type=int, default=LAST, help="tokens scored per window (0: every token)")
+    ap.add_argument("--variants", default="none,K^ and V,K^ only,V only,K^ / w and V (weighted rules)")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     model, tok = models.load("llama")
     proj = projection(model, tok)
     text, table_of = corpus.read_text(LONG_TEXT), variants(proj)
-    inner, rows = ra.aqua_attention, {}
+    out = BENCHMARKS / "int8_long_study.json"
+    rows = json.loads(out.read_text()) if out.is_file() else []  # earlier runs' rows stay, the same ones replaced
+    inner = ra.aqua_attention
     try:
         for name in a.variants.split(","):
             k_round, v_round = table_of[name]
             ra.aqua_attention = inner if name == "none" else rounding_attention(inner, proj, k_round, v_round)
             t = time.perf_counter()
             r = evaluate.perplexity(model, tok, text, tokens=a.windows * SEQ_LEN, seq_len=SEQ_LEN, projection=proj,
-                                    config=CONFIG, last=LAST)
-            rows[name] = {"perplexity": r["perplexity"], "predicted_tokens": r["predicted_tokens"],
-                          "seconds": time.perf_counter() - t}
-            print(f"{name}: {r['perplexity']:.4f} ({rows[name]['seconds']:.0f} s)", flush=True)
+                                    config=CONFIG, last=a.last)
+            rows = [x for x in rows if (x["variant"], x["last"]) != (name, a.last)] + [
+                {"variant": name, "last": a.last, "perplexity": r["perplexity"],
+                 "predicted_tokens": r["predicted_tokens"], "seconds": time.perf_counter() - t}]
+            print(f"{name}, last {a.last}: {r['perplexity']:.4f} ({rows[-1]['seconds']:.0f} s)", flush=True)
+            atomic_write_bytes(out, json.dumps(rows, indent=1).encode())
+            atomic_write_bytes(BENCHMARKS / "int8_long_study.md", render(rows, a.windows).encode())
     finally:
         ra.aqua_attention = inner
-    atomic_write_bytes(BENCHMARKS / "int8_long_study.json", json.dumps(rows, indent=1).encode())
-    atomic_write_bytes(BENCHMARKS / "int8_long_study.md", render(rows, a.windows).encode())
     return 0
 
 
