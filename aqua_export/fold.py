@@ -81,9 +81,15 @@ def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: Aqua
     P_r = P[:, :, :r].to(torch.float32)
     if not config.weighted_selection:
         return P_r, P_r
-    w = key_rms[:, :r].to(torch.float32)
-    w = torch.maximum(w, 1e-6 * w.amax(-1, keepdim=True))[:, None, :]
+    w = selection_weights(key_rms, r)[:, None, :]
     return P_r * w, P_r / w
+
+
+def selection_weights(key_rms: torch.Tensor, r: int) -> torch.Tensor:
+    """key_rms [Hkv, d] -> w [Hkv, r] (float32): the weighted rules' factor per coordinate, floored at 1e-6 of its
+    largest value (selection_bases)."""
+    w = key_rms[:, :r].to(torch.float32)
+    return torch.maximum(w, 1e-6 * w.amax(-1, keepdim=True))
 
 
 def layer_bases(projection: Projection, config: AquaConfig, contract, i: int, head_dim: int) -> tuple:

@@ -17,6 +17,7 @@ dense within the dtype's noise; k = d/2 and a budget under the context are state
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -56,9 +57,7 @@ class Clock:
         self.stamps: list[float] = []
 
     def put(self, value):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(sync())
 
     def end(self):
         pass
@@ -71,9 +70,11 @@ def sync() -> float:
 
 
 @torch.no_grad()
-def run(model, setting, ids: torch.Tensor, new: int, chunk: int, P=None, profile: bool = False) -> dict:
-    """ids [B, T] -> the setting's times and greedy logits [new, B, V] (float32, on the CPU). Decode tokens/s is
-    B over the median interval between generate's tokens (the first steps compile kernels)."""
+def run(model, setting, ids: torch.Tensor, new: int, chunk: int, P=None, profile: bool = False,
+        logits: bool = False) -> dict:
+    """ids [B, T] -> the setting's times (the graph-replayed step on a GPU), and with ``logits`` its greedy logits
+    [new, B, V] (float32, on the CPU) instead. Decode tokens/s is B over the median interval between generate's
+    tokens (the first steps compile kernels)."""
     from aqua_export.kernels.triton.generate import attention_on
 
     b, t = ids.shape
@@ -84,49 +85,50 @@ def run(model, setting, ids: torch.Tensor, new: int, chunk: int, P=None, profile
         prefilled = sync()
         clock = Clock()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, streamer=clock, output_logits=True,
+                             min_new_tokens=new, do_sample=False, streamer=clock, output_logits=logits,
                              return_dict_in_generate=True)
+        if logits:
+            return {"logits": torch.stack([x.float().cpu() for x in out.logits])}
         gaps = [y - x for x, y in zip(clock.stamps[1:], clock.stamps[2:])]
         row = {"setting": setting.name, "B": b, "T": t, "new": new, "prefill_s": prefilled - start,
                "first_token_s": clock.stamps[1] - start, "decode_tok_s": b / statistics.median(gaps)}
-        if profile:
-            print(profiled(model, cache, out.sequences[:, -1:]), flush=True)
-        row["step_graph_s"] = replayed_step(model, cache, out.sequences[:, -1:]) if ids.is_cuda else None
-        logits = torch.stack([x.float().cpu() for x in out.logits])
-    return row | {"logits": logits}
+        with frozen_step(model, cache, out.sequences[:, -1:]) as step:
+            if profile:
+                print(profiled(step), flush=True)
+            row["step_graph_s"] = replayed_step(step) if ids.is_cuda else None
+    return row
 
 
-def profiled(model, cache, token: torch.Tensor) -> str:
-    """torch.profiler's table of two eager decode steps (the cache frozen as in replayed_step): where the host
-    time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
+@contextlib.contextmanager
+def frozen_step(model, cache, token: torch.Tensor):
+    """Yields one decode step feeding generate's last token (never fed: the cache holds T + new - 1 positions, it
+    writes the last one), the cache frozen so that every call writes that position again."""
     slots = [layer.slot for layer in cache.layers]
     for s in slots:
         s.freeze = True
     try:
         pos = torch.full((token.shape[0], 1), slots[0].seen, device=token.device)
-        model(token, position_ids=pos, past_key_values=cache, use_cache=True)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                model(token, position_ids=pos, past_key_values=cache, use_cache=True)
-            torch.cuda.synchronize()
-        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50)
+        yield lambda: model(token, position_ids=pos, past_key_values=cache, use_cache=True)
     finally:
         for s in slots:
             s.freeze = False
 
 
-def replayed_step(model, cache, token: torch.Tensor, reps: int = 30) -> float | str:
-    """Median seconds of one decode step feeding generate's last token (never fed: the cache holds T + new - 1
-    positions, it writes the last one) replayed from a captured CUDA graph, the cache frozen so every replay writes
-    that position again; the error's text if capture fails."""
-    slots = [layer.slot for layer in cache.layers]
-    for s in slots:
-        s.freeze = True
+def profiled(step) -> str:
+    """torch.profiler's table of two eager steps: where the host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50)
+
+
+def replayed_step(step, reps: int = 30) -> float | str:
+    """Median seconds of ``step`` replayed from a captured CUDA graph; the error's text if capture fails."""
     try:
-        pos = torch.full((token.shape[0], 1), slots[0].seen, device=token.device)
-        step = lambda: model(token, position_ids=pos, past_key_values=cache, use_cache=True)  # noqa: E731
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -147,9 +149,6 @@ def replayed_step(model, cache, token: torch.Tensor, reps: int = 30) -> float | 
         return statistics.median(times)
     except Exception as e:  # noqa: BLE001 - reported in the table, the eager figures stand
         return f"{type(e).__name__}: {str(e)[:120]}"
-    finally:
-        for s in slots:
-            s.freeze = False
 
 
 def checks(device, dtype, length: int = 300, new: int = 4) -> list[str]:
@@ -174,7 +173,7 @@ def checks(device, dtype, length: int = 300, new: int = 4) -> list[str]:
              (GpuSetting("tokens, budget 64 < context", k=8, tokens=Tokens(budget=64, sink=16, window=16)), False)]
     lines = []
     for setting, exact in cases:
-        got = run(model, setting, ids, new, 128)["logits"]
+        got = run(model, setting, ids, new, 128, logits=True)["logits"]
         rel = ((got - ref).norm() / ref.norm()).item()
         bound = TOLERANCE[dtype]
         verdict = ("ok" if rel <= bound else "FAIL") if exact else "stated (approximate)"
@@ -209,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         for setting in settings(d):
             run(model, setting, ids[:, :1024], 4, a.chunk)  # the kernels compiled for these shapes
             row = run(model, setting, ids, a.new, a.chunk, profile=a.profile)
-            row.pop("logits")
             rows.append(row)
             print(row, flush=True)
             torch.cuda.empty_cache()

@@ -25,6 +25,7 @@ import torch
 
 from aqua_export import corpus, evaluate, models
 from aqua_export.config import AquaConfig
+from aqua_export.fold import selection_weights
 from aqua_export.ops import rules
 from aqua_export.outputs import atomic_write_bytes
 from tools.harness import BENCHMARKS, table
@@ -40,9 +41,10 @@ def _int8(x: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def _balanced(proj):
+    """K^ rounded as a weighted rule caches it: K^ / w (fold.selection_weights), then times w."""
     def rounded(x: torch.Tensor, i: int) -> torch.Tensor:
-        rms = proj.key_rms[i].float()[None, :, None, :]  # [1, Hkv, 1, r]
-        return _int8(x / rms, i) * rms
+        w = selection_weights(proj.key_rms[i], x.shape[-1])[None, :, None, :]  # [1, Hkv, 1, r]
+        return _int8(x / w, i) * w
     return rounded
 
 

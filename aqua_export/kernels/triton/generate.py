@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...ops.spec import GROUP
 from .tokens import Tokens
 
 IMPL = "aqua_triton"
@@ -31,11 +32,11 @@ IMPL = "aqua_triton"
 @dataclass(frozen=True)
 class GpuSetting:
     """One way to attend. k: coordinates of q^ per step (None: dense SDPA, no P); rule: the selection rule
-    (ops.rules: 1 = group); tokens: token selection's attributes or None."""
+    (ops.spec's codes); tokens: token selection's attributes or None."""
 
     name: str
     k: int | None = None
-    rule: int = 1
+    rule: int = GROUP
     tokens: Tokens | None = None
 
     @property
@@ -178,8 +179,9 @@ def attention_on(model, setting: GpuSetting, batch: int, capacity: int, P: list 
     for a, s in zip(attns, slots, strict=True):
         a.aqua_triton_slot = s
     model.set_attn_implementation(IMPL)
+    layer = _layer_class()
     try:
-        yield Cache(layers=[_layer_class()(s) for s in slots])
+        yield Cache(layers=[layer(s) for s in slots])
     finally:
         model.set_attn_implementation(before)
         for a in attns:
