@@ -289,6 +289,13 @@ def export_folder(model, tok, projection, config: AquaConfig, o: BuildOptions, t
     return cfg
 
 
+def _weighted_fold(contract) -> str:
+    """The info line of a weighted rule's fold (fold.selection_bases)."""
+    where = ("P_q (q^ * w; the int8 cache holds k^, divided by AquaAttention's key_weights w)"
+             if contract.cache_dtype == "int8" else "P (q^ * w, k^ / w)")
+    return f"rms(k^) folded into {where}: the weighted rule as magnitude"
+
+
 def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> dict:
     """aqua_config.json's info: what the graph holds and how it was made, in words."""
     import onnx
@@ -301,8 +308,7 @@ def _info(proto, contract, config: AquaConfig, o: BuildOptions, tmp: Path) -> di
         "plugin": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION},
         "passes": ["fold attention scale into W_Q", "fold P_v / P_v^T into W_V / W_O (sliced to r)",
                    "P after RoPE (cannot fold under rotary embeddings)",
-                   *(["rms(k^) folded into P (q^ * w, k^ / w): the weighted rule as magnitude"]
-                     if config.weighted_selection and config.k_ratio < 1 else []),
+                   *([_weighted_fold(contract)] if config.weighted_selection and config.k_ratio < 1 else []),
                    "H2OAttention per layer" if config.evicts else
                    "AquaAttention per layer" if o.runtime != "tensorrt" else
                    "TopKGatherDot, Softmax, ValueProduct per layer"],

@@ -5,6 +5,8 @@ Notation: Hkv KV heads, H = g * Hkv query heads, d head_dim, D hidden size.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .config import AquaConfig
@@ -45,7 +47,7 @@ def attention_projections(w: dict, P: tuple, P_v: torch.Tensor, scaling: float, 
     """A layer's attention projections as the export's linear layers compute them, in float32:
     {"q" | "k" | "v": (W [out, D], b or None), "o": (W_O' [D, heads * rv], None)}.
 
-    w: the layer's tensors by role (Adapter.layer_weights); P = (P_q, P_k) [Hkv, d, r] (export.selection_bases);
+    w: the layer's tensors by role (Adapter.layer_weights); P: Bases (selection_bases);
     P_v [Hkv, d, d]. The attention scale goes into W_Q, or into q_norm's weight when a norm follows W_Q (it would
     undo it: decoder_graph applies it there); v is P_v^T v sliced to rv per KV head, W_O takes those inputs; without
     a rotary embedding P_q / P_k fold into W_Q / W_K too (q^, k^ come out of the projections, r wide)."""
@@ -60,7 +62,7 @@ def attention_projections(w: dict, P: tuple, P_v: torch.Tensor, scaling: float, 
     keep_v = torch.arange(hkv * d).reshape(hkv, d)[:, :rv].reshape(-1)
     wo = fold_output(f32["o_proj"], P_v, g)[:, torch.arange(heads * d).reshape(heads, d)[:, :rv].reshape(-1)]
     if not rotary:
-        P_q, P_k = (b.to(torch.float32) for b in P)
+        P_q, P_k = P.query.to(torch.float32), P.key.to(torch.float32)
         r = P_q.shape[-1]
         bq = None if bq is None else torch.einsum("kdr,kgd->kgr", P_q, bq.reshape(hkv, g, d)).reshape(-1)
         wq = torch.einsum("kdr,kgdD->kgrD", P_q, wq.reshape(hkv, g, d, -1)).reshape(hkv * g * r, -1)
@@ -69,20 +71,34 @@ def attention_projections(w: dict, P: tuple, P_v: torch.Tensor, scaling: float, 
     return {"q": (wq, bq), "k": (wk, bk), "v": (wv[keep_v], None if bv is None else bv[keep_v]), "o": (wo, None)}
 
 
-def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: AquaConfig) -> tuple:
-    """P [Hkv, d, d], key_rms [Hkv, d] -> (query basis, key basis), each [Hkv, d, r].
+class Bases(NamedTuple):
+    """What a layer's attention folds in: query [Hkv, d, r] and key [Hkv, d, r] bases, and key_weights [Hkv, r], the
+    factor the node divides K^'s rows by when the cache holds k^ under a weighted rule (None: it holds what the
+    node scores with)."""
+    query: torch.Tensor
+    key: torch.Tensor
+    key_weights: torch.Tensor | None = None
+
+
+def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: AquaConfig,
+                    cache_dtype: str = "float32") -> Bases:
+    """P [Hkv, d, d], key_rms [Hkv, d] -> Bases, each basis [Hkv, d, r].
 
     The weighted rules rank |q^_i| * w_i with w = rms(k^_i). Scaling q^ by w and k^ by 1/w leaves every
     score q^ . k^ (and any subset of its terms) unchanged and turns that rank into plain |q^'_i|, so the
-    nodes and kernels only know magnitude and group rules; the cache then holds k^ / w. w is floored at
-    1e-6 of its largest value so a dead coordinate does not divide by zero (such a coordinate is never
-    selected by the rule anyway).
+    nodes and kernels only know magnitude and group rules; a float cache then holds k^ / w. An int8 cache holds k^
+    itself (key_weights w: the node reads k^ / w): one scale per token spends its codes where q^ . k^ has its
+    energy, where k^ / w's evened-out coordinates would spend them on coordinates the scores barely use (perplexity
+    at an 8k window +2.0% against +0.25%, docs/reference.md). w is floored at 1e-6 of its largest value so a dead
+    coordinate does not divide by zero (such a coordinate is never selected by the rule anyway).
     """
     P_r = P[:, :, :r].to(torch.float32)
     if not config.weighted_selection:
-        return P_r, P_r
-    w = selection_weights(key_rms, r)[:, None, :]
-    return P_r * w, P_r / w
+        return Bases(P_r, P_r)
+    w = selection_weights(key_rms, r)
+    if cache_dtype == "int8":
+        return Bases(P_r * w[:, None, :], P_r, w)
+    return Bases(P_r * w[:, None, :], P_r / w[:, None, :])
 
 
 def selection_weights(key_rms: torch.Tensor, r: int) -> torch.Tensor:
@@ -93,11 +109,12 @@ def selection_weights(key_rms: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def layer_bases(projection: Projection, config: AquaConfig, contract, i: int, head_dim: int) -> tuple:
-    """((query basis, key basis), P_v) that layer i of an export (its export.contract.Contract) folds in: the
+    """(Bases, P_v) that layer i of an export (its export.contract.Contract) folds in: the
     calibrated ones, or the identity when nothing is selected or sliced (at k = r without slicing P and P_v cancel exactly, so the dense graph has no
     projection MatMul and its weights are the checkpoint's)."""
     ct = contract
     if ct.selected == ct.widths == ct.value_widths == (head_dim,) * ct.layers:
         eye = torch.eye(head_dim).expand(ct.kv_heads, head_dim, head_dim)
-        return (eye, eye), eye
-    return selection_bases(projection.P[i], projection.key_rms[i], ct.widths[i], config), projection.P_v[i]
+        return Bases(eye, eye), eye
+    return (selection_bases(projection.P[i], projection.key_rms[i], ct.widths[i], config, ct.cache_dtype),
+            projection.P_v[i])

@@ -159,6 +159,12 @@ def _prices(hkv: int) -> list:
     return [0.5, 2.0, 1.0, 1.5][:hkv]
 
 
+def _key_weights(hkv: int, r: int) -> list:
+    """Uneven positive weights per kv head and coordinate (key_weights: a weighted rule's calibrated key RMS, by which
+    the node divides K^'s rows)."""
+    return (0.25 + 2.75 * torch.rand(hkv * r, generator=torch.Generator().manual_seed(5))).tolist()
+
+
 def _dense(r):
     """The answer without token selection, every token exact (a token case must differ from it)."""
     return lambda ins: aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], k=r)
@@ -231,6 +237,24 @@ ATTENTION = [
                                 ((1, 2, 3, 1, 64, 700, 700), None, True, False),
                                 ((3, 2, 3, 1, 32, 90, 130), 32, True, False),
                                 ((2, 3, 3, 1, 32, 90, 130), None, False, True))],
+    # key_weights (a weighted rule's int8 cache holds k^, the node scores k^ / w): decode split over threads, a
+    # prompt, projected token selection, shared k, and the float caches the parity gates run the same graph with
+    *[Case(f"keyed-{'x'.join(map(str, s))}-k{k}{'-projects' if d else ''}{'-tokens' if tok else ''}"
+           f"{'-shared-k' if shared else ''}-{c}",
+           lambda s=s, d=d, c=c: _attention_inputs(s, d=d, cache=getattr(torch, c) if c != "float32" else None),
+           {"k": k, "rule": GROUP, "key_weights": _key_weights(s[1], s[4]),
+            **({"cache_scales": 1} if c == "int8" else {}),
+            **(_tokens(ratio=0.25) if tok else {}), **({"head_prices": _prices(s[1])} if shared else {})},
+           projected=d is not None, cache_dtype=c, only=("function", "native"))
+      for s, k, d, tok, shared, c in (((1, 2, 3, 1, 64, 700, 700), 16, None, False, False, "int8"),
+                                      ((2, 2, 3, 24, 32, 50, 64), 8, None, False, False, "int8"),
+                                      ((2, 2, 3, 24, 32, 50, 64), 32, None, False, False, "int8"),
+                                      ((3, 2, 3, 1, 32, 90, 130), 8, 32, True, False, "int8"),
+                                      ((2, 3, 3, 1, 32, 90, 130), 8, None, False, True, "int8"),
+                                      ((1, 2, 3, 1, 64, 300, 300), 16, None, False, False, "float32"),
+                                      ((2, 2, 3, 24, 32, 50, 64), 8, 48, False, False, "float32"))],
+    Case("keyed-weights-per-kv-head-and-coordinate", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)),
+         {"k": 8, "key_weights": [1.0] * 16}, only=("native",), error="key_weights must hold"),
     # shared k (head_prices, allocate's k sharing): per token the heads share Hkv g' k coordinates at their prices;
     # a row may keep none or all r. Decode split over threads or programs, batched prompts, projected, token
     # selection, float16, a float16 cache; the static rule ignores the prices (the last case: a price per kv head

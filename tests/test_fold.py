@@ -54,3 +54,26 @@ def test_scale_fold_into_query():
     w2, b2 = fold.fold_scale_into_query(w, b, 0.125)
     x = torch.randn(3, 4)
     assert torch.allclose(x @ w2.T + b2, 0.125 * (x @ w.T + b))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "int8"])
+def test_weighted_bases_rank_by_w_and_keep_every_score(cache_dtype):
+    """fold.selection_bases under a weighted rule: |q^'| is |q^| w, and each score term q^_i k^_i survives: a float
+    cache holds k^ / w, an int8 cache k^ itself with the node's key_weights w dividing it (the node's own reading)."""
+    from aqua_export.config import AquaConfig
+
+    hkv, d, r = 2, 8, 6
+    P = _random_orthogonal(hkv, d, 3)
+    rms = torch.rand(hkv, d, generator=torch.Generator().manual_seed(4)) + 0.1
+    q, k = torch.randn(hkv, d), torch.randn(hkv, d)
+    b = fold.selection_bases(P, rms, r, AquaConfig(k_ratio=0.5, selection="group-weighted"), cache_dtype)
+    q_hat, k_hat = torch.einsum("hd,hdr->hr", q, P[:, :, :r]), torch.einsum("hd,hdr->hr", k, P[:, :, :r])
+    w = fold.selection_weights(rms, r)
+    qp, kp = torch.einsum("hd,hdr->hr", q, b.query), torch.einsum("hd,hdr->hr", k, b.key)
+    assert torch.allclose(qp, q_hat * w, atol=1e-5)
+    assert (b.key_weights is not None) == (cache_dtype == "int8")
+    read = kp / b.key_weights if b.key_weights is not None else kp  # what the node scores with
+    assert torch.allclose(kp, k_hat if cache_dtype == "int8" else k_hat / w, atol=1e-5)
+    assert torch.allclose(qp * read, q_hat * k_hat, atol=1e-5)
+    plain = fold.selection_bases(P, rms, r, AquaConfig(k_ratio=0.5), cache_dtype)
+    assert plain.key_weights is None and torch.equal(plain.query, plain.key)

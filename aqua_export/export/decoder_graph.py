@@ -12,7 +12,8 @@ Per layer i, with g = H / Hkv, r the retained width and k the selected width (do
       <-- [B,Hkv,g,T,r]: q^ = q P_q, softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
-P_q = P_k = P[:, :r] except under the weighted rules (export.selection_bases). TensorRT builds (whose plugin
+P_q = P_k = P[:, :r] except under the weighted rules (fold.selection_bases: P_q = P_r w, P_k = P_r / w, or P_r with
+the node's key_weights w under an int8 cache). TensorRT builds (whose plugin
 is TopKGatherDot) run q --MatMul P_q--> q^, TopKGatherDot, Softmax and ValueProduct as separate nodes
 instead. AQUA-H2O replaces the cache updates and AquaAttention by one node over the layer's slot buffers
 (h2o.py), given q and P_q as AquaAttention is:
@@ -217,8 +218,8 @@ class DecoderGraph(Blocks):
     def layer(self, i: int, stream: tuple, w: dict, P: tuple, P_v: torch.Tensor, scaling: float, rope: tuple | None,
               window: int | None, io: dict) -> tuple[str, str]:
         """stream = (x, pending): the residual stream and the last block's output, added by this layer's first norm
-        (Blocks._add_norm). w: the layer's weights as HF names them (see decoder_weights); P = (query basis, key
-        basis), each [Hkv, d, r] (export.selection_bases); P_v [Hkv, d, d].
+        (Blocks._add_norm). w: the layer's weights as HF names them (see decoder_weights); P: fold.Bases (query
+        and key bases [Hkv, d, r], the node's key_weights); P_v [Hkv, d, d].
         Returns the stream after the layer, its MLP output pending (its present.{i}.* outputs are named nodes)."""
         n = f"/model/layers.{i}"
         h, x = self._add_norm(f"{n}/input_layernorm", stream, w["input_layernorm"], w.get("input_layernorm_bias"))
@@ -240,11 +241,11 @@ class DecoderGraph(Blocks):
         wo, bo = proj["o"][0], w.get("o_proj_bias")
         bo = None if bo is None else bo.to(torch.float32)
         if not p.rotary_dim:
-            return self._attention_folded(i, h, proj, window, io, wo, bo)
+            return self._attention_folded(i, h, proj, window, io, wo, bo, P.key_weights)
         q, k, v = self._rotary_qk(n, h, w, proj["q"], proj["k"], proj["v"], scaling, rope)
         pq = None
         if not p.dense:
-            P_q, P_k = (b.to(torch.float32) for b in P)
+            P_q, P_k = P.query.to(torch.float32), P.key.to(torch.float32)
             if p.projects_query:
                 pq = self.weight(f"{n}.P_q", P_q)  # [Hkv, d, r]: the attention node's last input
             else:
@@ -252,7 +253,7 @@ class DecoderGraph(Blocks):
             k = gb.op(f"{n}/k/MatMulP", "MatMul", [k, self.weight(f"{n}.P_k", P_k)])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, rv])])],
                   perm=[0, 2, 1, 3])  # [B, Hkv, T, rv]
-        return self._attend(i, q, k, v, wo, bo, window, io, pq)
+        return self._attend(i, q, k, v, wo, bo, window, io, pq, P.key_weights)
 
     def _rotary_qk(self, n, h, w, qp, kp, vp, scaling, rope):
         """h -> q [B,Hkv,g,T,d], k [B,Hkv,T,d] after RoPE, v [B,T,Hkv*rv]: one MatMul for all three. Without q/k
@@ -277,7 +278,7 @@ class DecoderGraph(Blocks):
         k = gb.op(f"{n}/k/Transpose", "Transpose", [k], perm=[0, 2, 1, 3])
         return q, self._rope(f"{n}/k_rope", k, rope, hkv), v
 
-    def _attention_folded(self, i, h, proj, window, io, wo, bo):
+    def _attention_folded(self, i, h, proj, window, io, wo, bo, key_weights):
         """Without rotary embeddings P folds exactly into W_Q and W_K (docs/design.md, What folds;
         fold.attention_projections): q^ and k^ come out of the projections, r wide, and the graph has no projection
         MatMul at all."""
@@ -291,14 +292,16 @@ class DecoderGraph(Blocks):
         v = self._linear(f"{n}/v_proj", h, *proj["v"])
         v = gb.op(f"{n}/v/Transpose", "Transpose", [gb.op(f"{n}/v/Reshape", "Reshape", [v, c([0, 0, hkv, p.rv(i)])])],
                   perm=[0, 2, 1, 3])
-        return self._attend(i, q, kh, v, wo, bo, window, io)
+        return self._attend(i, q, kh, v, wo, bo, window, io, key_weights=key_weights)
 
-    def _attend(self, i, q, kh, v, wo, bo, window, io, proj=None):
+    def _attend(self, i, q, kh, v, wo, bo, window, io, proj=None, key_weights=None):
         """q^ [B,Hkv,g,T,r] (or q [B,Hkv,g,T,d] with proj = P_q [Hkv,d,r]), k^ [B,Hkv,T,r], v [B,Hkv,T,rv], the
-        layer's sliding window (None: none) -> attention output [B,T,D]. AquaAttention and H2OAttention read the
+        layer's sliding window (None: none), key_weights [Hkv, r] (fold.Bases: the node divides K^'s rows by them)
+        -> attention output [B,T,D]. AquaAttention and H2OAttention read the
         attention mask [B, L] itself; TensorRT's separate nodes add the [B, 1, 1, T, L] mask (DecoderGraph.mask)."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         rv, attrs = p.rv(i), dict(self.op_attrs, k=p.k(i))
+        assert key_weights is None or (p.fused and not p.h2o), "key weights come with an int8 cache: AquaAttention's"
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
             ct = self.contract
             a = gb.op(f"{n}/{H2O}", H2O, [q, kh, v] + [ct.past(i, kind) for kind in ct.kinds] + [ct.ATTENTION_MASK]
@@ -315,6 +318,7 @@ class DecoderGraph(Blocks):
                       [proj] * (proj is not None), domain=self.domain, softcap=float(p.attn_softcap or 0.0),
                       sliding_window=int(window or 0), **attrs,
                       **({"cache_scales": 1} if self.contract.scale_slots else {}),
+                      **({} if key_weights is None else {"key_weights": key_weights.reshape(-1).tolist()}),
                       **({} if prices is None else {"head_prices": prices}))  # [B, Hkv, g, T, rv]
         a = gb.op(f"{n}/out/Transpose", "Transpose", [a], perm=[0, 3, 1, 2, 4])
         a = gb.op(f"{n}/out/Reshape", "Reshape", [a, c([0, 0, p.heads * rv])])

@@ -110,11 +110,12 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
                                     **settings.node_attrs(config)})
         _decoder(g, model, projection, config, progress)
         domains = {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION}
+        keyed = any(a.name == "key_weights" for n in gb.nodes if n.domain == spec.DOMAIN for a in n.attribute)
         if any(n.domain == MS for n in gb.nodes):
             domains[MS] = 1
         m = gb.model("aqua_decoder", domains,
                      function_bodies(spec.OPSET, plan.projects_query, config.selects_tokens, ct.prices is not None,
-                                     ct.scale_slots > 0),
+                                     ct.scale_slots > 0, keyed),
                      "aqua-export")
     finally:
         store.close()

@@ -189,7 +189,8 @@ def _without_int8_rows(m, ct) -> None:
             attrs = set(f.attribute)
             body = aqua_attention.OP.bodied(
                 next(o.version for o in f.opset_import if o.domain == ""), "projection" in f.input,
-                tokens="token_ratio" in attrs, pooled="head_prices" in attrs, scaled=False)
+                tokens="token_ratio" in attrs, pooled="head_prices" in attrs, scaled=False,
+                keyed="key_weights" in attrs)
             m.functions[i].CopyFrom(body)
 
 

@@ -40,6 +40,9 @@ PRICES_ATTR = Attr("head_prices", "floats", "[Hkv]: the heads share the layer's 
 SCALED_ATTR = Attr("cache_scales", "int", "1: the caches are int8, each token's K^ column and V row ending in the "
                    "code of its scale (ops.rules.int8_rows; contract cache_dtype int8)",
                    required=False)
+KEYED_ATTR = Attr("key_weights", "floats", "[Hkv * r]: K^'s rows hold k^ where the node scores with k^ / w "
+                  "(a weighted rule's int8 cache, fold.selection_bases); absent: K^ is what the node scores with",
+                  required=False)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
                     required=False),
                Attr("token_budget", "int", "token selection: tokens a decode step attends (0: by token_ratio)",
@@ -51,13 +54,16 @@ TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visib
 def reference(query_hat, key_cache, value_cache, total_length, attention_mask, projection: torch.Tensor | None = None,
               *, k: int, rule: int = 0, softcap: float = 0.0, sliding_window: int = 0, token_ratio: float = 1.0,
               token_budget: int = 0, token_sink: int = 0, token_window: int = 0, head_prices=None,
-              **plugin) -> torch.Tensor:
+              key_weights=None, **plugin) -> torch.Tensor:
     """The node in PyTorch, scores and softmax in float64; attention_mask [B, L] (rules.visible); head_prices [Hkv]
-    or None (shared k); int8 caches (cache_scales) are read as rules.int8_values. Returns [B, Hkv, g, T, rv] in
-    query_hat's dtype."""
+    or None (shared k); int8 caches (cache_scales) are read as rules.int8_values; key_weights [Hkv * r] divide K^'s
+    rows. Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
     if key_cache.dtype == torch.int8:
         key_cache = rules.int8_values(key_cache.transpose(-1, -2)).transpose(-1, -2).to(query_hat.dtype)
         value_cache = rules.int8_values(value_cache).to(query_hat.dtype)
+    if key_weights is not None:
+        w = torch.as_tensor(key_weights, dtype=torch.float64).reshape(key_cache.shape[1], key_cache.shape[2], 1)
+        key_cache = (key_cache.to(torch.float64) / w).to(query_hat.dtype)
     plugin.pop("cache_scales", None)
     total = int(total_length)
     mask = rules.additive_mask(torch.as_tensor(attention_mask), query_hat.shape[3], sliding_window)
@@ -94,7 +100,8 @@ def _selected(query_hat, keys, approx, mask, softcap, ratio, budget, sink, windo
 BASE_ATTRS = ["k", "rule", "softcap", "sliding_window", "plugin_namespace", "plugin_version"]
 
 
-def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False, scaled: bool = False):
+def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False, scaled: bool = False,
+         keyed: bool = False):
     """The portable body (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
@@ -107,9 +114,9 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
     function cannot test whether an optional input is present, so a graph carries the body of the form its nodes
     use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
     pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes). scaled: int8 caches (attribute
-    cache_scales; nodes.int8_value_nodes).
+    cache_scales; nodes.int8_value_nodes). keyed: K^'s rows divided by the attribute key_weights (nodes.score_nodes).
     """
-    head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled, scaled) + [
+    head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled, scaled, keyed) + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
         ref_constant("cap", "softcap", "value_float"),
         H.make_node("Div", ["scores", "cap"], ["scaled"]),
@@ -138,7 +145,7 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
     return H.make_function(DOMAIN, OP.name, inputs + [PROJECTION] * projected, ["out"], head + middle + tail,
                            [H.make_opsetid("", opset)],
                            attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens + [PRICES_ATTR.name] * pooled
-                           + [SCALED_ATTR.name] * scaled)
+                           + [SCALED_ATTR.name] * scaled + [KEYED_ATTR.name] * keyed)
 
 
 def _token_nodes() -> list:
@@ -257,8 +264,8 @@ OP = OpDef("AquaAttention",
                    Port("attention_mask", "int64", 2)),
            outputs=(Port("out", rank=5),),
            attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, WINDOW_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR,
-                       SCALED_ATTR),
+                       SCALED_ATTR, KEYED_ATTR),
            body=body, reference=reference, projectable=True,
            forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,)),
-                  ("scaled", (SCALED_ATTR.name,))),
+                  ("scaled", (SCALED_ATTR.name,)), ("keyed", (KEYED_ATTR.name,))),
            shape=lambda d: {"out": d["query_hat"][:4] + d["value_cache"][3:]})

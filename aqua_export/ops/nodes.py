@@ -136,10 +136,11 @@ def pool_nodes() -> list:
     ]
 
 
-def score_nodes(scores: str, pooled: bool = False, scaled: bool = False) -> list:
+def score_nodes(scores: str, pooled: bool = False, scaled: bool = False, keyed: bool = False) -> list:
     """query_hat, key_cache, total_length -> ``scores`` = q_selected @ K^[:, :, :, :total_length] (the head of the
     TopKGatherDot and AquaAttention bodies; pooled: selection_nodes'; scaled: an int8 cache, K^'s last dim-major
-    row its scale codes)."""
+    row its scale codes; keyed: K^'s rows divided by the attribute key_weights [Hkv * r], key_cache_g then being
+    k^ / w)."""
     return selection_nodes(pooled) + [
         H.make_node("Constant", [], ["axis_2"], value_ints=[2]),
         H.make_node("Constant", [], ["zero_1"], value_ints=[0]),
@@ -148,10 +149,22 @@ def score_nodes(scores: str, pooled: bool = False, scaled: bool = False) -> list
     ] + (int8_value_nodes("key_cache_s", "key_cache_l", "kq_", "query_hat", -2) if scaled else [
         # a float16 cache under a float32 query (contract cache_dtype) widened; of the query's type, nothing
         # (ONNX Runtime drops a Cast to the type it has)
-        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"])]) + [
-        H.make_node("Unsqueeze", ["key_cache_l", "axis_2"], ["key_cache_g"]),
+        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"])]) + (_keyed_nodes() if keyed else [
+        H.make_node("Identity", ["key_cache_l"], ["key_cache_w"])]) + [
+        H.make_node("Unsqueeze", ["key_cache_w", "axis_2"], ["key_cache_g"]),
         H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
     ]
+
+
+def _keyed_nodes() -> list:
+    """key_cache_l [B, Hkv, r, L], the attribute key_weights [Hkv * r] -> key_cache_w = key_cache_l / w[:, :, None]."""
+    n = H.make_node
+    weights = n("Constant", [], ["kw_flat"])
+    weights.attribute.append(AttributeProto(name="value_floats", ref_attr_name="key_weights",
+                                            type=AttributeProto.FLOATS))
+    return [weights, const("kw_one", [1]), n("Shape", ["key_cache_l"], ["kw_hr"], start=1, end=3),
+            n("Concat", ["kw_hr", "kw_one"], ["kw_shape"], axis=0), n("Reshape", ["kw_flat", "kw_shape"], ["kw_f"]),
+            n("CastLike", ["kw_f", "key_cache_l"], ["kw"]), n("Div", ["key_cache_l", "kw"], ["key_cache_w"])]
 
 
 def mask_nodes() -> list:

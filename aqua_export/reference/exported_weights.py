@@ -89,7 +89,7 @@ def _unfold_projection(wt: torch.Tensor, basis: torch.Tensor, heads: int) -> tor
     """W~ [heads * r, D], per head the round trip of B^T W with B = basis [Hkv, d, r] = P_r diag(c) (P_r's columns
     orthonormal, c the weighted rules' per-coordinate factor, 1 otherwise) -> the reference's W [heads * d, D]:
     W = B (B^T B)^-1 W~ = P_r diag(1 / c) W~, so that the reference's own projection P_r^T W = diag(1 / c) W~ is the
-    export's coordinates without the factor the weighted rules fold into P (export.selection_bases)."""
+    export's coordinates without the factor the weighted rules fold into P (fold.selection_bases)."""
     hkv, d, r = basis.shape
     b = basis.to(torch.float64)
     pinv = torch.linalg.solve(b.transpose(1, 2) @ b, b.transpose(1, 2))  # [Hkv, r, d]

@@ -115,6 +115,12 @@ struct AttentionKernel {
     } catch (const Ort::Exception&) {
       prices_.clear();
     }
+    try {  // optional: K^'s rows hold k^ where the node scores k^ / w (a weighted rule's int8 cache)
+      unweight_ = ki.GetAttributes<float>("key_weights");
+      for (float& w : unweight_) w = 1.0f / w;
+    } catch (const Ort::Exception&) {
+      unweight_.clear();
+    }
   }
 
   void Compute(OrtKernelContext* context) {
@@ -160,6 +166,9 @@ struct AttentionKernel {
     if (!prices_.empty() && static_cast<int64_t>(prices_.size()) != qs[1]) {
       ORT_CXX_API_THROW("AquaAttention: head_prices must hold one price per kv head", ORT_INVALID_ARGUMENT);
     }
+    if (!unweight_.empty() && static_cast<int64_t>(unweight_.size()) != qs[1] * r) {
+      ORT_CXX_API_THROW("AquaAttention: key_weights must hold Hkv * r weights", ORT_INVALID_ARGUMENT);
+    }
     auto out = ctx.GetOutput(0, std::vector<int64_t>{qs[0], qs[1], qs[2], qs[3], rv});
     const int64_t bh = qs[0] * qs[1], rows = qs[2] * qs[3];
     if (bh * rows == 0) return;
@@ -167,6 +176,7 @@ struct AttentionKernel {
     // token selection: a decode step attends the chosen pages (aqua_tokens.cc), a prompt every token with all r
     const int64_t k = tokens_.on() ? r : k_;
     QueryRows<T> query{q_in.GetTensorData<T>(), p_data, qs[1], qs[2], qs[3], qs[4], r, k_, rule_};
+    query.unweight = unweight_.empty() ? nullptr : unweight_.data();
     if (!prices_.empty()) {  // each token's cut of the pooled selection, before any task selects
       auto& value = call_buffer<float, Buffer::kPoolValue>(static_cast<size_t>(qs[0] * qs[3]));
       auto& index = call_buffer<int64_t, Buffer::kPoolIndex>(static_cast<size_t>(qs[0] * qs[3]));
@@ -210,6 +220,7 @@ struct AttentionKernel {
   float softcap_;
   TokenRule tokens_;
   std::vector<float> prices_;  // empty: each row keeps its own k
+  std::vector<float> unweight_;  // [Hkv][r] 1 / key_weights: a row's selected q^ times these scores k^ / w; empty: 1
 };
 
 // inputs 1 and 2 (key_cache, value_cache) of type C, 3 and 4 (total_length, attention_mask) int64

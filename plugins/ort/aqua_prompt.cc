@@ -155,12 +155,13 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
     const int64_t tt = t0 + t;
     load_rows(j, bh, tt, rows.data());
     float* dst = q + t * j.g * j.r;
+    const int64_t kvh = bh % j.heads;
     if (j.k == j.r) {
-      std::copy(rows.begin(), rows.end(), dst);
+      for (int64_t i = 0; i < j.g * j.r; ++i) dst[i] = scored(j, kvh, rows.data(), i / j.r, i % j.r);
       continue;
     }
     if (pool) {
-      const int64_t at = (bh / j.heads) * j.t + tt, kvh = bh % j.heads;
+      const int64_t at = (bh / j.heads) * j.t + tt;
       select_pooled(rows.data(), j.g, j.r, j.rule, kvh, PoolCut{j.prices[kvh], j.cut_value[at], j.cut_index[at]},
                     idx.data(), count.data());
     } else {
@@ -170,7 +171,7 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
     for (int64_t h = 0; h < j.g; ++h) {
       for (int64_t i = 0; i < count[h]; ++i) {
         const int64_t c = idx[h * j.r + i];
-        dst[h * j.r + c] = rows[h * j.r + c];
+        dst[h * j.r + c] = scored(j, kvh, rows.data(), h, c);
       }
     }
   }

@@ -55,7 +55,17 @@ struct QueryRows {
   const float* prices = nullptr;  // [heads]: the pooled selection (aqua_ops.h PoolCut), or null
   const float* cut_value = nullptr;  // [B][T] each token's cut (pool_cut)
   const int64_t* cut_index = nullptr;
+  // [heads][r] or null: K^ holds k^ where the node scores k^ / w (key_weights), so the rows' selected coordinates
+  // are scaled by these 1 / w after the selection ranked them (q^ . (k^ / w) = (q^ / w) . k^)
+  const float* unweight = nullptr;
 };
+
+// Row `h` (of g) of q^ [g][r] for kv head `kvh` keeps coordinate c: the value the scores take (unweighted).
+template <typename T>
+inline float scored(const QueryRows<T>& j, int64_t kvh, const float* q, int64_t h, int64_t c) {
+  const float x = q[h * j.r + c];
+  return j.unweight == nullptr ? x : x * j.unweight[kvh * j.r + c];
+}
 
 // The g query rows of (batch, kv head) `bh` at token tt as float q^ [g][r].
 template <typename T>
@@ -149,7 +159,7 @@ int64_t tile_weights(const QueryRows<T>& j, int64_t k, int64_t bh, int64_t tile,
     }
     for (int64_t i = 0; i < count[h]; ++i) {
       const int64_t c = idx[h * j.r + i];
-      wbuf[c * kRows + rr] = q[h * j.r + c];
+      wbuf[c * kRows + rr] = scored(j, bh % j.heads, q.data(), h, c);
       mark[c] = 1;
     }
   }
