@@ -105,6 +105,7 @@ def _make(spec: str) -> str:
             cmd = [str(VENVS / "openvino" / "bin" / "optimum-cli"), "export", "openvino", "--model", str(_source()),
                    "--task", "text-generation-with-past", *weights, str(tmp)]
         print("  making", out.name, flush=True)
+        WORK.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no build/prefill yet
         with open(WORK / f"{out.name}.log", "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=log)
         if tmp != out:
@@ -121,6 +122,7 @@ def _prompt(tokens: int) -> Path:
         from aqua_export.runtime.text import load_tokenizer
 
         ids = tokenize(load_tokenizer(_source()), read_texts(["builtin:python-reference"]), tokens)
+        WORK.mkdir(parents=True, exist_ok=True)
         np.save(path, ids.numpy())
     return path
 
