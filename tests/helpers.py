@@ -35,16 +35,16 @@ def left_padded(vocab: int, lengths, seed: int = 1):
     return ids, mask
 
 
-def folder_cfg(model, config, dtype: str = "float32", projection=None, fused: bool = True):
+def folder_cfg(model, config, dtype: str = "float32", projection=None, fused: bool = True, cache_dtype=None):
     """The FolderConfig a build would write for ``model`` exported with ``config`` in a test (fused False: a
-    TensorRT build's graph)."""
+    TensorRT build's graph; cache_dtype as export_onnx's)."""
     from aqua_export.export.exporter import contract_for
     from aqua_export.models import attention_geometry
     from aqua_export.runtime.folder import FolderConfig, Geometry
 
     return FolderConfig(model="test", aqua=config, geometry=Geometry(**attention_geometry(model)),
                         contract=contract_for(model, config, {"float32": torch.float32, "float16": torch.float16}[dtype],
-                                              projection, fused=fused))
+                                              projection, cache_dtype, fused=fused))
 
 
 def saved_checkpoint(folder, model_type: str = "llama", dtype=None, **kw):

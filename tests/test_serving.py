@@ -2,6 +2,7 @@
 the prefix cache), and the OpenAI API as the official `openai` client sees it, under load and faults (429, a client
 that goes away, SIGTERM, kill -9 and a restart)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -42,14 +43,17 @@ def _tokenizer(folder) -> None:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tiny_llama):
-    """A dense folder (k 0.5) and a token-selection one (budget 32 tokens: 2 pages), each with a tokenizer."""
+    """A dense folder (k 0.5), a token-selection one (budget 32 tokens: 2 pages) and one caching int8 rows under
+    the group-weighted rule (K^ with the nodes' key_weights), each with a tokenizer."""
     m, proj = tiny_llama
     out = {}
-    for name, cfg in (("dense", AquaConfig(k_ratio=0.5)), ("tokens", AquaConfig(k_ratio=0.5, token_budget=32))):
+    tokens = AquaConfig(k_ratio=0.5, token_budget=32)
+    for name, cfg, cache in (("dense", AquaConfig(k_ratio=0.5), None), ("tokens", tokens, None),
+                             ("int8", dataclasses.replace(tokens, selection="group-weighted"), "int8")):
         d = tmp_path_factory.mktemp(name)
-        export_onnx(m, proj, cfg, d / "model.onnx")
+        export_onnx(m, proj, cfg, d / "model.onnx", cache_dtype=cache)
         _tokenizer(d)
-        folder_cfg(m, cfg).seal(d)
+        folder_cfg(m, cfg, projection=proj if cache else None, cache_dtype=cache).seal(d)
         out[name] = d
     return out
 
@@ -77,12 +81,19 @@ def _serve_all(lm, requests, **engine_args):
     return [s.out for s in seqs], engine
 
 
-@pytest.mark.parametrize("kind", ["dense", "tokens"])
+@pytest.mark.parametrize("kind", ["dense", "tokens", "int8"])
 def test_batching_never_changes_results(folders, kind):
     """32 requests of mixed lengths, 8 at a time, prefilled in chunks between the others' steps, with the rows moved
     left and right as they come and go: token for token what each gives alone; with the prefix cache on (half the
-    prompts share a 64-token prefix) too, and the prefix cache is used."""
+    prompts share a 64-token prefix) too, and the prefix cache is used. The int8 folder's rows (codes and scale) move
+    like any others."""
     lm = OrtLM.from_folder(folders[kind], threads=1)
+    if kind == "int8":
+        import onnx
+
+        m = onnx.load(str(folders[kind] / "model.onnx"), load_external_data=False)
+        nodes = [n for n in m.graph.node if n.op_type == "AquaAttention"]
+        assert nodes and all(any(a.name == "key_weights" for a in n.attribute) for n in nodes)
     for shared in (0, 64):
         reqs = _requests(32, seed=shared, shared=shared)
         alone, _ = _serve_all(lm, reqs, max_seqs=1, chunk=16)
