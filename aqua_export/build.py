@@ -26,6 +26,7 @@ from .capabilities import RUNTIMES, Features
 from .config import AquaConfig, ConfigError
 from .export.contract import Contract
 from .export.exporter import GRAPH_OPS, STANDARD_NEEDS_FLOAT, contract_for, export_onnx
+from .fold import INT8_KEY_SPLIT
 from .meter import StageMeter, stage_bar
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -291,7 +292,7 @@ def export_folder(model, tok, projection, config: AquaConfig, o: BuildOptions, t
 
 def _weighted_fold(contract) -> str:
     """The info line of a weighted rule's fold (fold.selection_bases)."""
-    where = ("P_q (q^ * w; the int8 cache holds k^, divided by AquaAttention's key_weights w)"
+    where = (f"P (q^ * w; the int8 cache holds k^ / w^{INT8_KEY_SPLIT}, divided by AquaAttention's key_weights)"
              if contract.cache_dtype == "int8" else "P (q^ * w, k^ / w)")
     return f"rms(k^) folded into {where}: the weighted rule as magnitude"
 

@@ -71,10 +71,17 @@ def attention_projections(w: dict, P: tuple, P_v: torch.Tensor, scaling: float, 
     return {"q": (wq, bq), "k": (wk, bk), "v": (wv[keep_v], None if bv is None else bv[keep_v]), "o": (wo, None)}
 
 
+# What a weighted rule's int8 cache holds: k^ / w^INT8_KEY_SPLIT, the node dividing those rows by w^(1 - split) (its
+# key_weights) so that it scores k^ / w as the float caches' fold does. 1 would be that fold (K^'s coordinates evened
+# out before the one scale per token), 0 k^ itself. The embedded model's int4 token folder against its float32
+# cache (docs/reference.md): 512-token windows +0.35% / +0.52% / -0.00% and an 8k window +2.35% / +0.26% / +0.32%
+# for 1 / 0 / 0.5.
+INT8_KEY_SPLIT = 0.5
+
+
 class Bases(NamedTuple):
     """What a layer's attention folds in: query [Hkv, d, r] and key [Hkv, d, r] bases, and key_weights [Hkv, r], the
-    factor the node divides K^'s rows by when the cache holds k^ under a weighted rule (None: it holds what the
-    node scores with)."""
+    factor AquaAttention divides K^'s rows by (None: the cache holds what the node scores with)."""
     query: torch.Tensor
     key: torch.Tensor
     key_weights: torch.Tensor | None = None
@@ -86,18 +93,18 @@ def selection_bases(P: torch.Tensor, key_rms: torch.Tensor, r: int, config: Aqua
 
     The weighted rules rank |q^_i| * w_i with w = rms(k^_i). Scaling q^ by w and k^ by 1/w leaves every
     score q^ . k^ (and any subset of its terms) unchanged and turns that rank into plain |q^'_i|, so the
-    nodes and kernels only know magnitude and group rules; a float cache then holds k^ / w. An int8 cache holds k^
-    itself (key_weights w: the node reads k^ / w): one scale per token spends its codes where q^ . k^ has its
-    energy, where k^ / w's evened-out coordinates would spend them on coordinates the scores barely use (perplexity
-    at an 8k window +2.0% against +0.25%, docs/reference.md). w is floored at 1e-6 of its largest value so a dead
-    coordinate does not divide by zero (such a coordinate is never selected by the rule anyway).
+    nodes and kernels only know magnitude and group rules; a float cache then holds k^ / w. An int8 cache holds
+    k^ / w^INT8_KEY_SPLIT and the node's key_weights w^(1 - split) bring it to k^ / w: its one scale per token then
+    spends its codes closer to where q^ . k^ has its energy (INT8_KEY_SPLIT's figures). w is floored at 1e-6 of its
+    largest value so a dead coordinate does not divide by zero (such a coordinate is never selected by the rule
+    anyway).
     """
     P_r = P[:, :, :r].to(torch.float32)
     if not config.weighted_selection:
         return Bases(P_r, P_r)
     w = selection_weights(key_rms, r)
     if cache_dtype == "int8":
-        return Bases(P_r * w[:, None, :], P_r, w)
+        return Bases(P_r * w[:, None, :], P_r / w[:, None, :] ** INT8_KEY_SPLIT, w ** (1 - INT8_KEY_SPLIT))
     return Bases(P_r * w[:, None, :], P_r / w[:, None, :])
 
 

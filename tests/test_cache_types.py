@@ -43,8 +43,8 @@ def test_float16_cache_build(tmp_path, proj, capsys):
 def test_int8_cache_build(tmp_path, proj, capsys):
     """A float32 graph caching int8 rows (--cache-dtype int8) under token selection: the gates run on the same graph
     caching float32 (rewrites.float32_cache) and pass as a float32 build's do; the folder's own run agrees with it
-    at gates.CACHE_TOP1; the buffers are int8 and one exponent wider, a quarter of float32's bytes, holding k^ with
-    the weighted rule's w on the nodes; it runs in both runtimes, the same tokens."""
+    at gates.CACHE_TOP1; the buffers are int8 and one exponent wider, a quarter of float32's bytes, holding k^ / w^s
+    with the rest of the weighted rule's w on the nodes; it runs in both runtimes, the same tokens."""
     out = tmp_path / "kv8"
     assert main(["--model", "llama", "--k-ratio", "0.5", "--selection", "group-weighted", "--token-budget", "64",
                  "--cache-dtype", "int8", "--projection", str(proj), "--out", str(out), "--parity-steps", "8",
@@ -57,7 +57,7 @@ def test_int8_cache_build(tmp_path, proj, capsys):
     ins = {v.name: v.type.tensor_type for v in m.graph.input}
     assert ins["past_key_values.3.key"].elem_type == onnx.TensorProto.INT8
     assert ins["past_key_values.3.key"].shape.dim[-1].dim_value == 65
-    # a weighted rule's int8 rows hold k^ itself, each node dividing by the rule's w (fold.selection_bases)
+    # a weighted rule's int8 rows hold k^ / w^s, each node dividing by w^(1 - s) (fold.selection_bases)
     nodes = [n for n in m.graph.node if n.op_type == "AquaAttention"]
     weights = [next(a.floats for a in n.attribute if a.name == "key_weights") for n in nodes]
     assert len(nodes) == 30 and all(len(w) == 3 * 64 and min(w) > 0 and max(w) > 2 * min(w) for w in weights)

@@ -59,7 +59,7 @@ def test_scale_fold_into_query():
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16", "int8"])
 def test_weighted_bases_rank_by_w_and_keep_every_score(cache_dtype):
     """fold.selection_bases under a weighted rule: |q^'| is |q^| w, and each score term q^_i k^_i survives: a float
-    cache holds k^ / w, an int8 cache k^ itself with the node's key_weights w dividing it (the node's own reading)."""
+    cache holds k^ / w, an int8 cache k^ / w^split with the node's key_weights w^(1 - split) dividing it."""
     from aqua_export.config import AquaConfig
 
     hkv, d, r = 2, 8, 6
@@ -73,7 +73,7 @@ def test_weighted_bases_rank_by_w_and_keep_every_score(cache_dtype):
     assert torch.allclose(qp, q_hat * w, atol=1e-5)
     assert (b.key_weights is not None) == (cache_dtype == "int8")
     read = kp / b.key_weights if b.key_weights is not None else kp  # what the node scores with
-    assert torch.allclose(kp, k_hat if cache_dtype == "int8" else k_hat / w, atol=1e-5)
+    assert torch.allclose(kp, k_hat / w ** (fold.INT8_KEY_SPLIT if cache_dtype == "int8" else 1.0), atol=1e-5)
     assert torch.allclose(qp * read, q_hat * k_hat, atol=1e-5)
     plain = fold.selection_bases(P, rms, r, AquaConfig(k_ratio=0.5), cache_dtype)
     assert plain.key_weights is None and torch.equal(plain.query, plain.key)

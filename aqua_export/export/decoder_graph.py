@@ -12,8 +12,8 @@ Per layer i, with g = H / Hkv, r the retained width and k the selected width (do
       <-- [B,Hkv,g,T,r]: q^ = q P_q, softmax(q^[I] . K^[I, :L] + mask) @ V[:L] in one pass over the cache
       --> [B,T,H*r] --o_proj (P_v^T folded, r columns)--> + x --RMSNorm--> gated MLP --> + --> next layer
 
-P_q = P_k = P[:, :r] except under the weighted rules (fold.selection_bases: P_q = P_r w, P_k = P_r / w, or P_r with
-the node's key_weights w under an int8 cache). TensorRT builds (whose plugin
+P_q = P_k = P[:, :r] except under the weighted rules (fold.selection_bases: P_q = P_r w, P_k = P_r / w; under an int8
+cache P_k = P_r / w^s and the node's key_weights w^(1 - s)). TensorRT builds (whose plugin
 is TopKGatherDot) run q --MatMul P_q--> q^, TopKGatherDot, Softmax and ValueProduct as separate nodes
 instead. AQUA-H2O replaces the cache updates and AquaAttention by one node over the layer's slot buffers
 (h2o.py), given q and P_q as AquaAttention is:

@@ -40,8 +40,8 @@ PRICES_ATTR = Attr("head_prices", "floats", "[Hkv]: the heads share the layer's 
 SCALED_ATTR = Attr("cache_scales", "int", "1: the caches are int8, each token's K^ column and V row ending in the "
                    "code of its scale (ops.rules.int8_rows; contract cache_dtype int8)",
                    required=False)
-KEYED_ATTR = Attr("key_weights", "floats", "[Hkv * r]: K^'s rows hold k^ where the node scores with k^ / w "
-                  "(a weighted rule's int8 cache, fold.selection_bases); absent: K^ is what the node scores with",
+KEYED_ATTR = Attr("key_weights", "floats", "[Hkv * r]: the node scores K^'s rows divided by these (a weighted "
+                  "rule's int8 cache, fold.selection_bases); absent: K^ is what the node scores with",
                   required=False)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
                     required=False),

@@ -20,8 +20,8 @@ def shared(cfg) -> bool:
 
 
 def weighted(cfg) -> bool:
-    """|q^_i| * rms(k^_i): exported by folding rms into P (q^ * w, k^ / w: the same scores; an int8 cache holds k^
-    and the node divides it by its key_weights w; fold.selection_bases)."""
+    """|q^_i| * rms(k^_i): exported by folding rms into P (q^ * w, k^ / w: the same scores; an int8 cache holds
+    k^ / w^s and the node divides it by its key_weights w^(1 - s); fold.selection_bases)."""
     return cfg.selection.endswith("weighted")
 
 

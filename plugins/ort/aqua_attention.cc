@@ -115,7 +115,7 @@ struct AttentionKernel {
     } catch (const Ort::Exception&) {
       prices_.clear();
     }
-    try {  // optional: K^'s rows hold k^ where the node scores k^ / w (a weighted rule's int8 cache)
+    try {  // optional: the node scores K^'s rows divided by these (a weighted rule's int8 cache)
       unweight_ = ki.GetAttributes<float>("key_weights");
       for (float& w : unweight_) w = 1.0f / w;
     } catch (const Ort::Exception&) {

@@ -55,8 +55,8 @@ struct QueryRows {
   const float* prices = nullptr;  // [heads]: the pooled selection (aqua_ops.h PoolCut), or null
   const float* cut_value = nullptr;  // [B][T] each token's cut (pool_cut)
   const int64_t* cut_index = nullptr;
-  // [heads][r] or null: K^ holds k^ where the node scores k^ / w (key_weights), so the rows' selected coordinates
-  // are scaled by these 1 / w after the selection ranked them (q^ . (k^ / w) = (q^ / w) . k^)
+  // [heads][r] or null: the node scores K^'s rows divided by its key_weights w, so the rows' selected coordinates
+  // are scaled by these 1 / w after the selection ranked them (q^ . (K^ / w) = (q^ / w) . K^)
   const float* unweight = nullptr;
 };
 
