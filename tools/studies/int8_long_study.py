@@ -5,12 +5,12 @@ int4 token folder's setting (k 0.25 group-weighted, budget 512) on float32 weigh
 tools/quality.py calibrates. Perplexity of the last LAST tokens of windows of 8192 of builtin:licenses (the measure
 of tools/quality_long.py: the window's earlier tokens are their prompt, each scored row selects its pages).
 
-Variants: none; both rounded as a magnitude or group rule's cache holds them (K^ = K P, V in P_v's basis), and as
-a weighted rule's int8 cache holds them since its nodes carry key_weights (fold.selection_bases); K^ only; V only;
-K^ / w and V, w the calibrated per-coordinate key RMS: what a weighted rule's float cache holds (q^ scaled by w and
-k^ by 1/w so that the kernels rank plain |q^'|), and what its int8 cache held before key_weights. Dividing by w evens
-out K^'s coordinates, whose leading ones carry most of the energy, ahead of the one scale per token: the study
-that moved the int8 cache to K^.
+Variants: none; both rounded as a magnitude or group rule's cache holds them (K^ = K P, V in P_v's basis); K^
+only; V only; K^ / w and V, w the calibrated per-coordinate key RMS: what a weighted rule's float cache holds (q^
+scaled by w and k^ by 1/w so that the kernels rank plain |q^'|), and what its int8 cache held before its nodes
+carried key_weights. Dividing by w evens out K^'s coordinates, whose leading ones carry most of the energy, ahead of
+the one scale per token: the study that moved the int8 cache off K^ / w (it holds K^ / w^0.5 now,
+fold.INT8_KEY_SPLIT, chosen on the folders' own evals: docs/reference.md).
 
     python -m tools.studies.int8_long_study [--windows 1] [--last 0] [--variants none,...]   (about 3.5 min a window
     and variant on 2 cores scoring the last 1024, 8 min every token)  -> benchmarks/int8_long_study.json and .md
@@ -42,7 +42,7 @@ def _int8(x: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def _balanced(proj):
-    """K^ rounded as K^ / w (fold.selection_weights), then times w: a weighted rule's int8 cache before key_weights."""
+    """K^ rounded as K^ / w (fold.selection_weights), then times w: a weighted rule's float cache's basis."""
     def rounded(x: torch.Tensor, i: int) -> torch.Tensor:
         w = selection_weights(proj.key_rms[i], x.shape[-1])[None, :, None, :]  # [1, Hkv, 1, r]
         return _int8(x / w, i) * w
@@ -68,7 +68,7 @@ def render(rows: list[dict], windows: int) -> str:
           f"`{LONG_TEXT}`, scored on the last {LAST} tokens (the rest is their prompt, attended exactly) or on "
           "every token (every row selects its pages, as a folder's token-by-token `eval --folder` does). w is the "
           "calibrated key RMS per coordinate: a weighted rule's float cache holds K^ / w (its int8 cache did before "
-          "its nodes carried key_weights; it holds K^ now: the K^ and V rows).", "",
+          "its nodes carried key_weights; it holds K^ / w^0.5 now, fold.INT8_KEY_SPLIT).", "",
           *table(["variant", "scored", "perplexity", "against none"], cells), ""]
     return "\n".join(md)
 
