@@ -255,6 +255,8 @@ ATTENTION = [
                                       ((2, 2, 3, 24, 32, 50, 64), 8, 48, False, False, "float32"))],
     Case("keyed-weights-per-kv-head-and-coordinate", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)),
          {"k": 8, "key_weights": [1.0] * 16}, only=("native",), error="key_weights must hold"),
+    Case("keyed-weights-positive", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)),
+         {"k": 8, "key_weights": [1.0] * 31 + [0.0]}, only=("native",), error="key_weights must be positive"),
     # shared k (head_prices, allocate's k sharing): per token the heads share Hkv g' k coordinates at their prices;
     # a row may keep none or all r. Decode split over threads or programs, batched prompts, projected, token
     # selection, float16, a float16 cache; the static rule ignores the prices (the last case: a price per kv head

@@ -117,9 +117,14 @@ struct AttentionKernel {
     }
     try {  // optional: the node scores K^'s rows divided by these (a weighted rule's int8 cache)
       unweight_ = ki.GetAttributes<float>("key_weights");
-      for (float& w : unweight_) w = 1.0f / w;
     } catch (const Ort::Exception&) {
       unweight_.clear();
+    }
+    for (float& w : unweight_) {
+      if (!(w > 0.0f) || !std::isfinite(w)) {
+        ORT_CXX_API_THROW("AquaAttention: key_weights must be positive and finite", ORT_INVALID_ARGUMENT);
+      }
+      w = 1.0f / w;
     }
   }
 
