@@ -149,9 +149,8 @@ def score_nodes(scores: str, pooled: bool = False, scaled: bool = False, keyed: 
     ] + (int8_value_nodes("key_cache_s", "key_cache_l", "kq_", "query_hat", -2) if scaled else [
         # a float16 cache under a float32 query (contract cache_dtype) widened; of the query's type, nothing
         # (ONNX Runtime drops a Cast to the type it has)
-        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"])]) + (_keyed_nodes() if keyed else [
-        H.make_node("Identity", ["key_cache_l"], ["key_cache_w"])]) + [
-        H.make_node("Unsqueeze", ["key_cache_w", "axis_2"], ["key_cache_g"]),
+        H.make_node("CastLike", ["key_cache_s", "query_hat"], ["key_cache_l"])]) + _keyed_nodes() * keyed + [
+        H.make_node("Unsqueeze", ["key_cache_w" if keyed else "key_cache_l", "axis_2"], ["key_cache_g"]),
         H.make_node("MatMul", ["q_selected", "key_cache_g"], [scores]),
     ]
 

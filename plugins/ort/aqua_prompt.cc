@@ -157,7 +157,8 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
     float* dst = q + t * j.g * j.r;
     const int64_t kvh = bh % j.heads;
     if (j.k == j.r) {
-      for (int64_t i = 0; i < j.g * j.r; ++i) dst[i] = scored(j, kvh, rows.data(), i / j.r, i % j.r);
+      unweigh(j, kvh, rows.data());
+      std::copy(rows.begin(), rows.end(), dst);
       continue;
     }
     if (pool) {
@@ -168,10 +169,11 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
       select_group(rows.data(), j.g, j.r, j.k, j.rule, idx.data(), j.r);
       std::fill(count.begin(), count.end(), j.k);
     }
+    unweigh(j, kvh, rows.data());
     for (int64_t h = 0; h < j.g; ++h) {
       for (int64_t i = 0; i < count[h]; ++i) {
         const int64_t c = idx[h * j.r + i];
-        dst[h * j.r + c] = scored(j, kvh, rows.data(), h, c);
+        dst[h * j.r + c] = rows[h * j.r + c];
       }
     }
   }

@@ -60,11 +60,14 @@ struct QueryRows {
   const float* unweight = nullptr;
 };
 
-// Row `h` (of g) of q^ [g][r] for kv head `kvh` keeps coordinate c: the value the scores take (unweighted).
+// q^ [g][r] of kv head `kvh`, after its selection ranked it, as the scores take it: times unweight (if any).
 template <typename T>
-inline float scored(const QueryRows<T>& j, int64_t kvh, const float* q, int64_t h, int64_t c) {
-  const float x = q[h * j.r + c];
-  return j.unweight == nullptr ? x : x * j.unweight[kvh * j.r + c];
+inline void unweigh(const QueryRows<T>& j, int64_t kvh, float* q) {
+  if (j.unweight == nullptr) return;
+  const float* u = j.unweight + kvh * j.r;
+  for (int64_t h = 0; h < j.g; ++h) {
+    for (int64_t c = 0; c < j.r; ++c) q[h * j.r + c] *= u[c];
+  }
 }
 
 // The g query rows of (batch, kv head) `bh` at token tt as float q^ [g][r].
@@ -155,11 +158,12 @@ int64_t tile_weights(const QueryRows<T>& j, int64_t k, int64_t bh, int64_t tile,
         select_group(q.data(), j.g, j.r, k, j.rule, idx.data(), j.r);
         std::fill(count.begin(), count.end(), k);
       }
+      unweigh(j, bh % j.heads, q.data());
       loaded = tt;
     }
     for (int64_t i = 0; i < count[h]; ++i) {
       const int64_t c = idx[h * j.r + i];
-      wbuf[c * kRows + rr] = scored(j, bh % j.heads, q.data(), h, c);
+      wbuf[c * kRows + rr] = q[h * j.r + c];
       mark[c] = 1;
     }
   }
