@@ -86,8 +86,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     help="quantize each block between its min and max with a zero point (default: symmetric, no zero "
                          "points, as onnxruntime-genai's builder)")
     ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 4],
-                    help="ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes the activations to int8 per block "
-                         "(the fast CPU path; onnxruntime-genai's builder's default), 0 / 1 keep them float32 "
+                    help="ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes a decode step's activations to int8 per "
+                         "block (the fast CPU path for few rows; onnxruntime-genai's builder's default) and keeps a "
+                         "prompt's (64 rows or more) float32, the faster there; 0 / 1 keep them float32 "
                          "(default %(default)s)")
     ap.add_argument("--ops", default="onnxruntime", choices=["onnxruntime", "standard"],
                     help="the graph's nodes beside the com.aqua ones: onnxruntime (its contrib fusions RotaryEmbedding, "

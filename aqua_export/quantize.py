@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 BITS = (4, 8)
 BLOCKS = (16, 32, 64, 128)
 ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activations, 4 int8 activations
+# Level 4's int8 activations pay only for products of few rows: ONNX Runtime 1.32 on AVX2 + FMA without VNNI
+# (MatMulNBits alone, K 576 / 1536, int4 and int8 weights) was 1.5x faster with int8 activations at 16 rows, even at
+# 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph multiplies
+# a forward of at least this many rows (batch x new tokens: a prompt) with float32 activations, and a decode step's
+# few rows with int8 ones (blocks.Blocks._linear: one If per product, both kernels over the same blocks).
+FLOAT_ACTIVATION_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,8 @@ class WeightFormat:
 
     block: inputs per quantization block; symmetric: no zero points (the default, as onnxruntime-genai's builder);
     accuracy_level: ONNX Runtime's minimum accuracy of the activations in the quantized MatMuls (4: int8, the
-    builder's CPU default and the fast path; 0: float32)."""
+    builder's CPU default and the fast path for a decode step's rows, float32 from FLOAT_ACTIVATION_ROWS rows up;
+    0: float32)."""
 
     bits: int | None = None
     block: int = 32
@@ -58,6 +65,10 @@ class WeightFormat:
     @property
     def quantized(self) -> bool:
         return self.bits is not None
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.quantized and self.accuracy_level == 4
 
     @property
     def name(self) -> str:

@@ -234,3 +234,36 @@ def test_folder_perplexity_equals_the_reference_and_genais_builder(ckpt, tmp_pat
     for g in got:
         assert g["predicted_tokens"] == ref["predicted_tokens"]
         assert abs(g["nll"] - ref["nll"]) <= 1e-4 * ref["nll"]
+
+
+def test_level_4_takes_int8_activations_for_few_rows_and_float32_for_a_prompt(tmp_path):
+    """accuracy_level 4 (the default): every quantized product is an If between MatMulNBits at level 0 and 4 over
+    the same blocks, on the forward's rows (quantize.FLOAT_ACTIVATION_ROWS). A forward of that many rows (batch x
+    new tokens) computes exactly what the graph with float32 activations computes; one row fewer rounds them."""
+    import onnx
+
+    from aqua_export.export.exporter import export_onnx
+    from aqua_export.export.rewrites import all_logits, float_activations
+    from aqua_export.quantize import FLOAT_ACTIVATION_ROWS
+    from aqua_export.runtime.lm import OrtLM
+    from aqua_export.runtime.session import make_session
+
+    m = models.tiny_model("llama", head_dim=32, heads=4)
+    cfg = AquaConfig(k_ratio=0.75)
+    proto = export_onnx(m, tiny_projection(m, tmp_path), cfg, tmp_path / "q.onnx", weights=WeightFormat(bits=4))
+    ifs = [n for n in proto.graph.node if n.op_type == "If"]
+    assert "MatMulNBits" not in [n.op_type for n in proto.graph.node] and len(ifs) == 4 * 2 + 1
+    levels = {(a.g.node[0].op_type, b.i) for n in ifs for a in n.attribute for b in a.g.node[0].attribute
+              if b.name == "accuracy_level"}
+    assert levels == {("MatMulNBits", 0), ("MatMulNBits", 4)}
+
+    def logits(model, rows):
+        lm = OrtLM(make_session(all_logits(model).SerializeToString(), kernel="function"), folder_cfg(m, cfg),
+                   "concat", all_rows=True)
+        ids, mask = left_padded(128, [rows // 2, rows // 2 - 3])
+        return lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))[0]
+
+    for rows, same in ((FLOAT_ACTIVATION_ROWS, True), (FLOAT_ACTIVATION_ROWS - 2, False)):
+        got, floats = (logits(g, rows) for g in (onnx.load(str(tmp_path / "q.onnx")),
+                                                 float_activations(onnx.load(str(tmp_path / "q.onnx")))))
+        assert np.array_equal(got, floats) == same, rows

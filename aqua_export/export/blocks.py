@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto
 
 from ..config import ConfigError
-from ..quantize import check_shape, quantize
+from ..quantize import FLOAT_ACTIVATION_ROWS, check_shape, quantize
 
 F32 = TensorProto.FLOAT
 MS = "com.microsoft"  # ONNX Runtime's contrib ops: MatMulNBits, GatherBlockQuantized, MoE, QMoE
@@ -49,14 +49,36 @@ class Blocks:
             ins = self._quantized(name, w)
             if b is not None:
                 ins += [""] * (4 - len(ins)) + [self.weight(f"{name}.bias", b)]  # inputs 3, 4: zero points, g_idx
-            y = self.gb.op(f"{name}/MatMulNBits", "MatMulNBits", [x] + ins, domain=MS, outputs=outputs, K=w.shape[1],
-                           N=w.shape[0], bits=fmt.bits, block_size=fmt.block, accuracy_level=fmt.accuracy_level)
-            return y[0] if outputs else y
+            attrs = dict(domain=MS, K=w.shape[1], N=w.shape[0], bits=fmt.bits, block_size=fmt.block)
+            if not fmt.int8_activations:
+                y = self.gb.op(f"{name}/MatMulNBits", "MatMulNBits", [x] + ins, outputs=outputs,
+                               accuracy_level=fmt.accuracy_level, **attrs)
+                return y[0] if outputs else y
+            return self.gb.choose(f"{name}/MatMulNBits", self._prompt_rows(), [self._nbits(name, x, ins, 0, attrs)],
+                                  [self._nbits(name, x, ins, fmt.accuracy_level, attrs)], self.p.elem, outputs)
         wt = self.weight(f"{name}.weight", w.t())
         y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt], outputs=None if b is not None else outputs)
         if b is not None:
             y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)], outputs=outputs)
         return y[0] if isinstance(y, list) else y
+
+    @staticmethod
+    def _nbits(name: str, x: str, ins: list[str], level: int, attrs: dict):
+        """One branch of a level-4 product: MatMulNBits over the same blocks at accuracy_level ``level``."""
+        from onnx import helper as H
+
+        tag = f"{name}/MatMulNBits/{'int8' if level else 'float32'}"
+        return H.make_node("MatMulNBits", [x] + ins, [f"{tag}/output_0"], name=tag, accuracy_level=level, **attrs)
+
+    def _prompt_rows(self) -> str:
+        """[] bool, once per graph: this forward multiplies at least quantize.FLOAT_ACTIVATION_ROWS rows (batch x
+        new tokens), so its level-4 products take float32 activations (quantize.py says why)."""
+        if self._rows is None:
+            gb = self.gb
+            rows = gb.op("/model/rows/ReduceProd", "ReduceProd", [gb.op("/model/rows/Shape", "Shape",
+                                                                         [self.contract.INPUT_IDS])], keepdims=0)
+            self._rows = gb.op("/model/rows/Prompt", "GreaterOrEqual", [rows, gb.const(FLOAT_ACTIVATION_ROWS)])
+        return self._rows
 
     def _quantized(self, name: str, w: torch.Tensor, shape: tuple | None = None) -> list[str]:
         """W [..., N, K] -> the names of its packed blocks, scales and (asymmetric) zero points (quantize.py), the

@@ -207,11 +207,19 @@ def all_logits(m):
 
 def float_activations(m):
     """The graph with every quantized MatMul and expert op computing its activations in float32 (accuracy_level 0):
-    the folder's int8 activations (level 4) round the input of each quantized MatMul per block, which is the
-    weight format's choice, not the export's; parity gates the export without it and reports it apart."""
-    for n in m.graph.node:
-        if n.domain == "com.microsoft" and n.op_type in ("MatMulNBits", "QMoE"):
-            for a in n.attribute:
-                if a.name == "accuracy_level":
-                    a.i = 0
+    the folder's int8 activations (level 4, on a decode step's few rows) round the input of each quantized MatMul
+    per block, which is the weight format's choice, not the export's; parity gates the export without it and
+    reports it apart."""
+
+    def walk(graph):
+        for n in graph.node:
+            if n.domain == "com.microsoft" and n.op_type in ("MatMulNBits", "QMoE"):
+                for a in n.attribute:
+                    if a.name == "accuracy_level":
+                        a.i = 0
+            for a in n.attribute:  # a level-4 product's If (blocks.Blocks._linear): both branches
+                if a.type == a.GRAPH:
+                    walk(a.g)
+
+    walk(m.graph)
     return m
