@@ -35,7 +35,7 @@ ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activati
 # (MatMulNBits alone, K 576 / 1536, int4 and int8 weights) was 1.5x faster with int8 activations at 16 rows, even at
 # 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph multiplies
 # a forward of at least this many rows (batch x new tokens: a prompt) with float32 activations, and a decode step's
-# few rows with int8 ones (blocks.Blocks._linear: one If per product, both kernels over the same blocks).
+# few rows with int8 ones (blocks.Blocks.rows_choose_activations: both kernels over the same blocks).
 FLOAT_ACTIVATION_ROWS = 64
 
 

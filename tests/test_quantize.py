@@ -237,9 +237,11 @@ def test_folder_perplexity_equals_the_reference_and_genais_builder(ckpt, tmp_pat
 
 
 def test_level_4_takes_int8_activations_for_few_rows_and_float32_for_a_prompt(tmp_path):
-    """accuracy_level 4 (the default): every quantized product is an If between MatMulNBits at level 0 and 4 over
-    the same blocks, on the forward's rows (quantize.FLOAT_ACTIVATION_ROWS). A forward of that many rows (batch x
-    new tokens) computes exactly what the graph with float32 activations computes; one row fewer rounds them."""
+    """accuracy_level 4 (the default): the quantized products sit in Ifs on the forward's rows
+    (quantize.FLOAT_ACTIVATION_ROWS), one a run of float nodes (blocks.Blocks.rows_choose_activations: a layer's
+    q/k/v, its o_proj and MLP with the next layer's q/k/v, the output layer), each branch over the same blocks. A
+    forward of that many rows (batch x new tokens) computes exactly what the graph with float32 activations
+    computes; one row fewer rounds them."""
     import onnx
 
     from aqua_export.export.exporter import export_onnx
@@ -252,10 +254,12 @@ def test_level_4_takes_int8_activations_for_few_rows_and_float32_for_a_prompt(tm
     cfg = AquaConfig(k_ratio=0.75)
     proto = export_onnx(m, tiny_projection(m, tmp_path), cfg, tmp_path / "q.onnx", weights=WeightFormat(bits=4))
     ifs = [n for n in proto.graph.node if n.op_type == "If"]
-    assert "MatMulNBits" not in [n.op_type for n in proto.graph.node] and len(ifs) == 4 * 2 + 1
-    levels = {(a.g.node[0].op_type, b.i) for n in ifs for a in n.attribute for b in a.g.node[0].attribute
-              if b.name == "accuracy_level"}
-    assert levels == {("MatMulNBits", 0), ("MatMulNBits", 4)}
+    assert "MatMulNBits" not in [n.op_type for n in proto.graph.node] and len(ifs) == 2 + 2  # 2 layers
+    for branch, level in (("then_branch", 0), ("else_branch", 4)):
+        products = [x for n in ifs for a in n.attribute if a.name == branch for x in a.g.node
+                    if x.op_type == "MatMulNBits"]
+        assert len(products) == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down; the output layer
+        assert {a.i for x in products for a in x.attribute if a.name == "accuracy_level"} == {level}
 
     def logits(model, rows):
         lm = OrtLM(make_session(all_logits(model).SerializeToString(), kernel="function"), folder_cfg(m, cfg),

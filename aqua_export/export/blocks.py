@@ -16,6 +16,12 @@ from ..quantize import FLOAT_ACTIVATION_ROWS, check_shape, quantize
 
 F32 = TensorProto.FLOAT
 MS = "com.microsoft"  # ONNX Runtime's contrib ops: MatMulNBits, GatherBlockQuantized, MoE, QMoE
+# ops whose outputs are tensors of the export dtype (where a layer's stream and projections are): what a run of
+# Blocks.rows_choose_activations may hold
+FLOAT_RUN = {("", op) for op in ("MatMul", "Split", "Sigmoid", "Mul", "Add", "Div", "Sqrt", "Pow", "ReduceMean",
+                                 "Reshape", "Transpose", "Gelu", "Tanh", "Relu", "Softmax")} | \
+    {(MS, op) for op in ("MatMulNBits", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
+                         "RotaryEmbedding")}
 
 
 def stack(parts: list) -> tuple:
@@ -49,36 +55,77 @@ class Blocks:
             ins = self._quantized(name, w)
             if b is not None:
                 ins += [""] * (4 - len(ins)) + [self.weight(f"{name}.bias", b)]  # inputs 3, 4: zero points, g_idx
-            attrs = dict(domain=MS, K=w.shape[1], N=w.shape[0], bits=fmt.bits, block_size=fmt.block)
-            if not fmt.int8_activations:
-                y = self.gb.op(f"{name}/MatMulNBits", "MatMulNBits", [x] + ins, outputs=outputs,
-                               accuracy_level=fmt.accuracy_level, **attrs)
-                return y[0] if outputs else y
-            return self.gb.choose(f"{name}/MatMulNBits", self._prompt_rows(), [self._nbits(name, x, ins, 0, attrs)],
-                                  [self._nbits(name, x, ins, fmt.accuracy_level, attrs)], self.p.elem, outputs)
+            y = self.gb.op(f"{name}/MatMulNBits", "MatMulNBits", [x] + ins, domain=MS, outputs=outputs, K=w.shape[1],
+                           N=w.shape[0], bits=fmt.bits, block_size=fmt.block, accuracy_level=fmt.accuracy_level)
+            return y[0] if outputs else y
         wt = self.weight(f"{name}.weight", w.t())
         y = self.gb.op(f"{name}/MatMul", "MatMul", [x, wt], outputs=None if b is not None else outputs)
         if b is not None:
             y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)], outputs=outputs)
         return y[0] if isinstance(y, list) else y
 
-    @staticmethod
-    def _nbits(name: str, x: str, ins: list[str], level: int, attrs: dict):
-        """One branch of a level-4 product: MatMulNBits over the same blocks at accuracy_level ``level``."""
+    def rows_choose_activations(self) -> None:
+        """At accuracy level 4, each maximal run of consecutive float nodes (FLOAT_RUN) that holds quantized
+        products becomes one If on the forward's rows (quantize.FLOAT_ACTIVATION_ROWS: batch x new tokens): its
+        then branch the run with float32 activations (accuracy_level 0, a prompt's), its else branch the run as
+        built (int8, a decode step's). A run goes from one attention node to the next layer's cache write (o_proj,
+        norm, MLP, norm, q/k/v), so a forward pays about one If a layer, not one a product (~5 us each)."""
+        if not self.p.weights.int8_activations:
+            return
+        nodes, graph_out = self.gb.nodes, {o.name for o in self.gb.outputs}
+        readers: dict = {}
+        for i, n in enumerate(nodes):
+            for v in n.input:
+                readers.setdefault(v, set()).add(i)
+        cond, out, run = self._rows_condition(), [], []
+        for i, n in enumerate(nodes + [None]):
+            if n is not None and (n.domain, n.op_type) in FLOAT_RUN:
+                run.append(i)
+                continue
+            if any(nodes[j].op_type == "MatMulNBits" for j in run):
+                out.append(self._run_if([nodes[j] for j in run], set(run), readers, graph_out, cond))
+            else:
+                out += [nodes[j] for j in run]
+            run = []
+            if n is not None:
+                out.append(n)
+        self.gb.nodes = cond[1] + out
+
+    def _rows_condition(self) -> tuple[str, list]:
+        """[] bool "this forward multiplies at least FLOAT_ACTIVATION_ROWS rows", and the nodes computing it."""
         from onnx import helper as H
 
-        tag = f"{name}/MatMulNBits/{'int8' if level else 'float32'}"
-        return H.make_node("MatMulNBits", [x] + ins, [f"{tag}/output_0"], name=tag, accuracy_level=level, **attrs)
+        n = "/model/rows"
+        nodes = [H.make_node("Shape", [self.contract.INPUT_IDS], [f"{n}/shape"], name=f"{n}/Shape"),
+                 H.make_node("ReduceProd", [f"{n}/shape"], [f"{n}/count"], name=f"{n}/ReduceProd", keepdims=0),
+                 H.make_node("GreaterOrEqual", [f"{n}/count", self.gb.const(FLOAT_ACTIVATION_ROWS)], [f"{n}/prompt"],
+                             name=f"{n}/Prompt")]
+        return f"{n}/prompt", nodes
 
-    def _prompt_rows(self) -> str:
-        """[] bool, once per graph: this forward multiplies at least quantize.FLOAT_ACTIVATION_ROWS rows (batch x
-        new tokens), so its level-4 products take float32 activations (quantize.py says why)."""
-        if self._rows is None:
-            gb = self.gb
-            rows = gb.op("/model/rows/ReduceProd", "ReduceProd", [gb.op("/model/rows/Shape", "Shape",
-                                                                         [self.contract.INPUT_IDS])], keepdims=0)
-            self._rows = gb.op("/model/rows/Prompt", "GreaterOrEqual", [rows, gb.const(FLOAT_ACTIVATION_ROWS)])
-        return self._rows
+    def _run_if(self, run: list, at: set, readers: dict, graph_out: set, cond: tuple):
+        """One If computing a run's values that nodes outside it read (all of the export dtype: FLOAT_RUN)."""
+        from onnx import helper as H
+
+        made = [o for n in run for o in n.output if o]
+        leave = [o for o in made if o in graph_out or readers.get(o, set()) - at]
+        first = next(n for n in run if n.op_type == "MatMulNBits").name
+
+        def branch(tag: str, level: int):
+            name = {o: f"{o}/{tag}" for o in made}
+            body = []
+            for n in run:
+                c = H.make_node(n.op_type, [name.get(v, v) for v in n.input], [name.get(v, v) for v in n.output],
+                                name=f"{n.name}/{tag}", domain=n.domain)
+                c.attribute.extend(a for a in n.attribute if not (n.op_type == "MatMulNBits" and
+                                                                  a.name == "accuracy_level"))
+                if n.op_type == "MatMulNBits":
+                    c.attribute.append(H.make_attribute("accuracy_level", level))
+                body.append(c)
+            return H.make_graph(body, f"{first}/{tag}", [], [H.make_tensor_value_info(name[o], self.p.elem, None)
+                                                              for o in leave])
+
+        return H.make_node("If", [cond[0]], leave, name=f"{first}/Rows", then_branch=branch("float32", 0),
+                           else_branch=branch("int8", self.p.weights.accuracy_level))
 
     def _quantized(self, name: str, w: torch.Tensor, shape: tuple | None = None) -> list[str]:
         """W [..., N, K] -> the names of its packed blocks, scales and (asymmetric) zero points (quantize.py), the

@@ -100,20 +100,6 @@ class GraphBuilder:
         self.nodes.append(H.make_node(op_type, inputs, outs, name=name, domain=domain, **attrs))
         return outs[0] if n_out == 1 and outputs is None else outs
 
-    def choose(self, name: str, cond: str, then: list, otherwise: list, elem: int,
-               outputs: list[str] | None = None) -> str:
-        """One If node: the value of ``then``'s last node when ``cond`` ([] bool) holds, else ``otherwise``'s.
-        The branches are node lists (onnx.helper.make_node) reading the enclosing graph's values by name."""
-        from onnx import helper as H
-
-        out = (outputs or [f"{name}/output_0"])[0]
-        branch = {tag: H.make_graph(nodes, f"{name}/{tag}", [], [H.make_tensor_value_info(nodes[-1].output[0], elem,
-                                                                                           None)])
-                  for tag, nodes in (("then", then), ("else", otherwise))}
-        self.nodes.append(H.make_node("If", [cond], [out], name=name, then_branch=branch["then"],
-                                      else_branch=branch["else"]))
-        return out
-
     def weight(self, name: str, t: torch.Tensor) -> str:
         self.store.add(name, t)
         return name

@@ -127,7 +127,6 @@ class DecoderGraph(Blocks):
         self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
         self._masks: dict = {}  # one mask per distinct sliding window (None: full causal)
         self._rotary: dict = {}  # one cos/sin pair per distinct rotary embedding
-        self._rows: str | None = None  # Blocks._prompt_rows: does this forward take float32 activations
 
     # ---------------------------------------------------------------- once per graph
     def inputs(self) -> dict:

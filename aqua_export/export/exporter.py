@@ -109,6 +109,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         g = DecoderGraph(gb, plan, {"plugin_namespace": spec.PLUGIN_NAMESPACE, "plugin_version": spec.PLUGIN_VERSION,
                                     **settings.node_attrs(config)})
         _decoder(g, model, projection, config, progress)
+        g.rows_choose_activations()
         domains = {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION}
         keyed = any(a.name == "key_weights" for n in gb.nodes if n.domain == spec.DOMAIN for a in n.attribute)
         if any(n.domain == MS for n in gb.nodes):

@@ -217,7 +217,7 @@ def float_activations(m):
                 for a in n.attribute:
                     if a.name == "accuracy_level":
                         a.i = 0
-            for a in n.attribute:  # a level-4 product's If (blocks.Blocks._linear): both branches
+            for a in n.attribute:  # blocks.Blocks.rows_choose_activations' Ifs: both branches
                 if a.type == a.GRAPH:
                     walk(a.g)
 
