@@ -88,7 +88,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 4],
                     help="ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes a decode step's activations to int8 per "
                          "block (the fast CPU path for few rows; onnxruntime-genai's builder's default) and keeps a "
-                         "prompt's (64 rows or more) float32, the faster there; 0 / 1 keep them float32 "
+                         "prompt's (64 new tokens or more) float32, the faster there; 0 / 1 keep them float32 "
                          "(default %(default)s)")
     ap.add_argument("--ops", default="onnxruntime", choices=["onnxruntime", "standard"],
                     help="the graph's nodes beside the com.aqua ones: onnxruntime (its contrib fusions RotaryEmbedding, "

@@ -34,8 +34,9 @@ ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activati
 # Level 4's int8 activations pay only for products of few rows: ONNX Runtime 1.32 on AVX2 + FMA without VNNI
 # (MatMulNBits alone, K 576 / 1536, int4 and int8 weights) was 1.5x faster with int8 activations at 16 rows, even at
 # 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph multiplies
-# a forward of at least this many rows (batch x new tokens: a prompt) with float32 activations, and a decode step's
-# few rows with int8 ones (blocks.Blocks.rows_choose_activations: both kernels over the same blocks).
+# a forward of at least this many new tokens a sequence (a prompt, or its chunk) with float32 activations, and a
+# decode step's one token a sequence with int8 ones, whatever the batch (blocks.Blocks.rows_choose_activations: both
+# kernels over the same blocks).
 FLOAT_ACTIVATION_ROWS = 64
 
 
@@ -45,7 +46,7 @@ class WeightFormat:
 
     block: inputs per quantization block; symmetric: no zero points (the default, as onnxruntime-genai's builder);
     accuracy_level: ONNX Runtime's minimum accuracy of the activations in the quantized MatMuls (4: int8, the
-    builder's CPU default and the fast path for a decode step's rows, float32 from FLOAT_ACTIVATION_ROWS rows up;
+    builder's CPU default and the fast path for a decode step, float32 from FLOAT_ACTIVATION_ROWS new tokens up;
     0: float32)."""
 
     bits: int | None = None

@@ -237,11 +237,11 @@ def test_folder_perplexity_equals_the_reference_and_genais_builder(ckpt, tmp_pat
 
 
 def test_level_4_takes_int8_activations_for_few_rows_and_float32_for_a_prompt(tmp_path):
-    """accuracy_level 4 (the default): the quantized products sit in Ifs on the forward's rows
+    """accuracy_level 4 (the default): the quantized products sit in Ifs on the forward's new tokens a sequence
     (quantize.FLOAT_ACTIVATION_ROWS), one a run of float nodes (blocks.Blocks.rows_choose_activations: a layer's
     q/k/v, its o_proj and MLP with the next layer's q/k/v, the output layer), each branch over the same blocks. A
-    forward of that many rows (batch x new tokens) computes exactly what the graph with float32 activations
-    computes; one row fewer rounds them."""
+    forward of that many tokens computes exactly what the graph with float32 activations computes; fewer round them
+    to int8, however many rows the batch makes (so batching never changes a sequence's arithmetic)."""
     import onnx
 
     from aqua_export.export.exporter import export_onnx
@@ -261,13 +261,14 @@ def test_level_4_takes_int8_activations_for_few_rows_and_float32_for_a_prompt(tm
         assert len(products) == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down; the output layer
         assert {a.i for x in products for a in x.attribute if a.name == "accuracy_level"} == {level}
 
-    def logits(model, rows):
+    def logits(model, lengths):
         lm = OrtLM(make_session(all_logits(model).SerializeToString(), kernel="function"), folder_cfg(m, cfg),
                    "concat", all_rows=True)
-        ids, mask = left_padded(128, [rows // 2, rows // 2 - 3])
-        return lm.step(ids.numpy(), mask.numpy(), lm.empty_past(2))[0]
+        ids, mask = left_padded(128, lengths)
+        return lm.step(ids.numpy(), mask.numpy(), lm.empty_past(len(lengths)))[0]
 
-    for rows, same in ((FLOAT_ACTIVATION_ROWS, True), (FLOAT_ACTIVATION_ROWS - 2, False)):
-        got, floats = (logits(g, rows) for g in (onnx.load(str(tmp_path / "q.onnx")),
-                                                 float_activations(onnx.load(str(tmp_path / "q.onnx")))))
-        assert np.array_equal(got, floats) == same, rows
+    t = FLOAT_ACTIVATION_ROWS
+    for lengths, same in (([t, t - 3], True), ([t - 2, t - 5], False), ([t // 2] * 4, False)):
+        got, floats = (logits(g, lengths) for g in (onnx.load(str(tmp_path / "q.onnx")),
+                                                    float_activations(onnx.load(str(tmp_path / "q.onnx")))))
+        assert np.array_equal(got, floats) == same, lengths

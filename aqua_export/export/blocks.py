@@ -66,7 +66,7 @@ class Blocks:
 
     def rows_choose_activations(self) -> None:
         """At accuracy level 4, each maximal run of consecutive float nodes (FLOAT_RUN) that holds quantized
-        products becomes one If on the forward's rows (quantize.FLOAT_ACTIVATION_ROWS: batch x new tokens): its
+        products becomes one If on the forward's new tokens a sequence (quantize.FLOAT_ACTIVATION_ROWS): its
         then branch the run with float32 activations (accuracy_level 0, a prompt's), its else branch the run as
         built (int8, a decode step's). A run goes from one attention node to the next layer's cache write (o_proj,
         norm, MLP, norm, q/k/v), so a forward pays about one If a layer, not one a product (~5 us each)."""
@@ -92,11 +92,13 @@ class Blocks:
         self.gb.nodes = cond[1] + out
 
     def _rows_condition(self) -> tuple[str, list]:
-        """[] bool "this forward multiplies at least FLOAT_ACTIVATION_ROWS rows", and the nodes computing it."""
+        """[] bool "this forward takes at least FLOAT_ACTIVATION_ROWS new tokens a sequence", and the nodes computing
+        it. Per sequence, not batch x tokens: a decode step takes int8 activations however many sequences it
+        steps, so batching never changes a sequence's arithmetic (serving.engine decodes up to 64 and more)."""
         from onnx import helper as H
 
         n = "/model/rows"
-        nodes = [H.make_node("Shape", [self.contract.INPUT_IDS], [f"{n}/shape"], name=f"{n}/Shape"),
+        nodes = [H.make_node("Shape", [self.contract.INPUT_IDS], [f"{n}/shape"], name=f"{n}/Shape", start=1),
                  H.make_node("ReduceProd", [f"{n}/shape"], [f"{n}/count"], name=f"{n}/ReduceProd", keepdims=0),
                  H.make_node("GreaterOrEqual", [f"{n}/count", self.gb.const(FLOAT_ACTIVATION_ROWS)], [f"{n}/prompt"],
                              name=f"{n}/Prompt")]
