@@ -64,47 +64,43 @@ class Blocks:
             y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)], outputs=outputs)
         return y[0] if isinstance(y, list) else y
 
-    def rows_choose_activations(self) -> None:
+    def rows_choose_activations(self, new: str) -> None:
         """At accuracy level 4, each maximal run of consecutive float nodes (FLOAT_RUN) that holds quantized
-        products becomes one If on the forward's new tokens a sequence (quantize.FLOAT_ACTIVATION_ROWS): its
-        then branch the run with float32 activations (accuracy_level 0, a prompt's), its else branch the run as
-        built (int8, a decode step's). A run goes from one attention node to the next layer's cache write (o_proj,
-        norm, MLP, norm, q/k/v), so a forward pays about one If a layer, not one a product (~5 us each)."""
+        products becomes one If on the forward's new tokens a sequence (``new`` [1], DecoderGraph.inputs' count;
+        quantize.FLOAT_ACTIVATION_ROWS): its then branch the run with float32 activations (accuracy_level 0, a
+        prompt's), its else branch the run as built (int8, a decode step's). Per sequence, not batch x tokens: a
+        decode step is int8 however many sequences it steps, so batching never changes a sequence's arithmetic. A
+        run goes from one attention node to the next layer's cache write (o_proj, norm, MLP, norm, q/k/v), so a
+        forward pays about one If a layer, not one a product (each a few microseconds)."""
         if not self.p.weights.int8_activations:
             return
+        from onnx import helper as H
+
         nodes, graph_out = self.gb.nodes, {o.name for o in self.gb.outputs}
         readers: dict = {}
         for i, n in enumerate(nodes):
             for v in n.input:
                 readers.setdefault(v, set()).add(i)
-        cond, out, run = self._rows_condition(), [], []
+        prompt = "/model/prompt_tokens/output_0"
+        cond = [H.make_node("GreaterOrEqual", [new, self.gb.const([FLOAT_ACTIVATION_ROWS])], [prompt],
+                            name="/model/prompt_tokens")]
+        out, run = [], []
         for i, n in enumerate(nodes + [None]):
             if n is not None and (n.domain, n.op_type) in FLOAT_RUN:
                 run.append(i)
                 continue
             if any(nodes[j].op_type == "MatMulNBits" for j in run):
-                out.append(self._run_if([nodes[j] for j in run], set(run), readers, graph_out, cond))
+                out += cond  # once, before the first If (after the node counting the new tokens)
+                cond = []
+                out.append(self._run_if([nodes[j] for j in run], set(run), readers, graph_out, prompt))
             else:
                 out += [nodes[j] for j in run]
             run = []
             if n is not None:
                 out.append(n)
-        self.gb.nodes = cond[1] + out
+        self.gb.nodes = out
 
-    def _rows_condition(self) -> tuple[str, list]:
-        """[] bool "this forward takes at least FLOAT_ACTIVATION_ROWS new tokens a sequence", and the nodes computing
-        it. Per sequence, not batch x tokens: a decode step takes int8 activations however many sequences it
-        steps, so batching never changes a sequence's arithmetic (serving.engine decodes up to 64 and more)."""
-        from onnx import helper as H
-
-        n = "/model/rows"
-        nodes = [H.make_node("Shape", [self.contract.INPUT_IDS], [f"{n}/shape"], name=f"{n}/Shape", start=1),
-                 H.make_node("ReduceProd", [f"{n}/shape"], [f"{n}/count"], name=f"{n}/ReduceProd", keepdims=0),
-                 H.make_node("GreaterOrEqual", [f"{n}/count", self.gb.const(FLOAT_ACTIVATION_ROWS)], [f"{n}/prompt"],
-                             name=f"{n}/Prompt")]
-        return f"{n}/prompt", nodes
-
-    def _run_if(self, run: list, at: set, readers: dict, graph_out: set, cond: tuple):
+    def _run_if(self, run: list, at: set, readers: dict, graph_out: set, prompt: str):
         """One If computing a run's values that nodes outside it read (all of the export dtype: FLOAT_RUN)."""
         from onnx import helper as H
 
@@ -126,7 +122,7 @@ class Blocks:
             return H.make_graph(body, f"{first}/{tag}", [], [H.make_tensor_value_info(name[o], self.p.elem, None)
                                                               for o in leave])
 
-        return H.make_node("If", [cond[0]], leave, name=f"{first}/Rows", then_branch=branch("float32", 0),
+        return H.make_node("If", [prompt], leave, name=f"{first}/Rows", then_branch=branch("float32", 0),
                            else_branch=branch("int8", self.p.weights.accuracy_level))
 
     def _quantized(self, name: str, w: torch.Tensor, shape: tuple | None = None) -> list[str]:

@@ -109,7 +109,6 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
         g = DecoderGraph(gb, plan, {"plugin_namespace": spec.PLUGIN_NAMESPACE, "plugin_version": spec.PLUGIN_VERSION,
                                     **settings.node_attrs(config)})
         _decoder(g, model, projection, config, progress)
-        g.rows_choose_activations()
         domains = {"": spec.OPSET, spec.DOMAIN: spec.OPSET_VERSION}
         keyed = any(a.name == "key_weights" for n in gb.nodes if n.domain == spec.DOMAIN for a in n.attribute)
         if any(n.domain == MS for n in gb.nodes):
@@ -131,7 +130,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
 
 def _decoder(g: DecoderGraph, model, projection: Projection, config: AquaConfig, progress) -> None:
     """The whole graph into g: inputs, embeddings, every layer (weights folded and written as each is built),
-    the head, outputs."""
+    the head, outputs; at accuracy level 4 the quantized products' Ifs on the new tokens (rows_choose_activations)."""
     cfg, gb, ct, d = model.config, g.gb, g.p.contract, g.p.head_dim
     arch = architecture_of(cfg)
     io = g.inputs()
@@ -156,3 +155,4 @@ def _decoder(g: DecoderGraph, model, projection: Projection, config: AquaConfig,
     tied = getattr(cfg, "tie_word_embeddings", False) and head.weight is et.weight
     g.head(stream, *arch.final_norm(model), head.weight.detach(), "model.embed_tokens.weight" if tied else None, io)
     g.outputs()
+    g.rows_choose_activations(io["new"])
