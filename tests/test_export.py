@@ -341,6 +341,43 @@ def test_padding_side_does_not_matter(exported, cfg, kv):
     assert np.array_equal(left_out, right_out) and np.array_equal(left_out, ref[:, ids.shape[1]:].numpy())
 
 
+@pytest.mark.parametrize("kernel", ["function", "native"])
+@pytest.mark.parametrize("settings,queries", [(dict(), True), (dict(k_ratio=0.5), True),
+                                              (dict(k_ratio=0.5, token_budget=32, selection="group"), False),
+                                              (dict(k_ratio=0.75, h2o_ratio=0.5), False)],
+                         ids=["dense", "aqua", "tokens", "h2o"])
+def test_last_layer_computes_the_head_rows_alone(tiny_llama, tmp_path, settings, queries, kernel):
+    """A last_logits graph's last layer runs its MLP (and, where a decode step of that row is exact, its attention)
+    on each sequence's last real token alone: a prompt's logits equal the every-row graph's at that row, padded on
+    either side; token selection and H2O keep every query row in the attention."""
+    from aqua_export.runtime.session import native_library
+
+    if kernel == "native" and native_library() is None:
+        pytest.skip("native kernel not built (run `make plugin`)")
+    m, proj = tiny_llama
+    cfg = AquaConfig(**settings)
+    path = tmp_path / "m.onnx"
+    proto = export_onnx(m, proj, cfg, path)
+    last = f"/model/layers.{m.config.num_hidden_layers - 1}/"
+    names = {n.name for n in proto.graph.node}
+    assert last + "HeadRows/x/Gather" in names and (last + "attn/HeadRows/q/Gather" in names) == queries
+    assert (last + "HeadRows/attn/Gather" in names) != queries
+    assert not any("HeadRows" in n for n in names if not n.startswith(last))
+    rows = OrtLM.open(path, folder_cfg(m, cfg), kernel=kernel, cache="concat")
+    every = OrtLM.open(path, folder_cfg(m, cfg), kernel=kernel, cache="concat", all_logits=True)
+    ids, mask = left_padded(128, [40, 23])  # 40 new tokens: the native prompt kernel for every row
+    right, rmask = np.zeros_like(ids.numpy()), np.zeros_like(mask.numpy())
+    for b in range(2):
+        real = ids.numpy()[b][mask.numpy()[b] == 1]
+        right[b, :len(real)], rmask[b, :len(real)] = real, 1
+    for x, xm in ((ids.numpy(), mask.numpy()), (right, rmask)):
+        got, _ = rows.step(x, xm, rows.empty_past(2))
+        want, _ = every.step(x, xm, every.empty_past(2))
+        at = [np.flatnonzero(xm[b])[-1] for b in range(2)]
+        assert got.shape == (2, 1, m.config.vocab_size)
+        assert np.abs(got[:, 0] - want[[0, 1], at]).max() <= 1e-5
+
+
 @pytest.mark.parametrize("settings", [dict(k_ratio=0.5), dict(k_ratio=0.5, token_budget=32, selection="group"),
                                       dict(k_ratio=0.5, k_alloc="energy")], ids=["aqua", "tokens", "shared-k"])
 def test_int8_cache_graph_and_its_float_twin(tiny_llama, tmp_path, settings):

@@ -22,7 +22,8 @@ and returns logits [batch, sequence, vocab] and present.{i}.<kind> for each of t
 
 The logits (last_logits, what the ONNX Runtime graphs do): only each sequence's last real token's row is computed
 (its last position whose attention_mask is 1); the other rows are unspecified (ops/logit_rows.py: never written, so a
-long prompt's [T, vocab] logits are never resident). Generation reads those rows alone, onnxruntime-genai included.
+long prompt's [T, vocab] logits are never resident; the last layer's MLP already runs on those rows alone:
+export.decoder_graph). Generation reads those rows alone, onnxruntime-genai included.
 Perplexity, lm-eval and parity open the graph with its constant ``all_logits`` set to 1 (rewrites.all_logits), which
 computes every row. (A graph input with a default would do it per call, but ONNX Runtime's IOBinding cannot bind
 an input that has an initializer.)

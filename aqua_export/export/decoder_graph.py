@@ -46,6 +46,7 @@ from ..fold import attention_projections
 from ..ops import aqua_attention, cache_update, h2o_attention, logit_rows, quantize_rows, topk_gather_dot, value_product
 from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
+from ..settings.tokens import reads_a_share
 from .blocks import Blocks, stack
 from .builder import GraphBuilder, onnx_type
 from .contract import Contract
@@ -127,6 +128,7 @@ class DecoderGraph(Blocks):
         self.cast = {"tensors": 0, "elements": 0, "below_float16_normal_range": 0}
         self._masks: dict = {}  # one mask per distinct sliding window (None: full causal)
         self._rotary: dict = {}  # one cos/sin pair per distinct rotary embedding
+        self.logit_index = None  # last_logits: the head's rows [B, K] (inputs()), gathered in the last layer
 
     # ---------------------------------------------------------------- once per graph
     def inputs(self) -> dict:
@@ -148,6 +150,8 @@ class DecoderGraph(Blocks):
         new = gb.op(f"{n}/ShapeNew", "Shape", [ct.INPUT_IDS], start=1, end=2)
         io["position_ids"] = gb.op(f"{n}/SliceNew", "Slice", [pos, gb.op(f"{n}/First", "Sub", [io["total"], new]),
                                                                io["total"], c([1])])
+        if ct.last_logits:  # here, among the integer nodes: inside a quantized graph's float runs an If would take it
+            self.logit_index = self._logit_rows(io)
         return io
 
     def outputs(self) -> None:
@@ -226,6 +230,10 @@ class DecoderGraph(Blocks):
         attn = self._attention(i, h, w, P, P_v, scaling, rope, window, io)
         if "attn_out_norm" in w:  # Gemma: the block's output is normalised before the residual add
             attn = self._rmsnorm(f"{n}/attn_out_norm", attn, w["attn_out_norm"])
+        if self._head_rows_only(i):  # attn has the head's rows already when the attention took those alone
+            x = self._gather_rows(f"{n}/HeadRows/x", x, self.logit_index)
+            if not self._head_queries_only():
+                attn = self._gather_rows(f"{n}/HeadRows/attn", attn, self.logit_index)
         h, x = self._add_norm(f"{n}/post_attention_layernorm", (x, attn), w["post_attention_layernorm"],
                               w.get("post_attention_layernorm_bias"))
         down = self._moe(f"{n}/mlp", h, w) if "router" in w else \
@@ -301,6 +309,8 @@ class DecoderGraph(Blocks):
         attention mask [B, L] itself; TensorRT's separate nodes add the [B, 1, 1, T, L] mask (DecoderGraph.mask)."""
         gb, p, c, n = self.gb, self.p, self.gb.const, f"/model/layers.{i}/attn"
         rv, attrs = p.rv(i), dict(self.op_attrs, k=p.k(i))
+        if self._head_rows_only(i) and self._head_queries_only():
+            q = self._gather_rows(f"{n}/HeadRows/q", q, self.logit_index, axis=3)
         assert key_weights is None or (p.fused and not p.h2o), "key weights come with an int8 cache: AquaAttention's"
         if p.h2o:  # the slots, the scores and the eviction in one node (h2o.py)
             ct = self.contract
@@ -371,12 +381,11 @@ class DecoderGraph(Blocks):
              tied_to: str | None, io: dict) -> None:
         """logits = norm(x + pending) @ W_lm^T. Tied float embeddings reuse the embedding table through Gemm(transB);
         quantized weights give the output layer its own MatMulNBits blocks (of the same table when tied). A
-        last_logits graph (contract.Contract) runs the head on the rows logit_rows picks and places them with
-        LogitRows."""
+        last_logits graph (contract.Contract) runs the last layer's MLP and the head on the rows logit_rows picks
+        (gathered by layer()) and places them with LogitRows."""
         gb, c = self.gb, self.gb.const
         last = self.contract.last_logits
-        if last:
-            index, stream = self._logit_rows(stream, io)
+        index = self.logit_index  # the last layer took the stream at these rows (layer())
         h, _ = self._add_norm("/model/norm", stream, norm_w, norm_b)
         cap = self.p.final_softcap
         out = None if cap or last else ["logits"]
@@ -398,10 +407,22 @@ class DecoderGraph(Blocks):
         if last:
             gb.op(f"/lm_head/{ROWS}", ROWS, [y, index, io["new"]], domain=self.domain, outputs=["logits"])
 
-    def _logit_rows(self, stream: tuple, io: dict) -> tuple:
+    def _head_rows_only(self, i: int) -> bool:
+        """Whether layer i is a last_logits graph's last (contract.Contract): its MLP, and the head, run on the
+        rows the logits need alone (every row's keys and values are cached before them)."""
+        return self.contract.last_logits and i == self.contract.layers - 1
+
+    def _head_queries_only(self) -> bool:
+        """Whether the last layer's attention takes the head's query rows alone: one row per sequence, which
+        AquaAttention computes as a decode step at the last slot; exact as the prompt kernel is (its causal and
+        padding masks leave the row the same keys), but under token selection a decode step reads chosen pages,
+        and H2OAttention's heavy-hitter sums take every query row."""
+        return self.p.fused and not self.p.h2o and not reads_a_share(self.op_attrs.get("token_ratio", 1.0),
+                                                                     self.op_attrs.get("token_budget", 0))
+
+    def _logit_rows(self, io: dict) -> str:
         """The rows the head computes (contract.Contract, last_logits): index [B, K], each sequence's last position
-        whose attention_mask is 1 (K = 1), or every position when the constant all_logits is 1 (K = T); stream's two
-        [B, T, D] tensors gathered there."""
+        whose attention_mask is 1 (K = 1), or every position when the constant all_logits is 1 (K = T)."""
         gb, c, n = self.gb, self.gb.const, "/model/logit_rows"
         ct = self.contract
         new = gb.op(f"{n}/NewMask", "Slice", [ct.ATTENTION_MASK, gb.op(f"{n}/Neg", "Neg", [io["new"]]),
@@ -411,10 +432,17 @@ class DecoderGraph(Blocks):
         keep = gb.op(f"{n}/Keep", "Where", [every, io["new"], c([1])])
         start = gb.op(f"{n}/Start", "Where", [every, c([0]), last])  # [B, 1]
         ramp = gb.op(f"{n}/Ramp", "Range", [c(0), gb.op(f"{n}/KeepScalar", "Squeeze", [keep]), c(1)])
-        index = gb.op(f"{n}/Index", "Add", [start, gb.op(f"{n}/RampRow", "Unsqueeze", [ramp, c([0])])])  # [B, K]
-        wide = gb.op(f"{n}/Shape", "Concat", [gb.op(f"{n}/IndexShape", "Shape", [index]), c([self.p.hidden])], axis=0)
-        at = gb.op(f"{n}/At", "Expand", [gb.op(f"{n}/IndexCol", "Unsqueeze", [index, c([-1])]), wide])
-        x, pending = stream
-        pick = [gb.op(f"{n}/Gather{i}", "GatherElements", [t, at], axis=1) if t is not None else None
-                for i, t in enumerate((x, pending))]
-        return index, tuple(pick)
+        return gb.op(f"{n}/Index", "Add", [start, gb.op(f"{n}/RampRow", "Unsqueeze", [ramp, c([0])])])  # [B, K]
+
+    def _gather_rows(self, n: str, t: str, index: str, axis: int = 1) -> str:
+        """t [B, T, D] (axis 1) or [B, Hkv, g, T, w] (axis 3) at the positions index [B, K] -> K in place of T."""
+        gb, c = self.gb, self.gb.const
+        shape = gb.op(f"{n}/Shape", "Shape", [t])
+        wide = gb.op(f"{n}/WideShape", "Concat", [gb.op(f"{n}/Lead", "Slice", [shape, c([0]), c([axis])]),
+                                                  gb.op(f"{n}/K", "Shape", [index], start=1, end=2),
+                                                  gb.op(f"{n}/Trail", "Slice", [shape, c([axis + 1]), c([2**62])])],
+                     axis=0)
+        # Unsqueeze, not Reshape: a quantized graph's Ifs take Reshapes among their float runs (blocks.FLOAT_RUN)
+        at = gb.op(f"{n}/IndexAxes", "Unsqueeze", [index, c([-1] if axis == 1 else [1, 2, 4])])
+        at = gb.op(f"{n}/At", "Expand", [at, wide])  # [B, K, D] or [B, Hkv, g, K, w]
+        return gb.op(f"{n}/Gather", "GatherElements", [t, at], axis=axis)
