@@ -18,12 +18,13 @@ def providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
 
 
-# Tokens per forward of a long prompt in `aqua-export run` (OrtLM.prefill). ONNX Runtime's float32 MatMul (MLAS)
-# multiplies an 8k prompt's rows in one product at about two thirds of the rate it reaches on 1,024 rows at a time
-# (`python -m tools prompt`: the MatMul columns); the prompt kernel's attention is the same work either way, and the
-# activations' peak shrinks with the chunk. (genai's search.chunk_size does the same at batch 1; genai 0.18 refuses
-# it for a batch, so folders leave it unset: docs/reference.md.)
-PREFILL_CHUNK = 1024
+# Tokens per forward of a long prompt in `aqua-export run` (OrtLM.prefill): the activations' peak shrinks with the
+# chunk, and the prompt kernel's attention is the same work either way. 7,936 prompt tokens, forwards of 1,024 /
+# 2,048 / all at once (two alternating rounds, an ad-hoc timing of OrtLM.prefill): the dense float32 folder 26.2-26.3
+# / 25.5-25.7 / 25.9-26.1 s, the int4 token folder 26.9-27.0 / 26.4-26.8 / 25.7-25.9 s (its products take float32
+# activations, whose rate MLAS keeps at any row count). (genai's search.chunk_size does the same at batch 1; genai
+# 0.18 refuses it for a batch, so folders leave it unset: docs/reference.md.)
+PREFILL_CHUNK = 2048
 
 NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
 VARIANT_ENV = "AQUA_ORT_ISA"  # force one of the library's instruction-set variants (plugins/ort/loader.cc)
