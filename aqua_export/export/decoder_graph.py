@@ -46,7 +46,6 @@ from ..fold import attention_projections
 from ..ops import aqua_attention, cache_update, h2o_attention, logit_rows, quantize_rows, topk_gather_dot, value_product
 from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
-from ..settings.tokens import reads_a_share
 from .blocks import Blocks, stack
 from .builder import GraphBuilder, onnx_type
 from .contract import Contract
@@ -81,6 +80,7 @@ class Plan:
     #                       LayerNormalization); False: standard ops (any ONNX consumer; TensorRT)
     positions: int = 4096  # the rotary tables' positions (the model's context)
     weights: WeightFormat = WeightFormat()  # the linear layers' (and embedding's) storage: float, or int4 / int8 blocks
+    selects_tokens: bool = False  # token selection: a decode step reads chosen pages (AquaConfig.selects_tokens)
 
     layers = property(lambda self: self.contract.layers)
     kv_heads = property(lambda self: self.contract.kv_heads)
@@ -417,8 +417,7 @@ class DecoderGraph(Blocks):
         AquaAttention computes as a decode step at the last slot; exact as the prompt kernel is (its causal and
         padding masks leave the row the same keys), but under token selection a decode step reads chosen pages,
         and H2OAttention's heavy-hitter sums take every query row."""
-        return self.p.fused and not self.p.h2o and not reads_a_share(self.op_attrs.get("token_ratio", 1.0),
-                                                                     self.op_attrs.get("token_budget", 0))
+        return self.p.fused and not self.p.h2o and not self.p.selects_tokens
 
     def _logit_rows(self, io: dict) -> str:
         """The rows the head computes (contract.Contract, last_logits): index [B, K], each sequence's last position

@@ -80,7 +80,8 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
                 final_softcap=arch.final_softcap(cfg), fused=fused, contrib=fused and ops == "onnxruntime",
-                weights=weights, positions=int(getattr(cfg, "max_position_embeddings", None) or 4096))
+                weights=weights, positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+                selects_tokens=config.selects_tokens)
 
 
 def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: torch.dtype = torch.float32,
