@@ -230,27 +230,39 @@ inline Chunk gather_chunk(const int32_t* chosen, int64_t c, int64_t c1, int64_t 
 }
 
 // Chosen pages are scattered, so the hardware prefetcher cannot see them coming: K^ has one line per coordinate
-// row and page, r lines in r places, each a full miss unless requested ahead. kAheadPages pages on from the run
-// being scored are requested while it is (enough misses in flight to cover memory latency, few enough not to
-// overflow the core's miss queue); a chunk's V rows (contiguous per page) when its scoring starts.
+// row and page, r lines in r places, each a full miss unless requested ahead. The page kAheadPages on in the chosen
+// order is requested while one is scored (enough misses in flight to cover memory latency; 1 and 4 measured slower
+// at batch 16, 1k context), each page's V rows while its keys are (PageRequests: both spread over the loads).
 constexpr int64_t kAheadPages = 2;
 
 template <typename T>
 void prefetch_keys(const int32_t* chosen, int64_t from, int64_t to, const T* key, int64_t key_stride, int64_t r) {
   for (int64_t c = from; c < to; ++c) {
     const T* k0 = key + chosen[c] * kPage;  // key: at the row's origin
-    for (int64_t row = 0; row < r; ++row) __builtin_prefetch(k0 + row * key_stride);
+    for (int64_t row = 0; row < r; ++row) __builtin_prefetch(k0 + row * key_stride, 0, 0);
   }
 }
 
-template <typename T>
-void prefetch_values(const Chunk& ch, const T* value, int64_t rv) {
-  constexpr int64_t kLineElems = 64 / sizeof(T);
-  for (int i = 0; i < ch.nruns; ++i) {
-    const T* v0 = value + ch.runs[i].start * rv;
-    for (int64_t e = 0; e < ch.runs[i].n * rv; e += kLineElems) __builtin_prefetch(v0 + e);
+// A run's PageRequests (the run ending at chosen index run.last; c1 the split's end; key at the row's origin): for
+// each of its pages the keys of the page kAheadPages on and its own V rows (vs elements a row).
+template <typename C>
+struct RunRequests {
+  const C* key[kPos / kPage];
+  const char* value[kPos / kPage];
+  PageRequests<C> req;
+
+  RunRequests(const Chunk::Run& run, const int32_t* chosen, int64_t c1, const C* key_origin, const C* values,
+              int64_t vs, int64_t extra_row) {
+    const int64_t np = (run.n + kPage - 1) / kPage, first = run.last - np;
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t c = first + p + kAheadPages;
+      key[p] = c < c1 ? key_origin + chosen[c] * kPage : nullptr;
+      value[p] = reinterpret_cast<const char*>(values + (run.start + p * kPage) * vs);
+    }
+    req = {key, extra_row, value, (kPage * vs * static_cast<int64_t>(sizeof(C)) + 63) / 64};
   }
-}
+  RunRequests(const RunRequests&) = delete;  // req points into this object
+};
 
 // The attend pass's per-thread buffers, reached through one call (as ScoreScratch).
 struct AttendScratch {
@@ -296,15 +308,11 @@ void attend_task(void* data, size_t task_index) {
   prefetch_keys(chosen, c0, std::min(c1, c0 + kAheadPages), key + org, j.key_stride, kr);
   for (Chunk ch = gather_chunk(chosen, c0, c1, j.len, org); ch.nruns > 0;
        ch = gather_chunk(chosen, ch.end, c1, j.len, org)) {
-    prefetch_values(ch, value, vs);
-    int64_t requested = std::min(c1, c0 + kAheadPages);
     for (int i = 0; i < ch.nruns; ++i) {
       const auto& run = ch.runs[i];
-      const int64_t ahead = std::min(c1, run.last + kAheadPages);
-      prefetch_keys(chosen, std::max(requested, run.last), ahead, key + org, j.key_stride, kr);
-      requested = std::max(requested, ahead);
+      const RunRequests<C> ahead(run, chosen, c1, key + org, value, vs, extra > 0 ? j.r : -1);
       seen.block(run.start, run.n, mg + run.at);
-      accumulate_rows<false>(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos);
+      accumulate_page_rows(nr, key + run.start, j.key_stride, uni, nu, wbuf, run.n, s + run.at, kPos, ahead.req);
       if constexpr (extra > 0) {  // int8: the run's key scales on its scores
         scales_of(key + j.r * j.key_stride + run.start, run.n, 1, scale);
         scale_rows(nr, s + run.at, kPos, run.n, scale);
