@@ -27,6 +27,10 @@ Byte limit: a step reads K and V (dense) or the union u of the group's selected 
 limit = (K + V) / (u K + V); u = k/d for `group`. Queries: q^ coordinate c drawn with the standard deviation
 the calibration measured for it (the embedded model's projection, median layer; iid without the artifact).
 
+Each timed step starts with the CPU caches flushed (harness.flush_caches), as a folder's step meets each layer's
+cache after the other layers went through: at 1k tokens a cache fits in L3 and a step timed warm reads it from
+there. --warm times steps back to back instead.
+
 Rerun: `.venv/bin/python -m tools attention` (under a minute on 2 cores; --quick for a smoke run).
 """
 
@@ -42,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 from aqua_export.ops import rules
-from tools.harness import interleaved_medians
+from tools.harness import flush_caches, interleaved_medians
 from aqua_export.ops.spec import PROJECTION, SLOT_EXTRA_BYTES
 from aqua_export.runtime.caches import large_empty
 from aqua_export.outputs import atomic_write_bytes
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="T 1024 only, few repetitions")
+    ap.add_argument("--warm", action="store_true", help="steps back to back, the cache left in the CPU's caches")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args(argv)
     from aqua_export.runtime.session import make_session, native_library
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in sessions:
                 if name[0] == "h2o":
                     fns[name] = _h2o_runner(sessions[name], name[1], projected["query_hat"], P, b, t, reps + 2, rng)
-            med = interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0)
+            med = interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0,
+                                      between=None if a.warm else flush_caches)
             for rule, ratio in SETTINGS:
                 k = round(ratio * D)
                 u = _union_fraction(q, k, rule)
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": a.threads, "reps": reps, "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
+    meta = {"threads": a.threads, "reps": reps, "caches": "warm" if a.warm else "flushed before each step", "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
             "queries": "spectrum" if spectrum is not None else "iid",
             "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
     atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())

@@ -77,9 +77,11 @@ def command(name: str) -> str:
     return f"python -m tools {name}"
 
 
-def interleaved_medians(fns: dict, reps: int, budget_s: float = float("inf"), warmup: bool = True) -> dict:
+def interleaved_medians(fns: dict, reps: int, budget_s: float = float("inf"), warmup: bool = True,
+                        between=None) -> dict:
     """Median seconds per callable of ``fns`` (name -> fn), measured in rounds that run every callable once, so
-    drift and frequency changes hit all of them alike; stops after ``budget_s`` once 5 rounds are in."""
+    drift and frequency changes hit all of them alike; stops after ``budget_s`` once 5 rounds are in. between: called
+    untimed before each timed call (flush_caches: every call starts cold)."""
     if warmup:
         for fn in fns.values():
             fn()  # allocations, thread pools
@@ -87,12 +89,28 @@ def interleaved_medians(fns: dict, reps: int, budget_s: float = float("inf"), wa
     start = time.perf_counter()
     for i in range(reps):
         for name, fn in fns.items():
+            if between is not None:
+                between()
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
         if time.perf_counter() - start > budget_s and i >= 4:
             break
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+FLUSH_BYTES = 64 << 20  # four times the 16 MiB L3 of this machine's core complex, more than most x86 L3 slices
+_flush_buffer: list = []
+
+
+def flush_caches() -> None:
+    """Writes one byte of every line of a FLUSH_BYTES buffer, so what a timed call reads next comes from memory: a
+    model's decode step meets each layer's cache after the other layers' weights and caches went through."""
+    import numpy as np
+
+    if not _flush_buffer:
+        _flush_buffer.append(np.zeros(FLUSH_BYTES, np.uint8))
+    _flush_buffer[0][::64] += 1
 
 
 def table(head: list[str], rows: list[list]) -> list[str]:

@@ -28,7 +28,8 @@ def attention_section(data) -> list[str]:
     m = data["meta"]
     out = ["## Attention step (one decode step, ONNX Runtime, `python -m tools attention`)", "",
            f"{m['geometry']['heads']} query heads, {m['geometry']['kv_heads']} KV heads, d = {m['geometry']['head_dim']}; "
-           f"{m['threads']} intra-op threads; medians of up to {m['reps']} interleaved rounds; {m['queries']} queries. "
+           f"{m['threads']} intra-op threads; medians of up to {m['reps']} interleaved rounds; {m['queries']} queries; "
+           f"the CPU's caches {'left warm between steps' if m.get('caches', 'warm') == 'warm' else 'flushed before each step'}. "
            "AQUA = the fused `AquaAttention` node (native kernel) given q and P, as folders run it (q^ = qP inside the node). `X / AQUA` > 1 means AQUA is faster than X: "
            "fused dense = the same node at k = d (what a dense folder runs), ORT dense = MatMul, Softmax, MatMul "
            "(standard ops), GQA = ORT's GroupQueryAttention. Rule `head`: each query head its own top-k "
