@@ -18,6 +18,10 @@ Runtimes:
 
 With prefill N (runtime aqua), each timed step is instead a whole prompt of N random tokens from an
 empty cache (AQUA-H2O included: its prompt is one forward that evicts inside the graph).
+
+With profile (runtime aqua), the timed steps run under ONNX Runtime's profiler and each folder also gets the
+milliseconds a step spends in each op type (the median over rounds): where a step's time goes. The profiler
+costs time per node, so its rounds' tokens/s are below an unprofiled run's.
 """
 
 from __future__ import annotations
@@ -39,18 +43,22 @@ from .runtime.lm import OrtLM
 
 RUNTIMES = ("aqua", "genai", "genai-io")
 GENAI_PROMPT_CHUNK = 256  # tokens per append_tokens call when a real prompt is prefilled through genai
+PROFILE_ROWS = 8  # op types a folder's profile shows in the table (the JSON has all)
 
 
 def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", steps: int = 8, rounds: int = 3,
-          threads: int = 2, capacity: int = 0, prefill: int = 0) -> dict:
+          threads: int = 2, capacity: int = 0, prefill: int = 0, profile: bool = False) -> dict:
     """capacity: cache slots allocated (aqua, genai-io; 0 = just enough): a step's cost must not depend on it.
-    prefill: time prompts of this many tokens instead of decode steps (runtime aqua; context unused)."""
+    prefill: time prompts of this many tokens instead of decode steps (runtime aqua; context unused).
+    profile: each folder's ms a step per op type too (runtime aqua; "profile_ms")."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown --runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
     if context < 1 or batch < 1 or steps < 1 or rounds < 1 or prefill < 0:
         raise ConfigError("--context, --batch, --steps and --rounds must be >= 1, --prefill >= 0")
     if prefill and runtime != "aqua":
         raise ConfigError("--prefill is measured in this project's runtime only: use --runtime aqua")
+    if profile and runtime != "aqua":
+        raise ConfigError("--profile reads ONNX Runtime's profiler in this project's runtime only: use --runtime aqua")
     needed = (prefill or context) + (0 if prefill else steps + 2)
     if capacity and capacity < needed:
         raise ConfigError(f"--capacity {capacity} is fewer cache slots than the {needed} this run fills (context, the "
@@ -60,10 +68,12 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
     times: dict = {f: [] for f in folders}
     rss: dict = {f: [] for f in folders}
     peak: dict = {f: [] for f in folders}
+    ops: dict = {f: {} for f in folders}
     for _ in range(rounds):
         for f in folders:
             out = subprocess.run([sys.executable, "-m", "aqua_export.bench", f, str(context), str(batch), runtime,
-                                  str(steps), str(threads), str(capacity), str(prefill)], capture_output=True, text=True)
+                                  str(steps), str(threads), str(capacity), str(prefill), str(int(profile))],
+                                 capture_output=True, text=True)
             if out.returncode:
                 last = (out.stderr.strip().splitlines() or ["no output"])[-1]
                 raise ConfigError(f"bench of {f} failed: {last}")
@@ -71,12 +81,17 @@ def bench(folders: list[str], context: int, batch: int, runtime: str = "aqua", s
             times[f] += one["step_s"]
             rss[f].append(one["decode_rss_mb"])
             peak[f].append(one["peak_rss_mb"])
+            for op, ms in one.get("profile_ms", {}).items():
+                ops[f].setdefault(op, []).append(ms)
     res = {"context": context, "batch": batch, "runtime": runtime, "steps": steps, "rounds": rounds,
-           "threads": threads, "capacity": capacity, "prefill": prefill, "folders": {}}
+           "threads": threads, "capacity": capacity, "prefill": prefill, "profile": profile, "folders": {}}
     for f in folders:
         med = statistics.median(times[f])
         res["folders"][f] = {"step_s_median": med, "tokens_per_s": batch * (prefill or 1) / med,
                              "decode_rss_mb": max(rss[f]), "peak_rss_mb": max(peak[f])}
+        if profile:  # an op type a round did not run counts 0 there
+            per = {op: statistics.median(v + [0.0] * (rounds - len(v))) for op, v in ops[f].items()}
+            res["folders"][f]["profile_ms"] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
     return res
 
 
@@ -109,6 +124,16 @@ def table(res: dict) -> str:
         lines.append(f"| {f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
                      f"{r['decode_rss_mb']:.0f} | {r['decode_rss_mb'] / first['decode_rss_mb']:.2f}x | "
                      f"{r['peak_rss_mb']:.0f} |")
+    if res.get("profile"):
+        lines += ["", f"Where a step's time goes (ONNX Runtime's profiler, ms a step, the {PROFILE_ROWS} largest op "
+                      "types; the profiler slows every node, so these rounds' tokens/s are below an unprofiled run's). "
+                      "`If` holds its branch's nodes, which count under their own types too; shares leave it out.", "",
+                  "| folder | op type | ms a step | share |", "|---|---|---|---|"]
+        for f, r in res["folders"].items():
+            total = sum(ms for op, ms in r["profile_ms"].items() if op != "If") or 1.0
+            for op, ms in list(r["profile_ms"].items())[:PROFILE_ROWS]:
+                share = "" if op == "If" else f"{ms / total:.0%}"
+                lines.append(f"| {f} | {op} | {ms:.2f} | {share} |")
     return "\n".join(lines)
 
 
@@ -128,8 +153,8 @@ def _peak_rss_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
-    lm = OrtLM.from_folder(folder, threads, serving=(batch, max(capacity, context + steps + 2)))
+def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity, **session):
+    lm = OrtLM.from_folder(folder, threads, serving=(batch, max(capacity, context + steps + 2)), **session)
     ct = lm.contract
     past = lm.empty_past(batch)
     mask = np.ones((batch, context + steps + 2), np.int64)
@@ -152,17 +177,19 @@ def _aqua_stepper(folder, context, batch, threads, rng, steps, capacity):
                                    state["past"])
         state["pos"] = p + 1
 
+    step.session = lm.session
     return step
 
 
-def _aqua_prefiller(folder, prompt, batch, threads, rng):
-    lm = OrtLM.from_folder(folder, threads, serving=(batch, prompt))
+def _aqua_prefiller(folder, prompt, batch, threads, rng, **session):
+    lm = OrtLM.from_folder(folder, threads, serving=(batch, prompt), **session)
     vocab = lm.contract.vocab
 
     def step():
         lm.step(rng.integers(3, min(1000, vocab), (batch, prompt)), np.ones((batch, prompt), np.int64),
                 lm.empty_past(batch))
 
+    step.session = lm.session
     return step
 
 
@@ -212,23 +239,44 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
 
 
 def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int, capacity: int = 0,
-                prefill: int = 0) -> dict:
+                prefill: int = 0, profile: bool = False) -> dict:
+    import tempfile
+
     rng = np.random.default_rng(0)
-    if prefill:
-        step = _aqua_prefiller(folder, prefill, batch, threads, rng)
-    else:
-        make = {"aqua": _aqua_stepper, "genai": _genai_stepper, "genai-io": _genai_io_stepper}[runtime]
-        step = make(folder, context, batch, threads, rng, steps, capacity)
-    step()  # warm-up: allocations, thread pool
-    times, rss = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-        rss.append(_rss_mb())
-    return {"step_s": times, "decode_rss_mb": max(rss), "peak_rss_mb": _peak_rss_mb()}
+    with tempfile.TemporaryDirectory(prefix="aqua-bench-") as tmp:
+        session = {"profile": str(Path(tmp) / "ort")} if profile else {}
+        if prefill:
+            step = _aqua_prefiller(folder, prefill, batch, threads, rng, **session)
+        else:
+            make = {"aqua": _aqua_stepper, "genai": _genai_stepper, "genai-io": _genai_io_stepper}[runtime]
+            step = make(folder, context, batch, threads, rng, steps, capacity, **session)
+        step()  # warm-up: allocations, thread pool
+        times, rss = [], []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+            rss.append(_rss_mb())
+        out = {"step_s": times, "decode_rss_mb": max(rss), "peak_rss_mb": _peak_rss_mb()}
+        if profile:
+            out["profile_ms"] = op_times(step.session.end_profiling(), skip=1)
+    return out
+
+
+def op_times(path: str, skip: int = 0) -> dict:
+    """ONNX Runtime's profile at ``path`` -> {op type: ms a run}, over the runs after the first ``skip``."""
+    events = json.loads(Path(path).read_text())
+    runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    if len(runs) <= skip:
+        return {}
+    start, per = runs[skip], {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op = e.get("args", {}).get("op_name", "?")
+            per[op] = per.get(op, 0.0) + e["dur"] / 1000.0
+    return {op: ms / (len(runs) - skip) for op, ms in per.items()}
 
 
 if __name__ == "__main__":
-    f, c, b, rt, s, th, cap, pre = sys.argv[1:9]
-    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th), int(cap), int(pre))))
+    f, c, b, rt, s, th, cap, pre, prof = sys.argv[1:10]
+    print(json.dumps(measure_one(f, int(c), int(b), rt, int(s), int(th), int(cap), int(pre), bool(int(prof)))))

@@ -296,6 +296,8 @@ def _bench_parser(sub) -> None:
                    "(aqua, genai-io; 0 = just enough): a step's cost should not depend on it (default %(default)s)")
     p.add_argument("--prefill", type=int, default=0, help="time whole prompts of this many tokens from an empty "
                    "cache instead of decode steps (runtime aqua; 0 = decode) (default %(default)s)")
+    p.add_argument("--profile", action="store_true", help="also the ms a step spends in each op type, from ONNX "
+                   "Runtime's profiler (runtime aqua; the profiled steps run slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=commands.cmd_bench)
 

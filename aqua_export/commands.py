@@ -331,7 +331,7 @@ def cmd_bench(a) -> int:
 
     check_threads(a.threads)
     res = bench(a.folders, context=a.context, batch=a.batch, runtime=a.runtime, steps=a.steps, rounds=a.rounds,
-                threads=a.threads, capacity=a.capacity, prefill=a.prefill)
+                threads=a.threads, capacity=a.capacity, prefill=a.prefill, profile=a.profile)
     print(json.dumps(res, sort_keys=True) if a.json else table(res))
     return 0
 

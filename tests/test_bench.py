@@ -54,3 +54,34 @@ def test_bench_times_prefill(tiny_folders, capsys):
     assert res["prefill"] == 24 and all(r["tokens_per_s"] > 0 for r in res["folders"].values())
     assert main(args[:-1] + ["--runtime", "genai-io"]) == 2
     assert "--prefill is measured in this project's runtime only" in capsys.readouterr().err
+
+
+def test_bench_profiles_where_a_step_goes(tiny_folders, capsys):
+    """--profile: ms a step per op type from ONNX Runtime's profiler; the attention node is among them."""
+    args = ["bench", str(tiny_folders[0]), "--context", "40", "--steps", "2", "--rounds", "1", "--threads", "1",
+            "--profile"]
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prof = res["folders"][str(tiny_folders[0])]["profile_ms"]
+    assert prof["AquaAttention"] > 0 and all(ms >= 0 for ms in prof.values())
+    assert main(args) == 0
+    assert "| folder | op type | ms a step | share |" in capsys.readouterr().out
+    assert main(args + ["--runtime", "genai-io"]) == 2
+    assert "--profile reads ONNX Runtime's profiler in this project's runtime only" in capsys.readouterr().err
+
+
+def test_op_times_counts_the_runs_after_the_skipped(tmp_path):
+    from aqua_export.bench import op_times
+
+    def node(op, ts, dur):
+        return {"cat": "Node", "name": f"n_{ts}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
+
+    events = [{"cat": "Session", "name": "model_run", "ts": 0, "dur": 50},
+              node("MatMul", 1, 9000),  # the skipped warm-up run
+              {"cat": "Session", "name": "model_run", "ts": 100, "dur": 50}, node("MatMul", 101, 2000),
+              node("If", 102, 3000), {"cat": "Session", "name": "model_run", "ts": 200, "dur": 50},
+              node("MatMul", 201, 4000)]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(events))
+    assert op_times(str(path), skip=1) == {"MatMul": 3.0, "If": 1.5}
+    assert op_times(str(path), skip=3) == {}

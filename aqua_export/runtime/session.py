@@ -126,7 +126,7 @@ def default_kernel(dtype: str) -> str:
 
 
 def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True,
-                 lean: bool = False):
+                 lean: bool = False, profile: str | None = None):
     """An ORT session (CUDA when onnxruntime-gpu and a GPU are present, else CPU).
 
     kernel: "native" registers the native kernels of the custom nodes (error when not built), "function" runs the
@@ -135,6 +135,8 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
     lean=True (parity's low-memory float16 variant): Cast nodes on weights stay run-time work instead of
     ONNX Runtime storing their float32 results, and no memory arena, so each cast weight is freed after its
     node (an arena keeps its peak, which here grows towards the float32 model, for the session's life).
+    profile: a path prefix for ONNX Runtime's profile of every node run (a JSON file, written by the session's
+    end_profiling(); bench --profile reads it).
     """
     import onnxruntime as ort
 
@@ -148,6 +150,9 @@ def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "aut
         so.enable_cpu_mem_arena = False
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile
     if kernel == "auto":
         kernel = default_kernel("float32")
     lib = native_library() if kernel == "native" else None
