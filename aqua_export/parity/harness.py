@@ -28,7 +28,7 @@ float16's own rounding (TOLERANCE).
 
 A float16 or int8 cache under a float32 graph (contract cache_dtype) rounds each new K^ and V as it is written, which
 the reference does not: every gate above runs the graph with its cache float32 (rewrites.float32_cache), and the
-folder's own run is compared with that one (top-1 gated at gates.CACHE_TOP1, the logit differences reported: what the
+folder's own run is compared with that one (top-1 gated at gates.cache_top1, the logit differences reported: what the
 cache's rounding costs). The kernels' narrow-cache paths are checked against float64 by the op catalogue.
 """
 
@@ -56,7 +56,7 @@ from ..reference.precision import computing_in
 from ..runtime.folder import FolderConfig
 from ..runtime.lm import OrtLM
 from ..runtime.session import make_session
-from .gates import CACHE_TOP1, GATES, TOLERANCE, compare, eviction_agreement, gate
+from .gates import GATES, TOLERANCE, cache_top1, compare, eviction_agreement, gate
 from .probe import NOISE_FACTOR, ReplayProbe, RuntimeRecorder
 
 PARITY_TEXT = "builtin:gpl-3"
@@ -268,7 +268,7 @@ def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, confi
     _reference_phase(res, runs, model, ids, projection, config, tol, sparse, weights)
     _versus_hf(res, runs, model, ids, config, tol, weights)
     if "cache" in runs:
-        _cache_rounding(res, runs, tol, cfg.contract.cache_dtype)
+        _cache_rounding(res, runs, tol, cfg.contract.cache_dtype, config.selects_tokens)
     res["failed"] = [GATES[g] for g in GATES if g in res and not res[g].get("pass", True)]
     res["pass"] = not res["failed"]
     return res
@@ -319,12 +319,13 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
         res["native_vs_function_body"] = nf
 
 
-def _cache_rounding(res: dict, runs: dict, tol: dict, cache_dtype: str) -> None:
+def _cache_rounding(res: dict, runs: dict, tol: dict, cache_dtype: str, selects_tokens: bool) -> None:
     """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
-    gated as the native kernel's is (a near-tie may flip under the cache's rounding), the logit differences reported
-    (what the narrower cache costs)."""
-    res["cache_rounding"] = {**_top1_gate(runs["main"][0], runs["cache"][0], {**tol, "own_top1": CACHE_TOP1[cache_dtype]}),
-                             "cache_dtype": cache_dtype}
+    gated as the native kernel's is (a near-tie may flip under the cache's rounding; gates.cache_top1), the logit
+    differences reported (what the narrower cache costs)."""
+    bar = cache_top1(cache_dtype, selects_tokens)
+    res["cache_rounding"] = {**_top1_gate(runs["main"][0], runs["cache"][0], {**tol, "own_top1": bar}),
+                             "cache_dtype": cache_dtype, "top1_bar": bar}
 
 
 def _top1_gate(trace, other, tol: dict) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .gates import CACHE_TOP1, TOLERANCE
+from .gates import TOLERANCE
 from .probe import NOISE_FACTOR
 
 
@@ -73,7 +73,7 @@ def summary_lines(res: dict) -> list[str]:
     if "cache_rounding" in res:
         c = res["cache_rounding"]
         lines.append(_top1_line(f"the folder's {c['cache_dtype']} cache vs the same graph caching float32 (the gates "
-                                f"above ran that one; top-1 >= {CACHE_TOP1[c['cache_dtype']]} beyond ties)", c,
+                                f"above ran that one; top-1 >= {c['top1_bar']} beyond ties)", c,
                                 "the cache's rounding"))
     if "activation_accuracy" in res:
         a = res["activation_accuracy"]
