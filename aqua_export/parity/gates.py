@@ -32,7 +32,8 @@ CACHE_TOP1 = {"float16": 0.95, "int8": 0.9}
 # Under token selection the rounding also moves which pages a step reads, whatever the cache's width, and a moved
 # choice moves that forward's logits by up to ~1.3, so near-tie argmaxes flip at the rate choices move, not at the
 # rounding's size: the int4 token folder (k 0.25 group-weighted, budget 512, 64 steps) differed in 3 and in 4 of 65
-# forwards at float16 on two builds of the kernels whose e^x differ in the last bits, in 4 at int8. The int8 bar.
+# forwards at float16 on two builds of the kernels whose prompt attention rounds differently in the last bits, in 4
+# at int8. The int8 bar.
 CACHE_TOP1_TOKENS = 0.9
 
 
