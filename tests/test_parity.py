@@ -83,8 +83,7 @@ def test_cache_gate_bar_follows_what_the_rounding_moves():
     """The narrow-cache gate on two traces of 65 forwards, 4 of them with another argmax (as the int4 token folder's
     float16 cache measured): it passes under token selection (the rounding moves page choices at any width:
     gates.CACHE_TOP1_TOKENS) and fails a float16 cache without it (0.95), as it does 7 differing forwards at any bar."""
-    from aqua_export.parity.gates import TOLERANCE
-    from aqua_export.parity.harness import _cache_rounding
+    from aqua_export.parity.gates import TOLERANCE, cache_gate
 
     rng = np.random.default_rng(0)
     ref = [rng.standard_normal((1, 50)).astype(np.float32) for _ in range(65)]
@@ -98,10 +97,7 @@ def test_cache_gate_bar_follows_what_the_rounding_moves():
     verdicts = {}
     for n in (4, 7):
         for tokens in (False, True):
-            res = {}
-            _cache_rounding(res, {"main": (flipped(n), None), "cache": (ref, None)}, TOLERANCE["float32"], "float16",
-                            tokens)
-            c = res["cache_rounding"]
+            c = cache_gate(flipped(n), ref, TOLERANCE["float32"], "float16", tokens)
             assert c["top1_differing"] == n and c["top1_bar"] == (0.9 if tokens else 0.95)
             verdicts[n, tokens] = c["pass"]
     assert verdicts == {(4, False): False, (4, True): True, (7, False): False, (7, True): False}

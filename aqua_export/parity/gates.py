@@ -42,6 +42,24 @@ def cache_top1(cache_dtype: str, selects_tokens: bool) -> float:
     return CACHE_TOP1_TOKENS if selects_tokens else CACHE_TOP1[cache_dtype]
 
 
+def top1_gate(trace, other, tol: dict) -> dict:
+    """Two ONNX Runtime traces on the same tokens, each choosing on its own: gated on top-1 agreement (>= own_top1,
+    or at most one forward differing: a near-tie may flip), the logit differences reported."""
+    c = compare(trace, other, tol["aqua"], tol.get("logit_tie"))
+    c["pass"] = c["top1_agreement_beyond_ties"] >= tol["own_top1"] or c["top1_differing"] <= 1
+    c["gate"] = (f"top-1 agreement >= {tol['own_top1']} or at most one forward differing, on the same tokens "
+                 "(logit differences reported)")
+    return c
+
+
+def cache_gate(trace, float32_cache, tol: dict, cache_dtype: str, selects_tokens: bool) -> dict:
+    """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
+    gated as the native kernel's is (a near-tie may flip under the cache's rounding; cache_top1), the logit
+    differences reported (what the narrower cache costs)."""
+    bar = cache_top1(cache_dtype, selects_tokens)
+    return {**top1_gate(trace, float32_cache, {**tol, "own_top1": bar}), "cache_dtype": cache_dtype, "top1_bar": bar}
+
+
 def diffs(a, b) -> tuple[float, float]:
     """(prefill, decode): the largest |logit difference| of two traces on the same tokens."""
     prefill = float(np.abs(a[0] - b[0]).max())

@@ -56,7 +56,7 @@ from ..reference.precision import computing_in
 from ..runtime.folder import FolderConfig
 from ..runtime.lm import OrtLM
 from ..runtime.session import make_session
-from .gates import GATES, TOLERANCE, cache_top1, compare, eviction_agreement, gate
+from .gates import GATES, TOLERANCE, cache_gate, compare, eviction_agreement, gate, top1_gate
 from .probe import NOISE_FACTOR, ReplayProbe, RuntimeRecorder
 
 PARITY_TEXT = "builtin:gpl-3"
@@ -268,7 +268,8 @@ def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, confi
     _reference_phase(res, runs, model, ids, projection, config, tol, sparse, weights)
     _versus_hf(res, runs, model, ids, config, tol, weights)
     if "cache" in runs:
-        _cache_rounding(res, runs, tol, cfg.contract.cache_dtype, config.selects_tokens)
+        res["cache_rounding"] = cache_gate(runs["main"][0], runs["cache"][0], tol, cfg.contract.cache_dtype,
+                                           config.selects_tokens)
     res["failed"] = [GATES[g] for g in GATES if g in res and not res[g].get("pass", True)]
     res["pass"] = not res["failed"]
     return res
@@ -313,29 +314,10 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
         native, native_log = runs["native"]
         # each side selects on its own here (the native kernel takes no forced indices): their score sums round
         # differently, later layers' q^ differ in the last bits, and a near-tie row can flip
-        nf = _top1_gate(native, runs["debug"]["trace"], tol)
+        nf = top1_gate(native, runs["debug"]["trace"], tol)
         if h2o:  # reported: a near-tie of two heavy sums can flip, and the logits gate above judges the outcome
             nf["eviction"] = eviction_agreement(native_log, runs["debug"]["live"])
         res["native_vs_function_body"] = nf
-
-
-def _cache_rounding(res: dict, runs: dict, tol: dict, cache_dtype: str, selects_tokens: bool) -> None:
-    """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
-    gated as the native kernel's is (a near-tie may flip under the cache's rounding; gates.cache_top1), the logit
-    differences reported (what the narrower cache costs)."""
-    bar = cache_top1(cache_dtype, selects_tokens)
-    res["cache_rounding"] = {**_top1_gate(runs["main"][0], runs["cache"][0], {**tol, "own_top1": bar}),
-                             "cache_dtype": cache_dtype, "top1_bar": bar}
-
-
-def _top1_gate(trace, other, tol: dict) -> dict:
-    """Two ONNX Runtime traces on the same tokens, each choosing on its own: gated on top-1 agreement (>= own_top1,
-    or at most one forward differing: a near-tie may flip), the logit differences reported."""
-    c = compare(trace, other, tol["aqua"], tol.get("logit_tie"))
-    c["pass"] = c["top1_agreement_beyond_ties"] >= tol["own_top1"] or c["top1_differing"] <= 1
-    c["gate"] = (f"top-1 agreement >= {tol['own_top1']} or at most one forward differing, on the same tokens "
-                 "(logit differences reported)")
-    return c
 
 
 def _versus_hf(res: dict, runs: dict, model, ids, config: AquaConfig, tol: dict, weights=None) -> None:

@@ -26,7 +26,7 @@ def _values_line(label: str, g: dict) -> str:
 
 
 def _top1_line(what: str, c: dict, why: str) -> str:
-    """A top-1 gate's line (harness._top1_gate): its agreement, and the logit differences reported with their cause."""
+    """A top-1 gate's line (gates.top1_gate): its agreement, and the logit differences reported with their cause."""
     return (f"[gate: top-1, one flip allowed] {what}: top-1 {c['top1_agreement']:.3f}; max |dlogit| prefill "
             f"{c['max_abs_logit_diff_prefill']:.2e}, decode {c['max_abs_logit_diff_decode']:.2e} (reported: {why}): "
             f"{_verdict(c)}")
