@@ -240,10 +240,11 @@ def _genai_io_stepper(folder, context, batch, threads, rng, steps, capacity):
 
 def measure_one(folder: str, context: int, batch: int, runtime: str, steps: int, threads: int, capacity: int = 0,
                 prefill: int = 0, profile: bool = False) -> dict:
+    import contextlib
     import tempfile
 
     rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory(prefix="aqua-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="aqua-bench-") if profile else contextlib.nullcontext() as tmp:
         session = {"profile": str(Path(tmp) / "ort")} if profile else {}
         if prefill:
             step = _aqua_prefiller(folder, prefill, batch, threads, rng, **session)

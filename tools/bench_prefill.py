@@ -175,33 +175,22 @@ def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds:
 
 def profile(folder: str, tokens: int, threads: int) -> str:
     """ONNX Runtime's per-node profile of one prefill of the prose prompt through the folder's graph on the
-    package's native kernels: seconds per operator type, largest first."""
-    import collections
+    package's native kernels (OrtLM, as `aqua-export run` feeds it; bench.op_times reads the profile): seconds per
+    operator type, largest first."""
     import tempfile
 
     import numpy as np
-    import onnxruntime as ort
 
-    from aqua_export.runtime.session import native_library
+    from aqua_export.bench import op_times
+    from aqua_export.runtime.lm import OrtLM
 
     ids = np.load(_prompt(tokens))[None]
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.enable_profiling = True
-    so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "profile")
-    so.register_custom_ops_library(str(native_library()))
-    session = ort.InferenceSession(str(Path(folder) / "model.onnx"), so, providers=["CPUExecutionProvider"])
-    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    for i in session.get_inputs()[2:]:  # the past: empty, of the graph's cache type
-        feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
-    session.run(None, feed)
-    events = json.loads(Path(session.end_profiling()).read_text())
-    per = collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            per[e["args"].get("op_name", "?")] += e["dur"] / 1e6
-    lines = [f"{folder}: prefill of {tokens} tokens, {sum(per.values()):.2f} s in nodes"]
-    lines += [f"  {op:36s} {sec:7.2f} s" for op, sec in per.most_common(12)]
+    with tempfile.TemporaryDirectory() as tmp:
+        lm = OrtLM.from_folder(folder, threads, kernel="native", serving=(1, tokens), profile=str(Path(tmp) / "ort"))
+        lm.step(ids, np.ones_like(ids), lm.empty_past(1))
+        per = sorted(((ms / 1e3, op) for op, ms in op_times(lm.session.end_profiling()).items()), reverse=True)
+    lines = [f"{folder}: prefill of {tokens} tokens, {sum(sec for sec, _ in per):.2f} s in nodes"]
+    lines += [f"  {op:36s} {sec:7.2f} s" for sec, op in per[:12]]
     return "\n".join(lines)
 
 
