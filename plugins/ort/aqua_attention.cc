@@ -56,13 +56,11 @@ void attention_task(void* data, size_t task_index) {
   const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
   const int64_t rows = j.g * j.t;
   const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - tile * kRows));
-  alignas(64) static thread_local float wbuf[kRows * kMaxWidth];
-  static thread_local int32_t uni[kMaxWidth];
+  TileScratch& sc = tile_scratch();
+  float *wbuf = sc.wbuf, *s = sc.s, *o = sc.o, *mbuf = sc.mask, *scale = sc.scale;
+  int32_t* uni = sc.uni;
   const int64_t nu = tile_weights<T>(j, j.k, bh, tile, nr, wbuf, uni);
 
-  alignas(64) static thread_local float s[kRows * kPos];
-  alignas(64) static thread_local float o[kRows * kMaxWidth];
-  alignas(64) static thread_local float mbuf[kRows * kPos];
   float m[kRows], l[kRows];
   Seen seen[kRows];
   const float* mb[kRows];
@@ -77,7 +75,6 @@ void attention_task(void* data, size_t task_index) {
   const int64_t vs = j.rv + extra;  // a V row's elements: its scale's code after an int8 row
   const C* key = j.key + bh * (j.r + extra) * j.key_stride;
   const C* value = j.value + bh * j.value_slots * vs;
-  alignas(64) static thread_local float scale[kPos];
   for (int64_t s0 = p0; s0 < p1; s0 += kPos) {
     const int64_t n = std::min(kPos, p1 - s0);
     bool visible = false;

@@ -264,21 +264,6 @@ struct RunRequests {
   RunRequests(const RunRequests&) = delete;  // req points into this object
 };
 
-// The attend pass's per-thread buffers, reached through one call (as ScoreScratch).
-struct AttendScratch {
-  alignas(64) float wbuf[kRows * kMaxWidth];
-  alignas(64) float s[kRows * kPos];
-  alignas(64) float o[kRows * kMaxWidth];
-  alignas(64) float mg[kPos];
-  alignas(64) float scale[kPos];
-  int32_t uni[kMaxWidth];
-};
-
-__attribute__((noinline)) AttendScratch& attend_scratch() {
-  static thread_local AttendScratch scratch;
-  return scratch;
-}
-
 // 3: one tile of the group's rows over one split of the chosen pages, all r coordinates.
 template <typename T, typename C>
 void attend_task(void* data, size_t task_index) {
@@ -286,8 +271,8 @@ void attend_task(void* data, size_t task_index) {
   const int64_t task = static_cast<int64_t>(task_index);
   const int64_t split = task % j.splits, tile = (task / j.splits) % j.tiles, bh = task / (j.splits * j.tiles);
   const int nr = static_cast<int>(std::min<int64_t>(kRows, j.g - tile * kRows));
-  AttendScratch& sc = attend_scratch();
-  float *wbuf = sc.wbuf, *s = sc.s, *o = sc.o, *mg = sc.mg, *scale = sc.scale;
+  TileScratch& sc = tile_scratch();  // one mask row: every row of a decode step sees the same keys
+  float *wbuf = sc.wbuf, *s = sc.s, *o = sc.o, *mg = sc.mask, *scale = sc.scale;
   int32_t* uni = sc.uni;
   const int64_t nu = tile_weights<T>(j, j.r, bh, tile, nr, wbuf, uni);
   float m[kRows], l[kRows];
