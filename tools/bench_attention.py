@@ -27,11 +27,17 @@ Byte limit: a step reads K and V (dense) or the union u of the group's selected 
 limit = (K + V) / (u K + V); u = k/d for `group`. Queries: q^ coordinate c drawn with the standard deviation
 the calibration measured for it (the embedded model's projection, median layer; iid without the artifact).
 
+Cache widths (--caches, the contract's cache_dtype): every AquaAttention row runs at each width, float32, float16
+and int8 (rules.int8_rows: each token's K^ column and V row int8 with a scale code), fused dense at the same width
+as its baseline, all widths in one interleaved run; `width_over_this` is the same setting at the other widths over
+this one (int8's against float16: what the int8 cache issue asks of a step). ORT dense and GQA read float32; the
+H2O node takes float32 caches only.
+
 Each timed step starts with the CPU caches flushed (harness.flush_caches), as a folder's step meets each layer's
 cache after the other layers went through: at 1k tokens a cache fits in L3 and a step timed warm reads it from
 there. --warm times steps back to back instead.
 
-Rerun: `.venv/bin/python -m tools attention` (under a minute on 2 cores; --quick for a smoke run).
+Rerun: `.venv/bin/python -m tools attention` (about 3 minutes on 2 cores; --quick for a smoke run).
 """
 
 from __future__ import annotations
@@ -67,6 +73,26 @@ H2O_SETTINGS = [(0.75, "group", 0.75), (0.875, "group", 0.625)]
 TOKEN_SETTINGS = [(0.25, 0, "group", 0.5), (0.125, 0, "group", 0.5), (0.125, 0, "group", 0.25),
                   (0.0625, 0, "group", 0.25), (1.0, 512, "group", 0.25)]
 SINK, WINDOW = 16, 64
+WIDTHS = ("float32", "float16", "int8")  # contract cache_dtype values the node reads
+
+
+def _narrow(kc: np.ndarray, v: np.ndarray, width: str) -> dict:
+    """The node's cache inputs at a width from float32 K^ [B, Hkv, d, T] and V [B, Hkv, T, d]: as they are, float16,
+    or int8 rows with their scale codes (rules.int8_rows: K^ [B, Hkv, d + 1, T], V [B, Hkv, T, d + 1]), each in
+    memory as the runtime allocates a cache (large_empty)."""
+    if width == "float32":
+        return {"key_cache": kc, "value_cache": v}
+    if width == "float16":
+        k16, v16 = large_empty(kc.shape, np.float16), large_empty(v.shape, np.float16)
+        k16[...], v16[...] = kc, v
+        return {"key_cache": k16, "value_cache": v16}
+    import torch
+
+    kq = rules.int8_rows(torch.from_numpy(kc).transpose(-1, -2)).transpose(-1, -2).numpy()
+    vq = rules.int8_rows(torch.from_numpy(v)).numpy()
+    k8, v8 = large_empty(kq.shape, np.int8), large_empty(vq.shape, np.int8)
+    k8[...], v8[...] = kq, vq
+    return {"key_cache": k8, "value_cache": v8}
 
 
 def gqa_model(**attributes):
@@ -141,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="T 1024 only, few repetitions")
     ap.add_argument("--warm", action="store_true", help="steps back to back, the cache left in the CPU's caches")
+    ap.add_argument("--caches", default="float32,float16,int8",
+                    help="the AquaAttention rows' cache widths (contract cache_dtype), comma-separated")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args(argv)
     from aqua_export.runtime.session import make_session, native_library
@@ -149,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         print("the native kernel is not built: run `make plugin`", file=sys.stderr)
         return 2
     contexts = [1024] if a.quick else [int(x) for x in a.contexts.split(",")]
+    caches = a.caches.split(",")
+    if not set(caches) <= set(WIDTHS):
+        print(f"--caches takes {', '.join(WIDTHS)} (comma-separated), not {a.caches!r}", file=sys.stderr)
+        return 2
+    h2o_settings = H2O_SETTINGS if "float32" in caches else []
+    if not h2o_settings:
+        print("no AQUA-H2O rows: its node takes float32 caches only, and --caches leaves float32 out", flush=True)
     reps = 5 if a.quick else a.reps
     spectrum = _spectrum()
 
@@ -157,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from aqua_export.ops import aqua_attention, h2o_attention
 
-    sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function"),
-                "fused-dense": sess(aqua_attention.OP.model(k=D))}
-    for rule, ratio in SETTINGS:
-        sessions[rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D), rule=RULE[rule]))
-    for tr, tb, rule, ratio in TOKEN_SETTINGS:
-        sessions["tokens", tr, tb, rule, ratio] = sess(aqua_attention.OP.model(
-            projected=True, k=round(ratio * D), rule=RULE[rule], token_ratio=tr, token_budget=tb, token_sink=SINK,
-            token_window=WINDOW))
-    for h, rule, ratio in H2O_SETTINGS:
+    sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function")}
+    for c in caches:  # the AquaAttention rows at each cache width (keys lead with the width)
+        width = {"cache_dtype": c, **({"cache_scales": 1} if c == "int8" else {})}
+        sessions[c, "fused-dense"] = sess(aqua_attention.OP.model(k=D, **width))
+        for rule, ratio in SETTINGS:
+            sessions[c, rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D),
+                                                                    rule=RULE[rule], **width))
+        for tr, tb, rule, ratio in TOKEN_SETTINGS:
+            sessions[c, "tokens", tr, tb, rule, ratio] = sess(aqua_attention.OP.model(
+                projected=True, k=round(ratio * D), rule=RULE[rule], token_ratio=tr, token_budget=tb, token_sink=SINK,
+                token_window=WINDOW, **width))
+    for h, rule, ratio in h2o_settings:
         sessions["h2o", h, rule, ratio] = sess(h2o_attention.OP.model(projected=True, k=round(ratio * D),
                                                                       rule=RULE[rule], ratio=h))
     rng = np.random.default_rng(0)
@@ -186,52 +224,63 @@ def main(argv: list[str] | None = None) -> int:
             P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
             projected = {**fused, "query_hat": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32),
                          PROJECTION: P}
-            fns = {name: (lambda s=s, fd=feed if name == "ort-dense" else fused if name == "fused-dense" else projected:
-                          s.run(None, fd)) for name, s in sessions.items() if name != "gqa" and name[0] != "h2o"}
+            fns = {"ort-dense": lambda s=sessions["ort-dense"]: s.run(None, feed)}
+            for c in caches:
+                narrow = _narrow(kc, v, c)
+                for name, s in sessions.items():
+                    if name[0] == c:
+                        fd = {**(fused if name[1] == "fused-dense" else projected), **narrow}
+                        fns[name] = lambda s=s, fd=fd: s.run(None, fd)
             fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
             for name in sessions:
                 if name[0] == "h2o":
                     fns[name] = _h2o_runner(sessions[name], name[1], projected["query_hat"], P, b, t, reps + 2, rng)
             med = interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0,
                                       between=None if a.warm else flush_caches)
-            for rule, ratio in SETTINGS:
+            for c in caches:
+                dense = med[c, "fused-dense"]
+
+                def row(key, setting: dict, limit: float) -> dict:
+                    """One row: ``setting``'s time at width c against the fused dense node of the same width, the
+                    standard-op baselines (float32 caches), and the same setting at the other widths."""
+                    aq = med[(c, *key)]
+                    return {"T": t, "batch": b, "cache": c, **setting,
+                            "fused_dense_over_aqua": round(dense / aq, 3),
+                            "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
+                            "gqa_over_aqua": round(med["gqa"] / aq, 3),
+                            "ort_dense_over_fused_dense": round(med["ort-dense"] / dense, 3),
+                            # > 1: this width's step is faster than the same setting's at width w
+                            "width_over_this": {w: round(med[(w, *key)] / aq, 3) for w in caches if w != c},
+                            "byte_limit": round(limit, 3)}
+
+                for rule, ratio in SETTINGS:
+                    k = round(ratio * D)
+                    u = _union_fraction(q, k, rule)
+                    rows.append(row((rule, ratio), {"rule": rule, "k_ratio": ratio, "k": k,
+                                                    "union_fraction": round(u, 3)}, 2.0 / (1.0 + u)))
+                    print(json.dumps(rows[-1]), flush=True)
+                for tr, tb, rule, ratio in TOKEN_SETTINGS:
+                    k = round(ratio * D)
+                    u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, tb, SINK, WINDOW)
+                    rows.append(row(("tokens", tr, tb, rule, ratio), {
+                        "rule": rule, "k_ratio": ratio, "k": k, **({"token_budget": tb} if tb else {"token_ratio": tr}),
+                        "token_share": round(rho, 4), "union_fraction": round(u, 3)}, 2.0 / (u + 2 * rho)))
+                    print(json.dumps(rows[-1]), flush=True)
+            for h, rule, ratio in h2o_settings:
                 k = round(ratio * D)
                 u = _union_fraction(q, k, rule)
-                aq = med[rule, ratio]
-                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k, "union_fraction": round(u, 3),
-                             "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
+                aq, dense = med["h2o", h, rule, ratio], med["float32", "fused-dense"]
+                rows.append({"T": t, "batch": b, "cache": "float32", "rule": rule, "k_ratio": ratio, "k": k,
+                             "h2o_ratio": h, "union_fraction": round(u, 3),
+                             "fused_dense_over_aqua": round(dense / aq, 3),
                              "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
                              "gqa_over_aqua": round(med["gqa"] / aq, 3),
-                             "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
-                             "byte_limit": round(2.0 / (1.0 + u), 3)})
-                print(json.dumps(rows[-1]), flush=True)
-            for tr, tb, rule, ratio in TOKEN_SETTINGS:
-                k = round(ratio * D)
-                u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, tb, SINK, WINDOW)
-                aq = med["tokens", tr, tb, rule, ratio]
-                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k,
-                             **({"token_budget": tb} if tb else {"token_ratio": tr}), "token_share": round(rho, 4),
-                             "union_fraction": round(u, 3),
-                             "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
-                             "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
-                             "gqa_over_aqua": round(med["gqa"] / aq, 3),
-                             "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
-                             "byte_limit": round(2.0 / (u + 2 * rho), 3)})
-                print(json.dumps(rows[-1]), flush=True)
-            for h, rule, ratio in H2O_SETTINGS:
-                k = round(ratio * D)
-                u = _union_fraction(q, k, rule)
-                aq = med["h2o", h, rule, ratio]
-                rows.append({"T": t, "batch": b, "rule": rule, "k_ratio": ratio, "k": k, "h2o_ratio": h,
-                             "union_fraction": round(u, 3), "fused_dense_over_aqua": round(med["fused-dense"] / aq, 3),
-                             "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
-                             "gqa_over_aqua": round(med["gqa"] / aq, 3),
-                             "ort_dense_over_fused_dense": round(med["ort-dense"] / med["fused-dense"], 3),
+                             "ort_dense_over_fused_dense": round(med["ort-dense"] / dense, 3),
                              "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + SLOT_EXTRA_BYTES / (D * 4))), 3)})
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": a.threads, "reps": reps, "caches": "warm" if a.warm else "flushed before each step", "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
+    meta = {"cache_widths": caches, "threads": a.threads, "reps": reps, "caches": "warm" if a.warm else "flushed before each step", "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
             "queries": "spectrum" if spectrum is not None else "iid",
             "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
     atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())

@@ -46,6 +46,8 @@ def attention_section(data) -> list[str]:
            ]
     rows = []
     for r in data["rows"]:
+        if r.get("cache", "float32") != "float32":
+            continue
         tok = (f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r
                else f"b{r['token_budget']} ({r['token_share']:.3f})" if "token_budget" in r else "-")
         rows.append([r["T"], r["batch"], r["rule"], r["k_ratio"], r.get("h2o_ratio", "-"), tok,
@@ -53,10 +55,35 @@ def attention_section(data) -> list[str]:
                      f"{r['ort_dense_over_aqua']:.2f}", f"{r['gqa_over_aqua']:.2f}", f"{r['byte_limit']:.2f}"])
     out += table(["T", "batch", "rule", "k_ratio", "h2o ratio", "token ratio (rho)", "union u", "fused dense / AQUA",
                   "ORT dense / AQUA", "GQA / AQUA", "byte limit"], rows)
-    fused = {(r["T"], r["batch"]): r["ort_dense_over_fused_dense"] for r in data["rows"]}
+    fused = {(r["T"], r["batch"]): r["ort_dense_over_fused_dense"] for r in data["rows"]
+             if r.get("cache", "float32") == "float32"}
     out += ["", "The fused node at k = d against ORT's standard-op dense step (ORT dense / fused dense): "
             + ", ".join(f"T {t} batch {b}: {v:.2f}" for (t, b), v in fused.items()) + "."]
-    return out
+    return out + _widths(data["rows"])
+
+
+def _widths(rows: list[dict]) -> list[str]:
+    """The token selection rows at the narrow cache widths: each against the fused dense node of its width and
+    against the same setting at the other widths (> 1: this width is faster)."""
+    narrow = [r for r in rows if r.get("cache", "float32") != "float32" and "token_share" in r]
+    if not narrow:
+        return []
+    order = ["float32", "float16", "int8"]  # widest first; a row is compared with the wider widths only
+    widths = [w for w in order[:-1] if any(w in r["width_over_this"] for r in narrow)]
+    out = ["", "### Cache widths", "", "Token selection's rows with float16 and int8 caches (int8: each token's K^ "
+           "column and V row int8 with a scale code), in the same interleaved run: `fused dense / AQUA` against the "
+           "fused dense node of the same width, `w / this` the same setting with the wider cache w over this one "
+           "(> 1: the narrower cache's step is faster).", ""]
+
+    def wider(r, w):
+        return f"{r['width_over_this'][w]:.2f}" if order.index(w) < order.index(r["cache"]) else "-"
+
+    body = [[r["T"], r["batch"], r["cache"], r["k_ratio"],
+             f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r
+             else f"b{r['token_budget']} ({r['token_share']:.3f})", f"**{r['fused_dense_over_aqua']:.2f}**",
+             *(wider(r, w) for w in widths)] for r in narrow]
+    return out + table(["T", "batch", "cache", "k_ratio", "token ratio (rho)", "fused dense / AQUA",
+                        *(f"{w} / this" for w in widths)], body)
 
 
 def breakeven_section(data) -> list[str]:
