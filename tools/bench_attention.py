@@ -171,29 +171,55 @@ def main(argv: list[str] | None = None) -> int:
                     help="the AquaAttention rows' cache widths (contract cache_dtype), comma-separated")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args(argv)
-    from aqua_export.runtime.session import make_session, native_library
+    caches = a.caches.split(",")
+    if not set(caches) <= set(WIDTHS):
+        print(f"--caches takes {', '.join(WIDTHS)} (comma-separated), not {a.caches!r}", file=sys.stderr)
+        return 2
+    from aqua_export.runtime.session import native_library
 
     if native_library() is None:
         print("the native kernel is not built: run `make plugin`", file=sys.stderr)
         return 2
     contexts = [1024] if a.quick else [int(x) for x in a.contexts.split(",")]
-    caches = a.caches.split(",")
-    if not set(caches) <= set(WIDTHS):
-        print(f"--caches takes {', '.join(WIDTHS)} (comma-separated), not {a.caches!r}", file=sys.stderr)
-        return 2
-    h2o_settings = H2O_SETTINGS if "float32" in caches else []
-    if not h2o_settings:
+    h2o = H2O_SETTINGS if "float32" in caches else []
+    if not h2o:
         print("no AQUA-H2O rows: its node takes float32 caches only, and --caches leaves float32 out", flush=True)
     reps = 5 if a.quick else a.reps
     spectrum = _spectrum()
+    sessions = _sessions(caches, h2o, a.threads)
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in contexts:
+        for b in [int(x) for x in a.batches.split(",")]:
+            fns, q = _runners(sessions, caches, b, t, rng, spectrum, reps + 2)
+            med = interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0,
+                                      between=None if a.warm else flush_caches)
+            for r in _rows(med, caches, h2o, q, t, b):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"cache_widths": caches, "threads": a.threads, "reps": reps,
+            "caches": "warm" if a.warm else "flushed before each step",
+            "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
+            "queries": "spectrum" if spectrum is not None else "iid",
+            "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
+    atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
+    return 0
+
+
+def _sessions(caches: list[str], h2o: list, threads: int) -> dict:
+    """One session per measured graph: the standard-op baselines ("ort-dense", "gqa"), the AquaAttention settings at
+    each cache width (keys lead with the width: (c, "fused-dense"), (c, rule, ratio), (c, "tokens", ...)) and the
+    H2O settings (("h2o", h, rule, ratio), float32 caches)."""
+    from aqua_export.ops import aqua_attention, h2o_attention
+    from aqua_export.runtime.session import make_session
 
     def sess(model, kernel="native"):
-        return make_session(model.SerializeToString(), a.threads, kernel, spin=False)
-
-    from aqua_export.ops import aqua_attention, h2o_attention
+        return make_session(model.SerializeToString(), threads, kernel, spin=False)
 
     sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function")}
-    for c in caches:  # the AquaAttention rows at each cache width (keys lead with the width)
+    for c in caches:
         width = {"cache_dtype": c, **({"cache_scales": 1} if c == "int8" else {})}
         sessions[c, "fused-dense"] = sess(aqua_attention.OP.model(k=D, **width))
         for rule, ratio in SETTINGS:
@@ -203,88 +229,81 @@ def main(argv: list[str] | None = None) -> int:
             sessions[c, "tokens", tr, tb, rule, ratio] = sess(aqua_attention.OP.model(
                 projected=True, k=round(ratio * D), rule=RULE[rule], token_ratio=tr, token_budget=tb, token_sink=SINK,
                 token_window=WINDOW, **width))
-    for h, rule, ratio in h2o_settings:
+    for h, rule, ratio in h2o:
         sessions["h2o", h, rule, ratio] = sess(h2o_attention.OP.model(projected=True, k=round(ratio * D),
                                                                       rule=RULE[rule], ratio=h))
-    rng = np.random.default_rng(0)
+    return sessions
+
+
+def _runners(sessions: dict, caches: list[str], b: int, t: int, rng, spectrum, steps: int) -> tuple[dict, np.ndarray]:
+    """(one step of each session at batch b after t tokens, every AquaAttention width fed the same cache; q^
+    [b, Hkv, g, 1, d], the queries the selections ran on). steps: the H2O runners' mask count."""
+    # the cache in memory as the runtime allocates its buffers (runtime.caches.large_empty: huge pages)
+    kc, v = large_empty((b, HKV, D, t), np.float32), large_empty((b, HKV, t, D), np.float32)
+    kc[...] = rng.standard_normal(kc.shape, dtype=np.float32)
+    v[...] = rng.standard_normal(v.shape, dtype=np.float32)
+    sd = spectrum[None, :, None, None, :] if spectrum is not None else 1.0
+    q = (rng.standard_normal((b, HKV, G, 1, D)) * sd).astype(np.float32)
+    feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
+    # the fused node's ports (ops/aqua_attention.py); every slot filled
+    fused = {"query_hat": q, "total_length": np.array([t], np.int64), "attention_mask": np.ones((b, t), np.int64)}
+    # the AQUA nodes take q = q^ P^T and P: the same q^, so the same selections
+    P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
+    projected = {**fused, "query_hat": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32), PROJECTION: P}
+    fns = {"ort-dense": lambda s=sessions["ort-dense"]: s.run(None, feed)}
+    for c in caches:
+        narrow = _narrow(kc, v, c)
+        for name, s in sessions.items():
+            if name[0] == c:
+                fd = {**(fused if name[1] == "fused-dense" else projected), **narrow}
+                fns[name] = lambda s=s, fd=fd: s.run(None, fd)
+    fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
+    for name in sessions:
+        if name[0] == "h2o":
+            fns[name] = _h2o_runner(sessions[name], name[1], projected["query_hat"], P, b, t, steps, rng)
+    return fns, q
+
+
+def _ratios(med: dict, aq: float, dense: float) -> dict:
+    """A row's ratios: the fused dense node (of the row's width) and the standard-op baselines over ``aq``."""
+    return {"fused_dense_over_aqua": round(dense / aq, 3), "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
+            "gqa_over_aqua": round(med["gqa"] / aq, 3),
+            "ort_dense_over_fused_dense": round(med["ort-dense"] / dense, 3)}
+
+
+def _rows(med: dict, caches: list[str], h2o: list, q: np.ndarray, t: int, b: int) -> list[dict]:
+    """The table's rows of one (T, batch) from the medians: AQUA and token selection at each width, then H2O."""
     rows = []
-    for t in contexts:
-        for b in [int(x) for x in a.batches.split(",")]:
-            # the cache in memory as the runtime allocates its buffers (runtime.caches.large_empty: huge pages)
-            kc, v = large_empty((b, HKV, D, t), np.float32), large_empty((b, HKV, t, D), np.float32)
-            kc[...] = rng.standard_normal(kc.shape, dtype=np.float32)
-            v[...] = rng.standard_normal(v.shape, dtype=np.float32)
-            sd = spectrum[None, :, None, None, :] if spectrum is not None else 1.0
-            q = (rng.standard_normal((b, HKV, G, 1, D)) * sd).astype(np.float32)
-            feed = {"q": q, "kc": kc, "vc": v, "mask": np.zeros((b, 1, 1, 1, t), np.float32)}
-            # the fused node's ports (ops/aqua_attention.py); every slot filled
-            fused = {"query_hat": q, "key_cache": kc, "value_cache": v, "total_length": np.array([t], np.int64),
-                     "attention_mask": np.ones((b, t), np.int64)}
-            # the AQUA nodes take q = q^ P^T and P: the same q^, so the same selections
-            P = np.linalg.qr(rng.standard_normal((HKV, D, D)))[0].astype(np.float32)
-            projected = {**fused, "query_hat": np.einsum("bhgtr,hdr->bhgtd", q, P).astype(np.float32),
-                         PROJECTION: P}
-            fns = {"ort-dense": lambda s=sessions["ort-dense"]: s.run(None, feed)}
-            for c in caches:
-                narrow = _narrow(kc, v, c)
-                for name, s in sessions.items():
-                    if name[0] == c:
-                        fd = {**(fused if name[1] == "fused-dense" else projected), **narrow}
-                        fns[name] = lambda s=s, fd=fd: s.run(None, fd)
-            fns["gqa"] = _gqa_runner(sessions["gqa"], b, t, rng)
-            for name in sessions:
-                if name[0] == "h2o":
-                    fns[name] = _h2o_runner(sessions[name], name[1], projected["query_hat"], P, b, t, reps + 2, rng)
-            med = interleaved_medians(fns, reps, 60.0 if t >= 16384 else 20.0,
-                                      between=None if a.warm else flush_caches)
-            for c in caches:
-                dense = med[c, "fused-dense"]
+    for c in caches:
+        dense = med[c, "fused-dense"]
 
-                def row(key, setting: dict, limit: float) -> dict:
-                    """One row: ``setting``'s time at width c against the fused dense node of the same width, the
-                    standard-op baselines (float32 caches), and the same setting at the other widths."""
-                    aq = med[(c, *key)]
-                    return {"T": t, "batch": b, "cache": c, **setting,
-                            "fused_dense_over_aqua": round(dense / aq, 3),
-                            "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
-                            "gqa_over_aqua": round(med["gqa"] / aq, 3),
-                            "ort_dense_over_fused_dense": round(med["ort-dense"] / dense, 3),
-                            # > 1: this width's step is faster than the same setting's at width w
-                            "width_over_this": {w: round(med[(w, *key)] / aq, 3) for w in caches if w != c},
-                            "byte_limit": round(limit, 3)}
+        def row(key, setting: dict, limit: float) -> dict:
+            aq = med[(c, *key)]
+            # width_over_this > 1: this width's step is faster than the same setting's at width w
+            return {"T": t, "batch": b, "cache": c, **setting, **_ratios(med, aq, dense),
+                    "width_over_this": {w: round(med[(w, *key)] / aq, 3) for w in caches if w != c},
+                    "byte_limit": round(limit, 3)}
 
-                for rule, ratio in SETTINGS:
-                    k = round(ratio * D)
-                    u = _union_fraction(q, k, rule)
-                    rows.append(row((rule, ratio), {"rule": rule, "k_ratio": ratio, "k": k,
-                                                    "union_fraction": round(u, 3)}, 2.0 / (1.0 + u)))
-                    print(json.dumps(rows[-1]), flush=True)
-                for tr, tb, rule, ratio in TOKEN_SETTINGS:
-                    k = round(ratio * D)
-                    u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, tb, SINK, WINDOW)
-                    rows.append(row(("tokens", tr, tb, rule, ratio), {
-                        "rule": rule, "k_ratio": ratio, "k": k, **({"token_budget": tb} if tb else {"token_ratio": tr}),
-                        "token_share": round(rho, 4), "union_fraction": round(u, 3)}, 2.0 / (u + 2 * rho)))
-                    print(json.dumps(rows[-1]), flush=True)
-            for h, rule, ratio in h2o_settings:
-                k = round(ratio * D)
-                u = _union_fraction(q, k, rule)
-                aq, dense = med["h2o", h, rule, ratio], med["float32", "fused-dense"]
-                rows.append({"T": t, "batch": b, "cache": "float32", "rule": rule, "k_ratio": ratio, "k": k,
-                             "h2o_ratio": h, "union_fraction": round(u, 3),
-                             "fused_dense_over_aqua": round(dense / aq, 3),
-                             "ort_dense_over_aqua": round(med["ort-dense"] / aq, 3),
-                             "gqa_over_aqua": round(med["gqa"] / aq, 3),
-                             "ort_dense_over_fused_dense": round(med["ort-dense"] / dense, 3),
-                             "byte_limit": round(2.0 / (_h2o_live(h, t) / t * (1.0 + u + SLOT_EXTRA_BYTES / (D * 4))), 3)})
-                print(json.dumps(rows[-1]), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"cache_widths": caches, "threads": a.threads, "reps": reps, "caches": "warm" if a.warm else "flushed before each step", "geometry": {"heads": HQ, "kv_heads": HKV, "head_dim": D},
-            "queries": "spectrum" if spectrum is not None else "iid",
-            "native_library": str(native_library().relative_to(ROOT)) if native_library().is_relative_to(ROOT) else "env"}
-    atomic_write_bytes(out / "attention_step.json", json.dumps({"meta": meta, "rows": rows}, indent=1).encode())
-    return 0
+        for rule, ratio in SETTINGS:
+            k = round(ratio * D)
+            u = _union_fraction(q, k, rule)
+            rows.append(row((rule, ratio), {"rule": rule, "k_ratio": ratio, "k": k, "union_fraction": round(u, 3)},
+                            2.0 / (1.0 + u)))
+        for tr, tb, rule, ratio in TOKEN_SETTINGS:
+            k = round(ratio * D)
+            u, rho = _union_fraction(q, k, rule), rules.attended_share(t, tr, tb, SINK, WINDOW)
+            rows.append(row(("tokens", tr, tb, rule, ratio), {
+                "rule": rule, "k_ratio": ratio, "k": k, **({"token_budget": tb} if tb else {"token_ratio": tr}),
+                "token_share": round(rho, 4), "union_fraction": round(u, 3)}, 2.0 / (u + 2 * rho)))
+    for h, rule, ratio in h2o:
+        k = round(ratio * D)
+        u = _union_fraction(q, k, rule)
+        live = _h2o_live(h, t) / t * (1.0 + u + SLOT_EXTRA_BYTES / (D * 4))
+        rows.append({"T": t, "batch": b, "cache": "float32", "rule": rule, "k_ratio": ratio, "k": k, "h2o_ratio": h,
+                     "union_fraction": round(u, 3),
+                     **_ratios(med, med["h2o", h, rule, ratio], med["float32", "fused-dense"]),
+                     "byte_limit": round(2.0 / live, 3)})
+    return rows
 
 
 def _h2o_live(h: float, t: int) -> int:
