@@ -25,8 +25,9 @@ class Benchmark:
 
 
 REGISTRY = {
-    "attention": Benchmark("bench_attention", "one attention step of every kernel at long context, ONNX Runtime "
-                           "nodes on this CPU, against dense", ("attention_step.json",)),
+    "attention": Benchmark("bench_attention", "one attention step of every kernel at long context and each cache "
+                           "width (float32, float16, int8), ONNX Runtime nodes on this CPU, against dense",
+                           ("attention_step.json",)),
     "breakeven": Benchmark("bench_breakeven", "the context where AQUA's step overtakes dense, predicted and measured",
                            ("breakeven.json",)),
     "decode": Benchmark("bench_decode", "decode tokens/s and memory of built folders: every variant, genai, H2O, "
