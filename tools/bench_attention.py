@@ -37,7 +37,7 @@ Each timed step starts with the CPU caches flushed (harness.flush_caches), as a 
 cache after the other layers went through: at 1k tokens a cache fits in L3 and a step timed warm reads it from
 there. --warm times steps back to back instead.
 
-Rerun: `.venv/bin/python -m tools attention` (about 3 minutes on 2 cores; --quick for a smoke run).
+Rerun: `.venv/bin/python -m tools attention` (about a minute on 2 cores; --quick for a smoke run).
 """
 
 from __future__ import annotations
