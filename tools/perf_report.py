@@ -64,7 +64,7 @@ def attention_section(data) -> list[str]:
 
 def _widths(rows: list[dict]) -> list[str]:
     """The token selection rows at the narrow cache widths: each against the fused dense node of its width and
-    against the same setting at the other widths (> 1: this width is faster)."""
+    against the same setting at the wider widths (> 1: this width is faster)."""
     narrow = [r for r in rows if r.get("cache", "float32") != "float32" and "token_share" in r]
     if not narrow:
         return []
