@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from aqua_export.ops import rules
 from tools.harness import flush_caches, interleaved_medians
-from aqua_export.ops.spec import PROJECTION, SLOT_EXTRA_BYTES
+from aqua_export.ops.spec import CACHE_TYPES, PROJECTION, SCALE_SLOTS, SLOT_EXTRA_BYTES
 from aqua_export.runtime.caches import large_empty
 from aqua_export.outputs import atomic_write_bytes
 
@@ -73,7 +73,6 @@ H2O_SETTINGS = [(0.75, "group", 0.75), (0.875, "group", 0.625)]
 TOKEN_SETTINGS = [(0.25, 0, "group", 0.5), (0.125, 0, "group", 0.5), (0.125, 0, "group", 0.25),
                   (0.0625, 0, "group", 0.25), (1.0, 512, "group", 0.25)]
 SINK, WINDOW = 16, 64
-WIDTHS = ("float32", "float16", "int8")  # contract cache_dtype values the node reads
 
 
 def _narrow(kc: np.ndarray, v: np.ndarray, width: str) -> dict:
@@ -172,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args(argv)
     caches = a.caches.split(",")
-    if not set(caches) <= set(WIDTHS):
-        print(f"--caches takes {', '.join(WIDTHS)} (comma-separated), not {a.caches!r}", file=sys.stderr)
+    if not set(caches) <= set(CACHE_TYPES):
+        print(f"--caches takes {', '.join(CACHE_TYPES)} (comma-separated), not {a.caches!r}", file=sys.stderr)
         return 2
     from aqua_export.runtime.session import native_library
 
@@ -220,7 +219,7 @@ def _sessions(caches: list[str], h2o: list, threads: int) -> dict:
 
     sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function")}
     for c in caches:
-        width = {"cache_dtype": c, **({"cache_scales": 1} if c == "int8" else {})}
+        width = {"cache_dtype": c, **({"cache_scales": 1} if SCALE_SLOTS.get(c) else {})}  # as decoder_graph sets it
         sessions[c, "fused-dense"] = sess(aqua_attention.OP.model(k=D, **width))
         for rule, ratio in SETTINGS:
             sessions[c, rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D),

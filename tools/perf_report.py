@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from aqua_export.meter import cpu_name
+from aqua_export.ops.spec import CACHE_TYPES
 from aqua_export.outputs import atomic_write_bytes
 from tools.harness import table, written_by
 
@@ -68,15 +69,15 @@ def _widths(rows: list[dict]) -> list[str]:
     narrow = [r for r in rows if r.get("cache", "float32") != "float32" and "token_share" in r]
     if not narrow:
         return []
-    order = ["float32", "float16", "int8"]  # widest first; a row is compared with the wider widths only
-    widths = [w for w in order[:-1] if any(w in r["width_over_this"] for r in narrow)]
+    # CACHE_TYPES runs widest first: a row is compared with the widths before its own
+    widths = [w for w in CACHE_TYPES[:-1] if any(w in r["width_over_this"] for r in narrow)]
     out = ["", "### Cache widths", "", "Token selection's rows with float16 and int8 caches (int8: each token's K^ "
            "column and V row int8 with a scale code), in the same interleaved run: `fused dense / AQUA` against the "
            "fused dense node of the same width, `w / this` the same setting with the wider cache w over this one "
            "(> 1: the narrower cache's step is faster).", ""]
 
     def wider(r, w):
-        return f"{r['width_over_this'][w]:.2f}" if order.index(w) < order.index(r["cache"]) else "-"
+        return f"{r['width_over_this'][w]:.2f}" if CACHE_TYPES.index(w) < CACHE_TYPES.index(r["cache"]) else "-"
 
     body = [[r["T"], r["batch"], r["cache"], r["k_ratio"],
              f"{r['token_ratio']} ({r['token_share']:.3f})" if "token_ratio" in r
