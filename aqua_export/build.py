@@ -142,9 +142,10 @@ class BuildOptions:
 
 def check_options(o: BuildOptions, config: AquaConfig) -> None:
     """Validate before any work."""
-    if (o.parity_prompt is not None and o.parity_prompt < 16) or (o.parity_steps is not None and o.parity_steps < 1):
-        raise ConfigError(f"--parity-prompt-tokens {o.parity_prompt} / --parity-steps {o.parity_steps}: give a prompt "
-                          "of 16 or more tokens and 1 or more steps")
+    if o.parity_prompt is not None and o.parity_prompt < 16:
+        raise ConfigError(f"--parity-prompt-tokens {o.parity_prompt}: give a prompt of 16 or more tokens")
+    if o.parity_steps is not None and o.parity_steps < 1:
+        raise ConfigError(f"--parity-steps {o.parity_steps}: give 1 or more steps")
     if o.ops not in GRAPH_OPS:
         raise ConfigError(f"unknown --ops {o.ops!r}: use one of {', '.join(GRAPH_OPS)}")
     if o.ops == "standard" and o.weights.quantized:
@@ -190,6 +191,8 @@ def build(model_spec: str, config: AquaConfig, *, projection_path: str | None = 
     check_run(config, o.parity_prompt, o.parity_steps, context)
     out_dir = Path(out) if out else default_out(models.short_name(model_spec), config, o,
                                                 calibration_tag(projection_path, calib_texts, calib_tokens))
+    if out_dir.is_symlink():  # a link to a built folder (engines/current): that folder is what is replaced, the link
+        out_dir = out_dir.resolve()  # stays (renaming the link itself away swapped it for a real folder)
     check_out_dir(out_dir, o.force)
     with claim(out_dir):  # a second build to the same --out fails now, not by replacing this one's folder
         check_out_dir(out_dir, o.force)  # what it holds may have changed before the claim
@@ -204,13 +207,21 @@ def _leftover(out: Path, entry: Path) -> bool:
     return bool(re.fullmatch(rf"\.{name}\.[a-z0-9_]{{8}}\.tmp|\.{name}\.old-\d+", entry.name)) and entry.is_dir()
 
 
+def _remove(path: Path) -> None:
+    """A folder, or a link (which rmtree refuses: an older build renamed a linked --out away and left it)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove_leftovers(out: Path) -> None:
     """What a build to ``out`` that was killed (SIGKILL, a power cut: no cleanup ran) left beside it. Called under
     the claim on ``out``, so no live build of it owns any."""
     for entry in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
         if _leftover(out, entry):
             print(f"[aqua-export] removing {entry}, left by a build of {out} that was killed", flush=True)
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove(entry)
 
 
 def _build(model_spec, config, projection, projection_path, calib_texts, calib_tokens, out_dir: Path,
@@ -358,4 +369,4 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     with critical():  # a signal between the two renames would leave no folder at --out
         os.replace(out, old)
         os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)

@@ -223,6 +223,7 @@ def cmd_run(a) -> int:
     from .runtime.folder import FolderConfig
     from .runtime.hosts import open_lm
     from .runtime.sampling import SamplingConfig
+    from .runtime.session import say_once
     from .runtime.text import TextStream, encode_prompts, load_tokenizer
 
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, do_sample=a.sample, temperature=a.temperature,
@@ -238,6 +239,8 @@ def cmd_run(a) -> int:
               f"{'onnxruntime-genai' if a.runtime == 'genai' else 'ONNX Runtime'}]", file=sys.stderr, flush=True)
     lm = open_lm(a.folder, a.runtime, kernel=a.kernel,
                  share_buffer=a.kv_buffer == "shared", serving=(ids.shape[0], ids.shape[1] + a.max_new_tokens))
+    if getattr(lm, "kernels", ""):  # which path the custom nodes take, once (a fallback's notice is this line)
+        say_once(lm.kernels)
     if a.runtime == "tensorrt":
         from .runtime.tensorrt import check_request
 
@@ -262,14 +265,16 @@ def cmd_serve(a) -> int:
     from .runtime.lm import OrtLM
     from .runtime.session import available_memory
     from .runtime.text import load_tokenizer
-    from .serving.api import Api
-    from .serving.engine import Engine
+    from .serving.api import Api, least_context
+    from .serving.engine import Engine, check_limits
 
     check_threads(a.threads)
-    if not 0 < a.port < 65536 or a.max_seqs < 1 or a.queue < 0 or a.chunk < 1 or a.context < 0 \
-            or a.prefix_cache_mb < 0:
-        raise ConfigError("--port must be in 1..65535, --max-seqs and --chunk >= 1, --queue, --context and "
-                          "--prefix-cache-mb >= 0")
+    if not 0 < a.port < 65536:
+        raise ConfigError(f"--port {a.port}: give a port in 1..65535")
+    check_limits(a.max_seqs, a.chunk, a.queue)
+    for flag, value in (("--context", a.context), ("--prefix-cache-mb", a.prefix_cache_mb)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value}: give 0 or more")
     cfg = FolderConfig.from_folder(a.folder)
     cfg.verify(a.folder)
     capabilities.check(Features.of_folder(cfg), "serve")
@@ -285,6 +290,10 @@ def cmd_serve(a) -> int:
                           f"({available_memory() >> 20} MB): give less")
     _check_port(a.host, a.port)
     tok = load_tokenizer(a.folder)
+    least = least_context(tok)
+    if context < least:  # every chat would be refused: say so now, not at each request
+        raise ConfigError(f"--context {context} cannot hold a request: the folder's chat template around an empty "
+                          f"message takes {least - 1} tokens, and one is generated; give --context {least} or more")
     lm = OrtLM.from_folder(a.folder, threads=a.threads, kernel=a.kernel, serving=(rows, slots))
     engine = Engine(lm, max_seqs=a.max_seqs, context=context, chunk=a.chunk, queue=a.queue, prefix_bytes=prefix)
     return _serve_http(Api(engine, tok, a.model_name or Path(a.folder).resolve().name, a.api_key), a.host, a.port)
@@ -365,7 +374,7 @@ def cmd_check(a) -> int:
     from .runtime.folder import FolderConfig
 
     cfg = FolderConfig.from_folder(a.folder)
-    size = cfg.verify(a.folder, checksums=True)
+    size = cfg.verify(a.folder, checksums=True, whole=True)
     foreign = cfg.foreign_files(a.folder)
     extra = f"; it also holds {', '.join(foreign)}, which the build did not write" if foreign else ""
     print(f"{a.folder}: {len(cfg.files)} files, {size / 2**30:.2f} GiB, each as the build wrote it (SHA-256){extra}")

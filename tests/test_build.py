@@ -16,7 +16,8 @@ from aqua_export.runtime.folder import FolderConfig
     (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--runtime", "tensorrt"], "--runtime tensorrt: TensorRT is not installed here"),
-    (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "give a prompt of 16 or more tokens"),
+    (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "--parity-prompt-tokens 8: give a prompt of 16 or more"),
+    (["--k-ratio", "0.5", "--parity-steps", "0"], "--parity-steps 0: give 1 or more steps"),
     (["--k-ratio", "0.5", "--cache-dtype", "float16", "--runtime", "tensorrt"], "TensorRT's separate nodes take one"),
     (["--k-ratio", "0.5", "--cache-dtype", "float16", "--h2o-ratio", "0.5"], "AQUA-H2O's slot buffers are kept"),
     (["--k-ratio", "0.5", "--dtype", "float16", "--cache-dtype", "float32"], "a float16 graph caches float16"),
@@ -25,6 +26,7 @@ def test_bad_build_input_is_one_line(args, needle, capsys, tmp_path):
     rc = main(["--model", "llama", "--out", str(tmp_path / "o")] + args)
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert "None" not in err, err  # a flag that was not given is not named with a value
     assert list(tmp_path.iterdir()) == []
 
 

@@ -2,6 +2,7 @@
 genai's buffer modes, batch 1 and a batch of prompts of different lengths (embedded model, slow)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -145,3 +146,48 @@ def test_chunked_prefill_equals_one_forward(folders, monkeypatch):
         gen.generate_next_token()
         got.append(int(np.asarray(gen.get_next_tokens())[0]))
     assert got == whole[0].tolist()
+
+
+THREADS_PROBE = """
+import json, sys, threading, os
+import onnxruntime as ort, onnxruntime_genai as og
+folder = sys.argv[1]
+def count():
+    return len(os.listdir("/proc/self/task"))
+def grown(make):
+    before = count(); keep = make(); return count() - before, keep
+def ort_session(threads):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.register_custom_ops_library(os.path.join(folder, "libaqua_ort.so"))
+    return ort.InferenceSession(os.path.join(folder, "model.onnx"), so)
+def genai_model(threads):
+    config = og.Config(folder)
+    if threads is not None:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    return og.Model(config)
+kept = [genai_model(1)]  # genai's own threads (made at its first model) out of the counts below
+ort_one, k = grown(lambda: ort_session(1)); kept.append(k)
+ort_default, k = grown(lambda: ort_session(0)); kept.append(k)
+genai_one, k = grown(lambda: genai_model(1)); kept.append(k)
+genai_default, k = grown(lambda: genai_model(None)); kept.append(k)
+print(json.dumps({"ort": ort_default - ort_one, "genai": genai_default - genai_one}))
+"""
+
+
+@pytest.mark.slow
+def test_genai_opens_a_folder_on_the_machines_cores(folders):
+    """og.Model(folder) with nothing set runs as many intra-op threads as ONNX Runtime's own default (one per
+    physical core), not genai's hardware_concurrency() / 2 (one thread on a 2-core machine without SMT): the
+    folder's genai_config says 0, which means ONNX Runtime's default on whichever machine opens it."""
+    import subprocess
+    import sys
+
+    folder = folders["dense"]
+    gc = json.loads((folder / "genai_config.json").read_text())
+    assert gc["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 0
+    r = subprocess.run([sys.executable, "-c", THREADS_PROBE, str(folder)], capture_output=True, text=True, check=True)
+    extra = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"intra-op threads beyond one: ONNX Runtime's default {extra['ort']}, genai's opening of the folder "
+          f"{extra['genai']} ({os.cpu_count()} CPUs)")
+    assert extra["genai"] == extra["ort"], extra

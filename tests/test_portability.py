@@ -17,6 +17,7 @@ from helpers import saved_checkpoint
 
 from aqua_export.cli import main
 from aqua_export.runtime.genai import native_files
+from aqua_export.runtime import session
 from aqua_export.runtime.session import native_library, native_variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,8 +124,15 @@ def test_no_variant_beside_the_loader_runs_the_bodies_with_one_line(folders, tmp
     assert bodies["variant"] == "" and "no kernel variant for this CPU" in bodies["stderr"]
     assert np.abs(bodies["logits"] - here["logits"]).max() <= LOGITS_TOL
     args = ["run", str(folders["tokens"]), "--prompt", "The license", "--max-new-tokens", "4"]
+    monkeypatch.setattr(session, "_SAID", set())  # each run's line, whatever ran before in this process
+    capfd.readouterr()
     assert main(args) == 0
-    want = capfd.readouterr().out
+    got = capfd.readouterr()
+    want = got.out
+    # run says which path it takes, once: the kernels of the variant this CPU runs
+    assert [x for x in got.err.splitlines() if x.strip()] == [
+        f"aqua-export: ONNX Runtime runs the custom nodes on the native kernels ({native_variant()}: "
+        f"{native_library()})"]
     monkeypatch.setenv("AQUA_ORT_KERNEL", str(alone / "libaqua_ort.so"))
     assert main(args) == 0
     got = capfd.readouterr()
@@ -135,12 +143,18 @@ def test_no_variant_beside_the_loader_runs_the_bodies_with_one_line(folders, tmp
 
 
 @needs_library
-def test_genai_runs_a_folder_without_its_library_with_one_line(folders, tmp_path, capfd):
+def test_genai_runs_a_folder_without_its_library_with_one_line(folders, tmp_path, capfd, monkeypatch):
     """genai refuses a folder whose config names a missing library; `run --runtime genai` opens a view of it without
     the key, says so in one line, and prints the same text."""
     args = ["--prompt", "The license", "--max-new-tokens", "4", "--runtime", "genai"]
+    monkeypatch.setattr(session, "_SAID", set())
+    capfd.readouterr()
     assert main(["run", str(folders["tokens"]), *args]) == 0
-    want = capfd.readouterr().out
+    got = capfd.readouterr()
+    want = got.out
+    assert [x for x in got.err.splitlines() if x.strip()] == [
+        f"aqua-export: onnxruntime-genai runs the custom nodes on {folders['tokens']}'s native kernels "
+        f"({native_variant()})"]
     bare = tmp_path / "bare"
     shutil.copytree(folders["tokens"], bare)
     for f in bare.glob("libaqua_ort*.so"):
@@ -153,7 +167,12 @@ def test_genai_runs_a_folder_without_its_library_with_one_line(folders, tmp_path
     assert [x for x in got.err.splitlines() if x.strip()] == [
         f"aqua-export: {bare} has no libaqua_ort.so (the native kernels): onnxruntime-genai runs the custom nodes' ONNX "
         "function bodies (slower)"]
-    assert main(["check", str(bare)]) == 0  # the kernels are optional: the folder is intact without them
+    # the runtimes run without the kernels, but the folder is not as built: check names every file that is gone
+    capfd.readouterr()
+    assert main(["check", str(bare)]) != 0
+    err = capfd.readouterr().err
+    assert "libaqua_ort.so, libaqua_ort_x86-64-v2.so, libaqua_ort_x86-64-v3.so, libaqua_ort_x86-64-v4.so (the native " \
+           "kernels) are missing" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_standard_ops_folder_runs_in_onnx_reference_evaluator_and_infers_every_shape(folders):

@@ -2,6 +2,7 @@
 traceback. A tiny random checkpoint (real tokenizer) is built once into a folder; tests damage copies of it."""
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -497,3 +498,19 @@ def test_a_build_removes_what_a_killed_build_left(tmp_path, capsys):
     assert main(_tiny_build(ckpt, tmp_path / "o3")) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [".o3.b.abcdefgh.tmp", "ckpt", "o3"]
     assert capsys.readouterr().out.count("left by a build of") == 2
+
+
+def test_force_through_a_link_replaces_the_folder_it_names(tmp_path, capsys):
+    """--out a symbolic link to a built folder, with --force: the folder the link names is replaced and the link stays
+    a link to it; nothing is left beside either (rmtree does not remove a link, so renaming the link away left one)."""
+    ckpt = saved_checkpoint(tmp_path / "ckpt", max_position_embeddings=64)
+    assert main(_tiny_build(ckpt, tmp_path / "v1")) == 0
+    first = (tmp_path / "v1" / "aqua_config.json").read_bytes()
+    (tmp_path / "current").symlink_to("v1")
+    assert main([*_tiny_build(ckpt, tmp_path / "current"), "--force"]) == 0
+    assert os.readlink(tmp_path / "current") == "v1" and (tmp_path / "v1").is_dir() and \
+        not (tmp_path / "v1").is_symlink()
+    assert (tmp_path / "v1" / "aqua_config.json").read_bytes() != first  # rebuilt (its resources differ)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "current", "v1"]
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "current")]) == 0

@@ -345,8 +345,18 @@ def _swallow(fn, **kw):
 def test_serve_refuses_bad_options_before_loading(folders, tmp_path, capsys):
     from aqua_export.cli import main
 
-    assert main(["serve", str(folders["dense"]), "--max-seqs", "0"]) == 2
-    assert "--max-seqs and --chunk >= 1" in capsys.readouterr().err
+    for flag, value, line in (("--max-seqs", "0", "--max-seqs 0: give 1 or more"),
+                              ("--chunk", "0", "--chunk 0: give 1 or more"),
+                              ("--queue", "-1", "--queue -1: give 0 or more"),
+                              ("--port", "70000", "--port 70000: give a port in 1..65535"),
+                              ("--context", "-3", "--context -3: give 0 or more")):
+        assert main(["serve", str(folders["dense"]), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert line in err and err.count("--") == 1, err  # the bad flag alone
+    # a context no chat fits is refused before the model loads, not at every request
+    assert main(["serve", str(folders["dense"]), "--context", "5"]) == 2
+    assert "--context 5 cannot hold a request: the folder's chat template around an empty message takes 17 tokens" \
+        in capsys.readouterr().err
     assert main(["serve", str(folders["dense"]), "--context", "100000"]) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
     with socket.socket() as busy:
@@ -393,3 +403,74 @@ def test_a_stop_string_found_after_the_engine_finished_is_a_stop():
 
     run = asyncio.run(main())
     assert (run.finish, run.text, run.tokens, cancelled) == ("stop", "a", [1, 3, 4], [run.seq])
+
+
+# OpenAI's documented request shapes (the API reference's chat and completions parameters, as the `openai` client
+# sends them), each with what this server answers: "ok" (served as OpenAI serves it) or the status of its one-line
+# refusal. docs/reference.md (Serving over HTTP) lists the same table.
+USER = {"role": "user", "content": "Hello"}
+OPENAI_SHAPES = [
+    ("chat: text content", "chat", {"messages": [USER]}, "ok"),
+    ("chat: content as text parts", "chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]}, "ok"),
+    ("chat: system, developer, assistant turns", "chat", {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."}, USER,
+        {"role": "assistant", "content": "Hi"}, USER]}, "ok"),
+    ("chat: a name on a message", "chat", {"messages": [{**USER, "name": "ann"}]}, "ok"),
+    ("chat: max_completion_tokens", "chat", {"messages": [USER], "max_completion_tokens": 3, "max_tokens": None}, "ok"),
+    ("chat: stop as a string", "chat", {"messages": [USER], "stop": "\n"}, "ok"),
+    ("chat: n 1, seed, user", "chat", {"messages": [USER], "n": 1, "seed": 3, "user": "u1"}, "ok"),
+    ("chat: penalties 0, response_format text, tool_choice none", "chat", {
+        "messages": [USER], "presence_penalty": 0, "frequency_penalty": 0, "response_format": {"type": "text"},
+        "tool_choice": "none"}, "ok"),
+    ("chat: logprobs false", "chat", {"messages": [USER], "logprobs": False}, "ok"),
+    ("chat: stream with include_usage", "chat", {"messages": [USER], "stream": True,
+                                                 "stream_options": {"include_usage": True}}, "ok"),
+    ("completions: a batch of one prompt", "completions", {"prompt": ["Hello"]}, "ok"),
+    ("completions: token ids", "completions", {"prompt": [40, 41, 42]}, "ok"),
+    ("chat: an image part", "chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400),
+    ("chat: role tool", "chat", {"messages": [USER, {"role": "tool", "content": "42", "tool_call_id": "c1"}]}, 400),
+    ("chat: an unknown role", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("chat: tools", "chat", {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("chat: presence_penalty 1", "chat", {"messages": [USER], "presence_penalty": 1.0}, 400),
+    ("chat: logit_bias", "chat", {"messages": [USER], "logit_bias": {"50": 10}}, 400),
+    ("chat: response_format json_object", "chat", {"messages": [USER], "response_format": {"type": "json_object"}}, 400),
+    ("chat: n 2", "chat", {"messages": [USER], "n": 2}, 400),
+    ("chat: max_tokens -1", "chat", {"messages": [USER], "max_tokens": -1}, 400),
+    ("completions: two prompts", "completions", {"prompt": ["a", "b"]}, 400),
+]
+
+
+def test_openai_request_shapes(server):
+    """Every shape of OPENAI_SHAPES through the `openai` client: the served ones answer as OpenAI's do (a streamed
+    include_usage ends in a chunk of no choices with the usage), the refused ones in one 400 naming the parameter."""
+    import openai
+
+    c = server.client()
+    seen = []
+    for name, route, args, want in OPENAI_SHAPES:
+        api = c.chat.completions if route == "chat" else c.completions
+        kw = {"model": server.model, "max_tokens": 4, "temperature": 0, **args}
+        kw = {k: v for k, v in kw.items() if v is not None}
+        try:
+            out = api.create(**kw)
+            if kw.get("stream"):
+                chunks = list(out)
+                assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1, name
+            else:
+                assert out.usage.completion_tokens >= 1, name
+            got = "ok"
+        except openai.APIStatusError as e:
+            got = e.status_code
+            assert e.body["type"] == "invalid_request_error" and e.body["message"], name
+            assert "None" not in e.body["message"], (name, e.body["message"])
+        seen.append(f"{name}: {got}")
+        assert got == want, (name, got, want)
+    print("\n".join(seen))
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=[USER], max_tokens=-1)
+    assert e.value.body["message"] == "max_tokens must be >= 1, got -1"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)
+    assert "messages[0].role must be one of system, developer, user, assistant, got 'wizard'" in e.value.body["message"]

@@ -139,7 +139,12 @@ def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int,
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds: int, threads: int) -> list[dict]:
+def _label(engine: str, threads: int) -> str:
+    return engine if threads else f"{engine} [default threads]"
+
+
+def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds: int, threads: list[int]) -> list[dict]:
+    """threads: each engine runs once per count in a round; 0 sets none (the engine's default, what a user gets)."""
     WORK.mkdir(parents=True, exist_ok=True)
     present = []
     for e in engines:
@@ -152,19 +157,20 @@ def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds:
     for tokens, batch, chunk in cases:
         prompt = _prompt(tokens)
         # llama-cpp-python serves one sequence; only genai's API takes a prompt in several calls
-        runs = {e: [] for e in present
+        runs = {(e, t): [] for e in present for t in threads
                 if not (batch > 1 and ENGINES[e][1] == "llamacpp") and not (chunk and ENGINES[e][1] != "genai")}
         for r in range(rounds):  # interleaved: every engine once per round
-            for e, done in runs.items():
-                res = _one(e, paths[e], prompt, batch, chunk, new, threads)
-                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {e}: "
+            for (e, t), done in runs.items():
+                res = _one(e, paths[e], prompt, batch, chunk, new, t)
+                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {_label(e, t)}: "
                       + (f"ttft {res['ttft_s']:.2f} s, {res['decode_tokens_per_s']:.1f} tok/s, "
                          f"{res['peak_rss_mb']:.0f} MB" if res else "-"), flush=True)
                 if res:
                     done.append(res)
-        for e, rs in runs.items():
+        for (e, t), rs in runs.items():
             if rs:
-                rows.append({"engine": e, "prompt": tokens, "batch": batch, "chunk": chunk, "new": new,
+                rows.append({"engine": _label(e, t), "threads": t or "default", "prompt": tokens, "batch": batch,
+                             "chunk": chunk, "new": new,
                              "ttft_s": min(x["ttft_s"] for x in rs),
                              "decode_tokens_per_s": max(x["decode_tokens_per_s"] for x in rs),
                              "e2e_s": min(x["e2e_s"] for x in rs), "peak_rss_mb": max(x["peak_rss_mb"] for x in rs),
@@ -218,18 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=DEFAULT)
     ap.add_argument("--new", type=int, default=256, help="greedy tokens after the prompt (the request's answer)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 0],
+                    help="thread counts every engine runs at, each given explicitly; 0 gives none: the engine's own "
+                         "default, what a user who sets nothing gets (default: 2 and 0)")
     ap.add_argument("--profile", metavar="FOLDER", help="print ONNX Runtime's per-node profile of one prefill of "
                     "the first case's prompt through FOLDER (this project's folder) instead")
     ap.add_argument("--setup", action="store_true", help="make the peers' environments first (ENVS)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prefill"))
     a = ap.parse_args(argv)
-    if a.new < 2 or a.rounds < 1 or a.threads < 1:
-        ap.error("--new must be >= 2, --rounds and --threads >= 1")
+    if a.new < 2 or a.rounds < 1 or min(a.threads) < 0:
+        ap.error("--new must be >= 2, --rounds >= 1, --threads >= 0")
     from aqua_export.meter import cpu_name
 
     if a.profile:
-        print(profile(a.profile, a.cases[0][0], a.threads))
+        print(profile(a.profile, a.cases[0][0], max(a.threads)))
         return 0
     if a.setup:
         setup()
@@ -251,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
-    intro = (f"Written by `python -m tools prefill` on {meta['cpu']}, {meta['threads']} threads; each request in a fresh "
+    counts = meta["threads"] if isinstance(meta["threads"], list) else [meta["threads"]]
+    threads = " and ".join(f"{t} threads" if t else "each engine's default thread count (none set)" for t in counts)
+    intro = (f"Written by `python -m tools prefill` on {meta['cpu']}, {threads}; each request in a fresh "
              "process, each case one interleaved run (every engine once per round, best of its rounds). Time to first "
              "token: from handing over the prompt's ids to the first generated id; decode tokens/s: the tokens after it "
              "(times the batch); request: both; peak RSS: the process's high-water mark, loading included; loaded: "

@@ -78,6 +78,7 @@ class Server:
     """A server process on 127.0.0.1 (ours or llama.cpp's), its model id, its peak RSS when stopped."""
 
     def __init__(self, engine: str, context: int, threads: int, extra: list[str] = ()):  # extra: our server's options
+        # threads 0: no thread count given (each server's own default, what a user who sets none gets)
         self.port = _port()
         WORK.mkdir(parents=True, exist_ok=True)
         self.log = open(WORK / f"{engine}.log", "w")
@@ -86,15 +87,17 @@ class Server:
             from aqua_export import models
 
             gguf = models.embedded_gguf()
+            counts = ["--n_threads", str(threads), "--n_threads_batch", str(threads)] if threads else []
             cmd = [str(LLAMACPP), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(context),
-                   "--n_threads", str(threads), "--n_threads_batch", str(threads), "--flash_attn", "True",
+                   *counts, "--flash_attn", "True",
                    "--interrupt_requests", "False",  # its default cuts a streaming request short when another comes
                    "--host", "127.0.0.1", "--port", str(self.port)]
             self.model = str(gguf)
         else:
             folder = FOLDERS[engine]
-            cmd = [sys.executable, "-m", "aqua_export", "serve", str(folder), "--port", str(self.port), "--threads",
-                   str(threads), "--context", str(context), "--max-seqs", "16", "--queue", "256", *extra]  # extra last:
+            counts = ["--threads", str(threads)] if threads else []
+            cmd = [sys.executable, "-m", "aqua_export", "serve", str(folder), "--port", str(self.port), *counts,
+                   "--context", str(context), "--max-seqs", "16", "--queue", "256", *extra]  # extra last:
             # argparse keeps the last --max-seqs
             self.model = folder.name
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -238,18 +241,21 @@ def peers(text: Text, threads: int, quick: bool, skip: bool) -> dict:
     for ctx, n, conc in ((1000, 4 if quick else 16, 4 if quick else 16), (8000, 2 if quick else 4, 2 if quick else 4)):
         prompts = [text.take(ctx) for _ in range(n)]
         for engine in ["ours-int4", "ours-tokens-int4"] + ([] if skip else ["llamacpp"]):
-            server = Server(engine, ctx + 64, threads, ["--max-seqs", str(conc)])
-            res = drive(server, text, prompts, 32, conc)
-            res["peak_rss_mb"] = round(server.stop())
-            out[f"{engine}@{ctx}"] = res
-            print(f"  {engine} at {ctx}: {res['wall_s']} s, {res['tokens_per_s']} tokens/s", flush=True)
+            for count in (threads, 0):  # the count given, then none: the default a user gets
+                server = Server(engine, ctx + 64, count, ["--max-seqs", str(conc)])
+                res = drive(server, text, prompts, 32, conc)
+                res["peak_rss_mb"] = round(server.stop())
+                name = engine if count else f"{engine} [default threads]"
+                out[f"{name}@{ctx}"] = res
+                print(f"  {name} at {ctx}: {res['wall_s']} s, {res['tokens_per_s']} tokens/s", flush=True)
     return out
 
 
 def write(res: dict) -> None:
     (BENCHMARKS / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
     lines = ["# Serving under load (`aqua-export serve` over HTTP)", "", written_by("serve"), "",
-             f"2-core CPU, {res['threads']} threads per server, greedy, streamed through the `openai` client; one "
+             f"2-core CPU, {res['threads']} threads per server (the peers' rows also with none given: "
+             "[default threads]), greedy, streamed through the `openai` client; one "
              "server at a time. Token counts by the embedded tokenizer.", ""]
     ld = res["load"]
     lines += ["## Load: token-selection int4 folder", "",

@@ -9,6 +9,7 @@ ENGINE: genai (onnxruntime-genai, any folder: ours or its model builder's; DIR@n
 aqua (`aqua-export run`'s runtime: a long prompt in forwards of runtime.session.PREFILL_CHUNK tokens),
 openvino (OpenVINO GenAI's LLMPipeline on an optimum-intel folder; PATH may end in @f32 for float32 inference
 precision), llamacpp (llama-cpp-python on a GGUF: f16 KV cache, or q8_0 for GGUF@q8_0, flash attention).
+THREADS 0 sets no thread count at all: the engine's own default, what a user who sets nothing gets.
 PROMPT.npy holds [T] int64 ids, repeated over the batch. CHUNK 0 appends the prompt in one call; otherwise in calls of CHUNK tokens (genai, batch 1).
 Time to first token runs from handing over the prompt to the first generated id; decode tokens/s counts the
 NEW - 1 tokens after it per sequence (batch x that over the time). Peak RSS is the process's VmHWM, loading included;
@@ -34,9 +35,11 @@ def _genai(path, prompt, chunk, new, threads, clock):
     import onnxruntime_genai as og
 
     path, _, option = path.partition("@")  # DIR@no-arena: the CPU arena off (what the folder's config turns on)
-    session = {"intra_op_num_threads": threads, **({"enable_cpu_mem_arena": False} if option == "no-arena" else {})}
+    session = {**({"intra_op_num_threads": threads} if threads else {}),
+               **({"enable_cpu_mem_arena": False} if option == "no-arena" else {})}
     config = og.Config(path)
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
+    if session:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
     model = og.Model(config)
     params = og.GeneratorParams(model)
     b, t = prompt.shape
@@ -72,7 +75,7 @@ def _openvino(path, prompt, chunk, new, threads, clock):
     import openvino_genai as ovg
 
     path, _, precision = path.partition("@")
-    props = {"INFERENCE_NUM_THREADS": threads}
+    props = {"INFERENCE_NUM_THREADS": threads} if threads else {}
     if precision:
         props["INFERENCE_PRECISION_HINT"] = precision
     pipe = ovg.LLMPipeline(path, "CPU", **props)
@@ -111,7 +114,8 @@ def _llamacpp(path, prompt, chunk, new, threads, clock):
         raise SystemExit("llamacpp: llama-cpp-python's Llama serves one sequence: batch 1 only")
     path, _, cache = path.partition("@")  # GGUF@q8_0: a q8_0 KV cache (-ctk / -ctv q8_0), else float16
     kv = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0} if cache == "q8_0" else {}
-    llm = llama_cpp.Llama(model_path=path, n_ctx=t + new + 8, n_threads=threads, n_threads_batch=threads,
+    counts = {"n_threads": threads, "n_threads_batch": threads} if threads else {}
+    llm = llama_cpp.Llama(model_path=path, n_ctx=t + new + 8, **counts,
                           n_batch=chunk or 2048, n_ubatch=512, flash_attn=True, verbose=False, logits_all=False, **kv)
     clock("load")
     out = []

@@ -158,18 +158,25 @@ class FolderConfig:
         """Entries of ``folder`` that the build did not write (sorted)."""
         return foreign_files(folder, self.files)
 
-    def verify(self, folder: str | Path, checksums: bool = False) -> int:
+    def verify(self, folder: str | Path, checksums: bool = False, whole: bool = False) -> int:
         """Every file of the manifest is in ``folder`` with the size the build wrote (and, with checksums, the same
-        SHA-256): the bytes verified, or one ConfigError line naming the first file that differs."""
+        SHA-256): the bytes verified, or one ConfigError line naming the first file that differs. The native kernels
+        may be missing (the runtimes then run the function bodies and say so) unless ``whole`` (`aqua-export check`):
+        then the line names every one that is gone."""
         folder = Path(folder)
         if self.files is None:
             raise ConfigError(f"{folder / CONFIG_FILE} lists no files (the folder was not finished by a build): rebuild "
                               "the folder")
+        gone = [n for n in sorted(self.files) if n.startswith(KERNELS_PREFIX) and not (folder / n).is_file()]
+        if whole and gone:
+            raise ConfigError(f"{folder} is incomplete: {', '.join(gone)} (the native kernels) "
+                              f"{'is' if len(gone) == 1 else 'are'} missing, so the runtimes would run the custom "
+                              "nodes' ONNX function bodies (slower): copy the folder again or rebuild it")
         total = 0
         for name, rec in sorted(self.files.items()):
             f = folder / name
-            if not f.is_file() and name.startswith(KERNELS_PREFIX):
-                continue  # the native kernels are optional: without them the runtimes run the function bodies
+            if name in gone:
+                continue  # optional to the runtimes: without them they run the function bodies, in one line
             if not f.is_file():
                 raise ConfigError(f"{folder} is damaged: {name} is missing: rebuild the folder")
             size = f.stat().st_size

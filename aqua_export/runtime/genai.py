@@ -33,7 +33,7 @@ from ..config import ConfigError
 from ..outputs import atomic_write_bytes
 from .folder import FolderConfig
 from .sampling import check_finite, emit
-from .session import check_serving, native_library, say_once
+from .session import no_variant_line, check_serving, native_library, native_variant, say_once
 
 GENAI_CONFIG = "genai_config.json"
 NATIVE_NAME = "libaqua_ort.so"
@@ -45,7 +45,12 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
     # the CPU arena on: a prompt's tensors are per-layer and linear in its length (no [T, T], no [T, vocabulary]),
     # and without the arena the C heap fragments over them: a 7,936-token prompt's peak was 1,341-1,829 MB instead of
     # 942 (tools/request_runner.py, DIR@no-arena); the arena keeps that working set for the session's life
-    session = {"log_id": "onnxruntime-genai", "provider_options": [], "enable_cpu_mem_arena": True}
+    # intra_op_num_threads 0: ONNX Runtime's own default, one thread per physical core of the machine that runs the
+    # folder. Without the key genai sets hardware_concurrency() / 2 (its guess that every core is two hyperthreads):
+    # one thread on a 2-core machine without SMT, where an 8,000-token prompt took 80.4 s instead of 34.8 s. A count
+    # written here would be wrong on the next machine; 0 is right on each.
+    session = {"log_id": "onnxruntime-genai", "provider_options": [], "enable_cpu_mem_arena": True,
+               "intra_op_num_threads": 0}
     if cfg.dtype == "float32":  # float16 folders run the function bodies (runtime.default_kernel says why)
         session["custom_ops_library"] = NATIVE_NAME
     g = cfg.geometry
@@ -150,10 +155,18 @@ class GenaiLM:
         run their function bodies, said in one line."""
         options = gc["model"]["decoder"].get("session_options", {})
         lib = options.get("custom_ops_library")
-        if not lib or (folder / lib).is_file():
+        if not lib:
+            self.kernels = ("aqua-export: onnxruntime-genai runs the custom nodes' ONNX function bodies (a "
+                            f"{self.cfg.dtype} folder names no native kernels)")
             return folder
-        say_once(f"aqua-export: {folder} has no {lib} (the native kernels): onnxruntime-genai runs the custom nodes' "
-                 "ONNX function bodies (slower)")
+        if (folder / lib).is_file():
+            variant = native_variant(folder / lib)
+            self.kernels = (f"aqua-export: onnxruntime-genai runs the custom nodes on {folder}'s native kernels "
+                            f"({variant})" if variant else no_variant_line(folder / lib))
+            return folder
+        self.kernels = (f"aqua-export: {folder} has no {lib} (the native kernels): onnxruntime-genai runs the custom "
+                        "nodes' ONNX function bodies (slower)")
+        say_once(self.kernels)
         import tempfile
 
         self._tmp = tempfile.TemporaryDirectory(prefix="aqua-genai-")  # lives as long as this object

@@ -15,7 +15,7 @@ from ..export.contract import Contract
 from .caches import H2OCache, SharedCache
 from .folder import FolderConfig
 from .sampling import SamplingConfig, check_finite, emit, pick
-from .session import PREFILL_CHUNK, check_serving, default_kernel, make_session
+from .session import PREFILL_CHUNK, check_serving, default_kernel, kernel_line, make_session
 
 CACHES = ("shared", "concat")
 
@@ -61,6 +61,7 @@ class OrtLM:
         self.h2o = self.contract.h2o
         self.shared = cache == "shared"
         self.folder = None  # set by from_folder: named in error lines
+        self.kernels = ""  # set by open: the one line naming the path the custom nodes take (session.kernel_line)
         self.output_names = [o.name for o in session.get_outputs()] if hasattr(session, "get_outputs") else None
         self.n_outputs = 1 + len(self.contract.kinds) * self.layers
         self.probe = probe
@@ -104,16 +105,20 @@ class OrtLM:
              all_logits: bool = False, probe: Probe | None = None, **session) -> OrtLM:
         """A session of the graph at ``model`` (all_logits: opened with rewrites.all_logits, every position's logits;
         session: make_session's other options)."""
+        asked = kernel
         if kernel == "auto":
             kernel = default_kernel(cfg.dtype)
         capabilities.check(Features.of_folder(cfg), kernel)
         if not (all_logits and cfg.contract.last_logits):
-            return cls(make_session(model, threads, kernel, **session), cfg, cache, probe, all_rows=all_logits or None)
-        from ..export.rewrites import all_logits as every_row
-        from ..export.rewrites import graph_variant
+            lm = cls(make_session(model, threads, kernel, **session), cfg, cache, probe, all_rows=all_logits or None)
+        else:
+            from ..export.rewrites import all_logits as every_row
+            from ..export.rewrites import graph_variant
 
-        with graph_variant(Path(model), "all-logits", every_row) as path:  # the session keeps what it loaded
-            return cls(make_session(path, threads, kernel, **session), cfg, cache, probe, all_rows=True)
+            with graph_variant(Path(model), "all-logits", every_row) as path:  # the session keeps what it loaded
+                lm = cls(make_session(path, threads, kernel, **session), cfg, cache, probe, all_rows=True)
+        lm.kernels = kernel_line(kernel, asked, cfg.dtype)  # what `aqua-export run` says of the path taken
+        return lm
 
     def empty_past(self, batch: int):
         """Nothing seen yet: a SharedCache (an H2OCache for H2O graphs), or for the concat cache a list of every

@@ -119,10 +119,32 @@ def default_kernel(dtype: str) -> str:
     if dtype != "float32" or native_library() is None:
         return "function"
     if not native_variant():
-        say_once(f"aqua-export: no variant of the native kernels beside {native_library()} runs on this CPU (they need "
-                 "at least x86-64-v2: SSE4.2 and POPCNT): the custom nodes run their ONNX function bodies (slower)")
+        say_once(no_variant_line(native_library()))
         return "function"
     return "native"
+
+
+def no_variant_line(lib: Path) -> str:
+    return (f"aqua-export: no variant of the native kernels beside {lib} runs on this CPU (they need at least "
+            "x86-64-v2: SSE4.2 and POPCNT): the custom nodes run their ONNX function bodies (slower)")
+
+
+def kernel_line(kernel: str, asked: str, dtype: str) -> str:
+    """The one line `aqua-export run` says of the path ONNX Runtime takes for the custom nodes: ``kernel`` as chosen
+    ("native" / "function") from ``asked`` (--kernel) for a folder of ``dtype``. A fallback reads as the notice
+    default_kernel printed for it, so a run says it once."""
+    lib = native_library()
+    if kernel == "native":
+        return f"aqua-export: ONNX Runtime runs the custom nodes on the native kernels ({native_variant(lib)}: {lib})"
+    if asked == "function":
+        why = "--kernel function"
+    elif dtype != "float32":
+        why = f"a {dtype} folder: ONNX Runtime's CPU provider runs their products in float32 (runtime.default_kernel)"
+    elif lib is None:
+        why = "the native kernels are not built: `make plugin`, or install the wheel"
+    else:
+        return no_variant_line(lib)
+    return f"aqua-export: ONNX Runtime runs the custom nodes' ONNX function bodies ({why})"
 
 
 def make_session(model: str | Path | bytes, threads: int = 0, kernel: str = "auto", spin: bool = True,

@@ -47,8 +47,53 @@ def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
         raise RequestError(f"{name} must be a{'n integer' if kind is int else ' number'}, got {v!r}", name)
     v = kind(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise RequestError(f"{name} must be in [{lo}, {hi}], got {v}", name)
+        where = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else \
+            f"<= {hi}"
+        raise RequestError(f"{name} must be {where}, got {v}", name)
     return v
+
+
+# the chat roles a folder's template is given (OpenAI's "developer" is its newer name for "system"); tools and
+# function calls are not served, so their roles are refused rather than passed to a template that cannot read them
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _messages(body: dict) -> list[dict]:
+    """OpenAI's chat messages -> [{role, content: str}] for the chat template: content as text or as a list of text
+    parts ({"type": "text", "text"}, joined with newlines, as vLLM's server joins them); anything else is one 400
+    naming the message."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r} (tools and "
+                               "function calls are not served)", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+            if not content or kinds != ["text"] * len(content) or not all(isinstance(p.get("text"), str)
+                                                                          for p in content):
+                other = next((k for k in kinds if k != "text"), "text without a string")
+                raise RequestError(f"messages[{i}].content must be text or a list of text parts ({{\"type\": "
+                                   f"\"text\", \"text\": ...}}); got a {other!r} part: this model reads text only",
+                                   "messages")
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be text or a list of text parts", "messages")
+        out.append({"role": ROLES[m["role"]], "content": content})
+    return out
+
+
+def least_context(tok) -> int:
+    """The shortest context a request fits in: the chat template around one empty message and a token to generate
+    (a folder without a template: a one-token prompt and one generated)."""
+    if not tok.chat_template:
+        return 2
+    text = tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
+    return len(tok(text, add_special_tokens=False)["input_ids"]) + 1
 
 
 def _stops(body: dict) -> list[str]:
@@ -82,9 +127,17 @@ class Api:
         for name in ("n", "best_of"):
             if body.get(name, 1) != 1:
                 raise RequestError(f"{name} must be 1 (one completion per request)", name)
-        for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-            if body.get(name) not in (None, False):
+        for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+            if body.get(name) not in (None, False, [], {}):
                 raise RequestError(f"{name} is not supported by this server", name)
+        for name in ("presence_penalty", "frequency_penalty"):  # asked but not applied would change no token silently
+            if body.get(name) not in (None, 0):
+                raise RequestError(f"{name} is not applied by this server: send 0 or leave it out", name)
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise RequestError("response_format: this server answers in text only ({\"type\": \"text\"})",
+                               "response_format")
+        if body.get("tool_choice") not in (None, "none"):
+            raise RequestError("tool_choice: tools are not served (\"none\" or leave it out)", "tool_choice")
         room = self.engine.context - prompt
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         new = default_max if limit is None else _number({"max_tokens": limit}, "max_tokens", 0, 1, None, int)
@@ -99,12 +152,7 @@ class Api:
 
     def prompt_ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
-                raise RequestError("messages must be a non-empty list of {role, content} objects with text content",
-                                   "messages")
+            msgs = _messages(body)
             if not self.tok.chat_template:
                 raise RequestError("this folder's tokenizer has no chat template: use /v1/completions", "messages")
             text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -184,7 +232,12 @@ class Api:
             stops = _stops(body)
             if not isinstance(body.get("ignore_eos", False), bool):
                 raise RequestError("ignore_eos must be true or false", "ignore_eos")
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+                raise RequestError("stream_options must be an object, its include_usage true or false",
+                                   "stream_options")
             run = Run(self, ids, sampling, stops, chat, body.get("ignore_eos", False))
+            run.usage_chunk = options.get("include_usage", False)
             run.submit()
         except RequestError as e:
             return self._refuse(e)
@@ -238,6 +291,7 @@ class Run:
         self.sent = 0  # characters of text already streamed
         self.finish: str | None = None
         self.stopped = False  # a stop string was found: the text is final
+        self.usage_chunk = False  # stream_options.include_usage: a last chunk of no choices carries the usage
 
     def _from_engine(self, token, finish) -> None:  # the engine's thread
         m, times = self.api.metrics, self.seq.times
@@ -339,6 +393,10 @@ class Run:
             if new:
                 yield self._chunk(new, None)
             yield self._chunk(None, self.finish)
+            if self.usage_chunk:
+                body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                        "created": self.created, "model": self.api.name, "choices": [], "usage": self._usage()}
+                yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if not self.seq.done:

@@ -68,6 +68,14 @@ class Sequence:
             self.on_event(None, reason)
 
 
+def check_limits(max_seqs: int, chunk: int, queue: int) -> None:
+    """The engine's own limits, one line naming the flag that is out of range (`aqua-export serve` asks before
+    loading the folder, the Engine again when made)."""
+    for flag, value, least in (("--max-seqs", max_seqs, 1), ("--chunk", chunk, 1), ("--queue", queue, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} {value}: give {least} or more")
+
+
 class Engine:
     """lm: an OrtLM of a folder (runtime.lm; shared buffers). max_seqs: sequences decoded together (rows of the
     cache); context: the most tokens of one sequence, prompt and generated (the folder's context by default); chunk:
@@ -77,8 +85,7 @@ class Engine:
     def __init__(self, lm, max_seqs: int = 8, context: int | None = None, chunk: int = 512, queue: int = 64,
                  prefix_bytes: int = 0, margin: int | None = None):
         capabilities.check(Features.of_folder(lm.cfg), "serve")
-        if max_seqs < 1 or chunk < 1 or queue < 0:
-            raise ConfigError("--max-seqs and --chunk must be >= 1, --queue >= 0")
+        check_limits(max_seqs, chunk, queue)
         self.lm, self.max_seqs, self.chunk, self.queue = lm, max_seqs, chunk, queue
         self.context = context or lm.cfg.context_length or 4096
         self.rows = RowCache(lm.contract, max_seqs, self.capacity_for(self.context, margin))
