@@ -53,6 +53,8 @@ def _run(model: Path, out: Path, library: Path | None, cpu: str | None = None, e
     cmd = [sys.executable, str(RUN), str(model), str(out)] + ([str(library)] if library else [])
     if cpu:
         cmd = [str(QEMU), "-cpu", cpu] + cmd
+        if "OPENBLAS_CORETYPE" in os.environ:  # set on some hosts for the host's CPU: the emulated one is another
+            env = {**(env or {}), "OPENBLAS_CORETYPE": cpu}  # (Haswell's kernels are SIGILL on an emulated Nehalem)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr[-2000:]
     got = np.load(out)
