@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
-    counts = meta["threads"] if isinstance(meta["threads"], list) else [meta["threads"]]
-    threads = " and ".join(f"{t} threads" if t else "each engine's default thread count (none set)" for t in counts)
+    threads = ("each engine given the thread count its block's command names (--threads; 2 where it names none), and "
+               "with 0 none at all: the engine's own default, what a user who sets nothing gets (rows marked [default "
+               "threads])")
     intro = (f"Written by `python -m tools prefill` on {meta['cpu']}, {threads}; each request in a fresh "
              "process, each case one interleaved run (every engine once per round, best of its rounds). Time to first "
              "token: from handing over the prompt's ids to the first generated id; decode tokens/s: the tokens after it "
