@@ -13,7 +13,9 @@ own vocabulary):
               (the prefix computed) against the next ones' (served from the prefix cache)
     peers     1k (16 requests, 16 at a time) and 8k (4 requests, 4 at a time) prompts + 32 generated: our dense int4
               and token-selection int4 folders against llama-cpp-python's server (built from PyPI; the embedded Q4_1
-              GGUF, flash attention, f16 KV cache; it serves one request at a time)
+              GGUF, flash attention, f16 KV cache; it serves one request at a time); every server with --threads
+              given and, at 1k, again with no thread count at all (rows marked [default threads]: what a user
+              who sets nothing gets)
 
 Writes benchmarks/serve.json and benchmarks/serve.md. Folders: build/prefill's ours-int4, ours-tokens-int4-f16 and
 ours-tokens-int4-i8 (the same with --cache-dtype int8), built there once as `python -m tools prefill` builds them;
@@ -241,7 +243,8 @@ def peers(text: Text, threads: int, quick: bool, skip: bool) -> dict:
     for ctx, n, conc in ((1000, 4 if quick else 16, 4 if quick else 16), (8000, 2 if quick else 4, 2 if quick else 4)):
         prompts = [text.take(ctx) for _ in range(n)]
         for engine in ["ours-int4", "ours-tokens-int4"] + ([] if skip else ["llamacpp"]):
-            for count in (threads, 0):  # the count given, then none: the default a user gets
+            # the count given, then (at 1k: a whole scenario's time at 8k) none: the default a user gets
+            for count in (threads, 0) if ctx == 1000 else (threads,):
                 server = Server(engine, ctx + 64, count, ["--max-seqs", str(conc)])
                 res = drive(server, text, prompts, 32, conc)
                 res["peak_rss_mb"] = round(server.stop())
