@@ -468,6 +468,15 @@ def test_openai_request_shapes(server):
         seen.append(f"{name}: {got}")
         assert got == want, (name, got, want)
     print("\n".join(seen))
+    # llama.cpp's server tests' malformed messages (its test_invalid_chat_completion_req, as data): each one 400
+    for messages in (None, "string", [123], [{}], [{"role": 123}], [{"role": "system", "content": 123}],
+                     [{"role": "system", "content": "test"}, {}]):
+        body = json.dumps({"model": server.model, "messages": messages, "max_tokens": 2}).encode()
+        req = urllib.request.Request(server.url + "/v1/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "messages", messages
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=server.model, messages=[USER], max_tokens=-1)
     assert e.value.body["message"] == "max_tokens must be >= 1, got -1"
