@@ -18,7 +18,7 @@ Estimates (q^ = q P, K^ = K P with the calibrated P; k of the d coordinates by |
                   against every visible key; softmax per row; mass per key block averaged over the sampled rows.
                   Its product costs (1/S)(k/d) of the exact scores'
 
-    python -m tools.studies.sparse_prefill_study [--lengths 2048,4096,8000] [--taus 0.9,0.95]
+    python -m tools.studies.sparse_prefill_study [--lengths 2048,4096,8000] [--taus 0.9,0.95,0.98,0.99]
     -> benchmarks/sparse_prefill_study.json and .md
 """
 
@@ -234,9 +234,9 @@ def run_length(model, tok, proj, tokens: int, taus, sparse: tuple[str, float] | 
 
 
 # (rule, tau) whose perplexity is measured with every row's attention block-sparse as the rule chooses
-SPARSE_RUNS = [("oracle", 0.95), ("oracle per row", 0.9), ("oracle per row", 0.95), ("rows s=8 k=16", 0.95),
-               ("rows s=8 k=32", 0.95), ("rows s=8 k=64", 0.95), ("mean k=16", 0.95), ("union s=8 k=16", 0.9),
-               ("union s=8 k=16", 0.95), ("union s=16 k=16", 0.95)]
+SPARSE_RUNS = [("oracle", 0.95), ("oracle per row", 0.9), ("rows s=8 k=16", 0.95), ("rows s=8 k=16", 0.98),
+               ("rows s=8 k=16", 0.99), ("rows s=4 k=16", 0.98), ("rows s=8 k=64", 0.95), ("rows s=8 k=64", 0.98),
+               ("mean k=16", 0.95), ("union s=8 k=16", 0.9), ("union s=8 k=16", 0.95)]
 
 
 def _ppl_rows(r: dict) -> list[list]:
@@ -279,7 +279,7 @@ def render(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="2048,4096,8000")
-    ap.add_argument("--taus", default="0.9,0.95")
+    ap.add_argument("--taus", default="0.9,0.95,0.98,0.99")
     ap.add_argument("--out", default=str(BENCHMARKS / "sparse_prefill_study"))
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
