@@ -139,7 +139,8 @@ def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int,
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _label(engine: str, threads: int) -> str:
+def threads_label(engine: str, threads: int) -> str:
+    """A table row's engine name: marked when no thread count was given (0: the engine's own default)."""
     return engine if threads else f"{engine} [default threads]"
 
 
@@ -162,15 +163,15 @@ def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds:
         for r in range(rounds):  # interleaved: every engine once per round
             for (e, t), done in runs.items():
                 res = _one(e, paths[e], prompt, batch, chunk, new, t)
-                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {_label(e, t)}: "
+                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {threads_label(e, t)}: "
                       + (f"ttft {res['ttft_s']:.2f} s, {res['decode_tokens_per_s']:.1f} tok/s, "
                          f"{res['peak_rss_mb']:.0f} MB" if res else "-"), flush=True)
                 if res:
                     done.append(res)
         for (e, t), rs in runs.items():
             if rs:
-                rows.append({"engine": _label(e, t), "threads": t or "default", "prompt": tokens, "batch": batch,
-                             "chunk": chunk, "new": new,
+                rows.append({"engine": threads_label(e, t), "threads": t or "default", "prompt": tokens,
+                             "batch": batch, "chunk": chunk, "new": new,
                              "ttft_s": min(x["ttft_s"] for x in rs),
                              "decode_tokens_per_s": max(x["decode_tokens_per_s"] for x in rs),
                              "e2e_s": min(x["e2e_s"] for x in rs), "peak_rss_mb": max(x["peak_rss_mb"] for x in rs),

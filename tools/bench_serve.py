@@ -38,6 +38,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tools.bench_prefill import threads_label
 from tools.harness import BENCHMARKS, table, written_by
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +249,7 @@ def peers(text: Text, threads: int, quick: bool, skip: bool) -> dict:
                 server = Server(engine, ctx + 64, count, ["--max-seqs", str(conc)])
                 res = drive(server, text, prompts, 32, conc)
                 res["peak_rss_mb"] = round(server.stop())
-                name = engine if count else f"{engine} [default threads]"
+                name = threads_label(engine, count)
                 out[f"{name}@{ctx}"] = res
                 print(f"  {name} at {ctx}: {res['wall_s']} s, {res['tokens_per_s']} tokens/s", flush=True)
     return out

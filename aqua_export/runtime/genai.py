@@ -33,7 +33,7 @@ from ..config import ConfigError
 from ..outputs import atomic_write_bytes
 from .folder import FolderConfig
 from .sampling import check_finite, emit
-from .session import no_variant_line, check_serving, native_library, native_variant, say_once
+from .session import check_serving, native_library, native_variant, no_variant_line, say_once
 
 GENAI_CONFIG = "genai_config.json"
 NATIVE_NAME = "libaqua_ort.so"

@@ -87,13 +87,16 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+def chat_ids(tok, msgs: list[dict]) -> list[int]:
+    """[{role, content}] through the folder's chat template, with the assistant's turn opened -> prompt ids."""
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def least_context(tok) -> int:
     """The shortest context a request fits in: the chat template around one empty message and a token to generate
     (a folder without a template: a one-token prompt and one generated)."""
-    if not tok.chat_template:
-        return 2
-    text = tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
-    return len(tok(text, add_special_tokens=False)["input_ids"]) + 1
+    return len(chat_ids(tok, [{"role": "user", "content": ""}])) + 1 if tok.chat_template else 2
 
 
 def _stops(body: dict) -> list[str]:
@@ -155,8 +158,7 @@ class Api:
             msgs = _messages(body)
             if not self.tok.chat_template:
                 raise RequestError("this folder's tokenizer has no chat template: use /v1/completions", "messages")
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            return list(self.tok(text, add_special_tokens=False)["input_ids"])
+            return chat_ids(self.tok, msgs)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one
@@ -236,8 +238,8 @@ class Api:
             if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
                 raise RequestError("stream_options must be an object, its include_usage true or false",
                                    "stream_options")
-            run = Run(self, ids, sampling, stops, chat, body.get("ignore_eos", False))
-            run.usage_chunk = options.get("include_usage", False)
+            run = Run(self, ids, sampling, stops, chat, body.get("ignore_eos", False),
+                      options.get("include_usage", False))
             run.submit()
         except RequestError as e:
             return self._refuse(e)
@@ -279,8 +281,9 @@ class Run:
     loop), and its text so far, cut at a stop string."""
 
     def __init__(self, api: Api, ids: list[int], sampling: SamplingConfig, stops: list[str], chat: bool,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, usage_chunk: bool = False):
         self.api, self.ids, self.stops, self.chat = api, ids, stops, chat
+        self.usage_chunk = usage_chunk  # stream_options.include_usage: a last chunk of no choices carries the usage
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seq = Sequence(ids, sampling, self._from_engine, frozenset() if ignore_eos else api.eos)
@@ -291,7 +294,6 @@ class Run:
         self.sent = 0  # characters of text already streamed
         self.finish: str | None = None
         self.stopped = False  # a stop string was found: the text is final
-        self.usage_chunk = False  # stream_options.include_usage: a last chunk of no choices carries the usage
 
     def _from_engine(self, token, finish) -> None:  # the engine's thread
         m, times = self.api.metrics, self.seq.times
@@ -373,11 +375,13 @@ class Run:
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return f"data: {json.dumps(self._event([choice], self._usage() if finish is not None else None))}\n\n"
+
+    def _event(self, choices: list, usage: dict | None) -> dict:
+        """One streamed chunk's body (usage only when given)."""
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.name, "choices": [choice]}
-        if finish is not None:
-            body["usage"] = self._usage()
-        return f"data: {json.dumps(body)}\n\n"
+                "created": self.created, "model": self.api.name, "choices": choices}
+        return body | ({"usage": usage} if usage is not None else {})
 
     async def events(self, request):
         """Server-sent events: a chunk per piece of text, the last with finish_reason and usage, then [DONE]. The
@@ -394,9 +398,7 @@ class Run:
                 yield self._chunk(new, None)
             yield self._chunk(None, self.finish)
             if self.usage_chunk:
-                body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                        "created": self.created, "model": self.api.name, "choices": [], "usage": self._usage()}
-                yield f"data: {json.dumps(body)}\n\n"
+                yield f"data: {json.dumps(self._event([], self._usage()))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if not self.seq.done:
