@@ -25,6 +25,7 @@ class Features:
 
     h2o: bool = False  # AQUA-H2O: H2OAttention evicts between tokens
     tokens: bool = False  # token selection: a mode of the fused AquaAttention node
+    prefill: bool = False  # sparse prefill: a mode of the fused AquaAttention node's prompt
     shared_k: bool = False  # a layer's heads share its k per token (head_prices)
     uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
     narrow_cache: bool = False  # the cache in float16 or int8 under a float32 graph
@@ -35,7 +36,8 @@ class Features:
     @classmethod
     def of_build(cls, config, dtype: str, cache_dtype: str | None, quantized: bool) -> Features:
         """From a build's settings (config.AquaConfig), before any work."""
-        return cls(h2o=config.evicts, tokens=config.selects_tokens, shared_k=config.shares_k,
+        return cls(h2o=config.evicts, tokens=config.selects_tokens, prefill=config.sparse_prefill,
+                   shared_k=config.shares_k,
                    uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform",
                    narrow_cache=cache_dtype not in (None, dtype), int8_cache=cache_dtype == "int8",
                    float16=dtype == "float16", quantized=quantized)
@@ -44,7 +46,8 @@ class Features:
     def of_folder(cls, cfg) -> Features:
         """From a built folder's FolderConfig (its contract says what the graph holds)."""
         ct = cfg.contract
-        return cls(h2o=ct.h2o, tokens=cfg.aqua.selects_tokens, shared_k=ct.prices is not None,
+        return cls(h2o=ct.h2o, tokens=cfg.aqua.selects_tokens, prefill=cfg.aqua.sparse_prefill,
+                   shared_k=ct.prices is not None,
                    uneven_widths=not ct.uniform, narrow_cache=ct.cache_dtype != ct.dtype,
                    int8_cache=ct.cache_dtype == "int8", float16=ct.dtype == "float16",
                    quantized=cfg.weights.quantized)
@@ -58,6 +61,10 @@ REFUSALS = {
     ("h2o", "tensorrt"): "AQUA-H2O's H2OAttention node has no TensorRT plugin: use --runtime aqua for H2O folders",
     ("tokens", "tensorrt"): "token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
                             "use --runtime aqua",
+    ("prefill", "tensorrt"): "sparse prefill (--prefill-threshold) is a mode of the fused AquaAttention node, which has "
+                             "no TensorRT plugin: use --runtime aqua or genai",
+    ("prefill", "triton"): "sparse prefill (--prefill-threshold) runs in the ONNX Runtime kernels and function bodies; "
+                           "the Triton kernels attend a prompt densely: drop --prefill-threshold on the GPU",
     ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "
                               "the fused AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: use "
                               "--runtime aqua, or --k-alloc uniform or --selection static",

@@ -9,11 +9,11 @@ import json
 
 from . import settings
 from .errors import ConfigError, reject_unknown
-from .settings import h2o, k_alloc, selection, tokens
+from .settings import h2o, k_alloc, prefill, selection, tokens
 
 __all__ = ["CONFIG_VERSION", "AquaConfig", "ConfigError", "reject_unknown"]
 
-CONFIG_VERSION = 3  # 3: k_alloc; 2: token selection (token_ratio, token_budget, ...); 1 and 2 still read
+CONFIG_VERSION = 4  # 4: sparse prefill (prefill_*); 3: k_alloc; 2: token selection (token_ratio, ...); 1-3 still read
 
 
 class _Config:
@@ -27,9 +27,9 @@ class _Config:
             object.__setattr__(self, name, s.check(getattr(self, name)))
         for m in settings.MECHANISMS:
             m.check(self)
-        if self.version not in (1, 2, CONFIG_VERSION):
+        if self.version not in (1, 2, 3, CONFIG_VERSION):
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
-        object.__setattr__(self, "version", CONFIG_VERSION)  # 1 and 2: this version without the newer fields
+        object.__setattr__(self, "version", CONFIG_VERSION)  # 1-3: this version without the newer fields
 
     def retained_width(self, head_dim: int) -> int:
         r = head_dim - round(self.slice_ratio * head_dim)
@@ -50,6 +50,7 @@ class _Config:
     selects_tokens = property(tokens.selects)
     allocates_k = property(k_alloc.allocates)
     shares_k = property(k_alloc.shares)
+    sparse_prefill = property(prefill.sparse)
 
     @property
     def on(self) -> tuple[str, ...]:

@@ -181,6 +181,76 @@ TOKEN_SHAPES = [((1, 2, 3, 1, 64, 700, 700), {"ratio": 0.25}, False, True),
                 ((2, 2, 3, 5, 16, 40, 40), {"ratio": 0.25}, False, False),
                 ((1, 2, 3, 1, 64, 3000, 3000), {"ratio": 0.125, "sink": 16, "window": 64}, True, True),
                 ((2, 2, 4, 1, 128, 1500, 1600), {"budget": 256, "sink": 16, "window": 64}, True, True)]
+def _prefill(threshold=0.9, stride=4, k_ratio=0.25) -> dict:
+    return {"prefill_threshold": threshold, "prefill_stride": stride, "prefill_k_ratio": k_ratio}
+
+
+def _prefill_inputs(shape, **kw):
+    """Attention inputs whose every third key block (from slot 64) holds keys 4x as large: their scores spread wider,
+    so a few blocks hold most of a row's mass and sparse prefill has blocks to leave out (random keys spread it
+    evenly)."""
+    ins = _attention_inputs(shape, scale=kw.pop("scale", 0.3), **kw)
+    kc = ins[1].clone()
+    heavy = torch.zeros(kc.shape[-1], dtype=torch.bool)
+    for s0 in range(64, kc.shape[-1], 192):
+        heavy[s0:s0 + 64] = True
+    if kc.dtype == torch.int8:  # int8 rows: a scale 4x as large (8 quarter powers of two more in the code row)
+        kc[..., -1, heavy] += 8
+    else:
+        kc[..., heavy] *= 4
+    ins[1] = kc
+    return ins
+
+
+def _dense_of(attrs: dict, projected: bool = False):
+    """The case's answer with a dense prompt (a sparse prefill case must differ from it)."""
+    plain = {n: v for n, v in attrs.items() if not n.startswith("prefill_")}
+    return lambda ins: aqua_attention.reference(*(_unprojected(ins) if projected else
+                                                  [x.double() if x.is_floating_point() else x for x in ins]), **plain)
+
+
+def _prefill_case(name, shape, attrs, dtype="float32", projected=False, cache=None, cache_dtype=None, d=None,
+                  differs=True, large=False):
+    """A sparse prefill case (CPU implementations: Triton refuses it, capabilities.REFUSALS)."""
+    return Case(f"prefill-{name}-{'x'.join(map(str, shape))}",
+                lambda: _prefill_inputs(shape, dtype=getattr(torch, dtype), d=d, cache=cache), attrs, dtype=dtype,
+                projected=projected, cache_dtype=cache_dtype, only=("function", "native"), large=large,
+                unlike=_dense_of(attrs, projected) if differs else None,
+                check=None if differs else _same_as_dense(attrs))
+
+
+def _same_as_dense(attrs):
+    def check(outs, ins):  # nothing in the call is sparse: the dense answer, bit for bit on the same kernel path
+        want = _dense_of(attrs)(ins)
+        assert (outs[0].double() - want).abs().max() < 2e-5
+    return check
+
+
+# sparse prefill: from an empty cache (block boundaries), a left-padded batch whose chunk starts mid-block, a chunk
+# after a past at g = 4 and r = 64, a sliding window, a prompt shorter than one block (dense), the int8 and float16
+# caches, projected, with token selection, soft-capped, key weights, shared k, a float16 graph
+PREFILL = [
+    _prefill_case("empty-cache", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}),
+    _prefill_case("padded-mid-block", (2, 2, 3, 560, 32, 600, 640), {"k": 16, "rule": MAGNITUDE, **_prefill()}),
+    _prefill_case("past-g4", (1, 2, 4, 560, 64, 900, 900), {"k": 32, "rule": MAGNITUDE, **_prefill(0.7, stride=8)}),
+    _prefill_case("window", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "sliding_window": 200,
+                                                           **_prefill()}),
+    _prefill_case("short", (1, 2, 3, 40, 16, 40, 40), {"k": 8, "rule": GROUP, **_prefill()}, differs=False),
+    _prefill_case("cache-int8", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "cache_scales": 1,
+                                                               **_prefill()}, cache=torch.int8, cache_dtype="int8"),
+    _prefill_case("cache-float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()},
+                  cache=torch.float16, cache_dtype="float16"),
+    _prefill_case("projects", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": MAGNITUDE, **_prefill(k_ratio=0.5)},
+                  projected=True, d=48),
+    _prefill_case("tokens", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_tokens(ratio=0.25),
+                                                           **_prefill()}),
+    _prefill_case("softcap", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "softcap": 5.0, **_prefill()}),
+    _prefill_case("keyed", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": MAGNITUDE, "key_weights": _key_weights(2, 32),
+                                                          **_prefill()}),
+    _prefill_case("shared-k", (1, 2, 3, 700, 32, 700, 700), {"k": 8, "rule": MAGNITUDE, "head_prices": _prices(2),
+                                                             **_prefill()}),
+    _prefill_case("float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, dtype="float16"),
+]
 ATTENTION = [
     *[Case(f"{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
            {"k": _k(s[4], which), "rule": rule}, large=large)
@@ -330,6 +400,13 @@ ATTENTION = [
          only=("function", "native")),
     Case("prompt-softcap", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), scale=4.0),
          {"k": 8, "rule": GROUP, "softcap": 5.0}),
+    *PREFILL,
+    Case("prefill-threshold-past-1", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
+         {"k": 8, **_prefill(1.5)}, only=("native",), error="prefill_threshold"),
+    Case("prefill-stride-0", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
+         {"k": 8, **_prefill(0.9, stride=0)}, only=("native",), error="prefill_stride"),
+    Case("prefill-on-triton", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
+         {"k": 8, **_prefill(0.9)}, only=("triton",), error="Triton kernels attend a prompt densely"),
     Case("k-past-r", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 17}, only=("native", "triton"),
          error="k must be in"),
     Case("keys-narrower-than-queries", lambda: [x[:, :, :8] if i == 1 else x for i, x in

@@ -240,6 +240,9 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
         "token_budget 256": (AquaConfig(k_ratio=0.75, token_budget=256), BuildOptions(), ""),
         "token_sink": (AquaConfig(k_ratio=0.75, token_sink=32, **tokens), BuildOptions(), ""),
         "token_window": (AquaConfig(k_ratio=0.75, token_window=128, **tokens), BuildOptions(), ""),
+        "prefill_threshold": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98), BuildOptions(), ""),
+        "prefill_stride": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_stride=8), BuildOptions(), ""),
+        "prefill_k_ratio": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_k_ratio=0.5), BuildOptions(), ""),
         "dtype": (base, BuildOptions(dtype="float16"), ""),
         "weights": (base, BuildOptions(weights=int4), ""),
         "weights int8": (base, BuildOptions(weights=WeightFormat(bits=8)), ""),
@@ -264,8 +267,8 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
     from aqua_export.build import BuildOptions as B
 
     named = {"k_ratio", "slice_ratio", "slice_alloc", "h2o_ratio", "selection", "k_alloc", "token_ratio",
-             "token_budget", "token_sink", "token_window", "dtype", "weights", "cache_dtype", "ops", "runtime",
-             "trt_limits"}
+             "token_budget", "token_sink", "token_window", "prefill_threshold", "prefill_stride", "prefill_k_ratio",
+             "dtype", "weights", "cache_dtype", "ops", "runtime", "trt_limits"}
     not_the_graph = {"version", "external_data", "parity_steps", "parity_prompt", "force"}
     fields = {f.name for f in dataclasses.fields(AquaConfig)} | {f.name for f in dataclasses.fields(B)}
     assert fields == named | not_the_graph, fields ^ (named | not_the_graph)

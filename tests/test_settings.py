@@ -48,6 +48,7 @@ def test_lm_eval_model_args_are_the_settings_as_text():
     ("k_ratio", 0.0, "out of range"), ("k_ratio", True, "must be a number"), ("k_ratio", float("nan"), "finite"),
     ("slice_ratio", 1.0, "[0, 1)"), ("h2o_ratio", "x", "must be a number"), ("selection", "best", "is unknown"),
     ("token_budget", -1, "whole number"), ("token_window", 1 << 25, "past any context"),
+    ("prefill_threshold", 0.0, "out of range"), ("prefill_k_ratio", 1.5, "out of range"),
 ])
 def test_each_setting_refuses_bad_values_in_one_line(name, value, needle):
     with pytest.raises(ConfigError) as e:
@@ -61,3 +62,23 @@ def test_the_mechanisms_own_their_node_attributes_and_name_parts():
     assert settings.node_attrs(AquaConfig(k_ratio=0.5, h2o_ratio=0.5)) == {"rule": 0, "ratio": 0.5}
     assert settings.name_parts(EVERY_ON) == ["group", "s0.25", "energy", "kalloc-energy", "tb256", "sink32", "win128"]
     assert settings.name_parts(AquaConfig()) == []
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"prefill_threshold": 0.9, "prefill_stride": 0}, "prefill_stride=0 is out of range"),
+    ({"prefill_threshold": 0.9, "prefill_stride": 65}, "[1, 64]"),
+    ({"prefill_stride": 8}, "give --prefill-threshold below 1"),
+    ({"prefill_threshold": 0.9, "h2o_ratio": 0.5}, "not both"),
+])
+def test_sparse_prefill_refuses_what_it_cannot_mean(values, needle):
+    with pytest.raises(ConfigError) as e:
+        AquaConfig(**values)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sparse_prefill_names_its_node_attributes_and_folder():
+    cfg = AquaConfig(prefill_threshold=0.98, prefill_stride=8)
+    assert settings.node_attrs(cfg) == {"rule": 0, "prefill_threshold": 0.98, "prefill_stride": 8,
+                                        "prefill_k_ratio": 0.25}
+    assert settings.name_parts(cfg) == ["p0.98", "ps8"]
+    assert cfg.on == ("prefill",) and not cfg.is_dense

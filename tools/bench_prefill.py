@@ -8,7 +8,11 @@ Engines (each request in a fresh process of its own environment: tools/request_r
                   (genai:) and in `aqua-export run`'s runtime (run:)
     builder-*     onnxruntime-genai's model builder (-e cpu: GroupQueryAttention, MatMulNBits for int4)
     openvino-*    OpenVINO GenAI's LLMPipeline on optimum-intel's conversion (int4: --weight-format int4 --group-size 32
-                  --ratio 1.0, its default inference precision and u8 KV cache; f32: float32 inference precision)
+                  --ratio 1.0, its default inference precision and u8 KV cache; f32: float32 inference precision;
+                  -xattention: its XAttention sparse prefill, threshold 0.8, blocks of 64, stride 8)
+    *-sparse      our folders with sparse prefill (--prefill-threshold 0.98)
+    long-*        the same built from the embedded model with its RoPE scaled 4x (LONG_SOURCE, a 32k context): the
+                  16k / 32k cases, where only speed is read
     llamacpp-q4_1 llama-cpp-python (built from PyPI) on the GGUF the project embeds: f16 KV cache (-q8_0: q8_0 keys
                   and values), flash attention, OMP_WAIT_POLICY=passive (batch 1 only: its Llama serves one sequence)
 Prompt: English prose (builtin:python-reference), the first T tokens of the model's tokenizer; NEW greedy tokens
@@ -44,7 +48,16 @@ OURS = {"dense": [], "int4": ["--weights", "int4"],
                             "--weights", "int4", "--cache-dtype", "float16"],
         "tokens": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512"],
         "tokens-int4-i8": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
-                           "--weights", "int4", "--cache-dtype", "int8"]}  # tools/bench_serve.py's
+                           "--weights", "int4", "--cache-dtype", "int8"],  # tools/bench_serve.py's
+        # sparse prefill (settings/prefill.py) at its studied point: 0.98 of the estimated mass
+        "tokens-int4-f16-sparse": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
+                                   "--weights", "int4", "--cache-dtype", "float16", "--prefill-threshold", "0.98"],
+        "int4-sparse": ["--weights", "int4", "--prefill-threshold", "0.98"]}
+# the long cases (16k / 32k, only speed read): the embedded model with its RoPE positions scaled 4x (linear), a
+# 32,768-token context; the trained weights keep a trained model's attention pattern, which random weights lack
+LONG_SOURCE = WORK / "smollm2-rope4"
+for _name in ("tokens-int4-f16", "tokens-int4-f16-sparse"):
+    OURS[f"long-{_name}"] = ["--model", str(LONG_SOURCE), *OURS[_name]]
 # engine name -> (environment, runner engine, folder maker)
 ENGINES = {
     "genai:ours-dense": ("ours", "genai", "ours:dense"), "genai:ours-int4": ("ours", "genai", "ours:int4"),
@@ -55,6 +68,11 @@ ENGINES = {
     "openvino-int4": ("openvino", "openvino", "openvino:int4"),
     "openvino-f32": ("openvino", "openvino", "openvino:fp32@f32"),
     "genai:ours-tokens-int4-i8": ("ours", "genai", "ours:tokens-int4-i8"),
+    "genai:ours-tokens-int4-f16-sparse": ("ours", "genai", "ours:tokens-int4-f16-sparse"),
+    "genai:ours-int4-sparse": ("ours", "genai", "ours:int4-sparse"),
+    "openvino-int4-xattention": ("openvino", "openvino", "openvino:int4@xattention"),
+    "genai:long-tokens-int4-f16": ("ours", "genai", "ours:long-tokens-int4-f16"),
+    "genai:long-tokens-int4-f16-sparse": ("ours", "genai", "ours:long-tokens-int4-f16-sparse"),
     "llamacpp-q4_1": ("llamacpp", "llamacpp", "gguf:"),
     "llamacpp-q4_1-q8_0": ("llamacpp", "llamacpp", "gguf:@q8_0"),
 }
@@ -92,6 +110,8 @@ def _make(spec: str) -> str:
         return str(models.embedded_gguf()) + (f"@{suffix}" if suffix else "")
     if not out.exists():
         tmp = WORK / f"{out.name}.tmp"
+        if kind == "ours" and str(LONG_SOURCE) in OURS[what]:
+            _long_source()
         if kind == "ours":
             cmd = [str(ROOT / ".venv" / "bin" / "aqua-export"), "--model", "llama", *OURS[what], "--out", str(out),
                    "--force"]
@@ -111,6 +131,22 @@ def _make(spec: str) -> str:
         if tmp != out:
             tmp.replace(out)
     return str(out) + (f"@{suffix}" if suffix else "")
+
+
+def _long_source() -> None:
+    """LONG_SOURCE: the embedded checkpoint's folder with rope_scaling linear x4 and a 32,768-token context."""
+    import shutil
+
+    if LONG_SOURCE.exists():
+        return
+    tmp = WORK / f"{LONG_SOURCE.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(_source(), tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.update(max_position_embeddings=4 * config["max_position_embeddings"],
+                  rope_parameters={**config["rope_parameters"], "rope_type": "linear", "factor": 4.0})
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tmp.replace(LONG_SOURCE)
 
 
 def _prompt(tokens: int) -> Path:

@@ -8,7 +8,7 @@ numpy and the engine's package, so the peers run from their own virtual environm
 ENGINE: genai (onnxruntime-genai, any folder: ours or its model builder's; DIR@no-arena turns its CPU arena off),
 aqua (`aqua-export run`'s runtime: a long prompt in forwards of runtime.session.PREFILL_CHUNK tokens),
 openvino (OpenVINO GenAI's LLMPipeline on an optimum-intel folder; PATH may end in @f32 for float32 inference
-precision), llamacpp (llama-cpp-python on a GGUF: f16 KV cache, or q8_0 for GGUF@q8_0, flash attention).
+precision, or @xattention for its XAttention sparse prefill: threshold 0.8, blocks of 64, stride 8), llamacpp (llama-cpp-python on a GGUF: f16 KV cache, or q8_0 for GGUF@q8_0, flash attention).
 THREADS 0 sets no thread count at all: the engine's own default, what a user who sets nothing gets.
 PROMPT.npy holds [T] int64 ids, repeated over the batch. CHUNK 0 appends the prompt in one call; otherwise in calls of CHUNK tokens (genai, batch 1).
 Time to first token runs from handing over the prompt to the first generated id; decode tokens/s counts the
@@ -74,10 +74,17 @@ def _openvino(path, prompt, chunk, new, threads, clock):
     import openvino as ov
     import openvino_genai as ovg
 
-    path, _, precision = path.partition("@")
+    path, _, option = path.partition("@")
     props = {"INFERENCE_NUM_THREADS": threads} if threads else {}
-    if precision:
-        props["INFERENCE_PRECISION_HINT"] = precision
+    if option == "xattention":  # its sparse prefill: antidiagonal block scores, OpenVINO's documented settings
+        sc = ovg.SchedulerConfig()
+        sc.use_sparse_attention = True
+        sc.sparse_attention_config = ovg.SparseAttentionConfig(
+            mode=ovg.SparseAttentionMode.XATTENTION, xattention_threshold=0.8, xattention_block_size=64,
+            xattention_stride=8)
+        props["scheduler_config"] = sc
+    elif option:
+        props["INFERENCE_PRECISION_HINT"] = option
     pipe = ovg.LLMPipeline(path, "CPU", **props)
     clock("load")
     config = ovg.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False)

@@ -116,7 +116,7 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
             domains[MS] = 1
         m = gb.model("aqua_decoder", domains,
                      function_bodies(spec.OPSET, plan.projects_query, config.selects_tokens, ct.prices is not None,
-                                     ct.scale_slots > 0, keyed),
+                                     ct.scale_slots > 0, keyed, config.sparse_prefill),
                      "aqua-export")
     finally:
         store.close()

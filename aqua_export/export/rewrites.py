@@ -93,8 +93,8 @@ def float32_weight_casts(m):
 
 
 def set_k(k: int):
-    """The graph with every attention node scoring k coordinates, H2O nodes evicting nothing and token selection
-    attending every token (HF does neither)."""
+    """The graph with every attention node scoring k coordinates, H2O nodes evicting nothing, token selection
+    attending every token and sparse prefill every key block (HF does none of these)."""
     selecting = {op.name for op in OPS if "k" in op.attribute_names}
 
     def transform(m):
@@ -103,7 +103,7 @@ def set_k(k: int):
                 for a in n.attribute:
                     if a.name == "k":
                         a.i = k
-                    if a.name in ("ratio", "token_ratio"):
+                    if a.name in ("ratio", "token_ratio", "prefill_threshold"):
                         a.f = 1.0
                     if a.name == "token_budget":
                         a.i = 0
@@ -127,8 +127,8 @@ def selection_outputs(m):
     for n in m.graph.node:
         if n.op_type == "TopK" and n.name not in own:
             base, at = call(n.output[1])
-            if at in pooled and (base == "top_indices" or base.startswith("pool_")):
-                continue
+            if at in pooled and (base == "top_indices" or base.startswith("pool_")) or base.startswith("pf_"):
+                continue  # (pf_: sparse prefill's estimate and block order, not a selection the reference replays)
             m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
         elif n.output and call(n.output[0])[0] == "pool_keep":
             m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[0], onnx.TensorProto.BOOL, None))
@@ -190,7 +190,7 @@ def _without_int8_rows(m, ct) -> None:
             body = aqua_attention.OP.bodied(
                 next(o.version for o in f.opset_import if o.domain == ""), "projection" in f.input,
                 tokens="token_ratio" in attrs, pooled="head_prices" in attrs, scaled=False,
-                keyed="key_weights" in attrs)
+                keyed="key_weights" in attrs, prefill="prefill_threshold" in attrs)
             m.functions[i].CopyFrom(body)
 
 

@@ -13,6 +13,10 @@ q^[I] . K^[I, :L], keeps the pages rules.select_pages chooses and attends over t
 a prompt (T > 1) attends every token with all r coordinates. A graph of token selection carries that form of the
 body (body(tokens=True)), every other graph the plain one.
 
+Sparse prefill (attributes prefill_threshold < 1, prefill_stride, prefill_k_ratio; ops.rules.prefill_chosen): the
+rows of a prompt's sparse query blocks attend only the key blocks their estimate keeps; decode steps, a short call and
+a call's last rows attend as without it. A graph of sparse prefill carries that form of the body (body(prefill=True)).
+
 Shared k (attribute head_prices [Hkv]; allocate.head_prices): per token the layer's heads share Hkv g k coordinates,
 ranked by selection score times the head's price (ops.rules, pooled); the body's "pooled" form.
 """
@@ -26,6 +30,9 @@ from onnx import TensorProto
 from onnx import helper as H
 
 from . import rules
+from .prefill import ATTRS as PREFILL_ATTRS
+from .prefill import choice as prefill_choice
+from .prefill import nodes as prefill_nodes
 from .nodes import const, int8_value_nodes, mask_nodes, projection_nodes, ref_constant, score_nodes
 from .spec import DOMAIN, PAGE, PROJECTION
 from .table import PLUGIN_ATTRS, Attr, OpDef, Port
@@ -54,10 +61,12 @@ TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visib
 def reference(query_hat, key_cache, value_cache, total_length, attention_mask, projection: torch.Tensor | None = None,
               *, k: int, rule: int = 0, softcap: float = 0.0, sliding_window: int = 0, token_ratio: float = 1.0,
               token_budget: int = 0, token_sink: int = 0, token_window: int = 0, head_prices=None,
-              key_weights=None, **plugin) -> torch.Tensor:
+              key_weights=None, prefill_threshold: float = 1.0, prefill_stride: int = 1, prefill_k_ratio: float = 1.0,
+              prefill_chosen=None, **plugin) -> torch.Tensor:
     """The node in PyTorch, scores and softmax in float64; attention_mask [B, L] (rules.visible); head_prices [Hkv]
     or None (shared k); int8 caches (cache_scales) are read as rules.int8_values; key_weights [Hkv * r] divide K^'s
-    rows. Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
+    rows; prefill_*: sparse prefill, prefill_chosen (a [B, Hkv, T, L] bool another implementation chose) replacing
+    its choice. Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
     if key_cache.dtype == torch.int8:
         key_cache = rules.int8_values(key_cache.transpose(-1, -2)).transpose(-1, -2).to(query_hat.dtype)
         value_cache = rules.int8_values(value_cache).to(query_hat.dtype)
@@ -76,6 +85,11 @@ def reference(query_hat, key_cache, value_cache, total_length, attention_mask, p
     mask = mask.to(torch.float64)
     if reads_a_share(token_ratio, token_budget):
         s, mask = _selected(query_hat, keys, s, mask, softcap, token_ratio, token_budget, token_sink, token_window)
+    if prefill_threshold < 1.0 or prefill_chosen is not None:
+        chosen = prefill_chosen if prefill_chosen is not None else \
+            prefill_choice(query_hat, keys, mask, attention_mask, softcap, prefill_threshold, prefill_stride,
+                           prefill_k_ratio)
+        mask = torch.where(chosen[:, :, None], mask, torch.full_like(mask, rules.HIDDEN))
     w = torch.softmax(s + mask, dim=-1) * (mask > rules.MASKED).any(-1, keepdim=True)  # a row seeing nothing: 0
     return (w @ value_cache[:, :, None, :total].to(torch.float64)).to(query_hat.dtype)
 
@@ -101,7 +115,7 @@ BASE_ATTRS = ["k", "rule", "softcap", "sliding_window", "plugin_namespace", "plu
 
 
 def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False, scaled: bool = False,
-         keyed: bool = False):
+         keyed: bool = False, prefill: bool = False):
     """The portable body (materialises the [B,Hkv,g,T,L] scores the native kernel never writes).
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection--> q_selected
@@ -115,6 +129,7 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
     use: every attention node of one graph projects, or none does (export.decoder_graph.Plan).
     pooled: the heads share the layer's k (attribute head_prices; nodes.pool_nodes). scaled: int8 caches (attribute
     cache_scales; nodes.int8_value_nodes). keyed: K^'s rows divided by the attribute key_weights (nodes.score_nodes).
+    prefill: sparse prefill (ops.prefill.nodes: a masked dense product, the choice made as rules.prefill_chosen).
     """
     head = projection_nodes() * projected + mask_nodes() + score_nodes("scores_t", pooled, scaled, keyed) + [
         H.make_node("Cast", ["scores_t"], ["scores"], to=TensorProto.FLOAT),
@@ -141,11 +156,16 @@ def body(opset: int, projected: bool = False, tokens: bool = False, pooled: bool
         H.make_node("MatMul", ["probs", "value_g"], ["out"]),
     ]
     middle = _token_nodes() if tokens else [H.make_node("Add", ["logits_raw", "mask"], ["logits"])]
+    if prefill:  # the mask the softmax adds hides each sparse row's unkept key blocks
+        for node in middle:
+            node.input[:] = ["pf_mask" if x == "mask" else x for x in node.input]
+        middle = prefill_nodes() + middle
     inputs = ["query" if projected else "query_hat", *OP.input_names[1:]]
     return H.make_function(DOMAIN, OP.name, inputs + [PROJECTION] * projected, ["out"], head + middle + tail,
                            [H.make_opsetid("", opset)],
                            attributes=BASE_ATTRS + [a.name for a in TOKEN_ATTRS] * tokens + [PRICES_ATTR.name] * pooled
-                           + [SCALED_ATTR.name] * scaled + [KEYED_ATTR.name] * keyed)
+                           + [SCALED_ATTR.name] * scaled + [KEYED_ATTR.name] * keyed
+                           + [a.name for a in PREFILL_ATTRS] * prefill)
 
 
 def _token_nodes() -> list:
@@ -264,8 +284,9 @@ OP = OpDef("AquaAttention",
                    Port("attention_mask", "int64", 2)),
            outputs=(Port("out", rank=5),),
            attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, WINDOW_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR,
-                       SCALED_ATTR, KEYED_ATTR),
+                       SCALED_ATTR, KEYED_ATTR, *PREFILL_ATTRS),
            body=body, reference=reference, projectable=True,
            forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,)),
-                  ("scaled", (SCALED_ATTR.name,)), ("keyed", (KEYED_ATTR.name,))),
+                  ("scaled", (SCALED_ATTR.name,)), ("keyed", (KEYED_ATTR.name,)),
+                  ("prefill", tuple(a.name for a in PREFILL_ATTRS))),
            shape=lambda d: {"out": d["query_hat"][:4] + d["value_cache"][3:]})

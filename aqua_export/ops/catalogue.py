@@ -17,9 +17,10 @@ def register_schemas() -> None:
 
 
 def function_bodies(opset: int, projected: bool = False, tokens: bool = False, pooled: bool = False,
-                    scaled: bool = False, keyed: bool = False) -> list:
+                    scaled: bool = False, keyed: bool = False, prefill: bool = False) -> list:
     """Every op's body: a runtime without the native library runs these (projected: the attention nodes,
     AquaAttention or H2OAttention, take P; tokens: AquaAttention selects tokens; pooled: its heads share k, every
     AquaAttention node carrying head_prices; scaled: int8 caches; keyed: every AquaAttention node carries key_weights;
-    aqua_attention.body says why a graph carries one form)."""
-    return [op.bodied(opset, projected, tokens=tokens, pooled=pooled, scaled=scaled, keyed=keyed) for op in OPS]
+    prefill: sparse prefill; aqua_attention.body says why a graph carries one form)."""
+    return [op.bodied(opset, projected, tokens=tokens, pooled=pooled, scaled=scaled, keyed=keyed, prefill=prefill)
+            for op in OPS]

@@ -22,6 +22,17 @@ Token selection (per sequence, KV head and decode step; L visible tokens, scores
             until budget(ratio, L) tokens' worth of pages (or a fixed token budget; ties: the lower page)
     attend  exact scores (all r coordinates) and softmax over the kept pages' visible tokens
 
+Sparse prefill (per sequence, KV head and query block: the call's rows at slots [64 b, 64 b + 64), all g heads):
+
+    sparse  a query block wholly inside the call and before its last PREFILL_TAIL rows; every other row is dense
+    sample  its rows at slots p with p mod stride = stride - 1 whose own token is real (attention_mask 1)
+    mass    each sampled row's softmax over its visible keys of the estimate q^[I'] . K^[I', j] (I': the row's top
+            k' = round(prefill_k_ratio r) of |q^|, soft-capped as the scores), summed per key block of 64 slots,
+            averaged over the sampled rows and g heads
+    keep    the diagonal block and the first block a sampled row sees, then the others by mass (ties: the lower
+            block) while the mass kept before each is below threshold - 1e-6; a block nobody sampled keeps all
+    attend  every row of the query block: exact attention over its visible keys in the kept blocks
+
 Visibility (AquaAttention reads the attention mask [B, L], not a [T, L] tensor): a query at position p = L - T + t
 sees key j when j <= p, attention_mask[b, j] is 1 and, under a sliding window w > 0, j > p - w.
 
@@ -41,7 +52,8 @@ import torch
 
 from . import counts
 from .counts import slots_needed  # noqa: F401  (the H2O node sizes its slots by it)
-from .spec import GROUP, MAGNITUDE, PAGE, RULE_NAMES, SCALE_CODES, SELECTIONS, STATIC, int8_scales
+from .spec import (GROUP, MAGNITUDE, PAGE, PREFILL_BLOCK, PREFILL_TAIL, RULE_NAMES, SCALE_CODES, SELECTIONS, STATIC,
+                   int8_scales)
 
 HIDDEN = float(torch.finfo(torch.float32).min)  # a score that softmax weighs 0: a hidden or free slot
 MASKED = -1e37  # an attention mask entry at or below this hides its slot (the kernels read it so)
@@ -251,6 +263,51 @@ def page_tokens(pages: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     origin = page_origin(visible).expand(pages.shape[:-1])[..., None]
     at = torch.arange(length, device=pages.device) - origin
     return torch.where(at >= 0, rel.gather(-1, at.clamp_min(0)), torch.zeros_like(at, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse prefill
+# --------------------------------------------------------------------------------------------
+
+def prefill_rows(positions: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """positions [T] (the call's rows' slots, in [start, end)) -> [T] bool: the rows of sparse query blocks."""
+    first = positions // PREFILL_BLOCK * PREFILL_BLOCK
+    return (first >= start) & (first + PREFILL_BLOCK <= end - PREFILL_TAIL)
+
+
+def prefill_chosen(estimate: torch.Tensor, visible: torch.Tensor, real: torch.Tensor, positions: torch.Tensor,
+                   start: int, end: int, threshold: float, stride: int) -> torch.Tensor:
+    """Sparse prefill's choice (the module docstring). estimate [B, Hkv, g, T, L] (float64, soft-capped), visible
+    [B, Hkv, T, L] bool, real [B, T] bool (each row's own token is not padding), positions [T] -> [B, Hkv, T, L]
+    bool: visible, the rows of sparse blocks hiding the key blocks not kept."""
+    b, hkv, g, t, length = estimate.shape
+    sparse = prefill_rows(positions, start, end)
+    if not bool(sparse.any()):
+        return visible
+    sampled = (sparse & (positions % stride == stride - 1))[None] & real  # [B, T]
+    nb = -(-length // PREFILL_BLOCK)
+    onehot = (positions[:, None] // PREFILL_BLOCK == torch.arange(nb)).to(torch.float64)  # [T, NB]
+    p = torch.softmax(estimate.to(torch.float64).masked_fill(~visible[:, :, None], -math.inf), -1).nan_to_num(0.0)
+    per_row = _key_blocks(p.sum(2) * sampled[:, None, :, None], nb)  # [B, Hkv, T, NB]
+    count = (sampled.to(torch.float64) @ onehot) * g  # [B, NBq]
+    mass = torch.einsum("tq,bhtk->bhqk", onehot, per_row) / count.clamp_min(1.0)[:, None, :, None]
+    seen = torch.einsum("tq,bhtk->bhqk", onehot, _key_blocks((visible & sampled[:, None, :, None]).double(), nb)) > 0
+    sink = seen.to(torch.uint8).argmax(-1, keepdim=True)  # [B, Hkv, NBq, 1]: the first block a sampled row sees
+    blocks = torch.arange(nb)
+    forced = (blocks == blocks[:, None]) | (blocks == sink)
+    order = torch.sort(torch.where(forced, math.inf, mass), dim=-1, descending=True, stable=True).indices
+    ranked = mass.gather(-1, order)
+    before = ranked.cumsum(-1) - ranked  # the mass kept before each block, in the order taken
+    take = forced.gather(-1, order) | (before < threshold - 1e-6)
+    chosen = torch.zeros_like(forced).scatter(-1, order, take) | (count == 0)[:, None, :, None]
+    rows = chosen[:, :, positions // PREFILL_BLOCK].repeat_interleave(PREFILL_BLOCK, -1)[..., :length]
+    return visible & (rows | ~sparse[:, None])
+
+
+def _key_blocks(x: torch.Tensor, nb: int) -> torch.Tensor:
+    """x [..., L] -> [..., nb]: summed per key block of PREFILL_BLOCK slots."""
+    x = torch.nn.functional.pad(x, (0, nb * PREFILL_BLOCK - x.shape[-1]))
+    return x.reshape(*x.shape[:-1], nb, PREFILL_BLOCK).sum(-1)
 
 
 # --------------------------------------------------------------------------------------------

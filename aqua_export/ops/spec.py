@@ -23,6 +23,11 @@ FREE = -1  # an H2O token buffer's entry for a free slot
 # Token selection chooses whole pages of PAGE consecutive slots: K^ is dim-major, so a page is one 64-byte line of
 # each coordinate row (float32) and a chosen page is read as r full lines; single tokens would each cost r lines
 PAGE = 16
+# Sparse prefill chooses blocks of PREFILL_BLOCK slots (the prompt kernel's key blocks are two of them) for query
+# blocks of PREFILL_BLOCK positions; a call's last PREFILL_TAIL rows, those the first generated token reads, attend
+# densely (OpenVINO keeps 100)
+PREFILL_BLOCK = 64
+PREFILL_TAIL = 128
 SLOT_EXTRA_BYTES = 4 + 8  # per H2O slot and KV head beyond K^ and V: heavy (float32) and token (int64)
 
 # The float types a graph, a cache or a kernel runs in: their names are numpy's and torch's (np.dtype(name),

@@ -348,7 +348,8 @@ def _quantization_reports(res, runs, model, ids, projection, config, tol, cfg) -
     if cfg.weights.accuracy_level:
         res["activation_accuracy"] = {k: v for k, v in compare(main, runs["gated"], tol["aqua"], None).items()
                                       if k in keep}
-    with apply_aqua(model, projection, config) as aqua, computing_in(model, torch.float32):
+    with apply_aqua(model, projection, config, token_rows_from=ids.shape[1]) as aqua, \
+            computing_in(model, torch.float32):
         unquantized = torch_trace(model, ids, toks, aqua.new_cache())
     res["vs_float_weights"] = {k: v for k, v in compare(main, unquantized, tol["aqua"], None).items() if k in keep}
 

@@ -111,6 +111,9 @@ class LayerAqua:
     tokens: TokenSelection | None = None  # token selection, or None
     probe: "Probe | None" = field(default=None, repr=False)  # apply_aqua's probe (parity), or None
     prices: tuple | None = None  # [Hkv] floats: the heads share the layer's k per step (rules, pooled), or None
+    # sparse prefill's (threshold, stride, k_ratio, rows_from) (rules.prefill_chosen; rows_from: apply_aqua's
+    # token_rows_from, where a forward's decoded tokens start), or None
+    prefill: tuple | None = None
     fresh: tuple | None = field(default=None, repr=False)
 
     @property
@@ -162,9 +165,15 @@ def aqua_attention(module, query, key, value, attention_mask, scaling, dropout=0
         out = _h2o_attend(st, layer, _scores(st, qh, kh, idx, scaling, softcap), allowed, is_real, v)
     else:  # query rows in chunks: a long window's [rows, S] scores stay a few hundred MiB
         position0 = (layer.seen if layer is not None else kh.shape[2]) - tq
-        out = torch.cat([_attend(st, qh[:, :, :, t0:t0 + ROWS], kh, v, None if idx is None else idx[:, :, :, t0:t0 + ROWS],
-                                 allowed[:, :, t0:t0 + ROWS], scaling, softcap, position0 + t0)
-                         for t0 in range(0, tq, ROWS)], dim=3)
+        # chunks end at multiples of ROWS positions, so that no query block of sparse prefill is cut in two
+        cuts = [0, *range(ROWS - position0 % ROWS, tq, ROWS), tq]
+        # one forward over a prompt and the tokens decoded after it (rows_from): sparse prefill's call is the prompt
+        rows_from = st.prefill[3] if st.prefill is not None else None
+        end = position0 + tq if rows_from is None or rows_from <= position0 else min(position0 + tq, rows_from)
+        call = (position0, end, is_real)
+        out = torch.cat([_attend(st, qh[:, :, :, t0:t1], kh, v, None if idx is None else idx[:, :, :, t0:t1],
+                                 allowed[:, :, t0:t1], scaling, softcap, position0 + t0, call)
+                         for t0, t1 in zip(cuts, cuts[1:]) if t1 > t0], dim=3)
     if st.P_v_r is not None:  # back from P_v's sliced basis into the model's, where o_proj takes it
         out = out @ st.P_v_r.transpose(-1, -2)[None, :, None].to(out.dtype)
     return out.reshape(b, h, tq, d).transpose(1, 2).contiguous(), None
@@ -201,9 +210,12 @@ def _visible(layer, attention_mask, b: int, hkv: int, tq: int, s: int, device):
                       new_ok[:, None].expand(b, hkv, tq, tq)], dim=-1), is_real
 
 
-def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0: int):
+def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0: int, call=None):
     """Softmax attention of the rows qh [B, Hkv, g, R, r] (at sequence positions position0..) -> [B, Hkv, g, R, rv]:
-    over the approximate scores, or with token selection over the chosen pages' exact scores."""
+    over the approximate scores, or with token selection over the chosen pages' exact scores; call: the forward's
+    (first position, end, is_real [B, Tq]), which sparse prefill's choice reads."""
+    if st.prefill is not None and call is not None:
+        allowed = _prefill_allowed(st, qh, kh, allowed, scaling, softcap, position0, call)
     mean_mass = None
     rows = _selecting_rows(st.tokens, position0, qh.shape[3]) if st.tokens is not None else None
     if rows is not None and not rows.any() and st.probe is None:
@@ -217,6 +229,25 @@ def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0:
     neg = torch.finfo(scores.dtype).min
     w = torch.softmax(scores.masked_fill(~allowed[:, :, None], neg), dim=-1, dtype=torch.float32)
     return w.to(v.dtype) @ v[:, :, None]
+
+
+def _prefill_allowed(st: LayerAqua, qh, kh, allowed, scaling, softcap, position0: int, call) -> torch.Tensor:
+    """allowed [B, Hkv, R, S] with sparse prefill's unkept key blocks hidden from the rows of sparse query blocks
+    (ops.rules.prefill_chosen, the estimate as the node makes it)."""
+    from ..settings.prefill import estimate_k
+
+    threshold, stride, k_ratio, _ = st.prefill
+    start, end, is_real = call
+    rows = qh.shape[3]
+    positions = torch.arange(position0, position0 + rows)
+    if not bool(rules.prefill_rows(positions, start, end).any()):
+        return allowed
+    rule = "weighted" if st.selection.endswith("weighted") else "magnitude"
+    est = approx_scores(qh, kh, estimate_k(st.r, k_ratio), rule, st.key_rms).double() * scaling
+    if softcap:
+        est = torch.tanh(est / softcap) * softcap
+    real = is_real[:, position0 - start:position0 - start + rows]
+    return rules.prefill_chosen(est, allowed, real, positions, start, end, threshold, stride)
 
 
 def _selecting_rows(tk: TokenSelection, position0: int, tq: int) -> torch.Tensor:
@@ -316,11 +347,12 @@ def _register() -> None:
 def layer_states(model, projection: Projection, config: AquaConfig, widths: tuple | None = None,
                  value_widths: tuple | None = None, probe: Probe | None = None,
                  tokens: TokenSelection | None = None, selected: tuple | None = None,
-                 prices: tuple | None = None) -> list[LayerAqua]:
+                 prices: tuple | None = None, prefill_rows_from: int | None = None) -> list[LayerAqua]:
     """One LayerAqua per layer; widths / value_widths: K^'s and V's width per layer (default: config's allocation,
     allocate.layer_widths; value_widths alone defaults to widths); tokens: token selection (config's, or None);
     selected: k per layer (default: config's k allocation over the widths, allocate.layer_selected); prices: per
-    layer the heads' prices or None (default: config's, allocate.head_prices; with ``selected`` given, none)."""
+    layer the heads' prices or None (default: config's, allocate.head_prices; with ``selected`` given, none);
+    prefill_rows_from: sparse prefill's (LayerAqua.prefill)."""
     geo = attention_geometry(model)
     d = geo["head_dim"]
     if widths is None:
@@ -337,6 +369,8 @@ def layer_states(model, projection: Projection, config: AquaConfig, widths: tupl
             key_rms=projection.key_rms[i][:, :r].contiguous(), h2o_ratio=config.h2o_ratio, rv=rv, index=i,
             P_v_r=projection.P_v[i][:, :, :vw].contiguous() if vw < d else None,
             tokens=tokens, probe=probe, prices=None if prices is None or k >= r else prices[i],
+            prefill=(config.prefill_threshold, config.prefill_stride, config.prefill_k_ratio, prefill_rows_from)
+            if config.sparse_prefill else None,
         ))
     return states
 
@@ -364,7 +398,8 @@ def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple 
     cached width of each layer's K^ and V (default: config's allocation, allocate.layer_widths); probe: an
     instrument that sees (and may replace) each selection and eviction (Probe). With token selection:
     token_rows_from, the rows at sequence positions >= it select (0: every row, as if each were decoded: what
-    perplexity measures; None: one-token forwards only, as the graph); mean_value: TokenSelection's; selected: k
+    perplexity measures; None: one-token forwards only, as the graph) and, under sparse prefill, a forward's rows
+    from there on are not its prompt (the runtime decoded them); mean_value: TokenSelection's; selected: k
     per layer (default: config's k allocation, allocate.layer_selected); prices: per layer the heads' prices
     (layer_states')."""
     arch = architecture_of(model.config)
@@ -373,7 +408,8 @@ def apply_aqua(model, projection: Projection, config: AquaConfig, widths: tuple 
     _register()
     tokens = TokenSelection(config.token_ratio, config.token_budget, config.token_sink, config.token_window,
                             token_rows_from, mean_value) if config.selects_tokens else None
-    states = layer_states(model, projection, config, widths, value_widths, probe, tokens, selected, prices)
+    states = layer_states(model, projection, config, widths, value_widths, probe, tokens, selected, prices,
+                          token_rows_from)
     previous = model.config._attn_implementation
     attns = [arch.attention(layer) for layer in arch.layers(model)]
     try:

@@ -17,7 +17,8 @@
 //     sliding_window;
 //     token_ratio, token_budget, token_sink, token_window: token selection (aqua_tokens.cc; a prompt then attends
 //     every token with all r coordinates); head_prices [Hkv] (optional): the heads share Hkv g' k coordinates per
-//     token (aqua_ops.h PoolCut; pool_cut_task finds each token's cut before any task selects)
+//     token (aqua_ops.h PoolCut; pool_cut_task finds each token's cut before any task selects);
+//     prefill_threshold, prefill_stride, prefill_k_ratio: sparse prefill (aqua_prompt.cc choose_blocks)
 //
 // A prompt of kPromptTokens or more runs as blocked matrix products (aqua_prompt.cc). Shorter calls, decode above
 // all: no [B, Hkv, g, T, L] tensor exists (nor a [T, L] mask: each block's is made from attention_mask): tasks of
@@ -107,6 +108,8 @@ struct AttentionKernel {
     window_ = int_attribute(ki, "sliding_window", 0);
     tokens_ = {float_attribute(ki, "token_ratio", 1.0f), int_attribute(ki, "token_budget", 0),
                int_attribute(ki, "token_sink", 0), int_attribute(ki, "token_window", 0)};
+    prefill_ = {float_attribute(ki, "prefill_threshold", 1.0f), int_attribute(ki, "prefill_stride", 1), 1};
+    prefill_ratio_ = float_attribute(ki, "prefill_k_ratio", 1.0f);
     try {  // optional: a pooled node (ops/rules.py), the heads sharing the layer's k
       prices_ = ki.GetAttributes<float>("head_prices");
     } catch (const Ort::Exception&) {
@@ -165,6 +168,11 @@ struct AttentionKernel {
       ORT_CXX_API_THROW("AquaAttention: token_ratio must be in (0, 1], token_budget, token_sink and token_window "
                         ">= 0", ORT_INVALID_ARGUMENT);
     }
+    if (!(prefill_.threshold > 0.0f) || prefill_.threshold > 1.0f || prefill_.stride < 1 ||
+        prefill_.stride > kPrefillBlock || !(prefill_ratio_ > 0.0f) || prefill_ratio_ > 1.0f) {
+      ORT_CXX_API_THROW("AquaAttention: prefill_threshold and prefill_k_ratio must be in (0, 1], prefill_stride in "
+                        "[1, 64]", ORT_INVALID_ARGUMENT);
+    }
     if (!prices_.empty() && static_cast<int64_t>(prices_.size()) != qs[1]) {
       ORT_CXX_API_THROW("AquaAttention: head_prices must hold one price per kv head", ORT_INVALID_ARGUMENT);
     }
@@ -199,8 +207,11 @@ struct AttentionKernel {
       return;
     }
     if (qs[3] >= kPromptTokens) {
+      PrefillRule prefill = prefill_;  // the estimate's k' = clamp(floor(ratio r + 0.5), 1, r), as settings.prefill
+      prefill.k = std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(prefill_ratio_) * r + 0.5)),
+                                      1, r);
       attend_prompt<T, C>(ctx, at_k, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask,
-                          out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_);
+                          out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_, prefill);
       return;
     }
     const int64_t tiles = (rows + kRows - 1) / kRows;
@@ -221,6 +232,8 @@ struct AttentionKernel {
   int64_t k_, rule_, window_;
   float softcap_;
   TokenRule tokens_;
+  PrefillRule prefill_;
+  float prefill_ratio_;
   std::vector<float> prices_;  // empty: each row keeps its own k
   std::vector<float> unweight_;  // [Hkv][r] 1 / key_weights: a row's selected q^ times these scores k^ / w; empty: 1
 };

@@ -17,6 +17,11 @@
 //   lie 512 bytes apart, which maps a column tile's lines onto an eighth of L1's sets, where the streamed query
 //   rows evicted them.
 //
+// Sparse prefill (ops/rules.py prefill_chosen; node attributes prefill_*): tasks are then query blocks of
+// kPrefillBlock slots, and choose_blocks estimates each sparse block's key-block masses from the packed panels
+// (every stride-th row's top-k' coordinates) before the walk, which skips the products of the 64-key halves it
+// leaves out.
+//
 // The micro-kernel keeps a 6 x 16 tile of its output in 12 vector registers (GCC vector extensions: AVX2's 16
 // ymm registers hold it with the two B vectors and the broadcast A value) and runs the shared dimension through
 // it, 12 multiply-adds per 2 loads of B and 6 broadcasts of A: the matrix-product shape that keeps the FMA units
@@ -59,10 +64,14 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
 
 // C[m][n] (+)= A[m][kk] . B[kk][n], m a multiple of kMR, n of kNR (rows of A lda apart, of C ldc; B in panels
 // [n / kNR][kk][kNR]).
+// pstride: floats from one panel to the next (0: kk * kNR, panels packed for this kk; a sub-range of another
+// block's panels passes its own).
 template <bool Add>
-void gemm(const float* a, int64_t lda, const float* b, int64_t kk, float* c, int64_t ldc, int64_t m, int64_t n) {
+void gemm(const float* a, int64_t lda, const float* b, int64_t kk, float* c, int64_t ldc, int64_t m, int64_t n,
+          int64_t pstride = 0) {
+  const int64_t step = pstride > 0 ? pstride : kk * kNR;
   for (int64_t j0 = 0; j0 < n; j0 += kNR) {
-    const float* panel = b + j0 * kk;
+    const float* panel = b + (j0 / kNR) * step;
     for (int64_t i0 = 0; i0 < m; i0 += kMR) micro<kMR, Add>(a + i0 * lda, lda, panel, kk, c + i0 * ldc + j0, ldc);
   }
 }
@@ -99,6 +108,9 @@ struct PromptJob : QueryRows<T> {
   float softcap;
   float* packed;        // [B * Hkv][key_blocks][K^ panels kKeys * r, then V panels kKeys * rvp]
   int64_t key_blocks;   // blocks of kKeys keys per (batch, kv head): ceil(L / kKeys)
+  PrefillRule prefill;
+  int64_t shift;        // positions of the first query block before the call's first row (sparse prefill's blocks
+                        // start at multiples of kPrefillBlock slots), else 0
   int64_t rvp() const { return round_up(rv, kNR); }
   int64_t block_floats() const { return kKeys * (this->r + rvp()); }
 };
@@ -180,22 +192,172 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
 }
 
 // One row's online softmax over a block of n keys: s[0..n) (masked: -inf) -> e^(s - m') in place (0 past n up to
-// kKeys), m, l and the row's output o[0..rvp) updated. A block the row sees nothing of leaves it as it was.
-inline void softmax_row(float* s, int64_t n, float& m, float& l, float* o, int64_t rvp) {
+// width), m, l and the row's output o[0..rvp) updated. A block the row sees nothing of leaves it as it was.
+inline void softmax_row(float* s, int64_t n, int64_t width, float& m, float& l, float* o, int64_t rvp) {
   const float top = row_max(s, n);
   if (top == -INFINITY) {
-    std::fill(s, s + kKeys, 0.0f);
+    std::fill(s, s + width, 0.0f);
     return;
   }
   online_block(s, n, top, m, l, o, rvp);
-  std::fill(s + n, s + kKeys, 0.0f);
+  std::fill(s + n, s + width, 0.0f);
+}
+
+// Sparse prefill's estimate rows, a group at a time: rows[i] (its q^ as scored at its k coordinates, their panel
+// offsets, its seen keys [lo, hi]) -> s[i][a..hi] (a = lo rounded down to kNR) = softcap(q[I'] . K^[I', j]) + kmask[j] from the packed
+// panels, -inf before lo (kmask: 0 for a real key, -inf for padding). Keys outer, rows inner: a 16-key chunk of the
+// panels (r lines) stays in L1 while every row of the group reads its k lines of it; row by row, each row streamed
+// the whole panel run from L2 again (2 ns a key, a fifth of the dense attention at 8k tokens).
+struct EstimateRow {
+  const float* w;      // [k] the row's q^ at its k coordinates, as scored
+  const int32_t* off;  // [k] where each coordinate's 16 keys lie in a panel chunk (c * kNR)
+  int64_t lo, hi;
+};
+constexpr int64_t kEstimateRows = 24;
+
+template <typename T, typename C>
+void estimate_rows(const PromptJob<T, C>& j, const float* panels, const EstimateRow* rows, int64_t n,
+                   const float* kmask, float* s, int64_t lds) {
+  const int64_t r = j.r, k = j.prefill.k;
+  int64_t a = INT64_MAX, b = 0;
+  for (int64_t i = 0; i < n; ++i) a = std::min(a, rows[i].lo / kNR * kNR), b = std::max(b, rows[i].hi + 1);
+  for (int64_t j0 = a; j0 < b; j0 += kNR) {
+    const float* p = panels + (j0 / kKeys) * j.block_floats() + ((j0 % kKeys) / kNR) * r * kNR;
+    for (int64_t i = 0; i < n; ++i) {
+      const EstimateRow& row = rows[i];
+      if (j0 + kNR <= row.lo || j0 > row.hi) continue;
+      f8 x{}, y{};
+      for (int64_t c = 0; c < k; ++c) {
+        const float* pc = p + row.off[c];
+        x += row.w[c] * load8(pc);
+        y += row.w[c] * load8(pc + 8);
+      }
+      store8(s + i * lds + j0, x);
+      store8(s + i * lds + j0 + 8, y);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* si = s + i * lds;
+    const int64_t lo = rows[i].lo, ra = lo / kNR * kNR, rb = rows[i].hi + 1;
+    if (j.softcap > 0.0f) {
+      for (int64_t x = ra; x < rb; ++x) si[x] = std::tanh(si[x] / j.softcap) * j.softcap;
+    }
+    int64_t x = ra;
+    for (; x + 8 <= rb; x += 8) store8(si + x, load8(si + x) + load8(kmask + x));
+    for (; x < rb; ++x) si[x] += kmask[x];
+    std::fill(si + ra, si + lo, -INFINITY);
+  }
+}
+
+// sum of x[0..n), eight lanes at a time.
+inline float sum_of(const float* x, int64_t n) {
+  f8 acc{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc += load8(x + i);
+  float out = 0.0f;
+  for (int e = 0; e < 8; ++e) out += acc[e];
+  for (; i < n; ++i) out += x[i];
+  return out;
+}
+
+// Sparse prefill's choice for the task's query block (ops/rules.py prefill_chosen): kept[0..ceil(L / 64)) the key
+// blocks its rows attend. Returns false when the block is dense (not wholly inside the call and before its last
+// kPrefillTail rows, or no row sampled): then kept is not read.
+template <typename T, typename C>
+bool choose_blocks(const PromptJob<T, C>& j, int64_t bh, int64_t t0, int64_t nt, std::vector<uint8_t>& kept) {
+  const int64_t first = j.mask.len - j.t, p0 = first + t0, len = j.mask.len, b = bh / j.heads;
+  if (p0 % kPrefillBlock != 0 || nt != kPrefillBlock || p0 + kPrefillBlock > len - kPrefillTail) return false;
+  const int64_t nb = (len + kPrefillBlock - 1) / kPrefillBlock, g = j.g, r = j.r;
+  static thread_local std::vector<float> rows, srow, kmask;
+  static thread_local std::vector<int64_t> idx, order;
+  static thread_local std::vector<double> mass;
+  static thread_local std::vector<EstimateRow> est;
+  static thread_local std::vector<float> weights;
+  static thread_local std::vector<int32_t> offsets;
+  const int64_t end = p0 + kPrefillBlock;  // the block's rows see no key at or past its end
+  rows.resize(static_cast<size_t>(nt * g * r));
+  idx.resize(static_cast<size_t>(nt * g * r));
+  srow.resize(static_cast<size_t>(kEstimateRows * (end + kNR)));
+  weights.resize(static_cast<size_t>(nt * g * j.prefill.k));
+  offsets.resize(static_cast<size_t>(nt * g * j.prefill.k));
+  kmask.resize(static_cast<size_t>(end + kNR));
+  est.clear();
+  mass.assign(static_cast<size_t>(nb), 0.0);
+  const float* panels = j.packed + bh * j.key_blocks * j.block_floats();
+  const int64_t* am = j.mask.am + (j.mask.rows == 1 ? 0 : b) * len;
+  for (int64_t i = 0; i < end; ++i) kmask[i] = am[i] != 0 ? 0.0f : -INFINITY;
+  int64_t sampled = 0, sink = len;
+  for (int64_t t = t0; t < t0 + nt; ++t) {
+    const int64_t p = first + t;
+    if (p % j.prefill.stride != j.prefill.stride - 1 || am[p] == 0) continue;
+    const Seen seen = j.mask.at(b, t);
+    for (int64_t i = seen.lo; i <= seen.hi; ++i) {
+      if (am[i] != 0) {
+        sink = std::min(sink, i);
+        break;
+      }
+    }
+    float* q = rows.data() + sampled * g * r;
+    int64_t* ix = idx.data() + sampled * g * r;
+    load_rows(j, bh, t, q);
+    select_group(q, g, r, j.prefill.k, kPerHead, ix, r);
+    unweigh(j, bh % j.heads, q);
+    for (int64_t h = 0; h < g; ++h) {  // the k coordinates' weights and panel offsets, gathered once
+      float* w = weights.data() + (sampled * g + h) * j.prefill.k;
+      int32_t* off = offsets.data() + (sampled * g + h) * j.prefill.k;
+      for (int64_t c = 0; c < j.prefill.k; ++c) {
+        w[c] = q[h * r + ix[h * r + c]];
+        off[c] = static_cast<int32_t>(ix[h * r + c] * kNR);
+      }
+      est.push_back({w, off, seen.lo, seen.hi});
+    }
+    ++sampled;
+  }
+  const int64_t lds = end + kNR;
+  for (size_t i0 = 0; i0 < est.size(); i0 += kEstimateRows) {
+    const int64_t n = std::min<int64_t>(kEstimateRows, static_cast<int64_t>(est.size() - i0));
+    estimate_rows(j, panels, est.data() + i0, n, kmask.data(), srow.data(), lds);
+    for (int64_t i = 0; i < n; ++i) {
+      const EstimateRow& row = est[i0 + i];
+      float* s = srow.data() + i * lds;
+      const int64_t a = row.lo / kNR * kNR, w = row.hi + 1 - a;
+      const float inv = 1.0f / exp_sum(s + a, w, row_max(s + a, w));
+      for (int64_t kb = a / kPrefillBlock; kb * kPrefillBlock <= row.hi; ++kb) {
+        const int64_t x = std::max(a, kb * kPrefillBlock), y = std::min(row.hi + 1, (kb + 1) * kPrefillBlock);
+        mass[kb] += sum_of(s + x, y - x) * inv;
+      }
+    }
+  }
+  if (sampled == 0) return false;
+  const double count = static_cast<double>(sampled * g);
+  for (double& x : mass) x /= count;
+  kept.assign(static_cast<size_t>(nb), 0);
+  double before = 0.0;
+  for (int64_t kb : {std::min(p0, sink) / kPrefillBlock, std::max(p0, sink) / kPrefillBlock}) {
+    if (kept[kb]) continue;  // the sink's block, then the diagonal: forced, in the order of their index
+    kept[kb] = 1;
+    before += mass[kb];
+  }
+  order.clear();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    if (!kept[kb]) order.push_back(kb);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return mass[x] > mass[y]; });
+  const double bar = static_cast<double>(j.prefill.threshold) - 1e-6;
+  for (int64_t kb : order) {
+    if (before >= bar) break;
+    kept[kb] = 1;
+    before += mass[kb];
+  }
+  return true;
 }
 
 template <typename T, typename C>
 void prompt_task(void* data, size_t index) {
   const auto& j = *static_cast<const PromptJob<T, C>*>(data);
   const int64_t blk = static_cast<int64_t>(index) % j.blocks, bh = static_cast<int64_t>(index) / j.blocks;
-  const int64_t t0 = blk * j.tokens_per_block, nt = std::min(j.tokens_per_block, j.t - t0);
+  const int64_t t0 = std::max<int64_t>(0, blk * j.tokens_per_block - j.shift);
+  const int64_t nt = std::min(j.t, (blk + 1) * j.tokens_per_block - j.shift) - t0;
   const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = j.rvp(), r = j.r;
   static thread_local std::vector<float> qbuf, sbuf, obuf, mbuf, lbuf;
   qbuf.resize(static_cast<size_t>(rows_pad * r));
@@ -210,18 +372,30 @@ void prompt_task(void* data, size_t index) {
   // the keys any row sees lie in [first.lo, last.hi]; every row sees all of [last.lo, first.hi] that is not padding
   const int64_t k_begin = first.lo / kKeys * kKeys, k_end = last.hi + 1;
   const float* packed = j.packed + bh * j.key_blocks * j.block_floats();
+  static thread_local std::vector<uint8_t> kept;
+  const bool sparse = j.prefill.on() && choose_blocks(j, bh, t0, nt, kept);
   for (int64_t s0 = k_begin; s0 < k_end; s0 += kKeys) {
-    const int64_t n = std::min(kKeys, k_end - s0);
-    if (!last.any(s0, n) && !first.any(s0, n)) {
+    int64_t n = std::min(kKeys, k_end - s0), off = 0, width = kKeys;
+    if (sparse) {  // the halves of this block of kKeys keys that sparse prefill keeps (kKeys = 2 kPrefillBlock)
+      const bool lo = kept[s0 / kPrefillBlock], hi = n > kPrefillBlock && kept[s0 / kPrefillBlock + 1];
+      if (!lo && !hi) continue;
+      if (lo != hi) {
+        off = lo ? 0 : kPrefillBlock;
+        n = lo ? std::min(n, kPrefillBlock) : n - kPrefillBlock;
+        width = kPrefillBlock;
+      }
+    }
+    const int64_t k0 = s0 + off;
+    if (!last.any(k0, n) && !first.any(k0, n)) {
       bool any = false;
-      for (int64_t t = 1; t + 1 < nt && !any; ++t) any = j.mask.at(b, t0 + t).any(s0, n);
+      for (int64_t t = 1; t + 1 < nt && !any; ++t) any = j.mask.at(b, t0 + t).any(k0, n);
       if (!any) continue;
     }
     const float* kp = packed + (s0 / kKeys) * j.block_floats();
     const float* vp = kp + kKeys * r;
-    gemm<false>(q, r, kp, r, s, kKeys, rows_pad, kKeys);
-    bool whole = s0 >= last.lo && s0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
-    for (int64_t i = s0; i < s0 + n && whole; ++i) whole = first.am[i] != 0;
+    gemm<false>(q, r, kp + off * r, r, s, kKeys, rows_pad, width);
+    bool whole = k0 >= last.lo && k0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
+    for (int64_t i = k0; i < k0 + n && whole; ++i) whole = first.am[i] != 0;
     for (int64_t row = 0; row < rows; ++row) {
       float* sr = s + row * kKeys;
       if (j.softcap > 0.0f) {
@@ -229,11 +403,11 @@ void prompt_task(void* data, size_t index) {
       }
       if (!whole) {
         const Seen seen = j.mask.at(b, t0 + row / j.g);
-        for (int64_t i = 0; i < n; ++i) sr[i] = seen(s0 + i) ? sr[i] : -INFINITY;
+        for (int64_t i = 0; i < n; ++i) sr[i] = seen(k0 + i) ? sr[i] : -INFINITY;
       }
-      softmax_row(sr, n, mbuf[row], lbuf[row], o + row * rvp, rvp);
+      softmax_row(sr, n, width, mbuf[row], lbuf[row], o + row * rvp, rvp);
     }
-    gemm<true>(s, kKeys, vp, kKeys, o, rvp, rows_pad, rvp);
+    gemm<true>(s, kKeys, vp + off * kNR, width, o, rvp, rows_pad, rvp, kKeys * kNR);
   }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t tt = t0 + row / j.g, h = row % j.g;
@@ -247,11 +421,14 @@ void prompt_task(void* data, size_t index) {
 
 template <typename T, typename C>
 void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
-                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap) {
-  const int64_t per = std::max<int64_t>(1, kQueryRows / q.g), blocks = (q.t + per - 1) / per;
+                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
+                   const PrefillRule& prefill) {
+  // sparse prefill: one task per query block of kPrefillBlock slots (the first and last may hold fewer rows)
+  const int64_t per = prefill.on() ? kPrefillBlock : std::max<int64_t>(1, kQueryRows / q.g);
+  const int64_t shift = prefill.on() ? (mask.len - q.t) % kPrefillBlock : 0, blocks = (q.t + shift + per - 1) / per;
   const int64_t key_blocks = (mask.len + kKeys - 1) / kKeys, bh = batch * q.heads;
   PromptJob<T, C> job{q, key, value, mask, out, rv, key_stride, value_slots, blocks, per, softcap, nullptr,
-                      key_blocks};
+                      key_blocks, prefill, shift};
   auto& packed = call_buffer<float, Buffer::kPromptPanels>(static_cast<size_t>(bh * key_blocks * job.block_floats()));
   job.packed = packed.data();
   const size_t packs = static_cast<size_t>(bh * key_blocks), tasks = static_cast<size_t>(bh * blocks);
@@ -260,15 +437,18 @@ void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key,
 }
 
 template void attend_prompt<float, float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
-                                          const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float);
+                                          const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
+                                          const PrefillRule&);
 template void attend_prompt<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
                                                             const Ort::Float16_t*, const Ort::Float16_t*,
                                                             const MaskRows&, Ort::Float16_t*, int64_t, int64_t,
-                                                            int64_t, int64_t, float);
+                                                            int64_t, int64_t, float, const PrefillRule&);
 template void attend_prompt<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&,
                                                    const Ort::Float16_t*, const Ort::Float16_t*, const MaskRows&,
-                                                   float*, int64_t, int64_t, int64_t, int64_t, float);
+                                                   float*, int64_t, int64_t, int64_t, int64_t, float,
+                                                   const PrefillRule&);
 template void attend_prompt<float, int8_t>(Ort::KernelContext&, const QueryRows<float>&, const int8_t*, const int8_t*,
-                                           const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float);
+                                           const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
+                                          const PrefillRule&);
 
 }  // namespace aqua

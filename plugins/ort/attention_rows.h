@@ -283,11 +283,22 @@ void attend_pages(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, 
                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
                   const TokenRule& rule);
 
+// Sparse prefill (ops/rules.py prefill_chosen): the rows of a prompt's sparse query blocks attend the key blocks
+// their estimate keeps. k: the estimate's coordinates (round(prefill_k_ratio r)).
+struct PrefillRule {
+  float threshold = 1.0f;  // prefill_threshold: 1 = a dense prompt
+  int64_t stride = 1, k = 1;
+  bool on() const { return threshold < 1.0f; }
+};
+constexpr int64_t kPrefillBlock = 64;  // ops/spec.py PREFILL_BLOCK
+constexpr int64_t kPrefillTail = 128;  // ops/spec.py PREFILL_TAIL
+
 // A prompt (T >= kPromptTokens) of AquaAttention: exact attention over blocks of queries and keys as small matrix
 // products (aqua_prompt.cc), each row's q^ zeroed outside its selection.
 constexpr int64_t kPromptTokens = 16;
 template <typename T, typename C>
 void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
-                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap);
+                   T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
+                   const PrefillRule& prefill);
 
 }  // namespace aqua

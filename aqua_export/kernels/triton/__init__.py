@@ -24,7 +24,11 @@ def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **
 
 def _attention(query_hat, key_cache, value_cache, total_length, attention_mask, projection=None, *, k, rule=0,
                softcap=0.0, sliding_window=0, interpret=None, token_ratio=1.0, token_budget=0, token_sink=0,
-               token_window=0, head_prices=None, **plugin):
+               token_window=0, head_prices=None, prefill_threshold=1.0, **plugin):
+    if prefill_threshold < 1.0:  # the kernels attend a prompt densely: never compute another answer silently
+        from ...capabilities import REFUSALS
+
+        raise ValueError(REFUSALS["prefill", "triton"])
     tokens = Tokens(token_ratio, token_budget, token_sink, token_window)
     return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), attention_mask, k, rule, softcap,
                            projection, interpret, tokens=tokens, prices=head_prices, window=sliding_window),)

@@ -1,0 +1,116 @@
+"""Sparse prefill's quality (section prefill of tools/quality.py): folders of the embedded model built with each
+setting and run by ONNX Runtime (native kernels), every prompt row through the folder's prompt path.
+
+    ppl      perplexity of builtin:licenses (not the calibration text), its first TOKENS tokens in non-overlapping
+             windows of 2048 / 4096 / 8192, each window one forward (`aqua-export eval --folder`): the rows of a
+             window's sparse query blocks attend the key blocks their estimate keeps
+    share    key blocks of 64 computed over the causal ones (all query blocks, the dense last 128 rows included), summed
+             over layers and KV heads: the reference's choice (ops.rules.prefill_chosen) on each length's first window
+    passkey  lm-eval's aqua_passkey (a key at 5 depths of 1k / 4k / 8k fillers) through each folder
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from aqua_export import corpus, evaluate
+from aqua_export.config import AquaConfig
+from aqua_export.ops import rules
+from tools.harness import table
+
+TEXT = "builtin:licenses"
+LENGTHS = (2048, 4096, 8192)
+TOKENS = 16384  # per length: 8 / 4 / 2 windows
+SETTINGS = {"dense": AquaConfig(), "sparse prefill 0.98": AquaConfig(prefill_threshold=0.98)}
+BLOCK = 64
+
+
+def block_share(model, tok, proj, cfg: AquaConfig, length: int) -> float:
+    """Chosen over causal (query block, key block) pairs of the first window of ``length`` tokens, through the
+    reference (rules.prefill_chosen counted as it is called: every layer, KV head and chunk of rows)."""
+    from aqua_export.reference.attention import apply_aqua
+
+    ids = corpus.tokenize(tok, corpus.read_text(TEXT), length)[None]
+    counts = [0, 0]
+    choose = rules.prefill_chosen
+
+    def counted(estimate, visible, real, positions, start, end, threshold, stride):
+        out = choose(estimate, visible, real, positions, start, end, threshold, stride)
+        for i, m in enumerate((out, visible)):
+            pad = -m.shape[-1] % BLOCK
+            m = torch.nn.functional.pad(m, (0, pad)).unflatten(-1, (-1, BLOCK)).any(-1).float()  # [B, Hkv, T, NBk]
+            qb = positions // BLOCK
+            onehot = (qb[:, None] == torch.arange(int(qb.min()), int(qb.max()) + 1)).float()  # [T, NBq]
+            counts[i] += int((torch.einsum("tq,bhtk->bhqk", onehot, m) > 0).sum())
+        return out
+
+    rules.prefill_chosen = counted
+    try:
+        with torch.no_grad(), apply_aqua(model, proj, cfg):
+            model(ids)
+    finally:
+        rules.prefill_chosen = choose
+    return counts[0] / counts[1]
+
+
+def measure(model, tok, proj, work) -> dict:
+    """Each setting's folder: perplexity per window length, block share, pass keys."""
+    from aqua_export.build import BuildOptions, export_folder
+    from aqua_export.lm_eval_model import AquaLM, evaluate as lm_evaluate
+
+    text = corpus.read_text(TEXT)
+    out = {}
+    for name, cfg in SETTINGS.items():
+        folder = Path(work) / name.replace(" ", "-")
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        export_folder(model, tok, proj, cfg, BuildOptions(), folder, "llama").seal(folder)
+        r: dict = {"ppl": {}, "share": {}}
+        for n in LENGTHS:
+            t = time.perf_counter()
+            ppl = evaluate.folder_perplexity(folder, text, tokens=TOKENS, seq_len=n, threads=2)
+            r["ppl"][str(n)] = ppl["perplexity"]
+            r["share"][str(n)] = block_share(model, tok, proj, cfg, n) if cfg.sparse_prefill else 1.0
+            print(f"prefill {name} @ {n}: ppl {r['ppl'][str(n)]:.4f}, blocks {r['share'][str(n)]:.1%} "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+        t = time.perf_counter()
+        with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
+            res = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
+        cells: dict = {}
+        for s in res["samples"]["aqua_passkey"]:
+            cells.setdefault(f"{s['doc']['length']}/{s['doc']['depth']}", []).append(s["exact_match"])
+        r["passkey"] = {k: sum(v) / len(v) for k, v in cells.items()}
+        print(f"prefill {name}: pass keys {sum(r['passkey'].values())}/{len(cells)} ({time.perf_counter() - t:.0f} s)",
+              flush=True)
+        out[name] = r
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def lines(data: dict) -> list[str]:
+    """quality.md's section."""
+    if not data:
+        return []
+    from aqua_export.lm_eval_tasks.aqua_tasks import PASSKEY_DEPTHS, PASSKEY_LENGTHS
+
+    dense = data["dense"]["ppl"]
+    rows = []
+    for name, r in data.items():
+        cells = [f"{r['ppl'][str(n)]:.4f} ({100 * (r['ppl'][str(n)] / dense[str(n)] - 1):+.2f}%)" for n in LENGTHS]
+        keys = ["".join("-" if r["passkey"].get(f"{n}/{d}") is None else "x" if r["passkey"][f"{n}/{d}"] >= 1
+                        else "." for d in PASSKEY_DEPTHS) for n in PASSKEY_LENGTHS]
+        rows.append([name, *cells, *(f"{r['share'][str(n)]:.1%}" for n in LENGTHS), *keys])
+    return ["\n## Sparse prefill (`--prefill-threshold`)\n",
+            "Folders built with each setting (float32, stride 4, k' = 16 of 64 coordinates), run by ONNX Runtime on "
+            f"the native kernels: perplexity on `{TEXT}`'s first {TOKENS} tokens in windows of "
+            f"{' / '.join(map(str, LENGTHS))}, each window one forward through the sparse prompt path (against dense "
+            "in brackets); blocks: key blocks of 64 computed over the causal ones, the dense last 128 rows included "
+            "(the reference's choice on each length's first window); pass keys through the same folders (depths "
+            f"{', '.join(map(str, PASSKEY_DEPTHS))}: `x` retrieved, `.` missed). `python -m tools.quality "
+            "--sections prefill`.\n",
+            *table(["setting", *(f"ppl @ {n}" for n in LENGTHS), *(f"blocks @ {n}" for n in LENGTHS),
+                    *(f"keys @ {n}" for n in PASSKEY_LENGTHS)], rows)]
