@@ -73,7 +73,9 @@ STUDIES = {"head_alloc_study.json": "python -m tools.studies.head_alloc_study",
            "int8_long_study.json": "python -m tools.studies.int8_long_study",
            "int8_long_study.md": "python -m tools.studies.int8_long_study",
            "sparse_prefill_study.json": "python -m tools.studies.sparse_prefill_study",
-           "sparse_prefill_study.md": "python -m tools.studies.sparse_prefill_study"}
+           "sparse_prefill_study.md": "python -m tools.studies.sparse_prefill_study",
+           "activation_levels_study.json": "python -m tools.studies.activation_levels_study",
+           "activation_levels_study.md": "python -m tools.studies.activation_levels_study"}
 
 
 def command(name: str) -> str:
