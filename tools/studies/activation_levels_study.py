@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# MatMulNBits: float32 against int8 activations", "",
           f"`python -m tools.studies.activation_levels_study` on {out['cpu']}, 2 threads, int4 weights (block 32), "
           "median of interleaved calls (thread pools not spinning). Level 0: float32 activations (a prompt's "
-          "products, from quantize.FLOAT_ACTIVATION_ROWS new tokens up); level 4: int8 (a decode step's); level 3 asks for bf16 "
-          "(what a bf16 CPU could double), which ONNX Runtime's CPU kernel runs as float32.", "",
+          "products, from quantize.FLOAT_ACTIVATION_ROWS new tokens up); level 4: int8 (a decode step's); level 3 "
+          "asks for bf16 (what a bf16 CPU could double), which ONNX Runtime's CPU kernel runs as float32.", "",
           *table(["K x N", "rows", "level 0 (ms)", "level 3 (ms)", "level 4 (ms)", "level 0 / level 4",
                   "level 0 GFLOP/s"],
                  [[f"{r['K']} x {r['N']}", r["rows"], f"{r['level0_ms']:.3f}", f"{r['level3_ms']:.3f}",
