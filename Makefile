@@ -48,6 +48,17 @@ $(QEMU): plugins/fetch_deb.sh
 	touch $@
 PORTABLE := $(if $(filter x86_64,$(shell uname -m)),$(QEMU),)
 
+# Triton 3.6.0 (what torch 2.11 pins; pyproject's floor) in a venv of its own, everything else read from .venv's:
+# tests/test_triton_compile.py compiles the kernels for GPU targets under it as well as under .venv's newest Triton
+TRITON_FLOOR := build/venvs/triton36/bin/python
+$(TRITON_FLOOR): pyproject.toml | $(BIN)/aqua-export
+	rm -rf build/venvs/triton36
+	$(PY) -m venv build/venvs/triton36
+	build/venvs/triton36/bin/pip install -q triton==3.6.0
+	echo "import site; site.addsitedir('$$($(BIN)/python -c "import site; print(site.getsitepackages()[0])")')" \
+		> $$(build/venvs/triton36/bin/python -c "import site; print(site.getsitepackages()[0])")/aqua_venv.pth
+	touch $@
+
 setup: $(BIN)/aqua-export $(NATIVE)
 
 demo: setup
@@ -61,9 +72,9 @@ TEST_TMP := $(CURDIR)/build/test-tmp
 # first (tests/conftest.py: LONG_MODULES)
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
-test: setup $(PORTABLE)
+test: setup $(PORTABLE) $(TRITON_FLOOR)
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -q $(PARALLEL)
+	TMPDIR=$(TEST_TMP) AQUA_TRITON_PYTHONS=$(CURDIR)/$(TRITON_FLOOR) $(BIN)/python -m pytest -q $(PARALLEL)
 	@echo "--- the numeric tests again on the kernels' baseline variant ($(BASELINE); MLAS keeps its own) ---"
 	TMPDIR=$(TEST_TMP) $(ALT_ISA) $(BIN)/python -m pytest -q $(PARALLEL) $(ALT_TESTS)
 	@echo "--- the wheel, installed in a fresh virtual environment with no compiler on PATH ---"

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 # xdist's reordering by test count, which put the slow modules of few tests last): the long modules first, longest
 # first, so the short ones fill the end and neither process idles while the other runs a long module. Measured
 # with --durations on 2 cores; a module not listed keeps its place after these.
-LONG_MODULES = ["test_ops", "test_build", "test_lm_eval_model", "test_genai", "test_reliability", "test_h2o",
+LONG_MODULES = ["test_ops", "test_triton_compile", "test_build", "test_lm_eval_model", "test_genai", "test_reliability", "test_h2o",
                 "test_cache_types", "test_cli", "test_bench", "test_portability", "test_calibrate", "test_parity",
                 "test_attention", "test_misuse", "test_quantize"]
 

@@ -66,11 +66,12 @@ def poison() -> None:
     del x
 
 
-def ragged_mask(b: int, t: int, total: int, gen) -> torch.Tensor:
-    """[B, 1, 1, T, L] float32: sequence i hides its first pads[i] positions (left padding), pads random."""
-    mask = torch.zeros(b, 1, 1, t, total)
+def ragged_mask(b: int, total: int, gen) -> torch.Tensor:
+    """attention_mask [B, L] int64 (the node's): sequence i > 0 pads its first pads[i] slots (left padding), pads
+    random."""
+    mask = torch.ones(b, total, dtype=torch.int64)
     for i in range(1, b):
-        mask[i, ..., :int(torch.randint(1, total // 3, (1,), generator=gen))] = float("-inf")
+        mask[i, :int(torch.randint(1, max(2, total // 3), (1,), generator=gen))] = 0
     return mask
 
 
@@ -100,7 +101,23 @@ ATTENTION_CASES = [  # (b, hkv, g, t, d, L), k, dtype, projected, tokens, pooled
 PRICES = (0.5, 2.0, 1.0, 1.5, 0.75, 1.25, 3.0, 1.0)  # per KV head: a pooled node's head_prices
 
 
-def check_attention() -> list[str]:
+# the checks' tiny cases: tests/test_gpu_tools.py runs them in Triton's interpreter, so an API change of the
+# kernels breaks CI, not the next GPU run
+TINY_ATTENTION = [((2, 2, 4, 1, 32, 70), 16, torch.float32, True, False, False),
+                  ((2, 2, 4, 1, 32, 90), 8, torch.float32, False, True, False),
+                  ((1, 2, 4, 3, 32, 50), 8, torch.float32, True, False, True)]
+TINY_SCORES = [((2, 2, 4, 1, 32, 70), 8, 1, torch.float32), ((1, 2, 4, 2, 16, 40), 1, 0, torch.float32)]
+TINY_H2O = [(2, 2, 4, 24, 16)]
+
+
+def _on(device: str, *xs):
+    """The tensors on ``device`` (the allocator poisoned first on a GPU: a kernel that skips a store shows NaN)."""
+    if device == "cuda":
+        poison()
+    return [None if x is None else x.to(device) for x in xs]
+
+
+def check_attention(cases=ATTENTION_CASES, device: str = "cuda") -> list[str]:
     """The fused kernel (and its token selection and pooled selection) against the float64 reference. Token and
     pooled selection are checked in float32: in 16-bit a near tie between two pages' (or priced coordinates')
     scores may choose the other one, a legitimate difference the parity gates account for and a norm bound
@@ -109,18 +126,17 @@ def check_attention() -> list[str]:
     from aqua_export.ops.aqua_attention import reference
 
     lines, gen = [], torch.Generator().manual_seed(5)
-    for (b, hkv, g, t, d, total), k, dt, projected, tokens, pooled in ATTENTION_CASES:
+    for (b, hkv, g, t, d, total), k, dt, projected, tokens, pooled in cases:
         q = torch.randn(b, hkv, g, t, d, generator=gen).to(dt)
         kc = torch.randn(b, hkv, d, total, generator=gen).to(dt)
         vc = torch.randn(b, hkv, total, d, generator=gen).to(dt)
-        mask = ragged_mask(b, t, total, gen)
+        mask = ragged_mask(b, total, gen)
         P = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0].to(dt) if projected else None
         attrs = TOKENS if tokens else {}
         prices = list(PRICES[:hkv]) if pooled else None
-        poison()
-        got = aqua_attention(q.cuda(), kc.cuda(), vc.cuda(), total, mask.cuda(), k, 1,
-                             projection=None if P is None else P.cuda(),
-                             tokens=token_setting() if tokens else None, prices=prices).cpu()
+        qd, kd, vd, md, pd = _on(device, q, kc, vc, mask, P)
+        got = aqua_attention(qd, kd, vd, total, md, k, 1, projection=pd, tokens=token_setting() if tokens else None,
+                             prices=prices).cpu()
         ref = reference(q.double(), kc.double(), vc.double(), total, mask, None if P is None else P.double(), k=k,
                         rule=1, head_prices=prices, **attrs)
         lines.append(verdict(f"AquaAttention {str(dt)[6:]} {(b, hkv, g, t, d, total)} k {k} P {projected} tokens "
@@ -128,36 +144,36 @@ def check_attention() -> list[str]:
     return lines
 
 
-def check_scores() -> list[str]:
+SCORE_CASES = [((2, 8, 4, 1, 128, 4099), 64, 1, torch.float32), ((1, 8, 4, 3, 128, 70001), 96, 0, torch.float16),
+               ((3, 2, 8, 1, 64, 1000), 1, 0, torch.bfloat16)]
+
+
+def check_scores(cases=SCORE_CASES, device: str = "cuda") -> list[str]:
     from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot
     from aqua_export.ops.topk_gather_dot import reference
 
     lines, gen = [], torch.Generator().manual_seed(1)
-    for (b, hkv, g, t, r, s), k, rule, dt in [((2, 8, 4, 1, 128, 4099), 64, 1, torch.float32),
-                                              ((1, 8, 4, 3, 128, 70001), 96, 0, torch.float16),
-                                              ((3, 2, 8, 1, 64, 1000), 1, 0, torch.bfloat16)]:
+    for (b, hkv, g, t, r, s), k, rule, dt in cases:
         q, kc = torch.randn(b, hkv, g, t, r, generator=gen).to(dt), torch.randn(b, hkv, r, s, generator=gen).to(dt)
-        poison()
-        got = topk_gather_dot(q.cuda(), kc.cuda(), k, rule=rule).cpu()
+        got = topk_gather_dot(*_on(device, q, kc), k, rule=rule).cpu()
         lines.append(verdict(f"TopKGatherDot {str(dt)[6:]} {(b, hkv, g, t, r, s)} k {k} rule {rule}",
                              rel_error(got, reference(q.double(), kc.double(), k=k, rule=rule)), dt))
     return lines
 
 
-def check_h2o() -> list[str]:
+def check_h2o(cases=((2, 2, 4, 300, 128), (3, 2, 8, 200, 64)), device: str = "cuda") -> list[str]:
     """The H2O kernel against the float64 slot-level reference (a ragged prompt, then a decode step)."""
     from aqua_export.kernels.triton.h2o_attention import h2o_attention
     from aqua_export.ops import h2o_attention as h2o
 
     lines, gen = [], torch.Generator().manual_seed(4)
-    for b, hkv, g, t, r in [(2, 2, 4, 300, 128), (3, 2, 8, 200, 64)]:
+    for b, hkv, g, t, r in cases:
         mask = torch.ones(b, t, dtype=torch.int64)
-        mask[1, :37] = 0
+        mask[1, :min(37, t // 3)] = 0
         ins = [torch.randn(b, hkv, g, t, r, generator=gen), torch.randn(b, hkv, t, r, generator=gen),
                torch.randn(b, hkv, t, r, generator=gen), torch.zeros(b, hkv, 0, r), torch.zeros(b, hkv, 0, r),
                torch.zeros(b, hkv, 0), torch.zeros(b, hkv, 0, dtype=torch.int64), mask]
-        poison()
-        got = [x.cpu() for x in h2o_attention(*[x.cuda() for x in ins], k=r // 2, rule=1, ratio=0.5)]
+        got = [x.cpu() for x in h2o_attention(*_on(device, *ins), k=r // 2, rule=1, ratio=0.5)]
         want = h2o.reference(*ins, k=r // 2, rule=1, ratio=0.5)
         if not torch.equal(got[4], want[4]):
             raise SystemExit(f"H2OAttention {(b, hkv, g, t, r)}: the evictions differ from the reference FAIL")

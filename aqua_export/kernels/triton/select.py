@@ -23,6 +23,35 @@ import torch
 from ...ops.spec import GROUP, MAGNITUDE, STATIC
 
 _JITTED: dict = {}  # (function, interpret) -> (jitted, triton)
+# None, or a list that every interpreted kernel launch is appended to as (kernel, args, kwargs): the constexpr
+# combinations the hosts launch, which tests/test_triton_compile.py compiles for GPU targets. DRY: the launches are
+# only recorded, their outputs left unwritten (what the hosts return then is not an answer; a host that reads a
+# kernel's output to launch the next, H2O's, needs them run)
+LAUNCHES: list | None = None
+DRY = False
+
+
+class _Recorded:
+    """An interpreted kernel whose launches LAUNCHES records (when it is a list)."""
+
+    def __init__(self, raw, kernel):
+        self.raw, self.kernel = raw, kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            if LAUNCHES is not None:
+                LAUNCHES.append((self.raw, args, kwargs))
+                if DRY:
+                    return None
+            return launch(*args, **kwargs)
+        return run
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
 tl = None  # keep_of's free name, bound per mode by jit (triton is imported only there)
 
 
@@ -322,7 +351,8 @@ def jit(raw, interpret: bool):
         # a new function object starts without annotations: copied, or Triton's compiler sees no tl.constexpr
         # parameter (the interpreter does not care, so only a real GPU would show it)
         fn.__annotations__, fn.__doc__, fn.__module__ = dict(raw.__annotations__), raw.__doc__, raw.__module__
-        _JITTED[raw, interpret] = triton.jit(fn), triton
+        kernel = triton.jit(fn)
+        _JITTED[raw, interpret] = (_Recorded(raw, kernel) if interpret and raw not in HELPERS else kernel), triton
     return _JITTED[raw, interpret]
 
 
@@ -349,7 +379,8 @@ def select(q, p, r: int, k: int, rule: int, projected: bool, interpret: bool, fu
     coordinate after them (qf, idxf: BLOCK_U = BLOCK_R); the kernels that read them take BLOCK_M and BLOCK_U from
     qs's shape. pool: (prices [Hkv] float32, cut values, cut indices [B * T]; pool.pool_cuts) for a pooled node."""
     b, hkv, g, t, d = q.shape
-    rows, block_m, block_r = b * hkv * t, max(16, group_block(g)), next_pow2(r)
+    # BLOCK_R at least 16: the full selection's qf is a tl.dot operand, whose K Triton < 3.9 requires >= 16 on a GPU
+    rows, block_m, block_r = b * hkv * t, max(16, group_block(g)), max(16, next_pow2(r))
     block_u = union_block(r, g, k, rule, pool is not None)
     price, cut_v, cut_i = pool if pool is not None else (q, q, q)  # pointers a plain selection never reads
     qs = torch.empty(rows, block_m, block_u, dtype=torch.float32, device=q.device)
