@@ -16,7 +16,10 @@ sink 16 and window 64; one of them also with SparQ's mean-value correction (refe
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
+from pathlib import Path
 
 from aqua_export import corpus, evaluate
 from aqua_export.config import AquaConfig
@@ -69,31 +72,51 @@ def measure_long(model, tok, proj, tokens: int) -> dict:
     return out
 
 
-def measure_passkey(model, tok, proj, work) -> dict:
-    """aqua_passkey on a folder of each PASSKEY setting (the build's export stage, float32, into ``work``):
-    accuracy per (length, depth)."""
-    import shutil
-    from pathlib import Path
-
+@contextlib.contextmanager
+def built(model, tok, proj, cfg: AquaConfig, folder: Path):
+    """A float32 folder of ``cfg`` (the build's export stage) at ``folder`` for the block, removed after it."""
     from aqua_export.build import BuildOptions, export_folder
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        export_folder(model, tok, proj, cfg, BuildOptions(), folder, "llama").seal(folder)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def passkey_run(folder: Path) -> tuple[dict, float]:
+    """aqua_passkey through a folder (ONNX Runtime, 2 threads) -> (accuracy per "length/depth", mean)."""
     from aqua_export.lm_eval_model import AquaLM, evaluate as lm_evaluate
 
+    with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
+        r = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
+    cells: dict = {}
+    for s in r["samples"]["aqua_passkey"]:
+        cells.setdefault(f"{s['doc']['length']}/{s['doc']['depth']}", []).append(s["exact_match"])
+    return {k: sum(v) / len(v) for k, v in cells.items()}, r["results"]["aqua_passkey"]["exact_match,none"]
+
+
+def passkey_cells(accuracy: dict) -> list[str]:
+    """One table cell per pass-key length: its depths in order, `x` retrieved, `.` missed, `-` not run."""
+    from aqua_export.lm_eval_tasks.aqua_tasks import PASSKEY_DEPTHS, PASSKEY_LENGTHS
+
+    return ["".join("-" if accuracy.get(f"{n}/{d}") is None else "x" if accuracy[f"{n}/{d}"] >= 1 else "."
+                    for d in PASSKEY_DEPTHS) for n in PASSKEY_LENGTHS]
+
+
+def measure_passkey(model, tok, proj, work) -> dict:
+    """aqua_passkey on a folder of each PASSKEY setting (float32, built into ``work``): accuracy per (length,
+    depth)."""
     out = {}
     for name in PASSKEY:
-        folder = Path(work) / name.replace(" ", "").replace(",", "-").replace("/", "_")
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        export_folder(model, tok, proj, LONG[name][0], BuildOptions(), folder, "llama").seal(folder)
         t = time.perf_counter()
-        with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
-            r = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
-        cells: dict = {}
-        for s in r["samples"]["aqua_passkey"]:
-            cells.setdefault(f"{s['doc']['length']}/{s['doc']['depth']}", []).append(s["exact_match"])
-        out[name] = {"accuracy": {k: sum(v) / len(v) for k, v in cells.items()},
-                     "mean": r["results"]["aqua_passkey"]["exact_match,none"], "seconds": time.perf_counter() - t}
+        with built(model, tok, proj, LONG[name][0], Path(work) / name.replace(" ", "").replace(",", "-")
+                   .replace("/", "_")) as folder:
+            accuracy, mean = passkey_run(folder)
+        out[name] = {"accuracy": accuracy, "mean": mean, "seconds": time.perf_counter() - t}
         print(f"passkey {name}: {out[name]['mean']:.3f} ({out[name]['seconds']:.0f} s)", flush=True)
-        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -130,13 +153,7 @@ def lines(long: dict, passkey: dict, union: dict) -> list[str]:
               "A five-digit key planted at a depth of a filler of 1k, 4k or 8k tokens, asked for at the end; exact "
               "match of the greedy answer, from folders built with each setting and run by ONNX Runtime (native "
               "kernels): the prompt attends exactly, each generated token selects its pages. One key per cell.\n"]
-        rows = []
-        for name, r in passkey.items():
-            cells = []
-            for n in PASSKEY_LENGTHS:
-                hits = [r["accuracy"].get(f"{n}/{d}") for d in PASSKEY_DEPTHS]
-                cells.append("".join("-" if h is None else "x" if h >= 1 else "." for h in hits))
-            rows.append([name, *cells, f"{r['mean']:.3f}"])
+        rows = [[name, *passkey_cells(r["accuracy"]), f"{r['mean']:.3f}"] for name, r in passkey.items()]
         L += table(["setting", *(f"{n} tokens" for n in PASSKEY_LENGTHS), "all"], rows)
         L.append(f"\nEach cell: the depths {', '.join(map(str, PASSKEY_DEPTHS))} in order, `x` retrieved, `.` "
                  "missed.\n")

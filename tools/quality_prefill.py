@@ -11,7 +11,6 @@ setting and run by ONNX Runtime (native kernels), every prompt row through the f
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from aqua_export import corpus, evaluate
 from aqua_export.config import AquaConfig
 from aqua_export.ops import rules
 from tools.harness import table
+from tools.quality_long import built, passkey_cells, passkey_run
 
 TEXT = "builtin:licenses"
 LENGTHS = (2048, 4096, 8192)
@@ -59,35 +59,23 @@ def block_share(model, tok, proj, cfg: AquaConfig, length: int) -> float:
 
 def measure(model, tok, proj, work) -> dict:
     """Each setting's folder: perplexity per window length, block share, pass keys."""
-    from aqua_export.build import BuildOptions, export_folder
-    from aqua_export.lm_eval_model import AquaLM, evaluate as lm_evaluate
-
     text = corpus.read_text(TEXT)
     out = {}
     for name, cfg in SETTINGS.items():
-        folder = Path(work) / name.replace(" ", "-")
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        export_folder(model, tok, proj, cfg, BuildOptions(), folder, "llama").seal(folder)
-        r: dict = {"ppl": {}, "share": {}}
-        for n in LENGTHS:
+        with built(model, tok, proj, cfg, Path(work) / name.replace(" ", "-")) as folder:
+            r: dict = {"ppl": {}, "share": {}}
+            for n in LENGTHS:
+                t = time.perf_counter()
+                ppl = evaluate.folder_perplexity(folder, text, tokens=TOKENS, seq_len=n, threads=2)
+                r["ppl"][str(n)] = ppl["perplexity"]
+                r["share"][str(n)] = block_share(model, tok, proj, cfg, n) if cfg.sparse_prefill else 1.0
+                print(f"prefill {name} @ {n}: ppl {r['ppl'][str(n)]:.4f}, blocks {r['share'][str(n)]:.1%} "
+                      f"({time.perf_counter() - t:.0f} s)", flush=True)
             t = time.perf_counter()
-            ppl = evaluate.folder_perplexity(folder, text, tokens=TOKENS, seq_len=n, threads=2)
-            r["ppl"][str(n)] = ppl["perplexity"]
-            r["share"][str(n)] = block_share(model, tok, proj, cfg, n) if cfg.sparse_prefill else 1.0
-            print(f"prefill {name} @ {n}: ppl {r['ppl'][str(n)]:.4f}, blocks {r['share'][str(n)]:.1%} "
-                  f"({time.perf_counter() - t:.0f} s)", flush=True)
-        t = time.perf_counter()
-        with AquaLM(folder=str(folder), batch_size=1, threads=2) as lm:
-            res = lm_evaluate(lm, ["aqua_passkey"], log_samples=True)
-        cells: dict = {}
-        for s in res["samples"]["aqua_passkey"]:
-            cells.setdefault(f"{s['doc']['length']}/{s['doc']['depth']}", []).append(s["exact_match"])
-        r["passkey"] = {k: sum(v) / len(v) for k, v in cells.items()}
-        print(f"prefill {name}: pass keys {sum(r['passkey'].values())}/{len(cells)} ({time.perf_counter() - t:.0f} s)",
-              flush=True)
+            r["passkey"] = passkey_run(folder)[0]
+        print(f"prefill {name}: pass keys {sum(r['passkey'].values())}/{len(r['passkey'])} "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
         out[name] = r
-        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -101,9 +89,7 @@ def lines(data: dict) -> list[str]:
     rows = []
     for name, r in data.items():
         cells = [f"{r['ppl'][str(n)]:.4f} ({100 * (r['ppl'][str(n)] / dense[str(n)] - 1):+.2f}%)" for n in LENGTHS]
-        keys = ["".join("-" if r["passkey"].get(f"{n}/{d}") is None else "x" if r["passkey"][f"{n}/{d}"] >= 1
-                        else "." for d in PASSKEY_DEPTHS) for n in PASSKEY_LENGTHS]
-        rows.append([name, *cells, *(f"{r['share'][str(n)]:.1%}" for n in LENGTHS), *keys])
+        rows.append([name, *cells, *(f"{r['share'][str(n)]:.1%}" for n in LENGTHS), *passkey_cells(r["passkey"])])
     return ["\n## Sparse prefill (`--prefill-threshold`)\n",
             "Folders built with each setting (float32, stride 4, k' = 16 of 64 coordinates), run by ONNX Runtime on "
             f"the native kernels: perplexity on `{TEXT}`'s first {TOKENS} tokens in windows of "

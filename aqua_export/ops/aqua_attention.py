@@ -62,11 +62,10 @@ def reference(query_hat, key_cache, value_cache, total_length, attention_mask, p
               *, k: int, rule: int = 0, softcap: float = 0.0, sliding_window: int = 0, token_ratio: float = 1.0,
               token_budget: int = 0, token_sink: int = 0, token_window: int = 0, head_prices=None,
               key_weights=None, prefill_threshold: float = 1.0, prefill_stride: int = 1, prefill_k_ratio: float = 1.0,
-              prefill_chosen=None, **plugin) -> torch.Tensor:
+              **plugin) -> torch.Tensor:
     """The node in PyTorch, scores and softmax in float64; attention_mask [B, L] (rules.visible); head_prices [Hkv]
     or None (shared k); int8 caches (cache_scales) are read as rules.int8_values; key_weights [Hkv * r] divide K^'s
-    rows; prefill_*: sparse prefill, prefill_chosen (a [B, Hkv, T, L] bool another implementation chose) replacing
-    its choice. Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
+    rows; prefill_*: sparse prefill (ops.prefill.choice). Returns [B, Hkv, g, T, rv] in query_hat's dtype."""
     if key_cache.dtype == torch.int8:
         key_cache = rules.int8_values(key_cache.transpose(-1, -2)).transpose(-1, -2).to(query_hat.dtype)
         value_cache = rules.int8_values(value_cache).to(query_hat.dtype)
@@ -85,10 +84,9 @@ def reference(query_hat, key_cache, value_cache, total_length, attention_mask, p
     mask = mask.to(torch.float64)
     if reads_a_share(token_ratio, token_budget):
         s, mask = _selected(query_hat, keys, s, mask, softcap, token_ratio, token_budget, token_sink, token_window)
-    if prefill_threshold < 1.0 or prefill_chosen is not None:
-        chosen = prefill_chosen if prefill_chosen is not None else \
-            prefill_choice(query_hat, keys, mask, attention_mask, softcap, prefill_threshold, prefill_stride,
-                           prefill_k_ratio)
+    if prefill_threshold < 1.0:
+        chosen = prefill_choice(query_hat, keys, mask, attention_mask, softcap, prefill_threshold, prefill_stride,
+                                prefill_k_ratio)
         mask = torch.where(chosen[:, :, None], mask, torch.full_like(mask, rules.HIDDEN))
     w = torch.softmax(s + mask, dim=-1) * (mask > rules.MASKED).any(-1, keepdim=True)  # a row seeing nothing: 0
     return (w @ value_cache[:, :, None, :total].to(torch.float64)).to(query_hat.dtype)
