@@ -16,18 +16,16 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import __version__, calibrate, capabilities, models, settings
-from .capabilities import RUNTIMES, Features
+from . import __version__, calibrate, models, settings
 from .config import AquaConfig, ConfigError
-from .export.contract import Contract
-from .export.exporter import GRAPH_OPS, STANDARD_NEEDS_FLOAT, contract_for, export_onnx
+from .export.exporter import contract_for, export_onnx
 from .fold import INT8_KEY_SPLIT
 from .meter import StageMeter, stage_bar
+from .options import BuildOptions
 from .ops.catalogue import OPS
 from .ops.spec import FLOAT_TYPES, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from .outputs import atomic_write_bytes, check_free_space, check_writable, claim, critical
@@ -35,7 +33,6 @@ from .parity.harness import check_run, parity_lengths, prompt_length, run_parity
 from .parity.report import summary_lines
 from .projection import load_projection
 from .projection import write as write_projection
-from .quantize import WeightFormat
 from .runtime import genai
 from .runtime.folder import FolderConfig, Geometry, built_files, file_sha256, foreign_files
 from .runtime.session import default_kernel
@@ -53,7 +50,7 @@ WEIGHT_CHOICES = ("{fmt.name} blocks of {fmt.block} ({zero}) for every linear la
 
 
 
-def default_out(model_name: str, config: AquaConfig, o: "BuildOptions", calibration: str = "") -> Path:
+def default_out(model_name: str, config: AquaConfig, o: BuildOptions, calibration: str = "") -> Path:
     """engines/<model>-k<R> and a part per setting that differs from its default (name_parts), so two builds that
     differ never share a folder. calibration: "proj-<hash>" / "calib-<hash>" when P does not come from the default
     calibration (build says which)."""
@@ -61,20 +58,10 @@ def default_out(model_name: str, config: AquaConfig, o: "BuildOptions", calibrat
                                        *([calibration] if calibration else [])])
 
 
-def name_parts(config: AquaConfig, o: "BuildOptions") -> list[str]:
+def name_parts(config: AquaConfig, o: BuildOptions) -> list[str]:
     """The parts of a default folder name after -k<R>: every setting that changes the built graph or engine, once it
-    differs from its default."""
-    w, default = o.weights, BuildOptions()
-    parts = settings.name_parts(config)  # each mechanism's (settings/)
-    parts += [o.dtype if o.dtype != default.dtype else "", w.name if w.quantized else ""]
-    if w.quantized:
-        parts += [f"b{w.block}" if w.block != default.weights.block else "", "zp" if not w.symmetric else "",
-                  f"acc{w.accuracy_level}" if w.accuracy_level != default.weights.accuracy_level else ""]
-    parts += [f"kv-{o.cache_dtype}" if o.cache_dtype not in (None, o.dtype) else "",
-              f"ops-{o.ops}" if o.ops != default.ops else "", "tensorrt" if o.runtime == "tensorrt" else "",
-              "trt{}x{}x{}".format(*o.trt_limits) if o.runtime == "tensorrt" and o.trt_limits != default.trt_limits
-              else ""]
-    return [p for p in parts if p]
+    differs from its default (each mechanism's, settings/; each build option's, options.py)."""
+    return settings.name_parts(config) + o.name_parts()
 
 
 def calibration_tag(projection_path: str | None, calib_texts: list[str] | None, calib_tokens: int) -> str:
@@ -115,7 +102,7 @@ def check_out_dir(out: Path, force: bool) -> None:
                           "another --out")
 
 
-def _estimated_bytes(model, o: "BuildOptions") -> int:
+def _estimated_bytes(model, o: BuildOptions) -> int:
     """What a folder of ``model`` built with ``o`` holds, about: its weights (plus a projection and a tokenizer, small);
     quantized: bits / 8 per weight plus a float32 scale per block."""
     params = sum(p.numel() for p in model.parameters())
@@ -124,42 +111,9 @@ def _estimated_bytes(model, o: "BuildOptions") -> int:
     return params * DTYPES[o.dtype].itemsize
 
 
-@dataclass(frozen=True)
-class BuildOptions:
-    """How a folder is built (everything but the model and the AQUA settings)."""
-
-    dtype: str = "float32"
-    runtime: str = "aqua"  # what must serve the folder (capabilities.RUNTIMES): tensorrt also builds model.engine
-    external_data: bool | None = None
-    parity_steps: int | None = None  # None: harness.PARITY_STEPS, fewer for a short context (parity_lengths)
-    parity_prompt: int | None = None  # None: harness.PROMPT_TOKENS, or what a short context leaves
-    trt_limits: tuple[int, int, int] = (8, 4096, 1024)
-    force: bool = False  # replace an existing --out that this tool built
-    weights: WeightFormat = WeightFormat()  # the linear layers' storage: float (dtype) or int4 / int8 blocks
-    cache_dtype: str | None = None  # the KV cache's float type (contract.Contract): None = dtype
-    ops: str = "onnxruntime"  # the nodes around the custom ones (exporter.GRAPH_OPS)
-
-
 def check_options(o: BuildOptions, config: AquaConfig) -> None:
-    """Validate before any work."""
-    if o.parity_prompt is not None and o.parity_prompt < 16:
-        raise ConfigError(f"--parity-prompt-tokens {o.parity_prompt}: give a prompt of 16 or more tokens")
-    if o.parity_steps is not None and o.parity_steps < 1:
-        raise ConfigError(f"--parity-steps {o.parity_steps}: give 1 or more steps")
-    if o.ops not in GRAPH_OPS:
-        raise ConfigError(f"unknown --ops {o.ops!r}: use one of {', '.join(GRAPH_OPS)}")
-    if o.ops == "standard" and o.weights.quantized:
-        raise ConfigError(STANDARD_NEEDS_FLOAT)
-    if o.runtime not in RUNTIMES:
-        raise ConfigError(f"unknown --runtime {o.runtime!r}: use one of {', '.join(RUNTIMES)}")
-    if o.dtype not in DTYPES:
-        raise ConfigError(f"unknown --dtype {o.dtype!r}: use {' or '.join(DTYPES)}")
-    if o.weights.quantized and o.dtype != "float32":
-        raise ConfigError(f"--weights {o.weights.name} is ONNX Runtime's MatMulNBits with float32 activations: build "
-                          "it with --dtype float32 (float16 is the GPU format: drop --weights)")
-    capabilities.check(Features.of_build(config, o.dtype, o.cache_dtype, o.weights.quantized), o.runtime)
-    if o.cache_dtype not in (None, o.dtype):
-        Contract.check_cache_dtype(o.dtype, o.cache_dtype, config.evicts)  # the contract's refusals, before any work
+    """Validate before any work: the options themselves (options.BuildOptions.check), then TensorRT's presence."""
+    o.check(config)
     if o.runtime == "tensorrt":
         require_tensorrt()  # before any work: no TensorRT, one line and nothing written
 

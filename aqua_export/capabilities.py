@@ -9,7 +9,7 @@ the build, `run`, `bench`, `eval --folder` and lm-eval all ask ``check`` (tests/
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from .errors import ConfigError
 
@@ -34,23 +34,23 @@ class Features:
     quantized: bool = False  # int4 / int8 weights (MatMulNBits)
 
     @classmethod
-    def of_build(cls, config, dtype: str, cache_dtype: str | None, quantized: bool) -> Features:
-        """From a build's settings (config.AquaConfig), before any work."""
+    def of_config(cls, config) -> Features:
+        """What a build's AQUA settings (config.AquaConfig) ask, before any work; the build options' fields are
+        theirs to add (options.BuildOptions.features)."""
         return cls(h2o=config.evicts, tokens=config.selects_tokens, prefill=config.sparse_prefill,
-                   shared_k=config.shares_k,
-                   uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform",
-                   narrow_cache=cache_dtype not in (None, dtype), int8_cache=cache_dtype == "int8",
-                   float16=dtype == "float16", quantized=quantized)
+                   shared_k=config.shares_k, uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform")
+
+    @classmethod
+    def of_contract(cls, ct) -> Features:
+        """What a graph contract (contract.Contract) holds: its buffers' kinds, widths and types."""
+        return cls(h2o=ct.h2o, shared_k=ct.prices is not None, uneven_widths=not ct.uniform,
+                   narrow_cache=ct.narrow_cache, int8_cache=ct.scale_slots > 0, float16=ct.dtype == "float16")
 
     @classmethod
     def of_folder(cls, cfg) -> Features:
-        """From a built folder's FolderConfig (its contract says what the graph holds)."""
-        ct = cfg.contract
-        return cls(h2o=ct.h2o, tokens=cfg.aqua.selects_tokens, prefill=cfg.aqua.sparse_prefill,
-                   shared_k=ct.prices is not None,
-                   uneven_widths=not ct.uniform, narrow_cache=ct.cache_dtype != ct.dtype,
-                   int8_cache=ct.cache_dtype == "int8", float16=ct.dtype == "float16",
-                   quantized=cfg.weights.quantized)
+        """From a built folder's FolderConfig: its contract's, and the modes and weights the graph runs."""
+        return replace(cls.of_contract(cfg.contract), tokens=cfg.aqua.selects_tokens, prefill=cfg.aqua.sparse_prefill,
+                       quantized=cfg.weights.quantized)
 
 
 REFUSALS = {

@@ -18,10 +18,9 @@ import shlex
 import signal
 import sys
 
-from . import commands
+from . import commands, options
 from .capabilities import KERNELS, RUNTIMES
 from .config import ConfigError
-from .ops.spec import CACHE_TYPES, FLOAT_TYPES
 from .outputs import Terminated, on_signal
 
 
@@ -68,66 +67,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                   "folder is refused")
     ap.add_argument("--force", action="store_true", help="replace --out when it is a folder this tool built and holds "
                                                         "nothing else (a user's file in it: refused)")
-    ap.add_argument("--dtype", default="float32", choices=list(FLOAT_TYPES),
-                    help="weights, activations and KV cache of the export (default %(default)s)")
-    ap.add_argument("--cache-dtype", choices=list(CACHE_TYPES),
-                    help="the KV cache's type (default: --dtype's). Under float32: float16 halves the bytes a CPU "
-                         "decode step reads at long context, as llama.cpp's default cache does; int8 quarters them "
-                         "(each token's K^ column and V row as int8 with its own scale, as llama.cpp's q8_0 "
-                         "and OpenVINO's u8 caches do). New tokens are rounded to it as they are written; parity "
-                         "gates the export on the same rounding and reports the distance")
-    ap.add_argument("--weights", default="float", choices=["float", "int4", "int8"],
-                    help="the linear layers, MoE experts, output layer and embedding: float (--dtype), or int4 / int8 "
-                         "blocks (ONNX Runtime's MatMulNBits, QMoE, GatherBlockQuantized; float32 activations), what CPU "
-                         "deployments serve (default %(default)s)")
-    ap.add_argument("--weight-block", type=int, default=32, choices=[16, 32, 64, 128],
-                    help="weights per quantization block along the inputs (default %(default)s)")
-    ap.add_argument("--weight-zero-points", action="store_true",
-                    help="quantize each block between its min and max with a zero point (default: symmetric, no zero "
-                         "points, as onnxruntime-genai's builder)")
-    ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 4],
-                    help="ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes a decode step's activations to int8 per "
-                         "block (the fast CPU path for few rows; onnxruntime-genai's builder's default) and keeps a "
-                         "prompt's (64 new tokens or more) float32, the faster there; 0 / 1 keep them float32 "
-                         "(default %(default)s)")
-    ap.add_argument("--ops", default="onnxruntime", choices=["onnxruntime", "standard"],
-                    help="the graph's nodes beside the com.aqua ones: onnxruntime (its contrib fusions RotaryEmbedding, "
-                         "SkipSimplifiedLayerNormalization, MatMulNBits, MoE: the fastest there) or standard (ai.onnx "
-                         "ops only, the com.aqua nodes keeping their ONNX function bodies: any ONNX consumer, ONNX's "
-                         "reference evaluator and shape inference read it; float weights, no routed experts) "
-                         "(default %(default)s)")
-    ap.add_argument("--runtime", default="aqua", choices=RUNTIMES,
-                    help="what must serve the folder: aqua (this project's loop; onnxruntime-genai too where it can), "
-                         "genai (refused before any work when onnxruntime-genai cannot run the settings), tensorrt "
-                         "(also builds model.engine: needs TensorRT and an NVIDIA GPU) (default %(default)s)")
-    ap.add_argument("--trt-max-batch", type=int, default=8, help="TensorRT profiles: largest batch (default %(default)s)")
-    ap.add_argument("--trt-max-context", type=int, default=4096,
-                    help="TensorRT profiles: largest context in tokens (default %(default)s)")
-    ap.add_argument("--trt-max-prompt", type=int, default=1024,
-                    help="TensorRT profiles: longest prompt in tokens (default %(default)s)")
-    ap.add_argument("--external-data", action="store_true",
-                    help="write the weights to model.onnx.data beside model.onnx whatever the model's size (above "
-                         "512 MiB they go there anyway: past 2 GB protobuf cannot hold them)")
-    ap.add_argument("--parity-steps", type=int, help="greedy decode steps of the parity check, >= 1 (default 64, "
-                                                      "fewer for a model whose context is shorter)")
-    ap.add_argument("--parity-prompt-tokens", type=int,
-                    help="real-text prompt length of the parity check, >= 16 (default 256, or what a shorter context "
-                         "leaves; token selection lengthens it until a decode step leaves pages out)")
+    options.add_arguments(ap)  # how the folder is built: options.OPTIONS
     return ap
 
 
 def build_main(argv: list[str]) -> int:
     a = build_arg_parser().parse_args(argv)
-    from .build import BuildOptions, build
-    from .quantize import WeightFormat
+    from .build import build
 
-    weights = WeightFormat(bits=None if a.weights == "float" else int(a.weights[3:]), block=a.weight_block,
-                           symmetric=not a.weight_zero_points, accuracy_level=a.accuracy_level)
-    opts = BuildOptions(dtype=a.dtype, runtime=a.runtime,
-                        external_data=True if a.external_data else None, parity_steps=a.parity_steps,
-                        parity_prompt=a.parity_prompt_tokens,
-                        trt_limits=(a.trt_max_batch, a.trt_max_context, a.trt_max_prompt), force=a.force,
-                        weights=weights, cache_dtype=a.cache_dtype, ops=a.ops)
+    opts = options.BuildOptions.from_args(a)
     out = build(a.model, commands.config_of(a), projection_path=a.projection, calib_texts=a.calib_text,
                 calib_tokens=a.calib_tokens, out=a.out, options=opts)
     print(f"ready: {out}  (try: aqua-export run {shlex.quote(str(out))} --prompt \"Hello\" --chat)")

@@ -116,9 +116,7 @@ def cmd_eval(a) -> int:
     a.seq_len = a.seq_len or evaluate.window_length(None, models.context_of(models.load_config(a.model)))
     evaluate.check_windows(a.tokens, a.seq_len)
     projection = load_projection(a.projection) if a.projection else None
-    if projection is None and not cfg.is_dense:
-        raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1 need --projection FILE "
-                          "(make one with `aqua-export calibrate`)")
+    cfg.require_projection(projection is not None, "--projection FILE (make one with `aqua-export calibrate`)")
     text = corpus.read_text(a.text)
     model, tok = models.load(a.model)
     res = evaluate.perplexity(model, tok, text, tokens=a.tokens, seq_len=a.seq_len, projection=projection,
@@ -144,9 +142,8 @@ def cmd_lm_eval(a) -> int:
         raise ConfigError(f"--batch-size {a.batch_size}: give 1 or more requests per forward")
     check_threads(a.threads)
     config = config_of(a)
-    if a.model and not a.projection and not config.is_dense:
-        raise ConfigError("AQUA settings other than --k-ratio 1, --slice-ratio 0, --h2o-ratio 1, --token-ratio 1 need "
-                          "--projection FILE with --model (make one with `aqua-export calibrate`)")
+    config.require_projection(bool(a.projection) or not a.model,
+                              "--projection FILE with --model (make one with `aqua-export calibrate`)")
     _offline_unless_reachable(tasks)
     from .lm_eval_model import AquaLM, evaluate
 
@@ -259,26 +256,23 @@ def cmd_run(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from . import capabilities
-    from .capabilities import Features
     from .runtime.folder import FolderConfig
     from .runtime.lm import OrtLM
     from .runtime.session import available_memory
     from .runtime.text import load_tokenizer
     from .serving.api import Api, least_context
-    from .serving.engine import Engine, check_limits
+    from .serving.engine import Engine, check_engine
 
     check_threads(a.threads)
     if not 0 < a.port < 65536:
         raise ConfigError(f"--port {a.port}: give a port in 1..65535")
-    check_limits(a.max_seqs, a.chunk, a.queue)
     for flag, value in (("--context", a.context), ("--prefix-cache-mb", a.prefix_cache_mb)):
         if value < 0:
             raise ConfigError(f"{flag} {value}: give 0 or more")
     cfg = FolderConfig.from_folder(a.folder)
     cfg.verify(a.folder)
-    capabilities.check(Features.of_folder(cfg), "serve")
-    model_context = cfg.context_length or 4096
+    check_engine(cfg, a.max_seqs, a.chunk, a.queue)
+    model_context = cfg.serving_context
     if a.context > model_context:
         raise ConfigError(f"--context {a.context} exceeds the model's context of {model_context} tokens: give at most "
                           f"{model_context}")

@@ -62,6 +62,18 @@ class _Config:
         """Exact attention over every token: no mechanism that changes what a step computes is on."""
         return not (set(self.on) - {"k_alloc"})
 
+    def require_projection(self, given: bool, fix: str, spell: str = "flag") -> None:
+        """One ConfigError line when this config approximates (not is_dense) and no projection is given: it names
+        the settings that ask for one, as the caller's user gave them (spell "flag": --k-ratio 0.5; "arg":
+        k_ratio=0.5), then ``fix``."""
+        if given or self.is_dense:
+            return
+        on = [s for m in settings.MECHANISMS if m.name != "k_alloc" and m.on(self) for s in m.settings
+              if getattr(self, s.name) != s.default]
+        shown = {s.name: f"{v:g}" if isinstance(v := getattr(self, s.name), float) else str(v) for s in on}
+        named = ", ".join(f"{s.flag} {shown[s.name]}" if spell == "flag" else f"{s.name}={shown[s.name]}" for s in on)
+        raise ConfigError(f"{named} need{'s' if len(on) == 1 else ''} {fix}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -76,9 +76,7 @@ def perplexity(model, tok, text: str, *, tokens: int, seq_len: int, projection: 
     ws = corpus.windows(ids, seq_len)
     if not ws:
         raise ConfigError("the evaluation text has fewer than 2 tokens")
-    if projection is None and not config.is_dense:
-        raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1, token_ratio=1 need "
-                          "--projection")
+    config.require_projection(projection is not None, "a projection (--projection FILE)")
     from tqdm import tqdm
 
     # token selection on every row, as if each token were decoded (a prompt's rows would attend exactly)

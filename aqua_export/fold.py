@@ -116,7 +116,7 @@ def selection_weights(key_rms: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def layer_bases(projection: Projection, config: AquaConfig, contract, i: int, head_dim: int) -> tuple:
-    """(Bases, P_v) that layer i of an export (its export.contract.Contract) folds in: the
+    """(Bases, P_v) that layer i of an export (its contract.Contract) folds in: the
     calibrated ones, or the identity when nothing is selected or sliced (at k = r without slicing P and P_v cancel exactly, so the dense graph has no
     projection MatMul and its weights are the checkpoint's)."""
     ct = contract

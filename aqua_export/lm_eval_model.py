@@ -108,16 +108,14 @@ class AquaLM(HFLM):
             if projection is not None or given:
                 raise ConfigError("a folder carries its own AQUA settings: drop projection / "
                                   f"{' / '.join(self.SETTINGS)} with folder=")
-            context = FolderConfig.from_folder(folder).context_length or 4096  # a missing folder: one line
+            context = FolderConfig.from_folder(folder).serving_context  # a missing folder: one line
             tok = _hf_tokenizer(folder)
             serving = (int(batch_size) if str(batch_size).isdigit() else 1, int(max_length or context))
             net = _OrtModel(OrtLM.from_folder(folder, int(threads), kernel, serving=serving, all_logits=True), tok, folder)
             self.aqua_config = net.lm.cfg.aqua
         else:
             config = config_of_model_args(**given)
-            if projection is None and not config.is_dense:
-                raise ConfigError("AQUA settings other than k_ratio=1, slice_ratio=0, h2o_ratio=1, token_ratio=1 need "
-                                  "projection=FILE")
+            config.require_projection(projection is not None, "projection=FILE", spell="arg")
             net, tok = models.load(model)
             if projection is not None:
                 self._session = self._stack.enter_context(apply_aqua(net, load_projection(projection), config))

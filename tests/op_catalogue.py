@@ -407,6 +407,9 @@ ATTENTION = [
          {"k": 8, **_prefill(0.9, stride=0)}, only=("native",), error="prefill_stride"),
     Case("prefill-on-triton", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
          {"k": 8, **_prefill(0.9)}, only=("triton",), error="Triton kernels attend a prompt densely"),
+    # the capability table's triton column, asked by the host: an int8 cache is the CPU kernels'
+    Case("int8-cache-on-triton", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20), cache=torch.int8),
+         {"k": 8, "cache_scales": 1}, cache_dtype="int8", only=("triton",), error="the Triton kernels read the GPU's"),
     Case("k-past-r", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20)), {"k": 17}, only=("native", "triton"),
          error="k must be in"),
     Case("keys-narrower-than-queries", lambda: [x[:, :, :8] if i == 1 else x for i, x in

@@ -165,7 +165,8 @@ def test_optimization_profiles(tiny_exports):
 
 def test_h2o_has_no_engine_and_is_refused_before_any_work(tmp_path):
     """H2OAttention has no TensorRT plugin: the build says so in one line, before TensorRT is even looked for."""
-    from aqua_export.build import BuildOptions, build
+    from aqua_export.build import build
+    from aqua_export.options import BuildOptions
 
     with pytest.raises(ConfigError) as e:
         build("llama", AquaConfig(k_ratio=0.75, h2o_ratio=0.5), out=str(tmp_path / "x"),

@@ -197,7 +197,7 @@ def test_force_replaces_only_what_a_build_wrote(tmp_path, capsys):
     """A finished build lists its files in aqua_config.json; --force replaces such a folder only while it holds
     nothing else (a user's file beside the build's is named, and everything is kept)."""
     from aqua_export.build import check_out_dir
-    from aqua_export.export.contract import Contract
+    from aqua_export.contract import Contract
     from aqua_export.runtime.folder import FolderConfig, Geometry
 
     built = tmp_path / "built"
@@ -222,7 +222,8 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
     settings, the build options that change the graph or engine, and where the projection comes from."""
     import dataclasses
 
-    from aqua_export.build import BuildOptions, calibration_tag, default_out
+    from aqua_export.build import calibration_tag, default_out
+    from aqua_export.options import BuildOptions
     from aqua_export.quantize import WeightFormat
 
     base, tokens = AquaConfig(k_ratio=0.75), dict(token_budget=512)
@@ -247,7 +248,7 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
         "weights": (base, BuildOptions(weights=int4), ""),
         "weights int8": (base, BuildOptions(weights=WeightFormat(bits=8)), ""),
         "weight_block": (base, BuildOptions(weights=dataclasses.replace(int4, block=64)), ""),
-        "zero_points": (base, BuildOptions(weights=dataclasses.replace(int4, symmetric=False)), ""),
+        "weight_zero_points": (base, BuildOptions(weights=dataclasses.replace(int4, symmetric=False)), ""),
         "accuracy_level": (base, BuildOptions(weights=dataclasses.replace(int4, accuracy_level=0)), ""),
         "cache_dtype": (base, BuildOptions(cache_dtype="float16"), ""),
         "ops": (base, BuildOptions(ops="standard"), ""),
@@ -263,12 +264,9 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
     assert names["cache_dtype"] == "llama-k0.75-kv-float16" and names["token_budget"] == "llama-k0.75-tb512"
     # a float32 cache is the float32 graph's own: the same build, the same name
     assert default_out("llama", base, BuildOptions(cache_dtype="float32")).name == names["default"]
-    # every field of the settings is in the table (a new one must say how it names its folder)
-    from aqua_export.build import BuildOptions as B
+    # every setting, and every build option that names its folder, has a row (a new one must show its name part)
+    from aqua_export import settings
+    from aqua_export.options import NAME_ORDER
 
-    named = {"k_ratio", "slice_ratio", "slice_alloc", "h2o_ratio", "selection", "k_alloc", "token_ratio",
-             "token_budget", "token_sink", "token_window", "prefill_threshold", "prefill_stride", "prefill_k_ratio",
-             "dtype", "weights", "cache_dtype", "ops", "runtime", "trt_limits"}
-    not_the_graph = {"version", "external_data", "parity_steps", "parity_prompt", "force"}
-    fields = {f.name for f in dataclasses.fields(AquaConfig)} | {f.name for f in dataclasses.fields(B)}
-    assert fields == named | not_the_graph, fields ^ (named | not_the_graph)
+    asked = set(settings.SETTINGS) | {o.name for o in NAME_ORDER}
+    assert asked <= set(table), sorted(asked - set(table))

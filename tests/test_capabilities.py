@@ -9,10 +9,11 @@ import torch
 from helpers import folder_cfg
 
 from aqua_export import capabilities
-from aqua_export.build import BuildOptions, check_options
+from aqua_export.build import check_options
 from aqua_export.capabilities import BACKENDS, REFUSALS, Features
 from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.export.exporter import export_onnx
+from aqua_export.options import BuildOptions
 from aqua_export.quantize import WeightFormat
 from aqua_export.runtime.lm import OrtLM
 from aqua_export.runtime.session import native_library, native_variant
@@ -36,7 +37,7 @@ def test_every_feature_has_a_way_to_ask_for_it():
 
 
 def _features(config, o):
-    return Features.of_build(config, o.get("dtype", "float32"), o.get("cache_dtype"), "weights" in o)
+    return BuildOptions(**o).features(config)
 
 
 @pytest.mark.parametrize("feature", list(ASKS))

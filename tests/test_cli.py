@@ -86,3 +86,22 @@ def test_projection_of_another_model_is_refused_by_eval(tmp_path, capsys):
                "--text", "builtin:gpl-3", "--tokens", "64"])
     err = capsys.readouterr().err
     assert rc == 2 and "projection was calibrated on another model" in err and err.count("\n") == 1
+
+
+def test_the_build_options_defaults_are_the_clis():
+    """options.OPTIONS declares each build option once: the parser's defaults are BuildOptions()' and each option's
+    flag reaches the value the build takes."""
+    from aqua_export.cli import build_arg_parser
+    from aqua_export.options import OPTIONS, BuildOptions
+
+    assert BuildOptions.from_args(build_arg_parser().parse_args([])) == BuildOptions()
+    asked = BuildOptions.from_args(build_arg_parser().parse_args(
+        ["--dtype", "float16", "--cache-dtype", "int8", "--weights", "int8", "--weight-block", "64",
+         "--weight-zero-points", "--accuracy-level", "0", "--ops", "standard", "--runtime", "tensorrt",
+         "--trt-max-batch", "2", "--trt-max-context", "64", "--trt-max-prompt", "16", "--external-data",
+         "--parity-steps", "3", "--parity-prompt-tokens", "20"]))
+    assert (asked.dtype, asked.cache_dtype, asked.weights.name, asked.weights.block, asked.weights.symmetric,
+            asked.weights.accuracy_level, asked.ops, asked.runtime, asked.trt_limits, asked.external_data,
+            asked.parity_steps, asked.parity_prompt) == ("float16", "int8", "int8", 64, False, 0, "standard",
+                                                         "tensorrt", (2, 64, 16), True, 3, 20)
+    assert {o.flag for o in OPTIONS} <= set(build_arg_parser().format_help().split())  # all on the command line

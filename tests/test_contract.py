@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export.contract import Contract
+from aqua_export.contract import Contract
 from aqua_export.runtime.folder import FolderConfig, Geometry
 
 

@@ -34,7 +34,7 @@ def test_aqua_perplexity_moves_with_k_and_needs_projection(char_tok, tmp_path):
     low = evaluate.perplexity(m, char_tok, text, tokens=96, seq_len=32, projection=proj, config=AquaConfig(k_ratio=0.25))
     assert math.isclose(one["perplexity"], dense, rel_tol=1e-5)
     assert abs(low["perplexity"] - dense) > 1e-3
-    with pytest.raises(ConfigError, match="need --projection"):
+    with pytest.raises(ConfigError, match="--k-ratio 0.5 needs a projection"):
         evaluate.perplexity(m, char_tok, text, tokens=96, seq_len=32, config=AquaConfig(k_ratio=0.5))
     with pytest.raises(ConfigError, match="seq-len"):
         evaluate.perplexity(m, char_tok, text, tokens=96, seq_len=1)

@@ -8,7 +8,7 @@ from helpers import folder_cfg, left_padded, tiny_projection
 
 from aqua_export import models
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export.contract import Contract
+from aqua_export.contract import Contract
 from aqua_export.export.exporter import check_exportable, contract_for, export_onnx
 from aqua_export.ops.catalogue import BY_NAME, OPS
 from aqua_export.ops.spec import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, SELECTIONS

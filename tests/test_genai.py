@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a dependency of the package (pip install -e .)")
 
-from aqua_export.build import BuildOptions, export_folder  # noqa: E402
+from aqua_export.build import export_folder  # noqa: E402
+from aqua_export.options import BuildOptions  # noqa: E402
 from aqua_export.config import AquaConfig, ConfigError  # noqa: E402
 from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.runtime.text import encode_prompts
@@ -73,7 +74,7 @@ def test_genai_equals_aqua_run(folders, smollm, name):
 
 @pytest.mark.parametrize("text", ["{", '{"model": {}}'])
 def test_damaged_genai_config_is_one_line(tmp_path, text):
-    from aqua_export.export.contract import Contract
+    from aqua_export.contract import Contract
     from aqua_export.runtime.folder import FolderConfig, Geometry
     from aqua_export.runtime.genai import GenaiLM
 
@@ -90,7 +91,7 @@ def test_damaged_genai_config_is_one_line(tmp_path, text):
 
 @pytest.mark.parametrize("what", ["h2o", "widths"])
 def test_genai_refuses_h2o_and_allocated_folders_with_one_line(tmp_path, what):
-    from aqua_export.export.contract import Contract
+    from aqua_export.contract import Contract
     from aqua_export.runtime.folder import FolderConfig, Geometry
     from aqua_export.runtime.genai import GenaiLM
 

@@ -212,8 +212,9 @@ def test_shared_k_is_refused_where_a_node_takes_one_k_per_row(tmp_path):
     """TensorRT's TopKGatherDot and AQUA-H2O take one k per row: one line each; a contract's prices are checked."""
     import json
 
-    from aqua_export.build import BuildOptions, check_options
-    from aqua_export.export.contract import Contract
+    from aqua_export.build import check_options
+    from aqua_export.options import BuildOptions
+    from aqua_export.contract import Contract
 
     cfg = AquaConfig(k_ratio=0.5, selection="weighted", k_alloc="measured")
     assert cfg.shares_k and not dataclasses.replace(cfg, selection="static").shares_k

@@ -17,11 +17,12 @@ def _tracked(pattern: str) -> list[Path]:
     return [ROOT / p for p in out.split()]
 
 
-def _imports(path: Path):
-    """(module named, names imported, resolved package-relative module) of every from-import in path."""
+def _imports(path: Path, top_only: bool = False):
+    """(module named, names imported) of every from-import in path (top_only: the module-level ones), the module
+    resolved from a relative import."""
     tree = ast.parse(path.read_text())
     pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    for node in ast.walk(tree):
+    for node in (tree.body if top_only else ast.walk(tree)):
         if isinstance(node, ast.ImportFrom):
             base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
             mod = ".".join([*base, node.module] if node.module else base)
@@ -79,6 +80,50 @@ def test_the_package_has_no_import_circle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+# the lower floors and what of the package each may import (anywhere in the file, lazy imports included): nothing
+# above it. settings/ reads ops.spec's names. Above them, what runtime/ and serving/ may not import at module level
+# (a lazy import is a stage boundary: evaluation's all-logits graph rewrite): the export stage (torch) and above
+FLOORS = {"aqua_export.ops": ("aqua_export.ops",),
+          "aqua_export.settings": ("aqua_export.settings", "aqua_export.errors", "aqua_export.ops.spec"),
+          "aqua_export.contract": ("aqua_export.capabilities", "aqua_export.config", "aqua_export.errors",
+                                   "aqua_export.ops.spec", "aqua_export.settings")}
+NOT_ABOVE = {"aqua_export.runtime": ("aqua_export.export", "aqua_export.build", "aqua_export.parity",
+                                     "aqua_export.reference", "aqua_export.serving"),
+             "aqua_export.serving": ("aqua_export.export", "aqua_export.build", "aqua_export.parity",
+                                     "aqua_export.reference")}
+
+
+def test_no_arrow_points_up_a_floor():
+    bad = []
+    for p in _tracked("aqua_export/*.py"):
+        here = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for top_only in (False, True):
+            for mod, names in _imports(p, top_only):
+                # `from . import capabilities`: the module imported is the name, when mod is a package
+                named = [f"{mod}.{n}" for n in names] if (ROOT / mod.replace(".", "/")).is_dir() else [mod]
+                for m in (m for m in named if m.startswith("aqua_export")):
+                    inside = (lambda f: here == f or here.startswith(f + "."))
+                    bad += [f"{here} imports {m}" for f, allowed in FLOORS.items()
+                            if not top_only and inside(f) and not m.startswith(allowed)]
+                    bad += [f"{here} imports {m}" for f, above in NOT_ABOVE.items()
+                            if top_only and inside(f) and m.startswith(above)]
+    assert not bad, bad
+
+
+def test_no_setting_or_build_option_is_spelled_outside_its_owner():
+    """A setting's flag belongs to settings/ and a build option's to options.py: the CLI, lm-eval's arguments and the
+    docs derive from them, so the package never spells one as a whole string of its own (an add_argument, a list of
+    flags; messages naming a flag inside their text are fine). `--runtime` also names what drives a folder on `run`
+    and `bench` (capabilities.RUNTIMES' vocabulary), so it is not the build's alone."""
+    from aqua_export import options, settings
+
+    flags = {s.flag for s in settings.SETTINGS.values()} | {o.flag for o in options.OPTIONS} - {"--runtime"}
+    owners = {ROOT / "aqua_export" / "options.py", *(ROOT / "aqua_export" / "settings").glob("*.py")}
+    bad = [f"{p.relative_to(ROOT)}:{n.lineno} {n.value}" for p in _tracked("aqua_export/*.py") if p not in owners
+           for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and n.value in flags]
+    assert not bad, bad
 
 
 def test_every_benchmark_file_names_its_command():

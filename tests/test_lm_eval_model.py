@@ -132,10 +132,10 @@ def test_passkey_items():
 @pytest.mark.parametrize("kw,needle", [
     ({}, "either model=M"),
     ({"model": "llama", "folder": "x"}, "either model=M"),
-    ({"model": "llama", "k_ratio": 0.5}, "need projection=FILE"),
+    ({"model": "llama", "k_ratio": 0.5}, "k_ratio=0.5 needs projection=FILE"),
     ({"model": "llama", "k_ratio": 0.0}, "k_ratio=0.0 is out of range"),
     ({"folder": "x", "k_ratio": 0.5}, "a folder carries its own AQUA settings"),
-    ({"model": "llama", "token_ratio": 0.25}, "need projection=FILE"),
+    ({"model": "llama", "token_ratio": 0.25}, "token_ratio=0.25 needs projection=FILE"),
     ({"model": "llama", "token_ratio": 0.25, "h2o_ratio": 0.5}, "not both"),
     ({"folder": "x", "token_budget": 64}, "a folder carries its own AQUA settings"),
 ])

@@ -212,10 +212,12 @@ def test_bench_refuses_what_it_cannot_measure(folders, capsys, args, needle):
 
 @pytest.mark.parametrize("args,needle", [
     (["eval", "--text", "builtin:gpl-3", "--tokens", "0"], "--tokens 0 leaves nothing to predict"),
-    (["eval", "--text", "builtin:gpl-3", "--k-ratio", "0.5"], "need --projection FILE"),
+    (["eval", "--text", "builtin:gpl-3", "--k-ratio", "0.5"], "--k-ratio 0.5 needs --projection FILE"),
     (["lm-eval", "--model", "llama", "--limit", "0"], "--limit 0 is not a number of items"),
     (["lm-eval", "--model", "llama", "--limit", "-3"], "--limit -3 is not a number of items"),
-    (["lm-eval", "--model", "llama", "--k-ratio", "0.5"], "need --projection FILE with --model"),
+    (["lm-eval", "--model", "llama", "--k-ratio", "0.5"], "--k-ratio 0.5 needs --projection FILE with --model"),
+    (["lm-eval", "--model", "llama", "--k-ratio", "0.5", "--token-budget", "512"],
+     "--k-ratio 0.5, --token-budget 512 need --projection FILE with --model"),
 ])
 def test_evaluation_options(capsys, args, needle):
     assert main(args) == 2

@@ -10,7 +10,7 @@ import torch
 from implementations import IMPLEMENTATIONS, VALIDATING
 from op_catalogue import BUDGET_GOLDEN, CATALOGUE, SELECTION_GOLDEN
 
-from aqua_export.export.contract import Contract
+from aqua_export.contract import Contract
 from aqua_export.ops import cache_update, h2o_attention, rules, topk_gather_dot
 from aqua_export.ops.catalogue import OPS
 from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES

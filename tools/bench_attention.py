@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from aqua_export.ops import rules
 from tools.harness import flush_caches, interleaved_medians
-from aqua_export.ops.spec import CACHE_TYPES, PROJECTION, SCALE_SLOTS, SLOT_EXTRA_BYTES
+from aqua_export.ops.spec import CACHE_TYPES, CACHES, PROJECTION, SLOT_EXTRA_BYTES
 from aqua_export.runtime.caches import large_empty
 from aqua_export.outputs import atomic_write_bytes
 
@@ -219,7 +219,7 @@ def _sessions(caches: list[str], h2o: list, threads: int) -> dict:
 
     sessions = {"ort-dense": sess(_graph("dense"), "function"), "gqa": sess(_graph("gqa"), "function")}
     for c in caches:
-        width = {"cache_dtype": c, **({"cache_scales": 1} if SCALE_SLOTS.get(c) else {})}  # as decoder_graph sets it
+        width = {"cache_dtype": c, **({"cache_scales": 1} if CACHES[c].scale_slots else {})}  # as decoder_graph sets it
         sessions[c, "fused-dense"] = sess(aqua_attention.OP.model(k=D, **width))
         for rule, ratio in SETTINGS:
             sessions[c, rule, ratio] = sess(aqua_attention.OP.model(projected=True, k=round(ratio * D),

@@ -81,7 +81,8 @@ def export_all(names) -> None:
     import torch
 
     from aqua_export import models
-    from aqua_export.build import BuildOptions, export_folder
+    from aqua_export.build import export_folder
+    from aqua_export.options import BuildOptions
     from aqua_export.config import AquaConfig
 
     model = tok = proj = None

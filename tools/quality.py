@@ -103,7 +103,8 @@ def lm_eval_grid(proj_path: Path) -> dict:
     (with the items whose accuracy differs from the reference's)."""
     import tempfile
 
-    from aqua_export.build import BuildOptions, build
+    from aqua_export.build import build
+    from aqua_export.options import BuildOptions
     from aqua_export.lm_eval_model import LOCAL_TASKS, AquaLM, evaluate
 
     def measure(lm):

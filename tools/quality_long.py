@@ -75,7 +75,8 @@ def measure_long(model, tok, proj, tokens: int) -> dict:
 @contextlib.contextmanager
 def built(model, tok, proj, cfg: AquaConfig, folder: Path):
     """A float32 folder of ``cfg`` (the build's export stage) at ``folder`` for the block, removed after it."""
-    from aqua_export.build import BuildOptions, export_folder
+    from aqua_export.build import export_folder
+    from aqua_export.options import BuildOptions
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)

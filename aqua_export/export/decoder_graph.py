@@ -48,7 +48,7 @@ from ..ops.spec import DOMAIN, ONNX
 from ..quantize import WeightFormat
 from .blocks import Blocks, stack
 from .builder import GraphBuilder, onnx_type
-from .contract import Contract
+from ..contract import Contract
 
 F32 = TensorProto.FLOAT
 ATTENTION, H2O, SCORES = aqua_attention.OP.name, h2o_attention.OP.name, topk_gather_dot.OP.name
@@ -363,10 +363,10 @@ class DecoderGraph(Blocks):
         token's K^ column and V row become int8 rows with their scale's code (QuantizeRows), and K^'s view has
         r + 1 dim-major rows."""
         gb, c, ct = self.gb, self.gb.const, self.contract
-        if ct.cache_dtype == "int8":
+        if ct.scale_slots:  # rows that carry their scale's code
             kh = gb.op(f"{n}/k/{CACHE_QUANT}", QUANTIZE, [kh], domain=self.domain)
             v = gb.op(f"{n}/v/{CACHE_QUANT}", QUANTIZE, [v], domain=self.domain)
-        elif ct.cache_dtype != ct.dtype:
+        elif ct.narrow_cache:
             kh = gb.op(f"{n}/k/{CACHE_CAST}", "Cast", [kh], to=ONNX[ct.cache_dtype])
             v = gb.op(f"{n}/v/{CACHE_CAST}", "Cast", [v], to=ONNX[ct.cache_dtype])
         kc = gb.op(f"{n}/k/CacheUpdate", KEY_UPDATE, [ct.past(i, "key"), kh, io["total"]], domain=self.domain,

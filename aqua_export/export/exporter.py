@@ -8,6 +8,7 @@ so a fused kernel reads only k/r of the K cache (a [T, d] row-major cache makes 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,21 +19,16 @@ from ..capabilities import Features
 from ..config import AquaConfig, ConfigError
 from ..fold import layer_bases
 from ..models import architecture_of, attention_geometry
+from ..options import GRAPH_OPS, STANDARD_NEEDS_FLOAT
 from ..ops import spec
 from ..ops.catalogue import function_bodies, register_schemas
 from ..projection import Projection
 from ..quantize import WeightFormat
 from .blocks import MS
 from .builder import EXTERNAL_ABOVE, GraphBuilder, TensorStore, save_graph
-from .contract import Contract
+from ..contract import DEFAULT_CONTEXT, Contract
 from .decoder_graph import DecoderGraph, Plan
 
-# What the graph's other nodes are: ONNX Runtime's contrib fusions (RotaryEmbedding, SkipSimplifiedLayerNormalization,
-# MatMulNBits, MoE: fastest there), or standard ops only beside the com.aqua nodes and their bodies (any ONNX consumer:
-# ONNX's reference evaluator, other runtimes, shape inference)
-GRAPH_OPS = ("onnxruntime", "standard")
-STANDARD_NEEDS_FLOAT = ("--ops standard writes standard ONNX ops only, and int4 / int8 blocks are ONNX Runtime's "
-                        "MatMulNBits: build it with --weights float, or drop --ops standard")
 STANDARD_NEEDS_DENSE_MLP = ("--ops standard writes standard ONNX ops only, and routed experts are ONNX Runtime's MoE "
                             "op: build this mixture-of-experts model with --ops onnxruntime")
 
@@ -54,7 +50,7 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
                           "activations: use --weights int4")
     arch.check_settings(model.config, config)
     if not fused:  # TensorRT's graph: separate nodes
-        capabilities.check(Features.of_build(config, "float32", None, weights.quantized), "tensorrt")
+        capabilities.check(replace(Features.of_config(config), quantized=weights.quantized), "tensorrt")
 
 
 def contract_for(model, config: AquaConfig, dtype: torch.dtype = torch.float32, projection: Projection | None = None,
@@ -80,7 +76,7 @@ def plan_for(model, config: AquaConfig, contract: Contract, dtype: torch.dtype, 
                 rotary_dim=2 * arch.rotary(model, 0)[0].numel() if arch.has_rotary else 0, act=arch.mlp_act,
                 attn_softcap=arch.attn_softcap(cfg),
                 final_softcap=arch.final_softcap(cfg), fused=fused, contrib=fused and ops == "onnxruntime",
-                weights=weights, positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+                weights=weights, positions=int(getattr(cfg, "max_position_embeddings", None) or DEFAULT_CONTEXT),
                 selects_tokens=config.selects_tokens)
 
 
@@ -99,8 +95,8 @@ def export_onnx(model, projection: Projection, config: AquaConfig, path, dtype: 
     register_schemas()
     path = Path(path)
     ct = contract_for(model, config, dtype, projection, cache_dtype, fused)
-    if ct.cache_dtype != ct.dtype and not fused:
-        capabilities.check(Features(narrow_cache=True), "tensorrt")
+    if not fused:  # TensorRT's graph: what the contract holds (the cache's type) too
+        capabilities.check(Features.of_contract(ct), "tensorrt")
     plan = plan_for(model, config, ct, dtype, fused, weights, ops)
     if external_data is None:
         external_data = sum(t.numel() for t in model.parameters()) * torch.finfo(dtype).bits // 8 > EXTERNAL_ABOVE

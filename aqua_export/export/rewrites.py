@@ -21,7 +21,7 @@ import numpy as np
 from ..ops.catalogue import OPS
 from ..ops.spec import DOMAIN, ONNX
 from .builder import load_graph, save_graph
-from .contract import Contract
+from ..contract import Contract
 from .decoder_graph import CACHE_CAST, CACHE_QUANT
 
 

@@ -34,10 +34,9 @@ from .prefill import ATTRS as PREFILL_ATTRS
 from .prefill import choice as prefill_choice
 from .prefill import nodes as prefill_nodes
 from .nodes import const, int8_value_nodes, mask_nodes, projection_nodes, ref_constant, score_nodes
-from .spec import DOMAIN, PAGE, PROJECTION
+from .spec import DOMAIN, PAGE, PROJECTION, reads_a_share
 from .table import PLUGIN_ATTRS, Attr, OpDef, Port
 from .topk_gather_dot import K_ATTR, LENGTH, RULE_ATTR
-from ..settings.tokens import reads_a_share
 
 SOFTCAP_ATTR = Attr("softcap", "float", "tanh soft-cap of the scores, 0 = none", required=False, default=0.0)
 WINDOW_ATTR = Attr("sliding_window", "int", "a query sees the keys less than this many positions before it, 0 = all",

@@ -1,5 +1,5 @@
 """H2OAttention: AQUA-H2O attention with heavy-hitter eviction inside the graph, on fixed-capacity slot buffers
-(export.contract.Contract, The H2O state). Native kernel plugins/ort/h2o_attention.cc, Triton
+(contract.Contract, The H2O state). Native kernel plugins/ort/h2o_attention.cc, Triton
 kernels/triton/h2o_attention.py; the budget and keep rule are rules.budget / rules.h2o_keep.
 
 Per (batch, kv head), one new token at a time (so a T-token prefill evicts exactly as T one-token forwards):

@@ -12,7 +12,6 @@ from onnx import TensorProto
 from onnx import helper as H
 
 from . import rules
-from ..settings.prefill import estimate_k
 from .nodes import const, ref_constant
 from .spec import MAGNITUDE, PREFILL_BLOCK, PREFILL_TAIL
 from .table import Attr
@@ -28,7 +27,7 @@ def choice(query_hat, keys, mask, attention_mask, softcap, threshold, stride, k_
     [B, Hkv, 1, r, L] (as scored), mask [B, 1|Hkv, 1, T, L] (additive) -> [B, Hkv, T, L] bool."""
     b, hkv, g, t, r = query_hat.shape
     length = keys.shape[-1]
-    est = (rules.keep_selected(query_hat.double(), estimate_k(r, k_ratio), MAGNITUDE) @ keys.double())
+    est = (rules.keep_selected(query_hat.double(), rules.estimate_k(r, k_ratio), MAGNITUDE) @ keys.double())
     if softcap:
         est = torch.tanh(est / softcap) * softcap
     visible = (mask[:, :, 0] > rules.MASKED).expand(b, hkv, t, length)
@@ -60,7 +59,7 @@ def nodes() -> list:
         c("pf_slack", 1e-6), c("pf_masked", rules.MASKED, f), c("pf_neg_inf", -math.inf, f),
         c("pf_pos_inf", math.inf, f), c("pf_hidden", rules.HIDDEN, f), c("pf_zero_f", 0.0), c("pf_one_f", 1.0),
         c("pf_block_1d", [PREFILL_BLOCK]),
-        # in double, as settings.prefill.estimate_k and the kernel round it
+        # in double, as rules.estimate_k and the kernel round it
         n("Cast", ["r_scalar"], ["pf_r_d"], to=TensorProto.DOUBLE), n("Cast", ["pf_ratio"], ["pf_ratio_d"],
                                                                      to=TensorProto.DOUBLE),
         n("Mul", ["pf_ratio_d", "pf_r_d"], ["pf_rk"]), n("Add", ["pf_rk", "pf_half"], ["pf_rk_h"]),

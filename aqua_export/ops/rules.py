@@ -269,6 +269,12 @@ def page_tokens(pages: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 # Sparse prefill
 # --------------------------------------------------------------------------------------------
 
+def estimate_k(r: int, ratio: float) -> int:
+    """The coordinates each estimating row scores with: round(ratio r), in [1, r] (ratio as the node's float32
+    attribute holds it, so every implementation rounds the same number)."""
+    return max(1, min(r, math.floor(float(np.float32(ratio)) * r + 0.5)))
+
+
 def prefill_rows(positions: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """positions [T] (the call's rows' slots, in [start, end)) -> [T] bool: the rows of sparse query blocks."""
     first = positions // PREFILL_BLOCK * PREFILL_BLOCK

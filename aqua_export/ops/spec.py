@@ -3,6 +3,8 @@ CPU kernels in plugins/ort, the Triton kernels, the TensorRT plugin)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 DOMAIN = "com.aqua"  # the custom nodes' ONNX domain
 OPSET_VERSION = 1  # of DOMAIN
 OPSET = 20  # standard-op opset of the exported graph and of the function bodies
@@ -23,6 +25,13 @@ FREE = -1  # an H2O token buffer's entry for a free slot
 # Token selection chooses whole pages of PAGE consecutive slots: K^ is dim-major, so a page is one 64-byte line of
 # each coordinate row (float32) and a chosen page is read as r full lines; single tokens would each cost r lines
 PAGE = 16
+
+
+def reads_a_share(token_ratio: float, token_budget: int) -> bool:
+    """Whether a decode step with these token-selection attributes (a node's, or AquaConfig's) reads a share of the
+    cache's pages rather than all of them."""
+    return token_ratio < 1.0 or token_budget > 0
+
 # Sparse prefill chooses blocks of PREFILL_BLOCK slots (the prompt kernel's key blocks are two of them) for query
 # blocks of PREFILL_BLOCK positions; a call's last PREFILL_TAIL rows, those the first generated token reads, attend
 # densely (OpenVINO keeps 100)
@@ -39,8 +48,39 @@ ONNX = {"float32": 1, "float16": 10, "int8": 3}  # onnx.TensorProto.FLOAT / FLOA
 # s = 2^(c / 4) (ops.rules.int8_rows defines c; K^'s codes are one more dim-major row, V's one more column). Quarter
 # powers of two: the step is at most 2^(1/4) the ideal max |x| / 127 where whole powers cost up to 2x it (perplexity
 # +0.06% against +0.54%, docs/reference.md)
-CACHE_TYPES = ("float32", "float16", "int8")
-SCALE_SLOTS = {"int8": 1}  # the elements a token's K^ column / V row carries beyond its width, by cache type
+
+
+@dataclass(frozen=True)
+class CacheType:
+    """A KV cache's element type: its ONNX number, the elements a token's K^ column / V row carries beyond its width
+    (an int8 row's scale code), and what it refuses (``refusal``). A new cache type is one entry of CACHES, its
+    rows' rule (ops.rules), the kernels that read it and its capability rows (docs/design.md, Adding a cache type)."""
+
+    name: str
+    onnx: int
+    scale_slots: int = 0
+    # parity: the share of forwards whose top-1 the folder's graph must keep against the same graph caching float32,
+    # beyond logit ties (parity/gates.py says how the bars were measured)
+    parity_top1: float = 1.0
+
+    def narrow(self, dtype: str) -> bool:
+        """Narrower than the graph's float type ``dtype`` (a float16 or int8 cache under a float32 graph)."""
+        return self.name != dtype
+
+    def refusal(self, dtype: str, h2o: bool) -> str | None:
+        """The line refusing this cache under a ``dtype`` graph (h2o: AQUA-H2O's slot buffers), or None."""
+        if self.narrow(dtype) and dtype != "float32":
+            return f"a {dtype} graph caches {dtype}: --cache-dtype float16 / int8 is for float32 graphs"
+        if self.narrow(dtype) and h2o:
+            return ("AQUA-H2O's slot buffers are kept in the graph's dtype: drop --cache-dtype, or use --k-ratio / "
+                    "--token-budget without --h2o-ratio")
+        return None
+
+
+CACHES = {c.name: c for c in (CacheType("float32", ONNX["float32"]),
+                              CacheType("float16", ONNX["float16"], parity_top1=0.95),
+                              CacheType("int8", ONNX["int8"], scale_slots=1, parity_top1=0.9))}
+CACHE_TYPES = tuple(CACHES)  # widest first
 SCALE_CODES = (-128, 127)  # an int8 row's scale codes: 2^-32 .. 2^31.75 (larger rows saturate at the top)
 SCALE_STEPS = 4  # scale codes per power of two
 

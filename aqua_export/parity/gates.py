@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops.spec import CACHES
 from .probe import NOISE_FACTOR
 
 # Floors of the bounds (each bound is max(floor, NOISE_FACTOR x the measured float32 error)):
@@ -24,11 +25,11 @@ TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "t
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
          "pages": "token pages near-ties", "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
          "ort_k1_vs_hf": "ORT at k = r vs HF", "cache_rounding": "narrow cache vs float32 cache"}
-# The folder's narrow cache against the same graph caching float32, on the same tokens: top-1 at least this (beyond
-# logit ties), or one forward differing. An int8 row rounds to 2^-7 of its largest value where float16 rounds to
-# 2^-11 of each value, so near-ties flip more often; what it costs is measured where it matters (perplexity, pass keys:
-# benchmarks/quality.md), and a cache that moved more than one forward in ten fails here.
-CACHE_TOP1 = {"float16": 0.95, "int8": 0.9}
+# The folder's narrow cache against the same graph caching float32, on the same tokens: top-1 at least its
+# CacheType's parity_top1 (beyond logit ties), or one forward differing: float16 0.95, int8 0.9. An int8 row rounds to
+# 2^-7 of its largest value where float16 rounds to 2^-11 of each value, so near-ties flip more often; what it costs is
+# measured where it matters (perplexity, pass keys: benchmarks/quality.md), and a cache that moved more than one
+# forward in ten fails here.
 # Under token selection the rounding also moves which pages a step reads, whatever the cache's width, and a moved
 # choice moves that forward's logits by up to ~1.3, so near-tie argmaxes flip at the rate choices move, not at the
 # rounding's size: the int4 token folder (k 0.25 group-weighted, budget 512, 64 steps) differed in 3 and in 4 of 65
@@ -39,7 +40,7 @@ CACHE_TOP1_TOKENS = 0.9
 
 def cache_top1(cache_dtype: str, selects_tokens: bool) -> float:
     """The top-1 agreement a folder's narrow cache must keep with the same graph caching float32."""
-    return CACHE_TOP1_TOKENS if selects_tokens else CACHE_TOP1[cache_dtype]
+    return CACHE_TOP1_TOKENS if selects_tokens else CACHES[cache_dtype].parity_top1
 
 
 def top1_gate(trace, other, tol: dict) -> dict:

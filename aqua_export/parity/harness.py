@@ -34,7 +34,6 @@ cache's rounding costs). The kernels' narrow-cache paths are checked against flo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -122,73 +121,90 @@ def _joined(selections: list) -> list:
 # The runs
 # --------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class OrtRun:
+    """One ONNX Runtime run of parity, as the README's parity lines name it: its key in the runs, its progress line,
+    whether it runs, the kernel, the graph's rewrites (export.rewrites) beyond the ones every run has, and what it
+    records from its trace (trace, lm, recorder -> the value under key; the lm is open while it records)."""
+
+    key: str
+    says: str
+    on: bool
+    kernel: str
+    rewrites: tuple = ()
+    record: object = lambda trace, lm, rec: trace[0]
+    recorder: bool = False  # a RuntimeRecorder as its probe (the selections, H2O's evictions)
+    own_cache: bool = False  # the folder's own cache type; the others cache float32 (a narrow cache's gated runs)
+    lm_cfg: FolderConfig | None = None  # the folder config the run's OrtLM reads (_ort_runs fills it)
+    tag: str = ""  # the rewritten graph's file tag, when not key
+
+
+def _ort_runs(cfg: FolderConfig, config: AquaConfig, kernel: str, sparse: bool, gated: tuple) -> list[OrtRun]:
+    """Parity's ONNX Runtime runs, in order; all but the first are fed the first's tokens."""
+    h2o, pages = config.evicts, config.selects_tokens
+    exposed = sparse or h2o or pages
+
+    def selections(trace, lm, rec):
+        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k] and the pages' order
+        # [B, Hkv, 1, T, P]; per token and layer the live tokens
+        coords, orders = _split_selections(rec.extra, lm.output_names[lm.n_outputs:])
+        return {"trace": trace[0], "coordinates": coords if sparse else None, "pages": orders if pages else None,
+                "live": rec.live if h2o else None}
+
+    wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
+    no_evict = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF: no eviction
+    runs = [
+        OrtRun("main", "the folder's graph", True, kernel, record=lambda trace, lm, rec: trace, own_cache=True,
+               lm_cfg=cfg),
+        OrtRun("cache", "the folder's graph with its cache float32", cfg.contract.narrow_cache, kernel,
+               record=lambda trace, lm, rec: trace),
+        OrtRun("debug", "the graph with its selections exposed", exposed, "function", (*gated, selection_outputs),
+               record=selections, recorder=True, tag="selection"),
+        # the native kernel against the graph's own portable function body; a quantized folder's values are gated on
+        # this run's float32 activations (the selections' run is that run where it happens)
+        OrtRun("debug", "the function body" + (" with float32 activations" if gated else ""),
+               not exposed and (kernel == "native" or bool(gated)), "function", gated,
+               record=lambda trace, lm, rec: {"trace": trace[0]}, tag="function"),
+        OrtRun("native", "the native kernel", kernel == "native", "native", gated, recorder=True,
+               record=lambda trace, lm, rec: (trace[0], rec.live if h2o else None)),
+        # slice 0: every layer is d wide, so one k = r fits all nodes
+        OrtRun("k_eq_r", "the graph with k = r", not config.is_dense and config.slice_ratio == 0, "auto",
+               (*gated, set_k(cfg.contract.widths[0])), lm_cfg=no_evict),
+    ]
+    return [r if r.lm_cfg else dataclasses.replace(r, lm_cfg=wide_cfg) for r in runs]
+
+
 def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, steps: int, kernel: str, sparse: bool,
                progress) -> dict:
-    """Every ONNX Runtime run parity needs, one session at a time (each freed before the next opens), all but the
-    first fed the first's tokens. A float16 folder with external weights runs with explicit weight casts
-    (rewrites.float32_weight_casts), so the session holds the float16 weights only."""
-    h2o = config.evicts
+    """Every ONNX Runtime run parity needs (_ort_runs), one session at a time (each freed before the next opens). A
+    float16 folder with external weights runs with explicit weight casts (rewrites.float32_weight_casts), so the
+    session holds the float16 weights only."""
     lean = cfg.dtype == "float16" and (model_path.parent / (model_path.name + ".data")).exists()
     # every run computes every position's logits (the prompt's are compared too): the folder's graph otherwise
     base = (all_logits,) + ((float32_weight_casts,) if lean else ())
-    narrow = cfg.contract.cache_dtype != cfg.contract.dtype  # a float16 cache: the gated runs cache float32
-    wide = (float32_cache(cfg.contract),) if narrow else ()
-    wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
+    wide = (float32_cache(cfg.contract),) if cfg.contract.narrow_cache else ()  # a narrow cache's runs: float32
     # quantized folders: the gated runs keep activations float32 (the folder's own level is the main run's)
     gated = (float_activations,) if cfg.weights.quantized and cfg.weights.accuracy_level else ()
-
-    @contextlib.contextmanager
-    def session(tag, k, *transforms, lm_cfg=None, probe=None, own_cache=False):
-        with graph_variant(model_path, tag, *base, *(() if own_cache else wide), *transforms) as path:
-            lm = OrtLM(make_session(path, kernel=k, lean=lean), lm_cfg or (cfg if own_cache else wide_cfg),
-                       probe=probe, all_rows=True)
+    runs: dict = {"float16_weights": "cast per node at run time" if lean else None}
+    toks = None
+    for run in _ort_runs(cfg, config, kernel, sparse, gated):
+        if not run.on:
+            continue
+        progress("ONNX Runtime, " + run.says)
+        rec = RuntimeRecorder(evictions=config.evicts) if run.recorder else None
+        transforms = (*base, *(() if run.own_cache else wide), *run.rewrites)
+        with graph_variant(model_path, run.tag or run.key, *transforms) as path:
+            lm = OrtLM(make_session(path, kernel=run.kernel, lean=lean), run.lm_cfg, probe=rec, all_rows=True)
             try:
-                yield lm
+                trace = ort_trace(lm, ids, steps) if toks is None else ort_trace(lm, ids, steps, tokens=toks)
+                runs[run.key] = run.record(trace, lm, rec)
             finally:
                 lm.session = None  # the session (and its weights) goes now, whoever still holds lm
-
-    runs: dict = {"float16_weights": "cast per node at run time" if lean else None}
-    progress("ONNX Runtime, the folder's graph")
-    with session("main", kernel, own_cache=True) as lm:
-        runs["main"] = ort_trace(lm, ids, steps)
-    toks = runs["main"][1]
-    if narrow:
-        progress("ONNX Runtime, the folder's graph with its cache float32")
-        with session("cache", kernel) as lm:
-            runs["cache"] = (ort_trace(lm, ids, steps, tokens=toks)[0], toks)
-    pages = config.selects_tokens
-    if sparse or h2o or pages:
-        progress("ONNX Runtime, the graph with its selections exposed")
-        rec = RuntimeRecorder(evictions=h2o)
-        with session("selection", "function", *gated, selection_outputs, probe=rec) as dbg:
-            trace = ort_trace(dbg, ids, steps, tokens=toks)[0]
-            names = dbg.output_names[dbg.n_outputs:]
-        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k] and the pages' order
-        # [B, Hkv, 1, T, P]; per token and layer the live tokens
-        coords, orders = _split_selections(rec.extra, names)
-        runs["debug"] = {"trace": trace, "coordinates": coords if sparse else None,
-                         "pages": orders if pages else None, "live": rec.live if h2o else None}
-    if kernel == "native" or gated:
-        # the native kernel against the graph's own portable function body (for H2O, both runs' evictions too);
-        # a quantized folder's values are gated on this run's float32 activations
-        if "debug" not in runs:
-            progress("ONNX Runtime, the function body" + (" with float32 activations" if gated else ""))
-            with session("function", "function", *gated) as fn:
-                runs["debug"] = {"trace": ort_trace(fn, ids, steps, tokens=toks)[0]}
-    if kernel == "native":
-        progress("ONNX Runtime, the native kernel")
-        rec = RuntimeRecorder(evictions=h2o)
-        with session("native", "native", *gated, probe=rec) as lm:
-            runs["native"] = (ort_trace(lm, ids, steps, tokens=toks)[0], rec.live if h2o else None)
+        toks = runs["main"][1]
     # the trace the values are gated on: the one whose selections are exposed, or the float32-activation one
-    runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (sparse or h2o or pages or gated) else \
+    exposed = sparse or config.evicts or config.selects_tokens
+    runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (exposed or gated) else \
         runs.get("cache", runs["main"])[0]
-    if not config.is_dense and config.slice_ratio == 0:
-        progress("ONNX Runtime, the graph with k = r")
-        no_evict = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF: no eviction
-        # slice 0: every layer is d wide, so one k = r fits all nodes
-        with session("k_eq_r", "auto", *gated, set_k(cfg.contract.widths[0]), lm_cfg=no_evict) as dense:
-            runs["k_eq_r"] = ort_trace(dense, ids, steps, tokens=toks)[0]
     return runs
 
 

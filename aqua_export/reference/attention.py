@@ -234,8 +234,7 @@ def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0:
 def _prefill_allowed(st: LayerAqua, qh, kh, allowed, scaling, softcap, position0: int, call) -> torch.Tensor:
     """allowed [B, Hkv, R, S] with sparse prefill's unkept key blocks hidden from the rows of sparse query blocks
     (ops.rules.prefill_chosen, the estimate as the node makes it)."""
-    from ..settings.prefill import estimate_k
-
+    
     threshold, stride, k_ratio, _ = st.prefill
     start, end, is_real = call
     rows = qh.shape[3]
@@ -243,7 +242,7 @@ def _prefill_allowed(st: LayerAqua, qh, kh, allowed, scaling, softcap, position0
     if not bool(rules.prefill_rows(positions, start, end).any()):
         return allowed
     rule = "weighted" if st.selection.endswith("weighted") else "magnitude"
-    est = approx_scores(qh, kh, estimate_k(st.r, k_ratio), rule, st.key_rms).double() * scaling
+    est = approx_scores(qh, kh, rules.estimate_k(st.r, k_ratio), rule, st.key_rms).double() * scaling
     if softcap:
         est = torch.tanh(est / softcap) * softcap
     real = is_real[:, position0 - start:position0 - start + rows]

@@ -16,7 +16,7 @@ import mmap
 
 import numpy as np
 
-from ..export.contract import Contract
+from ..contract import Contract
 from ..ops.counts import slots_needed
 
 

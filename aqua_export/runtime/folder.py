@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import AquaConfig, ConfigError, reject_unknown
-from ..export.contract import Contract
+from ..contract import DEFAULT_CONTEXT, Contract
 from ..outputs import atomic_write_bytes
 from ..quantize import WeightFormat
 
@@ -62,6 +62,11 @@ class FolderConfig:
     files: dict | None = None  # {name: {"bytes": n, "sha256": hex}} of every file the build wrote but this one
     weights: WeightFormat = WeightFormat()  # float (the contract's dtype) or int4 / int8 blocks (quantize.py)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def serving_context(self) -> int:
+        """The context a runtime serves this folder at unless told another: the model's length, or DEFAULT_CONTEXT."""
+        return self.context_length or DEFAULT_CONTEXT
 
     def __post_init__(self):
         if self.format_version != FORMAT_VERSION:

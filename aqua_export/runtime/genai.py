@@ -54,7 +54,7 @@ def genai_config(cfg: FolderConfig, bos: int | None, eos, pad: int | None) -> di
     if cfg.dtype == "float32":  # float16 folders run the function bodies (runtime.default_kernel says why)
         session["custom_ops_library"] = NATIVE_NAME
     g = cfg.geometry
-    context = cfg.context_length or 4096
+    context = cfg.serving_context
     return {
         "model": {
             "bos_token_id": bos, "context_length": context, "eos_token_id": eos, "pad_token_id": pad,
@@ -128,7 +128,7 @@ class GenaiLM:
         self.cfg = FolderConfig.from_folder(folder)
         self.cfg.contract.genai_io()  # H2O, or K^ / V widths per layer: one line naming --runtime aqua
         self.cfg.verify(folder)  # every file the build wrote, of its size
-        check_serving(self.cfg, folder, *(serving or (1, self.cfg.context_length or 4096)))
+        check_serving(self.cfg, folder, *(serving or (1, self.cfg.serving_context)))
         folder = self.folder = Path(folder)
         if not (folder / GENAI_CONFIG).is_file():
             raise ConfigError(f"{folder} has no {GENAI_CONFIG}: rebuild the folder with this aqua-export")

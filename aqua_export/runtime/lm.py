@@ -1,4 +1,4 @@
-"""OrtLM: a built folder served by ONNX Runtime through its graph contract (export.contract.Contract): sessions
+"""OrtLM: a built folder served by ONNX Runtime through its graph contract (contract.Contract): sessions
 from runtime.session, the cache between forwards from runtime.caches, tokens picked by runtime.sampling."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 from .. import capabilities
 from ..capabilities import Features
 from ..config import ConfigError
-from ..export.contract import Contract
+from ..contract import Contract
 from .caches import H2OCache, SharedCache
 from .folder import FolderConfig
 from .sampling import SamplingConfig, check_finite, emit, pick
@@ -95,7 +95,7 @@ class OrtLM:
         session: make_session's other options."""
         cfg = FolderConfig.from_folder(folder)
         cfg.verify(folder)  # every file the build wrote, of its size (`aqua-export check` compares checksums too)
-        check_serving(cfg, folder, *(serving or (1, cfg.context_length or 4096)))
+        check_serving(cfg, folder, *(serving or (1, cfg.serving_context)))
         lm = cls.open(Path(folder) / "model.onnx", cfg, threads, kernel, cache, all_logits, **session)
         lm.folder = Path(folder)
         return lm

@@ -68,12 +68,13 @@ class Sequence:
             self.on_event(None, reason)
 
 
-def check_limits(max_seqs: int, chunk: int, queue: int) -> None:
-    """The engine's own limits, one line naming the flag that is out of range (`aqua-export serve` asks before
-    loading the folder, the Engine again when made)."""
+def check_engine(cfg, max_seqs: int, chunk: int, queue: int) -> None:
+    """What an Engine refuses, one line naming the fix: a folder (cfg: its FolderConfig) the capability table says
+    serve cannot run, a limit out of range. `aqua-export serve` asks before loading the model; Engine when made."""
     for flag, value, least in (("--max-seqs", max_seqs, 1), ("--chunk", chunk, 1), ("--queue", queue, 0)):
         if value < least:
             raise ConfigError(f"{flag} {value}: give {least} or more")
+    capabilities.check(Features.of_folder(cfg), "serve")
 
 
 class Engine:
@@ -84,10 +85,9 @@ class Engine:
 
     def __init__(self, lm, max_seqs: int = 8, context: int | None = None, chunk: int = 512, queue: int = 64,
                  prefix_bytes: int = 0, margin: int | None = None):
-        capabilities.check(Features.of_folder(lm.cfg), "serve")
-        check_limits(max_seqs, chunk, queue)
+        check_engine(lm.cfg, max_seqs, chunk, queue)
         self.lm, self.max_seqs, self.chunk, self.queue = lm, max_seqs, chunk, queue
-        self.context = context or lm.cfg.context_length or 4096
+        self.context = context or lm.cfg.serving_context
         self.rows = RowCache(lm.contract, max_seqs, self.capacity_for(self.context, margin))
         self.private = SharedCache(1, lm.contract, lm.dtype)
         self.private.reserve(self.context)

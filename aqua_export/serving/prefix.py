@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..export.contract import Contract
+from ..contract import Contract
 from ..runtime.caches import SharedCache, copy_slots
 
 

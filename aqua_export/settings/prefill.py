@@ -4,8 +4,6 @@ by estimated softmax mass until the threshold; decode steps and a call's last ro
 
 from __future__ import annotations
 
-import math
-
 from ..errors import ConfigError
 from .base import Mechanism, Setting
 
@@ -21,14 +19,6 @@ K_RATIO = Setting("prefill_k_ratio", float, 0.25, "sparse prefill: share of the 
 def sparse(cfg) -> bool:
     """A prompt's attention reads the chosen key blocks, not all of them."""
     return cfg.prefill_threshold < 1.0
-
-
-def estimate_k(r: int, ratio: float) -> int:
-    """The coordinates each estimating row scores with: round(ratio r), in [1, r] (ratio as the node's float32
-    attribute holds it, so every implementation rounds the same number)."""
-    import numpy as np
-
-    return max(1, min(r, math.floor(float(np.float32(ratio)) * r + 0.5)))
 
 
 def _check(cfg) -> None:

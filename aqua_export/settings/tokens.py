@@ -4,6 +4,7 @@ pages exactly (all r coordinates); nothing is evicted, and a prompt's rows atten
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..ops import spec
 from .base import Mechanism, Setting
 
 RATIO = Setting("token_ratio", float, 1.0, "token selection: share of the visible tokens a decode step attends, in "
@@ -17,14 +18,9 @@ SINK = Setting("token_sink", int, 16, "token selection: the first tokens every s
 WINDOW = Setting("token_window", int, 64, "token selection: the most recent tokens every step keeps")
 
 
-def reads_a_share(ratio: float, budget: int) -> bool:
-    """Whether a step with these settings (AquaConfig's, or a node's attributes) reads a share of the tokens."""
-    return ratio < 1.0 or budget > 0
-
-
 def selects(cfg) -> bool:
     """A decode step reads the chosen pages of the cache, not all of it."""
-    return reads_a_share(cfg.token_ratio, cfg.token_budget)
+    return spec.reads_a_share(cfg.token_ratio, cfg.token_budget)
 
 
 def _check(cfg) -> None:

@@ -1,5 +1,5 @@
 // AquaAttention: one layer's attention in one pass over the cache 
-// (contract: aqua_export/export/contract.py; the ops: aqua_export/ops/).
+// (contract: aqua_export/contract.py; the ops: aqua_export/ops/).
 //
 //   query_hat   [B, Hkv, g, T, r]    q^ with the attention scale folded in
 //   key_cache   [B, Hkv, r, C]       dim-major K^ (a view of present.key); both caches float32 or float16,

@@ -1,4 +1,4 @@
-// H2OAttention: one layer's AQUA-H2O attention with the eviction inside (contract: aqua_export/export/contract.py,
+// H2OAttention: one layer's AQUA-H2O attention with the eviction inside (contract: aqua_export/contract.py,
 // the rule: aqua_export/ops/rules.py h2o_keep).
 //
 //   query_hat    [B, Hkv, g, T, r]   q^ of the new tokens, attention scale folded in

@@ -1,5 +1,5 @@
 // Native ONNX Runtime CPU kernels of the com.aqua domain 
-// (contract: aqua_export/export/contract.py; the ops: aqua_export/ops/).
+// (contract: aqua_export/contract.py; the ops: aqua_export/ops/).
 //
 // TopKGatherDot
 //   query_hat [B, Hkv, g, T, r]   key_cache [B, Hkv, r, C] (dim-major K^)   total_length [1] (L <= C)

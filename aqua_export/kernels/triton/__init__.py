@@ -18,17 +18,26 @@ from .h2o_attention import h2o_attention
 from .topk_gather_dot import topk_gather_dot
 
 
+def _refuse(**asks) -> None:
+    """The capability table's triton column (capabilities.REFUSALS): its line, raised, for what a call asks that the
+    kernels do not run; they never compute another answer silently."""
+    from ...capabilities import Features, refusal
+
+    line = refusal(Features(**asks), "triton")
+    if line:
+        raise ValueError(line)
+
+
 def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **plugin):
+    _refuse(int8_cache=key_cache.dtype.itemsize == 1)
     return (topk_gather_dot(query_hat, key_cache[..., :int(total_length)], k, interpret, rule),)
 
 
 def _attention(query_hat, key_cache, value_cache, total_length, attention_mask, projection=None, *, k, rule=0,
                softcap=0.0, sliding_window=0, interpret=None, token_ratio=1.0, token_budget=0, token_sink=0,
                token_window=0, head_prices=None, prefill_threshold=1.0, **plugin):
-    if prefill_threshold < 1.0:  # the kernels attend a prompt densely: never compute another answer silently
-        from ...capabilities import REFUSALS
-
-        raise ValueError(REFUSALS["prefill", "triton"])
+    _refuse(prefill=prefill_threshold < 1.0, int8_cache=key_cache.dtype.itemsize == 1,
+            shared_k=head_prices is not None)
     tokens = Tokens(token_ratio, token_budget, token_sink, token_window)
     return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), attention_mask, k, rule, softcap,
                            projection, interpret, tokens=tokens, prices=head_prices, window=sliding_window),)

@@ -55,10 +55,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import capabilities
-from ..capabilities import Features
-from ..config import ConfigError, reject_unknown
-from ..ops.spec import CACHE_TYPES, FLOAT_TYPES, FREE, SCALE_SLOTS
+from . import capabilities
+from .capabilities import Features
+from .config import ConfigError, reject_unknown
+from .ops.spec import CACHE_TYPES, CACHES, FLOAT_TYPES, FREE
+
+# the context a folder is exported for and served at when its model names no length (max_position_embeddings)
+DEFAULT_CONTEXT = 4096
 
 # 7: token selection's pages count from the first slot a step sees (ops.rules.page_origin); 6: an int8 cache's scales
 # in quarter powers of two; 5: AquaAttention reads attention_mask, last_logits; 4: K^, V
@@ -145,13 +148,11 @@ class Contract:
     def check_cache_dtype(dtype: str, cache_dtype: str, h2o: bool) -> None:
         """One ConfigError line for a cache type the graph cannot have: its own dtype, or float16 / int8 under float32
         (not for AQUA-H2O, whose node keeps its slot buffers in the graph's dtype)."""
-        if cache_dtype not in CACHE_TYPES:
+        if cache_dtype not in CACHES:
             raise ConfigError(f"contract.cache_dtype must be one of {CACHE_TYPES}, got {cache_dtype!r}")
-        if cache_dtype != dtype and dtype != "float32":
-            raise ConfigError(f"a {dtype} graph caches {dtype}: --cache-dtype float16 / int8 is for float32 graphs")
-        if cache_dtype != dtype and h2o:
-            raise ConfigError("AQUA-H2O's slot buffers are kept in the graph's dtype: drop --cache-dtype, or use "
-                              "--k-ratio / --token-budget without --h2o-ratio")
+        line = CACHES[cache_dtype].refusal(dtype, h2o)
+        if line:
+            raise ConfigError(line)
 
     # ---------------------------------------------------------------- names
     INPUT_IDS = "input_ids"
@@ -178,7 +179,12 @@ class Contract:
     @property
     def scale_slots(self) -> int:
         """What a token's K^ column / V row carries beyond its width: an int8 cache's scale code (ops.spec)."""
-        return SCALE_SLOTS.get(self.cache_dtype, 0)
+        return CACHES[self.cache_dtype].scale_slots
+
+    @property
+    def narrow_cache(self) -> bool:
+        """The cache narrower than the graph (float16 or int8 under float32)."""
+        return CACHES[self.cache_dtype].narrow(self.dtype)
 
     @property
     def uniform(self) -> bool:
@@ -274,7 +280,7 @@ class Contract:
     # ---------------------------------------------------------------- onnxruntime-genai
     def genai_io(self) -> tuple[dict, dict]:
         """The decoder's "inputs" / "outputs" sections of genai_config.json (name templates)."""
-        capabilities.check(Features(h2o=self.h2o, uneven_widths=not self.uniform), "genai")
+        capabilities.check(Features.of_contract(self), "genai")
         def template(pattern, kind):
             return pattern.replace("%s", kind)  # genai fills %d with the layer
 
