@@ -48,6 +48,13 @@ $(QEMU): plugins/fetch_deb.sh
 	touch $@
 PORTABLE := $(if $(filter x86_64,$(shell uname -m)),$(QEMU),)
 
+# HAProxy (Debian's package and the libraries it links, unpacked under build/): tests/test_replicas.py runs
+# docs/deploy/haproxy.cfg with two replicas behind it
+HAPROXY := build/haproxy/usr/sbin/haproxy
+$(HAPROXY): plugins/fetch_deb.sh
+	$(BIN)/python -c "from tools.replicas import fetch_haproxy; fetch_haproxy()"
+	touch $@
+
 # Triton 3.6.0 (what torch 2.11 pins; pyproject's floor) in a venv of its own, everything else read from .venv's:
 # tests/test_triton_compile.py compiles the kernels for GPU targets under it as well as under .venv's newest Triton
 TRITON_FLOOR := build/venvs/triton36/bin/python
@@ -72,7 +79,7 @@ TEST_TMP := $(CURDIR)/build/test-tmp
 # first (tests/conftest.py: LONG_MODULES)
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
-test: setup $(PORTABLE) $(TRITON_FLOOR)
+test: setup $(PORTABLE) $(TRITON_FLOOR) $(HAPROXY)
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) AQUA_TRITON_PYTHONS=$(CURDIR)/$(TRITON_FLOOR) $(BIN)/python -m pytest -q $(PARALLEL)
 	@echo "--- the numeric tests again on the kernels' baseline variant ($(BASELINE); MLAS keeps its own) ---"

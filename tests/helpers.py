@@ -132,3 +132,22 @@ def one_line(capsys, needle: str = "") -> str:
     assert len(lines) == 1 and lines[0].startswith("aqua-export: error: ") and "Traceback" not in err, err
     assert needle in lines[0], lines[0]
     return lines[0]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def char_tokenizer(folder) -> None:
+    """A character tokenizer of the tiny model's 128 ids (0 pad, 1 bos, 2 eos, printable ASCII and newline), with a
+    chat template: the files a folder's runtime.tokenizer reads."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 3} | {chr(c): 4 + i for i, c in enumerate(range(32, 127))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))

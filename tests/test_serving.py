@@ -15,7 +15,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import folder_cfg
+from helpers import char_tokenizer, folder_cfg
 
 from aqua_export.config import AquaConfig, ConfigError
 from aqua_export.export.exporter import export_onnx
@@ -24,21 +24,6 @@ from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.serving.engine import Engine, Sequence
 
 CONTEXT = 128
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def _tokenizer(folder) -> None:
-    """A character tokenizer of the tiny model's 128 ids (0 pad, 1 bos, 2 eos, printable ASCII and newline), with a
-    chat template: the files a folder's runtime.tokenizer reads."""
-    from tokenizers import Tokenizer, decoders, models
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 3} | {chr(c): 4 + i for i, c in enumerate(range(32, 127))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.decoder = decoders.Fuse()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": TEMPLATE}))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +37,7 @@ def folders(tmp_path_factory, tiny_llama):
                              ("int8", dataclasses.replace(tokens, selection="group-weighted"), "int8")):
         d = tmp_path_factory.mktemp(name)
         export_onnx(m, proj, cfg, d / "model.onnx", cache_dtype=cache)
-        _tokenizer(d)
+        char_tokenizer(d)
         folder_cfg(m, cfg, projection=proj if cache else None, cache_dtype=cache).seal(d)
         out[name] = d
     return out

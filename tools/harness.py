@@ -44,10 +44,14 @@ REGISTRY = {
     "steps": Benchmark("bench_steps", "decode after a real prompt, our folders stepping in turn in one process: the "
                        "int8 cache against float16 at batch 1 and 8", ("steps.json", "steps.md"),
                        needs="build/prefill's token folders (made when absent)"),
-    "serve": Benchmark("bench_serve", "`aqua-export serve` under load over HTTP: 200 requests 16 at a time, continuous "
-                       "batching against one at a time, the prefix cache, llama.cpp's server at 1k and 8k",
-                       ("serve.json", "serve.md"), needs="build/prefill's folders and llama-cpp-python[server]: "
-                       "python -m tools prefill --setup"),
+    "serve": Benchmark("bench_serve", "`aqua-export serve` under load against llama-server and OpenVINO GenAI's "
+                       "continuous batching: 200 requests 16 at a time, 16 concurrent 1k chats, a shared system "
+                       "prompt; llama-cpp-python's server at 1k and 8k", ("serve.json", "serve.md"),
+                       needs="build/prefill's folders, the peers' environments and llama-server: python -m tools "
+                       "prefill --setup; python -m tools serve --setup"),
+    "replicas": Benchmark("replicas", "two `aqua-export serve` replicas behind HAProxy (docs/deploy/haproxy.cfg), "
+                          "one killed with kill -9 mid-load and restarted", ("replicas.json", "replicas.md"),
+                          needs="build/prefill's token folder; HAProxy (fetched from Debian)"),
     "quality": Benchmark("quality", "perplexity, retention, lm-eval, long windows and pass keys of every setting on "
                          "the embedded model", ("quality.json", "quality.md", "retention.json", "retention.png",
                                                 "passkey.json")),
