@@ -8,7 +8,8 @@ Engines (each request in a fresh process of its own environment: tools/request_r
                   (genai:) and in `aqua-export run`'s runtime (run:)
     builder-*     onnxruntime-genai's model builder (-e cpu: GroupQueryAttention, MatMulNBits for int4)
     openvino-*    OpenVINO GenAI's LLMPipeline on optimum-intel's conversion (int4: --weight-format int4 --group-size 32
-                  --ratio 1.0, its default inference precision and u8 KV cache; f32: float32 inference precision;
+                  --ratio 1.0, its default inference precision and u8 KV cache; f32: float32 inference precision (its
+                  default is bf16 on a CPU with avx512_bf16 or AMX: int4-f32 shows that share);
                   -xattention: its XAttention sparse prefill, threshold 0.8, blocks of 64, stride 8)
     *-sparse      our folders with sparse prefill (--prefill-threshold 0.98)
     long-*        the same built from the embedded model with its RoPE scaled 4x (LONG_SOURCE, a 32k context): the
@@ -67,6 +68,8 @@ ENGINES = {
     "genai:builder-fp32": ("ours", "genai", "builder:fp32"), "genai:builder-int4": ("ours", "genai", "builder:int4"),
     "openvino-int4": ("openvino", "openvino", "openvino:int4"),
     "openvino-f32": ("openvino", "openvino", "openvino:fp32@f32"),
+    # int4 weights with float32 products: on a CPU with avx512_bf16 OpenVINO otherwise runs them in bf16
+    "openvino-int4-f32": ("openvino", "openvino", "openvino:int4@f32"),
     "genai:ours-tokens-int4-i8": ("ours", "genai", "ours:tokens-int4-i8"),
     "genai:ours-tokens-int4-f16-sparse": ("ours", "genai", "ours:tokens-int4-f16-sparse"),
     "genai:ours-int4-sparse": ("ours", "genai", "ours:int4-sparse"),
