@@ -9,7 +9,9 @@ Engines: our token-selection int4 folder (`aqua-export serve`, --max-seqs 16); l
 (-np 16 slots of the same context each, continuous batching, its prompt cache, flash attention, the embedded Q4_1
 GGUF); OpenVINO GenAI's ContinuousBatchingPipeline on its int4 conversion (max_num_seqs 16, prefix caching;
 in process through tools/cb_runner.py: OpenVINO's OpenAI server does not install from PyPI, so its rows carry no
-HTTP). Every engine given --threads, and in the batching scenario again with no thread count ([default threads]).
+HTTP); and our engine (serving.Engine) driven the same way in process (ours-engine, tools/engine_runner.py), so the
+two compare like for like. Every engine given --threads, and in the batching scenario the peers again with no thread
+count ([default threads]).
 
 Scenarios (each request a distinct slice of builtin:licenses prose, the same for every engine; token counts by the
 embedded tokenizer, the GGUF's own vocabulary):
@@ -223,21 +225,28 @@ def drive(server: Server, text: Text, prompts: list[str], new: int, concurrency:
     return summary(res, time.perf_counter() - t0, len(prompts), concurrency)
 
 
-def drive_openvino(prompts: list[str], new: int, concurrency: int, threads: int, system: str | None = None,
-                   raw: bool = False, precision: str = ""):
-    """The same load through OpenVINO GenAI's continuous-batching pipeline (tools/cb_runner.py, its environment,
-    prefix caching on as ours is); its summary, or (raw) each request's record."""
+# in process, no HTTP: engine -> (its Python, its runner, the folder)
+IN_PROCESS = {"openvino-cb": (OPENVINO, "cb_runner.py", OPENVINO_FOLDER),
+              "ours-engine": (Path(sys.executable), "engine_runner.py", FOLDERS["ours-tokens-int4"])}
+
+
+def drive_in_process(engine: str, prompts: list[str], new: int, concurrency: int, threads: int,
+                     system: str | None = None, raw: bool = False, precision: str = ""):
+    """The same load without HTTP: OpenVINO GenAI's continuous-batching pipeline (tools/cb_runner.py, its environment,
+    prefix caching on as ours is) or our serving.Engine (tools/engine_runner.py); its summary, or (raw) each
+    request's record."""
     import tempfile
 
+    python, runner, folder = IN_PROCESS[engine]
     load = {"chats": [[system, p] for p in prompts], "new": new, "at_once": concurrency, "threads": threads,
-            "max_seqs": SLOTS, "prefix_caching": True, "precision": precision}
+            "max_seqs": SLOTS, "prefix_caching": True, "precision": precision, "context": 2048}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(load, f)
         f.flush()
-        r = subprocess.run([str(OPENVINO), str(ROOT / "tools" / "cb_runner.py"), str(OPENVINO_FOLDER), f.name],
+        r = subprocess.run([str(python), str(ROOT / "tools" / runner), str(folder), f.name], cwd=ROOT,
                            capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="passive"))
     if r.returncode:
-        raise SystemExit(f"openvino: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        raise SystemExit(f"{engine}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     recs = out["requests"]
     if raw:
@@ -288,8 +297,10 @@ def serve_load(engine: str, threads: int, prompts: list[str], new: int, at_once:
                extra: list[str] = (), **kw) -> dict:
     """One engine under one load (kw: request's chat / system); its summary and peak RSS."""
     if engine.startswith("openvino-cb"):  # openvino-cb-f32: float32 products (its default is bf16 where the CPU has it)
-        return drive_openvino(prompts, new, at_once, threads, system=kw.get("system"),
-                              precision="f32" if engine.endswith("-f32") else "")
+        return drive_in_process("openvino-cb", prompts, new, at_once, threads, system=kw.get("system"),
+                                precision="f32" if engine.endswith("-f32") else "")
+    if engine == "ours-engine":
+        return drive_in_process(engine, prompts, new, at_once, threads, system=kw.get("system"))
     server = Server(engine, context, threads, list(extra))
     res = drive(server, text, prompts, new, at_once, **kw)
     res["peak_rss_mb"] = round(server.stop())
@@ -302,7 +313,7 @@ def load(text: Text, threads: int, n: int, peers: tuple[str, ...]) -> dict:
     rnd = random.Random(0)
     prompts = [text.take(rnd.randint(50, 400)) for _ in range(n)]
     out = {}
-    for engine in ("ours-tokens-int4", *peers):
+    for engine in ("ours-tokens-int4", *peers, *(("ours-engine",) if "openvino-cb" in peers else ())):
         out[engine] = serve_load(engine, threads, prompts, 32, 16, 2048, text)
         print(f"  {engine}: {out[engine]['wall_s']} s, {out[engine]['tokens_per_s']} tokens/s", flush=True)
     return out
@@ -326,9 +337,10 @@ def batching(text: Text, threads: int, n: int, peers: tuple[str, ...]) -> dict:
             out[threads_label(engine, count)] = {"concurrent": res, "peak_rss_mb": res["peak_rss_mb"]}
             print(f"  {threads_label(engine, count)}: {res['wall_s']} s, {res['decode_tokens_per_s']} decode "
                   "tokens/s", flush=True)
-    if "openvino-cb" in peers:  # how much of its lead is bf16 on this CPU
-        res = serve_load("openvino-cb-f32", threads, prompts, 128, n, 2048, text, chat=True)
-        out["openvino-cb-f32"] = {"concurrent": res, "peak_rss_mb": res["peak_rss_mb"]}
+    if "openvino-cb" in peers:  # how much of its lead is bf16 on this CPU; ours without HTTP as it runs
+        for engine in ("openvino-cb-f32", "ours-engine"):
+            res = serve_load(engine, threads, prompts, 128, n, 2048, text, chat=True)
+            out[engine] = {"concurrent": res, "peak_rss_mb": res["peak_rss_mb"]}
     return out
 
 
@@ -338,7 +350,7 @@ def prefix(text: Text, threads: int, n: int, peers: tuple[str, ...]) -> dict:
     out = {}
     for engine in ("ours-tokens-int4", *peers):
         if engine == "openvino-cb":
-            recs = drive_openvino(questions, 16, 1, threads, system=system, raw=True)
+            recs = drive_in_process("openvino-cb", questions, 16, 1, threads, system=system, raw=True)
         else:
             server = Server(engine, 4096, threads)
             recs = [request(server, text, i, q, 16, chat=True, system=system) for i, q in enumerate(questions)]
@@ -374,6 +386,13 @@ def _lead(rows: dict, ours: str, key: str) -> str:
     return f"{rows[ours][key] / peers[best][key]:.2f}x {best}'s"
 
 
+def _in_process(agg: dict) -> str:
+    """Our engine against OpenVINO's pipeline, both in process (no HTTP)."""
+    ours, ov = agg["ours-engine"], agg["openvino-cb"]
+    return (f"; in process, {ours['tokens_per_s'] / ov['tokens_per_s']:.2f}x openvino-cb's over the wall and "
+            f"{ours['decode_tokens_per_s'] / ov['decode_tokens_per_s']:.2f}x its decode")
+
+
 def write(res: dict) -> None:
     (BENCHMARKS / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
     lines = ["# Serving under load: `aqua-export serve` against llama-server and OpenVINO GenAI", "",
@@ -382,7 +401,9 @@ def write(res: dict) -> None:
              "again with none given: [default threads]), greedy, every request all its tokens; one engine at a "
              "time. Ours and llama-server over HTTP, streamed through the `openai` client; OpenVINO GenAI's "
              "continuous-batching pipeline in process (openvino-cb: no HTTP, its token ids counted; its default "
-             "inference precision, bf16 on this CPU where it has avx512_bf16, and -f32 with float32 asked). "
+             "inference precision, bf16 on this CPU where it has avx512_bf16, and -f32 with float32 asked); "
+             "ours-engine: our server's engine (serving.Engine) driven the same way in process, its token ids "
+             "counted. "
              f"{SLOTS} sequences at once in each. Token counts by the embedded tokenizer.", ""]
     ld = res["load"]
     lines += ["## Load: 200 requests of 50-400 prose tokens + 32 generated, 16 at a time", "",
@@ -391,7 +412,9 @@ def write(res: dict) -> None:
                      [[k, f"{v['answered']} of {v['requests']}", v["unique"], f"{v['ttft_p50_s']} / {v['ttft_p95_s']}",
                        f"{v['latency_p50_s']} / {v['latency_p95_s']}", v["wall_s"], v["tokens_per_s"],
                        v["peak_rss_mb"]] for k, v in ld.items()]), "",
-              f"Ours: {_lead(ld, 'ours-tokens-int4', 'tokens_per_s')} tokens/s.", ""]
+              f"Ours: {_lead(ld, 'ours-tokens-int4', 'tokens_per_s')} tokens/s"
+              + (f"; in process, {ld['ours-engine']['tokens_per_s'] / ld['openvino-cb']['tokens_per_s']:.2f}x "
+                 "openvino-cb's" if "ours-engine" in ld and "openvino-cb" in ld else "") + ".", ""]
     rows, agg = [], {}
     for engine, b in res["batching"].items():
         for k in ("one_at_a_time", "concurrent"):
@@ -409,7 +432,8 @@ def write(res: dict) -> None:
               "Tokens/s over the wall: the 16 x 128 generated tokens over the whole load, prompts included. Decode "
               "tokens/s: the pieces streamed while all 16 were decoding, over that window. Ours at 16 at once: "
               f"{_lead(agg, 'ours-tokens-int4', 'tokens_per_s')} tokens/s over the wall, "
-              f"{_lead(agg, 'ours-tokens-int4', 'decode_tokens_per_s')} decode tokens/s.", ""]
+              f"{_lead(agg, 'ours-tokens-int4', 'decode_tokens_per_s')} decode tokens/s"
+              + (_in_process(agg) if "ours-engine" in agg and "openvino-cb" in agg else "") + ".", ""]
     lines += ["## Prefix cache: a 2k-token shared system prompt, then other questions under it", "",
               *table(["engine", "system prompt tokens", "TTFT first s", "TTFT after (median) s", "ratio"],
                      [[k, v["system_tokens"], v["cold_ttft_s"], v["warm_ttft_s"], f"{v['ratio']}x"]
