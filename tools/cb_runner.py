@@ -18,10 +18,7 @@ import json
 import sys
 import time
 
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+from load_records import report  # tools/, beside this script (run as a script, from any environment)
 
 
 def run(folder: str, load: dict) -> dict:
@@ -59,10 +56,7 @@ def run(folder: str, load: dict) -> dict:
             if status != running:
                 recs[i]["end"] = now
                 del live[i]
-    for r in recs:
-        r["first"] = r["arrivals"][0] if r["arrivals"] else r["end"]
-        r["ttft"], r["latency"], r["tokens"] = r["first"] - r["start"], r["end"] - r["start"], len(r["arrivals"])
-    return {"requests": recs, "load_s": round(load_s, 2), "peak_rss_mb": round(_rss_mb())}
+    return report(recs, load_s)
 
 
 if __name__ == "__main__":
