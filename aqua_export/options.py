@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from . import capabilities
 from .capabilities import RUNTIMES, Features
+from .contract import Contract
 from .errors import ConfigError
 from .ops.spec import CACHE_TYPES, CACHES, FLOAT_TYPES, CacheType
 from .quantize import ACCURACY_LEVELS, BITS, BLOCKS, WeightFormat
@@ -180,7 +181,5 @@ class BuildOptions:
             raise ConfigError(f"--weights {self.weights.name} is ONNX Runtime's MatMulNBits with float32 activations: "
                               "build it with --dtype float32 (float16 is the GPU format: drop --weights)")
         capabilities.check(self.features(config), self.runtime)
-        if self.cache_dtype is not None:  # the cache type's own refusals, before any work
-            line = self.cache.refusal(self.dtype, config.evicts)
-            if line:
-                raise ConfigError(line)
+        if self.cache_dtype is not None:  # the contract's refusals of a cache type, before any work
+            Contract.check_cache_dtype(self.dtype, self.cache_dtype, config.evicts)

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tools.bench_prefill import threads_label
+from tools.replicas import free_port
 from tools.harness import BENCHMARKS, table, written_by
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,39 +109,29 @@ class Text:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A server process on 127.0.0.1 (ours or llama.cpp's), its model id, its peak RSS when stopped."""
 
     def __init__(self, engine: str, context: int, threads: int, extra: list[str] = ()):  # extra: our server's options
         # threads 0: no thread count given (each server's own default, what a user who sets none gets)
-        self.port, self.engine = _port(), engine
+        self.port, self.engine = free_port(), engine
         WORK.mkdir(parents=True, exist_ok=True)
         self.log = open(WORK / f"{engine}.log", "w")
         env = dict(os.environ, OMP_WAIT_POLICY="passive")
+        if engine.startswith("llama"):  # llama.cpp's servers: the GGUF the project embeds
+            from aqua_export import models
+
+            self.model = str(models.embedded_gguf())
         if engine == "llama-server":  # SLOTS slots of `context` tokens each, one KV pool
-            from aqua_export import models
-
-            gguf = models.embedded_gguf()
             counts = ["-t", str(threads), "-tb", str(threads)] if threads else []
-            cmd = [str(LLAMA_SERVER), "-m", str(gguf), "-c", str(context * SLOTS), "-np", str(SLOTS), *counts,
+            cmd = [str(LLAMA_SERVER), "-m", self.model, "-c", str(context * SLOTS), "-np", str(SLOTS), *counts,
                    "-fa", "on", "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)]
-            self.model = str(gguf)
         elif engine == "llamacpp":
-            from aqua_export import models
-
-            gguf = models.embedded_gguf()
             counts = ["--n_threads", str(threads), "--n_threads_batch", str(threads)] if threads else []
-            cmd = [str(LLAMACPP), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(context),
+            cmd = [str(LLAMACPP), "-m", "llama_cpp.server", "--model", self.model, "--n_ctx", str(context),
                    *counts, "--flash_attn", "True",
                    "--interrupt_requests", "False",  # its default cuts a streaming request short when another comes
                    "--host", "127.0.0.1", "--port", str(self.port)]
-            self.model = str(gguf)
         else:
             folder = FOLDERS[engine]
             counts = ["--threads", str(threads)] if threads else []

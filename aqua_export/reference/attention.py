@@ -234,7 +234,6 @@ def _attend(st: LayerAqua, qh, kh, v, idx, allowed, scaling, softcap, position0:
 def _prefill_allowed(st: LayerAqua, qh, kh, allowed, scaling, softcap, position0: int, call) -> torch.Tensor:
     """allowed [B, Hkv, R, S] with sparse prefill's unkept key blocks hidden from the rows of sparse query blocks
     (ops.rules.prefill_chosen, the estimate as the node makes it)."""
-    
     threshold, stride, k_ratio, _ = st.prefill
     start, end, is_real = call
     rows = qh.shape[3]

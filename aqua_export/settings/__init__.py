@@ -1,6 +1,5 @@
-"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens,
-prefill). Each owns its fields,
-defaults, ranges, one-line help, the checks across fields and the attention node's attributes it contributes;
+"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens, prefill). Each owns its
+fields, defaults, ranges, one-line help, the checks across fields and the attention node's attributes it contributes;
 AquaConfig (config.py), the CLI flags, lm-eval's model arguments and docs/cli.md's table are derived from MECHANISMS.
 A new mechanism is a module here and one entry below."""
 
