@@ -216,30 +216,38 @@ def tune(bw: float) -> tuple[list[str], dict]:
                  cells), best[1]
 
 
-def inputs(T: int, B: int):
-    dt = torch.bfloat16
-    q = torch.randn(B, HKV, G, 1, D, device="cuda", dtype=dt)
-    kdm = torch.randn(B, HKV, D, T, device="cuda", dtype=dt)  # dim-major K^
-    v = torch.randn(B, HKV, T, D, device="cuda", dtype=dt)
-    mask = torch.zeros(1, 1, 1, 1, T, device="cuda")
-    P = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0].to(dt)
+def inputs(T: int, B: int, device: str = "cuda"):
+    dt = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: float32
+    q = torch.randn(B, HKV, G, 1, D, device=device, dtype=dt)
+    kdm = torch.randn(B, HKV, D, T, device=device, dtype=dt)  # dim-major K^
+    v = torch.randn(B, HKV, T, D, device=device, dtype=dt)
+    mask = torch.ones(1, T, dtype=torch.int32, device=device)  # attention_mask [1, L]: every position visible
+    P = torch.linalg.qr(torch.randn(HKV, D, D, device=device))[0].to(dt)
     return q, kdm, v, mask, P
 
 
 def bench(T: int, B: int, launch: dict) -> list[dict]:
     """One decode step of each variant at T cached tokens, batch B (bf16)."""
+    q = torch.randn(B, HKV, G, 1, D, device="cuda", dtype=torch.bfloat16)
+    out = [{"T": T, "B": B, "variant": name, "bytes": nbytes, "s": median_s(fn, graph=True), "eager": median_s(fn)}
+           for name, nbytes, fn in steps(T, B, launch)]
+    return out + bench_h2o(T, B, q)
+
+
+def steps(T: int, B: int, launch: dict, device: str = "cuda") -> list[tuple]:
+    """The timed variants at T cached tokens, batch B: (name, the fewest bytes it moves, one step)."""
     from aqua_export.kernels.triton.aqua_attention import PROGRAMS_WANTED, aqua_attention, block_s, split_count
     from aqua_export.ops.rules import attended_share
 
-    q, kdm, v, mask, P = inputs(T, B)
+    q, kdm, v, mask, P = inputs(T, B, device)
     krm = kdm.transpose(2, 3).contiguous()  # row-major K for SDPA
     kv = B * HKV * T * D * 2  # K (or V) bytes
     block = launch.get("block", block_s(D))
     n = split_count(B * HKV, T, block, launch.get("wanted", PROGRAMS_WANTED))
     run = dict(splits=n, warps=launch.get("warps", 4), stages=launch.get("stages", 2), block=block)
     tokens, budget = token_setting(), token_setting(BUDGET)
-    prices = torch.tensor(PRICES, dtype=torch.float32, device="cuda")  # on the device: the step stays capturable
-    rows = [("dense SDPA", 2 * kv, lambda: torch.nn.functional.scaled_dot_product_attention(
+    prices = torch.tensor(PRICES, dtype=torch.float32, device=device)  # on the device: the step stays capturable
+    return [("dense SDPA", 2 * kv, lambda: torch.nn.functional.scaled_dot_product_attention(
                  q.reshape(B, HKV * G, 1, D), krm, v, enable_gqa=True)),
             ("fused dense", 2 * kv + 4 * T, lambda: aqua_attention(q, kdm, v, T, mask, D, 1, **run)),
             ("fused k=64", kv // 2 + kv + 4 * T,
@@ -251,9 +259,6 @@ def bench(T: int, B: int, launch: dict) -> list[dict]:
              lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens, **{**run, "splits": None})),
             ("tokens k=32, 512", kv // 4 + 2 * kv * min(1.0, attended_share(T, 1.0, 512, 16, 64)) + 4 * T,
              lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=budget, **{**run, "splits": None}))]
-    out = [{"T": T, "B": B, "variant": name, "bytes": nbytes, "s": median_s(fn, graph=True), "eager": median_s(fn)}
-           for name, nbytes, fn in rows]
-    return out + bench_h2o(T, B, q)
 
 
 def bench_h2o(T: int, B: int, q) -> list[dict]:
@@ -284,26 +289,30 @@ def bench_h2o(T: int, B: int, q) -> list[dict]:
 
 
 def parts(T: int = 32768, B: int = 8) -> list[str]:
-    """Where a step's time goes (graph replays of each launch group alone), at T, batch B: the fused kernel's
-    selection, and token selection's four stages."""
+    """Where a step's time goes (graph replays of each launch group alone), at T, batch B."""
+    return table([f"part (T {T}, batch {B})", "time (us)"], [[name, f"{median_s(fn, graph=True) * 1e6:.1f}"]
+                                                             for name, fn in part_steps(T, B)])
+
+
+def part_steps(T: int, B: int, device: str = "cuda") -> list[tuple]:
+    """The launch groups of a step alone, (name, one call): the fused kernel's selection, and token selection's
+    four stages."""
     from aqua_export.kernels.triton.aqua_attention import aqua_attention
     from aqua_export.kernels.triton.select import select
     from aqua_export.kernels.triton.tokens import choose, page_scores
 
-    q, kdm, v, mask, P = inputs(T, B)
-    tokens = token_setting()
-    qs, idx = select(q, P, D, 32, 1, True, False)
-    best, count = page_scores(qs, idx, G, kdm, mask, T, 0.0, False)
-    rows = [("select k=64 (fused)", lambda: select(q, P, D, 64, 1, True, False)),
-            ("select k=32 (tokens)", lambda: select(q, P, D, 32, 1, True, False)),
-            ("page scores k=32", lambda: page_scores(qs, idx, G, kdm, mask, T, 0.0, False)),
-            ("choose pages", lambda: choose(best, count, tokens, T, False)),
+    q, kdm, v, mask, P = inputs(T, B, device)
+    tokens, cpu = token_setting(), device != "cuda"
+    qs, idx = select(q, P, D, 32, 1, True, cpu)
+    best, count = page_scores(qs, idx, G, kdm, mask, T, 0.0, cpu)
+    return [("select k=64 (fused)", lambda: select(q, P, D, 64, 1, True, cpu)),
+            ("select k=32 (tokens)", lambda: select(q, P, D, 32, 1, True, cpu)),
+            ("page scores k=32", lambda: page_scores(qs, idx, G, kdm, mask, T, 0.0, cpu)),
+            ("choose pages", lambda: choose(best, count, tokens, T, cpu)),
             ("whole token step, 1/8", lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P, tokens=tokens)),
             ("whole token step, 512", lambda: aqua_attention(q, kdm, v, T, mask, 32, 1, projection=P,
                                                              tokens=token_setting(BUDGET))),
             ("whole fused k=64 step", lambda: aqua_attention(q, kdm, v, T, mask, 64, 1, projection=P))]
-    return table([f"part (T {T}, batch {B})", "time (us)"], [[name, f"{median_s(fn, graph=True) * 1e6:.1f}"]
-                                                             for name, fn in rows])
 
 
 def rows_table(rows: list[dict], bw: float) -> list[str]:
