@@ -1,6 +1,7 @@
 """Sparse prefill (AquaConfig.prefill_threshold): a tiny model's folder, prefilled through the sparse prompt path on
-the native kernel and the function body, against the PyTorch reference making its own block choice
-(reference.attention, ops.rules.prefill_chosen); and the choice changes the answer (the tests can fail)."""
+the native kernel and the function body, against the PyTorch reference (reference.attention, ops.rules.prefill_chosen)
+under ORT's block choice, replayed, and making its own; the replay is what the reference attends, and the choice
+changes the answer (the tests can fail)."""
 
 import pytest
 import torch
@@ -29,8 +30,9 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("kernel", ["function", "native"])
 def test_a_sparse_prompt_matches_the_reference(tiny, kernel):
-    """The prompt's logits and the decode steps after it: ONNX Runtime against the reference, each side choosing its
-    own blocks (a float near-tie of the threshold would show here as a failed gate)."""
+    """The prompt's logits and the decode steps after it: ONNX Runtime against the reference under ORT's block
+    choice (the graph's kept keys replayed) and each side choosing its own (a float near-tie of the threshold would
+    show as a differing row in the block gate)."""
     if kernel == "native" and native_library() is None:
         pytest.skip("native kernel not built (run `make plugin`)")
     m, proj, tmp = tiny
@@ -40,6 +42,8 @@ def test_a_sparse_prompt_matches_the_reference(tiny, kernel):
                      kernel=kernel)
     assert res["pass"], res
     assert res["ort_vs_reference"]["max_abs_logit_diff_decode"] <= 1e-4
+    blocks = res["prefill_blocks"]  # the reference replayed ORT's block choice: the gate saw sparse rows
+    assert blocks["rows"] > 0 and blocks["pass"], blocks
 
 
 def test_the_block_choice_changes_the_answer(tiny):
@@ -56,3 +60,38 @@ def test_the_block_choice_changes_the_answer(tiny):
             sparse = m(ids).logits
     assert (sparse[0, :64] - dense[0, :64]).abs().max() == 0  # block 0 sees only its own (forced) block
     assert (sparse[0, 64:320] - dense[0, 64:320]).abs().max() > 1e-3
+
+
+def test_a_replayed_block_choice_is_attended_and_gated(tiny):
+    """The reference attends the key blocks the probe replays, not its own: replaying "every block kept" gives the
+    dense prompt's logits, and the block gate counts those rows as differing by far more than a near-tie."""
+    import numpy as np
+
+    from aqua_export.parity.harness import torch_trace
+    from aqua_export.parity.probe import ReplayProbe
+    from aqua_export.reference.attention import apply_aqua
+
+    m, proj, _ = tiny
+    ids = torch.randint(0, m.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1)).numpy()
+    layers, hkv = m.config.num_hidden_layers, m.config.num_key_value_heads
+    every = [[np.ones((1, hkv, PROMPT, PROMPT), dtype=bool) for _ in range(layers)]]
+    probe = ReplayProbe(blocks=every)
+    with torch.no_grad():
+        with apply_aqua(m, proj, CONFIG, probe=probe, token_rows_from=PROMPT) as aqua:
+            replayed = torch_trace(m, ids, [], aqua.new_cache(), probe)[0]
+        with apply_aqua(m, proj, AquaConfig(k_ratio=0.5), token_rows_from=PROMPT) as aqua:
+            dense = torch_trace(m, ids, [], aqua.new_cache())[0]
+    assert np.abs(replayed - dense).max() < 1e-9
+    summary = probe.block_summary(None, 1e-4)
+    assert summary["rows_differing"] > 0 and summary["max_gap_of_differing"] > 1e-2 and not summary["pass"], summary
+    assert not ReplayProbe().block_summary(None, 1e-4)["pass"]  # no sparse row seen: not exercised, not a pass
+
+
+def test_the_parity_prompt_is_long_enough_to_choose_blocks():
+    """A 256-token parity prompt's sparse rows see only forced blocks (query block 1: its sink and its diagonal), so
+    the block gate would say "not exercised": parity lengthens it to the third block plus the dense tail."""
+    from aqua_export.parity.harness import prompt_length
+
+    assert prompt_length(CONFIG, 256, 4, None) == 320
+    assert prompt_length(CONFIG, 512, 4, None) == 512
+    assert prompt_length(CONFIG, 16, 2, 100) == 98  # within the context, the steps' positions kept free

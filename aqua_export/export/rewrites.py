@@ -113,7 +113,8 @@ def set_k(k: int):
 def selection_outputs(m):
     """The graph with its attention nodes inlined and each layer's selection as extra outputs, in layer order: the
     TopK indices of a row's coordinates (and of token selection's pages), or a shared-k node's keep mask (its
-    pool_keep [B,Hkv,g,T,r] bool, nodes.pool_nodes) in place of its coordinates' TopKs."""
+    pool_keep [B,Hkv,g,T,r] bool, nodes.pool_nodes) in place of its coordinates' TopKs, and sparse prefill's kept
+    keys (pf_keep_rows [B,Hkv,T,L] bool, ops/prefill.py)."""
     import onnx
     import onnx.inliner
 
@@ -130,7 +131,7 @@ def selection_outputs(m):
             if at in pooled and (base == "top_indices" or base.startswith("pool_")) or base.startswith("pf_"):
                 continue  # (pf_: sparse prefill's estimate and block order, not a selection the reference replays)
             m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[1], onnx.TensorProto.INT64, None))
-        elif n.output and call(n.output[0])[0] == "pool_keep":
+        elif n.output and call(n.output[0])[0] in ("pool_keep", "pf_keep_rows"):
             m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[0], onnx.TensorProto.BOOL, None))
     return m
 

@@ -286,10 +286,21 @@ def prefill_chosen(estimate: torch.Tensor, visible: torch.Tensor, real: torch.Te
     """Sparse prefill's choice (the module docstring). estimate [B, Hkv, g, T, L] (float64, soft-capped), visible
     [B, Hkv, T, L] bool, real [B, T] bool (each row's own token is not padding), positions [T] -> [B, Hkv, T, L]
     bool: visible, the rows of sparse blocks hiding the key blocks not kept."""
+    return prefill_choice(estimate, visible, real, positions, start, end, threshold, stride)[0]
+
+
+def prefill_choice(estimate: torch.Tensor, visible: torch.Tensor, real: torch.Tensor, positions: torch.Tensor,
+                   start: int, end: int, threshold: float, stride: int) -> tuple:
+    """prefill_chosen's answer and how close it came to another: (allowed [B, Hkv, T, L], margin [B, Hkv, T]
+    float64, before [B, Hkv, T] float64). Per row, the margin of its query block: the smallest |m - (X - 1e-6)| over
+    the masses m kept before each block not forced, in the order taken (a block is taken iff m < X - 1e-6, so a
+    float near-tie has a margin near rounding error; inf where no block competes); before: that m (what parity
+    compares between its float32 and float64 runs). Rows of dense blocks: inf and nan."""
     b, hkv, g, t, length = estimate.shape
     sparse = prefill_rows(positions, start, end)
     if not bool(sparse.any()):
-        return visible
+        none = torch.full((b, hkv, t), math.inf, dtype=torch.float64)
+        return visible, none, torch.full_like(none, math.nan)
     sampled = (sparse & (positions % stride == stride - 1))[None] & real  # [B, T]
     nb = -(-length // PREFILL_BLOCK)
     onehot = (positions[:, None] // PREFILL_BLOCK == torch.arange(nb)).to(torch.float64)  # [T, NB]
@@ -307,7 +318,16 @@ def prefill_chosen(estimate: torch.Tensor, visible: torch.Tensor, real: torch.Te
     take = forced.gather(-1, order) | (before < threshold - 1e-6)
     chosen = torch.zeros_like(forced).scatter(-1, order, take) | (count == 0)[:, None, :, None]
     rows = chosen[:, :, positions // PREFILL_BLOCK].repeat_interleave(PREFILL_BLOCK, -1)[..., :length]
-    return visible & (rows | ~sparse[:, None])
+    # the margins: blocks not forced, of query blocks with sampled rows (a key block past the rows' keys has mass 0
+    # and competes like any other)
+    gap = (before - (threshold - 1e-6)).abs().masked_fill(forced.gather(-1, order) | (count == 0)[:, None, :, None],
+                                                          math.inf)
+    margin, at = gap.min(-1)
+    near = before.gather(-1, at[..., None])[..., 0].masked_fill(margin == math.inf, math.nan)
+    per_row = positions // PREFILL_BLOCK
+    dense = ~sparse[None, None]
+    return (visible & (rows | ~sparse[:, None]), margin[:, :, per_row].masked_fill(dense, math.inf),
+            near[:, :, per_row].masked_fill(dense, math.nan))
 
 
 def _key_blocks(x: torch.Tensor, nb: int) -> torch.Tensor:

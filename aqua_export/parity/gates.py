@@ -23,7 +23,8 @@ TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "t
              "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95, "logit_tie": 0.5,
                          "own_top1": 0.95}}
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
-         "pages": "token pages near-ties", "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
+         "pages": "token pages near-ties", "prefill_blocks": "sparse prefill block near-ties",
+         "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
          "ort_k1_vs_hf": "ORT at k = r vs HF", "cache_rounding": "narrow cache vs float32 cache"}
 # The folder's narrow cache against the same graph caching float32, on the same tokens: top-1 at least its
 # CacheType's parity_top1 (beyond logit ties), or one forward differing: float16 0.95, int8 0.9. An int8 row rounds to

@@ -47,7 +47,7 @@ from ..export.rewrites import (all_logits, float32_cache, float32_weight_casts, 
 from ..meter import stage_bar
 from ..models import cache_keyword
 from ..ops.rules import pages_dropped
-from ..ops.spec import PAGE
+from ..ops.spec import PAGE, PREFILL_BLOCK, PREFILL_TAIL
 from ..projection import Projection
 from ..reference.attention import apply_aqua
 from ..reference.exported_weights import ExportedWeights
@@ -102,13 +102,12 @@ def torch_trace(model, ids: np.ndarray, toks: list[int], cache, probe: ReplayPro
     return [logits[:n]] + [logits[n + s - 1:n + s] for s in range(1, len(toks) + 1)]
 
 
-def _split_selections(extra: list, names: list) -> tuple[list, list]:
+def _split_selections(extra: list, names: list) -> tuple[list, list, list]:
     """A debug run's extra outputs per forward (rewrites.selection_outputs: every inlined TopK's indices, in layer
-    order) -> (per forward the coordinates' indices per layer, per forward the pages' order per layer)."""
-    is_page = [n.split("__")[0] == "page_order" for n in names]  # the inliner suffixes a call's names: __<i>
-    coords = [[x for x, p in zip(f, is_page) if not p] for f in extra]
-    pages = [[x for x, p in zip(f, is_page) if p] for f in extra]
-    return coords, pages
+    order) -> per forward and layer: the coordinates' indices, the pages' order, sparse prefill's kept keys."""
+    kind = [{"page_order": "pages", "pf_keep_rows": "blocks"}.get(n.split("__")[0], "coords")
+            for n in names]  # the inliner suffixes a call's names: __<i>
+    return tuple([[x for x, k in zip(f, kind) if k == want] for f in extra] for want in ("coords", "pages", "blocks"))
 
 
 def _joined(selections: list) -> list:
@@ -141,15 +140,15 @@ class OrtRun:
 
 def _ort_runs(cfg: FolderConfig, config: AquaConfig, kernel: str, sparse: bool, gated: tuple) -> list[OrtRun]:
     """Parity's ONNX Runtime runs, in order; all but the first are fed the first's tokens."""
-    h2o, pages = config.evicts, config.selects_tokens
-    exposed = sparse or h2o or pages
+    h2o, pages, blocks = config.evicts, config.selects_tokens, config.sparse_prefill
+    exposed = sparse or h2o or pages or blocks
 
     def selections(trace, lm, rec):
-        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k] and the pages' order
-        # [B, Hkv, 1, T, P]; per token and layer the live tokens
-        coords, orders = _split_selections(rec.extra, lm.output_names[lm.n_outputs:])
+        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k], the pages' order [B, Hkv, 1, T, P]
+        # and the kept keys [B, Hkv, T, L]; per token and layer the live tokens
+        coords, orders, kept = _split_selections(rec.extra, lm.output_names[lm.n_outputs:])
         return {"trace": trace[0], "coordinates": coords if sparse else None, "pages": orders if pages else None,
-                "live": rec.live if h2o else None}
+                "blocks": kept if blocks else None, "live": rec.live if h2o else None}
 
     wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
     no_evict = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF: no eviction
@@ -212,10 +211,15 @@ def prompt_length(config: AquaConfig, requested: int, steps: int, context: int |
     """The parity prompt's length: ``requested``, lengthened page by page (within the model's context, steps included)
     until token selection's first decode step leaves a page out, so that parity tests the choice and not only the
     exact attention of every token (a budget of 512 and a 256-token prompt read every page). Its gate fails when
-    no step leaves one out (ReplayProbe.page_summary); the build refuses that up front (check_exercised)."""
+    no step leaves one out (ReplayProbe.page_summary); the build refuses that up front (check_exercised). Sparse
+    prefill: at least long enough for a query block to choose between key blocks (the third block, its two
+    predecessors forced, before the call's dense last rows), else its gate fails as not exercised."""
+    limit = (context or 1 << 30) - steps
+    if config.sparse_prefill:
+        requested = max(requested, min(3 * PREFILL_BLOCK + PREFILL_TAIL, limit))
     if not config.selects_tokens:
         return requested
-    n, limit = requested, (context or 1 << 30) - steps
+    n = requested
     while n + PAGE <= limit and not pages_dropped(n + 1, config.token_ratio, config.token_budget, config.token_sink,
                                                   config.token_window):
         n += PAGE
@@ -305,10 +309,10 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
 
     own = trace(torch.float32)
     res["ort_vs_reference_unforced"] = compare(ort_trace, own, tol["aqua"], tol.get("logit_tie"))
-    if sparse or h2o or config.selects_tokens:
+    if sparse or h2o or config.selects_tokens or config.sparse_prefill:
         dbg = runs["debug"]
         sel = _joined(dbg["coordinates"]) if dbg["coordinates"] is not None else None
-        probes = [ReplayProbe(sel, dbg["live"], dbg["pages"], ids.shape[1]) for _ in range(2)]
+        probes = [ReplayProbe(sel, dbg["live"], dbg["pages"], ids.shape[1], dbg["blocks"]) for _ in range(2)]
         ref32 = trace(torch.float32, probes[0])
         ref64 = trace(torch.float64, probes[1]) if exact else None
         p32, p64 = probes[0], probes[1] if exact else None
@@ -319,10 +323,12 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
             res["eviction"] = p32.eviction_summary(p64, tol["near_tie"])
         if config.selects_tokens:
             res["pages"] = p32.page_summary(p64, tol["near_tie"])
+        if config.sparse_prefill:
+            res["prefill_blocks"] = p32.block_summary(p64, tol["near_tie"])
     else:
         res["ort_vs_reference"] = gate(runs["gated"], own, trace(torch.float64) if exact else None, tol["aqua"], tol)
         res["selection"] = {"skipped": "k = r: nothing is selected"}
-    for choice in ("selection", "pages"):  # float16: gated on top-1 agreement, each side choosing on its own
+    for choice in ("selection", "pages", "prefill_blocks"):  # float16: top-1 agreement, each side choosing alone
         if res.get(choice, {}).get("gated") is False:
             res[choice]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement_beyond_ties"] >= tol["top1"] and \
                 res[choice].get("pages_dropped", 1) > 0

@@ -39,12 +39,16 @@ class ReplayProbe:
     """selections: per forward, per layer the indices [B, Hkv, g, T, k] another implementation kept, or None (the
     reference keeps its own); evictions: per token, per layer the live tokens [B, Hkv, seen] after its step, or
     None; page_orders: per forward (the prompt's, then each decode step's), per layer its ranked pages [B, Hkv, 1, T,
-    P] (token selection), or None; prompt: the prompt's length (decode step s is the row at position prompt + s).
-    Call next_forward() before each forward."""
+    P] (token selection), or None; prompt: the prompt's length (decode step s is the row at position prompt + s);
+    blocks: per forward, per layer the keys sparse prefill kept [B, Hkv, T, L] (rewrites.selection_outputs'
+    pf_keep_rows: ORT's prompt calls, their rows' block choice), or None. Call next_forward() before each forward."""
 
     def __init__(self, selections: list | None = None, evictions: list | None = None, page_orders: list | None = None,
-                 prompt: int = 0):
+                 prompt: int = 0, blocks: list | None = None):
         self.selections, self.evictions, self.page_orders, self.prompt = selections, evictions, page_orders, prompt
+        self.kept_blocks = blocks  # per forward, per layer sparse prefill's kept keys [B, Hkv, T, L] bool, or None
+        self.block_flips: list[tuple[int, int, float]] = []  # per call: sparse rows, rows keeping other keys, gap
+        self.block_boundary: list[np.ndarray] = []  # per call: the mass at each sparse row's decision nearest X
         self.page_flips: list[tuple[int, int, float]] = []  # per call: rows, rows choosing other pages, gap
         self.page_reads: list[tuple[int, int]] = []  # per call: the decode rows' visible pages, those left out
         self.page_boundary: list[np.ndarray] = []  # per call: the last page chosen by score, each row
@@ -105,6 +109,25 @@ class ReplayProbe:
         self.page_flips.append((differ.numel(), int(differ.sum()), float(gap[differ].max()) if differ.any() else 0.0))
         return chosen
 
+    def blocks(self, st, positions, visible, own, margin, before) -> torch.Tensor:
+        """Sparse prefill: the keys ONNX Runtime's prompt call kept replace the rule's own on the rows it computed
+        (the reference's one forward over prompt and fed tokens starts where that call did: positions from 0)."""
+        sparse = torch.isfinite(before)  # [B, Hkv, R]: rows of sparse blocks
+        self.block_boundary.append(before[sparse].numpy())
+        if self.kept_blocks is None:
+            return own
+        keep = torch.from_numpy(self.kept_blocks[0][st.index])  # [B, Hkv, T, L]: the prompt's call
+        t, length = keep.shape[2], keep.shape[3]
+        if int(positions[0]) != 0 or t > own.shape[2]:
+            raise ValueError("parity: sparse prefill's replay needs the reference's forward to start at the prompt")
+        forced = own.clone()
+        forced[:, :, :t, :length] = visible[:, :, :t, :length] & keep
+        differ = (forced != own).any(-1) & sparse
+        relative = margin / st.prefill[0]  # of the threshold X, as the bound is relative
+        self.block_flips.append((int(sparse.sum()), int(differ.sum()),
+                                 float(relative[differ].max()) if differ.any() else 0.0))
+        return forced
+
     # ------------------------------------------------------------------ what parity reads back
     def selection_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Rows whose own selection differs from the replayed one, and whether each is a float near-tie: its
@@ -121,6 +144,17 @@ class ReplayProbe:
         out["pages_visible"] = sum(v for v, _ in self.page_reads)
         out["pages_dropped"] = sum(d for _, d in self.page_reads)
         if not out["pages_dropped"]:
+            out["pass"] = False
+        return out
+
+    def block_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
+        """Sparse rows whose own key blocks differ from ONNX Runtime's, each a near-tie when the mass kept before
+        its nearest decision is within the bound of the threshold (the bound as selection_summary's, from that
+        mass's float32 error); and how many rows were sparse at all: none means the choice was never exercised,
+        which does not pass."""
+        out = _summary(self.block_flips, "rows",
+                       _relative_error(self.block_boundary, exact.block_boundary if exact else None), floor)
+        if not out["rows"]:
             out["pass"] = False
         return out
 

@@ -40,7 +40,7 @@ def summary_lines(res: dict) -> list[str]:
         lines.append(f"[report] ORT vs the float32 reference: prefill {r['vs_float32_prefill']:.2e}, decode "
                      f"{r['vs_float32_decode']:.2e}")
     u, sel = res["ort_vs_reference_unforced"], res["selection"]
-    if "rows" in sel or "eviction" in res or "pages" in res:  # the gated comparison above replayed ORT's choices
+    if "rows" in sel or "eviction" in res or "pages" in res or "prefill_blocks" in res:  # ORT's choices replayed
         lines.append(f"[report] each side selecting on its own: max |dlogit| prefill {u['max_abs_logit_diff_prefill']:.2e}, "
                      f"decode {u['max_abs_logit_diff_decode']:.2e}, top-1 {u['top1_agreement']:.3f}")
     if "rows" in sel and sel.get("gated") is False:
@@ -60,6 +60,12 @@ def summary_lines(res: dict) -> list[str]:
         lines.append(f"[gate] token pages replayed from ORT ({dropped}): the reference's own choice differs in "
                      f"{pg['rows_differing']} of {pg['rows']} decode rows, largest relative page-score gap "
                      f"{pg['max_gap_of_differing']:.1e}{bound}: {_verdict(pg)}")
+    if "rows" in res.get("prefill_blocks", {}):
+        pb = res["prefill_blocks"]
+        bound = f" (a near-tie: <= {pb['near_tie']:.1e})" if "near_tie" in pb else " (float16: gated on top-1)"
+        lines.append(f"[gate] sparse prefill's key blocks replayed from ORT: the reference's own choice differs in "
+                     f"{pb['rows_differing']} of {pb['rows']} sparse prompt rows, largest mass gap to the threshold "
+                     f"{pb['max_gap_of_differing']:.1e} of it{bound}: {_verdict(pb)}")
     if "eviction" in res:
         e = res["eviction"]
         bound = f" (a near-tie: <= {e['near_tie']:.1e})" if "near_tie" in e else ""

@@ -78,6 +78,11 @@ class Probe(Protocol):
         """Token selection's pages for the rows at sequence ``positions`` [R]: score / forced / own [B, Hkv, R, P]
         (ops.rules.page_scores, forced_pages, select_pages), attended [B, Hkv, R] -> the pages attended."""
 
+    def blocks(self, st: "LayerAqua", positions: torch.Tensor, visible, own, margin, before) -> torch.Tensor:
+        """Sparse prefill's key blocks for the rows at sequence ``positions`` [R]: visible / own [B, Hkv, R, S]
+        (the keys the mask allows; those the rule keeps of them), margin / before [B, Hkv, R]
+        (ops.rules.prefill_choice) -> the keys attended."""
+
 
 @dataclass(frozen=True)
 class TokenSelection:
@@ -245,7 +250,8 @@ def _prefill_allowed(st: LayerAqua, qh, kh, allowed, scaling, softcap, position0
     if softcap:
         est = torch.tanh(est / softcap) * softcap
     real = is_real[:, position0 - start:position0 - start + rows]
-    return rules.prefill_chosen(est, allowed, real, positions, start, end, threshold, stride)
+    own, margin, before = rules.prefill_choice(est, allowed, real, positions, start, end, threshold, stride)
+    return own if st.probe is None else st.probe.blocks(st, positions, allowed, own, margin, before)
 
 
 def _selecting_rows(tk: TokenSelection, position0: int, tq: int) -> torch.Tensor:
