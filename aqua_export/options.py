@@ -81,9 +81,10 @@ WEIGHT_ZERO_POINTS = BuildOption("weight_zero_points", bool, False, "quantize ea
                                  "a zero point (default: symmetric, no zero points, as onnxruntime-genai's builder)",
                                  part=lambda o: _quantized(o, "zp" if not o.weights.symmetric else ""))
 ACCURACY_LEVEL = BuildOption(
-    "accuracy_level", int, 4, "ONNX Runtime's MatMulNBits accuracy_level: 4 quantizes a decode step's activations to "
-    "int8 per block (the fast CPU path for few rows; onnxruntime-genai's builder's default) and keeps a prompt's (64 "
-    "new tokens or more) float32, the faster there; 0 / 1 keep them float32 (default %(default)s)", ACCURACY_LEVELS,
+    "accuracy_level", int, 4, "the quantized products' activations: 4 rounds them to int8 per weight block (a decode "
+    "step's in ONNX Runtime's MatMulNBits, as onnxruntime-genai's builder's default; a prompt's, 64 new tokens or "
+    "more, in MatMulQ4A8 for int4 weights without zero points, on the CPU's integer units, and float32 for int8 "
+    "weights); 0 / 1 keep them float32 (default %(default)s)", ACCURACY_LEVELS,
     part=lambda o: _quantized(o, f"acc{o.weights.accuracy_level}" if o.weights.accuracy_level != 4 else ""))
 OPS = BuildOption(
     "ops", str, "onnxruntime", "the graph's nodes beside the com.aqua ones: onnxruntime (its contrib fusions "

@@ -34,9 +34,10 @@ ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activati
 # Level 4's int8 activations pay only for products of few rows: ONNX Runtime 1.32 on AVX2 + FMA without VNNI
 # (MatMulNBits alone, K 576 / 1536, int4 and int8 weights) was 1.5x faster with int8 activations at 16 rows, even at
 # 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph multiplies
-# a forward of at least this many new tokens a sequence (a prompt, or its chunk) with float32 activations, and a
-# decode step's one token a sequence with int8 ones, whatever the batch (blocks.Blocks.rows_choose_activations: both
-# kernels over the same blocks).
+# a forward of at least this many new tokens a sequence (a prompt, or its chunk) with another kernel: MatMulQ4A8 for
+# int4 weights (int8 activation blocks on the integer units, 2-4x MatMulNBits' float32 products), float32 activations
+# for int8 weights; a decode step's one token a sequence with MatMulNBits' int8 ones, whatever the batch
+# (blocks.Blocks.rows_choose_activations: both kernels over the same blocks).
 FLOAT_ACTIVATION_ROWS = 64
 
 

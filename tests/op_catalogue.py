@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from helpers import H2O_MASKS, attention_inputs, h2o_inputs, random_projection
 
-from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_rows, quantize_rows, rules,
+from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_rows, matmul_q4a8, quantize_rows, rules,
                              topk_gather_dot, value_product)
 from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC, int8_scales
 
@@ -590,6 +590,41 @@ QUANTIZE_ROWS = [Case(kind, lambda kind=kind: _rows_to_quantize(kind), {}, check
                  for kind in ("decode", "prompt", "edges")]
 
 
+# --------------------------------------------------------------------------------------------
+# MatMulQ4A8
+# --------------------------------------------------------------------------------------------
+
+def _q4a8_inputs(lead: tuple, k: int, n: int, block: int, seed: int = 0, edges: bool = False) -> list:
+    """a [*lead, K] (rows of different magnitudes), MatMulNBits' int4 blocks b [N, K / block, block / 2] and scales
+    [N, K / block]; edges: a block of zeros (scale 0), a block whose values sit on halves of its step (ties to
+    even), one of magnitude 2^20 and one of 2^-20."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(*lead, k, generator=gen) * torch.exp2(torch.randint(-3, 4, (*lead, 1), generator=gen).float())
+    if edges:
+        flat = a.reshape(-1, k)
+        flat[0, :block] = 0.0
+        flat[0, block:2 * block] = (torch.arange(block) % 5 - 2) * 0.5 + 0.25  # max 1.25: steps of 1.25 / 127
+        flat[0, block] = 1.25 * 63.5 / 127  # exactly half a step above 63: rounds to 64 (even)
+        flat[-1, :block] *= 2.0 ** 20
+        flat[-1, block:2 * block] *= 2.0 ** -20
+    b = torch.randint(0, 256, (n, k // block, block // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, k // block, generator=gen) * 0.02
+    return [a, b, scales]
+
+
+Q4A8 = [Case(f"{'x'.join(map(str, lead))}-k{k}-n{n}-b{block}", lambda lead=lead, k=k, n=n, block=block:
+             _q4a8_inputs(lead, k, n, block, edges=block == 32), {"K": k, "N": n, "block_size": block})
+        for lead, k, n, block in (((1, 1), 64, 32, 32),  # a decode row
+                                  ((1, 70), 576, 96, 32),  # a prompt: 4-row tiles and 2 left over
+                                  ((2, 37), 128, 40, 16),  # N past a 32-column pair: padding columns
+                                  ((1, 9), 256, 64, 64), ((1, 5), 256, 48, 128), ((1, 3), 64, 17, 8))] + [
+    Case("a-not-k-wide", lambda: _q4a8_inputs((1, 3), 64, 32, 32)[:0] + [torch.ones(1, 3, 48)] +
+         _q4a8_inputs((1, 3), 64, 32, 32)[1:], {"K": 64, "N": 32, "block_size": 32}, only=("native",),
+         error="expected a"),
+    Case("block-not-dividing-k", lambda: _q4a8_inputs((1, 2), 64, 32, 32), {"K": 64, "N": 32, "block_size": 24},
+         only=("native",), error="block_size a multiple of 8")]
+
+
 FLOAT32 = {"float32": {"*": (1e-5, True)}}
 CATALOGUE = [
     OpCases(topk_gather_dot.OP, SCORES, {**FLOAT32, "float16": {"scores": (2e-3, True)}}),
@@ -602,6 +637,8 @@ CATALOGUE = [
                                     "float16": {"out": (2e-2, False)}}, int_outputs=("present_token",)),
     OpCases(logit_rows.OP, LOGIT_ROWS, {"float32": {"logits": (0.0, False)}, "float16": {"logits": (0.0, False)}}),
     OpCases(quantize_rows.OP, QUANTIZE_ROWS, {"float32": {"rows": (0.0, False)}}, int_outputs=("rows",)),  # the bytes
+    # the activations' int8 values are the same everywhere (rules.int8_groups): float32 sums of a few hundred terms
+    OpCases(matmul_q4a8.OP, Q4A8, {"float32": {"y": (1e-5, True)}}),
 ]
 
 

@@ -226,3 +226,21 @@ def test_a_session_of_each_op_loads_on_function_bodies_alone():
         sess = make_session(entry.op.model(case.dtype, projected=case.projected, **case.attrs).SerializeToString(),
                             kernel="function")
         assert len(sess.get_outputs()) == len(entry.op.outputs)
+
+
+def test_matmul_q4a8_packs_again_for_other_weights():
+    """The native MatMulQ4A8 packs its weights on a node's first run: a second run fed other weight buffers (a model
+    whose weights are inputs, not initializers) must be answered with those, not the first run's packing."""
+    from op_catalogue import _q4a8_inputs
+
+    from aqua_export.ops import matmul_q4a8
+
+    if native_library() is None:
+        pytest.skip("native kernel not built (run `make plugin`)")
+    attrs = {"K": 64, "N": 32, "block_size": 32}
+    sess = make_session(matmul_q4a8.OP.model("float32", **attrs).SerializeToString(), kernel="native")
+    for seed in (0, 1):
+        a, b, scales = _q4a8_inputs((1, 6), 64, 32, 32, seed=seed)
+        got = sess.run(None, {"a": a.numpy(), "b": b.numpy(), "scales": scales.numpy()})[0]
+        want = matmul_q4a8.OP.reference(a.double(), b, scales.double(), **attrs).numpy()
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), seed

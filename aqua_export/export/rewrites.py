@@ -212,8 +212,12 @@ def float_activations(m):
     per block, which is the weight format's choice, not the export's; parity gates the export without it and
     reports it apart."""
 
+    from ..ops import matmul_q4a8
+
     def walk(graph):
         for n in graph.node:
+            if n.domain == DOMAIN and n.op_type == matmul_q4a8.OP.name:  # a prompt's int8 activation blocks
+                matmul_q4a8.to_nbits(n)
             if n.domain == "com.microsoft" and n.op_type in ("MatMulNBits", "QMoE"):
                 for a in n.attribute:
                     if a.name == "accuracy_level":

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from . import aqua_attention, cache_update, h2o_attention, logit_rows, quantize_rows, topk_gather_dot, value_product
+from . import (aqua_attention, cache_update, h2o_attention, logit_rows, matmul_q4a8, quantize_rows, topk_gather_dot,
+               value_product)
 from .table import OpDef
 
 OPS: tuple[OpDef, ...] = (topk_gather_dot.OP, aqua_attention.OP, cache_update.KEY, cache_update.VALUE,
-                          value_product.OP, h2o_attention.OP, logit_rows.OP, quantize_rows.OP)
+                          value_product.OP, h2o_attention.OP, logit_rows.OP, quantize_rows.OP, matmul_q4a8.OP)
 BY_NAME = {op.name: op for op in OPS}
 
 

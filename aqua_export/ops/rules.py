@@ -374,6 +374,18 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, (at + SCALE_CODES[0])[..., None].float()], -1).to(torch.int8)
 
 
+def int8_groups(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's activations as int8 per block of the weights' (MatMulQ4A8): x [..., K] -> (q [..., K] float64 of
+    the int8 values, s [..., K / block] float64 of float32 scales): s = max |x| / 127 over each block, q = round(x /
+    s) (half to even) clipped to +-127, 0 where s is 0; in float32 arithmetic (x's float32 values), so every
+    implementation rounds alike."""
+    x32 = x.to(torch.float32)
+    blocks = x32.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    s = blocks.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(s == 0, 0.0, torch.round(blocks / torch.where(s == 0, 1.0, s)).clamp(-127, 127))
+    return q.reshape(x.shape).double(), s[..., 0].double()
+
+
 def int8_values(rows: torch.Tensor) -> torch.Tensor:
     """int8_rows' [..., w + 1] -> the float32 values [..., w] they stand for: q s (s = int8_scales()[c])."""
     return rows[..., :-1].float() * _scale_table(rows.device)[rows[..., -1:].long() - SCALE_CODES[0]]

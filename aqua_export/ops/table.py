@@ -14,7 +14,7 @@ from .spec import DOMAIN, ONNX, OPSET, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_V
 
 FLOATS = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
 CACHES = FLOATS + ("tensor(int8)",)  # an int8 cache: rows with their scale's code (ops.spec)
-ELEMENT = {"int64": 7, "float": 1, "int8": 3}  # onnx.TensorProto.INT64 / FLOAT / INT8
+ELEMENT = {"int64": 7, "float": 1, "int8": 3, "uint8": 2}  # onnx.TensorProto.INT64 / FLOAT / INT8 / UINT8
 ANY = None  # in an op's shape rule: a dimension shape inference cannot know (a slot count, total_length's L)
 
 

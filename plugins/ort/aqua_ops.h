@@ -704,5 +704,6 @@ void add_attention_ops(Ort::CustomOpDomain& domain);
 void add_h2o_ops(Ort::CustomOpDomain& domain);
 void add_logit_rows_ops(Ort::CustomOpDomain& domain);  // logit_rows.cc
 void add_quantize_rows_ops(Ort::CustomOpDomain& domain);  // quantize_rows.cc
+void add_matmul_q4a8_ops(Ort::CustomOpDomain& domain);  // matmul_q4a8.cc
 
 }  // namespace aqua

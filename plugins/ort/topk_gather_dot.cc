@@ -389,6 +389,7 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, 
     add_h2o_ops(domain);
     add_logit_rows_ops(domain);
     add_quantize_rows_ops(domain);
+    add_matmul_q4a8_ops(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(g_mutex);
     g_domains.push_back(std::move(domain));
