@@ -33,11 +33,11 @@ BLOCKS = (16, 32, 64, 128)
 ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activations, 4 int8 activations
 # Level 4's int8 activations pay only for products of few rows: ONNX Runtime 1.32 on AVX2 + FMA without VNNI
 # (MatMulNBits alone, K 576 / 1536, int4 and int8 weights) was 1.5x faster with int8 activations at 16 rows, even at
-# 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph multiplies
-# a forward of at least this many new tokens a sequence (a prompt, or its chunk) with another kernel: MatMulQ4A8 for
-# int4 weights (int8 activation blocks on the integer units, 2-4x MatMulNBits' float32 products), float32 activations
-# for int8 weights; a decode step's one token a sequence with MatMulNBits' int8 ones, whatever the batch
-# (blocks.Blocks.rows_choose_activations: both kernels over the same blocks).
+# 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph of int8
+# weights multiplies a forward of at least this many new tokens a sequence (a prompt, or its chunk) with float32
+# activations, and a decode step's one token a sequence with int8 ones, whatever the batch
+# (blocks.Blocks.rows_choose_activations: both kernels over the same blocks). int4 weights need no threshold:
+# MatMulQ4A8 (WeightFormat.int8_blocks) is the faster at every row count.
 FLOAT_ACTIVATION_ROWS = 64
 
 
@@ -71,6 +71,13 @@ class WeightFormat:
     @property
     def int8_activations(self) -> bool:
         return self.quantized and self.accuracy_level == 4
+
+    @property
+    def int8_blocks(self) -> bool:
+        """int4 weights without zero points at level 4: every product is MatMulQ4A8 (ops/matmul_q4a8.py), int8
+        activation blocks on the integer units at any row count (faster than MatMulNBits at level 4 from one row,
+        and 2-4x its float32 products on a prompt's; tools/studies/activation_levels_study.py)."""
+        return self.bits == 4 and self.symmetric and self.accuracy_level == 4
 
     @property
     def name(self) -> str:

@@ -237,14 +237,11 @@ def test_folder_perplexity_equals_the_reference_and_genais_builder(ckpt, tmp_pat
 
 
 @pytest.mark.parametrize("kernel", ["function", "native"])
-def test_level_4_rounds_activations_per_block_on_both_branches(tmp_path, kernel):
-    """accuracy_level 4 (the default): the quantized products sit in Ifs on the forward's new tokens a sequence
-    (quantize.FLOAT_ACTIVATION_ROWS), one a run of float nodes (blocks.Blocks.rows_choose_activations: a layer's
-    q/k/v, its o_proj and MLP with the next layer's q/k/v, the output layer), each branch over the same blocks: a
-    prompt's MatMulQ4A8 (int8 activation blocks on the integer units), a decode step's MatMulNBits at level 4, however
-    many rows the batch makes (so batching never changes a sequence's arithmetic). Both round the activations, so
-    both differ from the graph with float32 activations (rewrites.float_activations, which makes MatMulQ4A8
-    MatMulNBits at level 0 again), by the rounding's size."""
+def test_level_4_int4_products_are_matmul_q4a8_at_every_row_count(tmp_path, kernel):
+    """accuracy_level 4 (the default) with int4 weights: every quantized product is one MatMulQ4A8 (int8 activation
+    blocks on the integer units, the faster at every row count: quantize.WeightFormat.int8_blocks), no If. They round
+    the activations, so every forward differs from the graph with float32 activations (rewrites.float_activations,
+    which makes them MatMulNBits at level 0 again) by the rounding's size, a prompt's as a decode step's."""
     import onnx
 
     from aqua_export.export.exporter import export_onnx
@@ -258,18 +255,10 @@ def test_level_4_rounds_activations_per_block_on_both_branches(tmp_path, kernel)
     m = models.tiny_model("llama", head_dim=32, heads=4)
     cfg = AquaConfig(k_ratio=0.75)
     proto = export_onnx(m, tiny_projection(m, tmp_path), cfg, tmp_path / "q.onnx", weights=WeightFormat(bits=4))
-    ifs = [n for n in proto.graph.node if n.op_type == "If"]
-    assert "MatMulNBits" not in [n.op_type for n in proto.graph.node] and len(ifs) == 2 + 2  # 2 layers
-
-    def products(graph, branch, op):
-        return [x for n in graph.node if n.op_type == "If" for a in n.attribute if a.name == branch
-                for x in a.g.node if x.op_type == op]
-
-    assert len(products(proto.graph, "then_branch", "MatMulQ4A8")) == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down;
-    decode = products(proto.graph, "else_branch", "MatMulNBits")  # the output layer
-    assert len(decode) == 2 * 4 + 1 and {a.i for x in decode for a in x.attribute if a.name == "accuracy_level"} == {4}
-    floats_proto = float_activations(onnx.load(str(tmp_path / "q.onnx")))
-    back = products(floats_proto.graph, "then_branch", "MatMulNBits")
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("MatMulQ4A8") == 2 * 4 + 1 and "If" not in ops and "MatMulNBits" not in ops  # per layer
+    floats_proto = float_activations(onnx.load(str(tmp_path / "q.onnx")))  # q/k/v, o, gate/up, down; the head
+    back = [n for n in floats_proto.graph.node if n.op_type == "MatMulNBits"]
     assert len(back) == 2 * 4 + 1 and {a.i for x in back for a in x.attribute if a.name == "accuracy_level"} == {0}
 
     def logits(model, lengths):
@@ -283,3 +272,41 @@ def test_level_4_rounds_activations_per_block_on_both_branches(tmp_path, kernel)
         got, floats = (logits(g, lengths) for g in (onnx.load(str(tmp_path / "q.onnx")), floats_proto))
         diff = np.abs(got - floats).max() / np.abs(floats).max()
         assert 1e-6 < diff < 1e-1, (lengths, diff)  # rounded: 2.2e-2 to 3.4e-2 of the largest logit measured here
+
+
+def test_level_4_int8_weights_take_int8_activations_for_few_rows_and_float32_for_a_prompt(tmp_path):
+    """accuracy_level 4 with int8 weights: the quantized products sit in Ifs on the forward's new tokens a sequence
+    (quantize.FLOAT_ACTIVATION_ROWS), one a run of float nodes (blocks.Blocks.rows_choose_activations: a layer's
+    q/k/v, its o_proj and MLP with the next layer's q/k/v, the output layer), each branch over the same blocks. A
+    forward of that many tokens computes exactly what the graph with float32 activations computes; fewer round them
+    to int8, however many rows the batch makes (so batching never changes a sequence's arithmetic)."""
+    import onnx
+
+    from aqua_export.export.exporter import export_onnx
+    from aqua_export.export.rewrites import all_logits, float_activations
+    from aqua_export.quantize import FLOAT_ACTIVATION_ROWS
+    from aqua_export.runtime.lm import OrtLM
+    from aqua_export.runtime.session import make_session
+
+    m = models.tiny_model("llama", head_dim=32, heads=4)
+    cfg = AquaConfig(k_ratio=0.75)
+    proto = export_onnx(m, tiny_projection(m, tmp_path), cfg, tmp_path / "q.onnx", weights=WeightFormat(bits=8))
+    ifs = [n for n in proto.graph.node if n.op_type == "If"]
+    assert "MatMulNBits" not in [n.op_type for n in proto.graph.node] and len(ifs) == 2 + 2  # 2 layers
+    for branch, level in (("then_branch", 0), ("else_branch", 4)):
+        products = [x for n in ifs for a in n.attribute if a.name == branch for x in a.g.node
+                    if x.op_type == "MatMulNBits"]
+        assert len(products) == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down; the output layer
+        assert {a.i for x in products for a in x.attribute if a.name == "accuracy_level"} == {level}
+
+    def logits(model, lengths):
+        lm = OrtLM(make_session(all_logits(model).SerializeToString(), kernel="function"), folder_cfg(m, cfg),
+                   "concat", all_rows=True)
+        ids, mask = left_padded(128, lengths)
+        return lm.step(ids.numpy(), mask.numpy(), lm.empty_past(len(lengths)))[0]
+
+    t = FLOAT_ACTIVATION_ROWS
+    for lengths, same in (([t, t - 3], True), ([t - 2, t - 5], False), ([t // 2] * 4, False)):
+        got, floats = (logits(g, lengths) for g in (onnx.load(str(tmp_path / "q.onnx")),
+                                                    float_activations(onnx.load(str(tmp_path / "q.onnx")))))
+        assert np.array_equal(got, floats) == same, lengths

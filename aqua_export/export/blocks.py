@@ -12,7 +12,8 @@ import torch
 from onnx import TensorProto
 
 from ..config import ConfigError
-from ..ops.matmul_q4a8 import from_nbits as q4a8_nodes
+from ..ops import matmul_q4a8
+from ..ops.spec import DOMAIN
 from ..quantize import FLOAT_ACTIVATION_ROWS, check_shape, quantize
 
 F32 = TensorProto.FLOAT
@@ -50,7 +51,15 @@ class Blocks:
 
     def _linear(self, name: str, x: str, w: torch.Tensor, b: torch.Tensor | None, outputs: list | None = None) -> str:
         """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype; with quantized
-        weights (Plan.weights) one MatMulNBits node over W's blocks, the bias its sixth input."""
+        weights (Plan.weights) one MatMulNBits node over W's blocks, the bias its sixth input, or for int4 at level 4
+        one MatMulQ4A8 over the same blocks (quantize.WeightFormat.int8_blocks), the bias added after."""
+        if self.p.weights.int8_blocks:  # int4 at level 4: MatMulQ4A8 for every row count (quantize.py)
+            fmt = self.p.weights
+            y = self.gb.op(f"{name}/MatMulQ4A8", matmul_q4a8.OP.name, [x] + self._quantized(name, w), domain=DOMAIN,
+                           outputs=outputs if b is None else None, K=w.shape[1], N=w.shape[0], block_size=fmt.block)
+            if b is not None:
+                y = self.gb.op(f"{name}/Add", "Add", [y, self.weight(f"{name}.bias", b)], outputs=outputs)
+            return y[0] if isinstance(y, list) else y
         if self.p.weights.quantized:
             fmt = self.p.weights
             ins = self._quantized(name, w)
@@ -66,11 +75,11 @@ class Blocks:
         return y[0] if isinstance(y, list) else y
 
     def rows_choose_activations(self, new: str) -> None:
-        """At accuracy level 4, each maximal run of consecutive float nodes (FLOAT_RUN) that holds quantized
-        products becomes one If on the forward's new tokens a sequence (``new`` [1], DecoderGraph.inputs' count;
-        quantize.FLOAT_ACTIVATION_ROWS): its then branch a prompt's (int4 weights: MatMulQ4A8, int8 activation
-        blocks on the integer units; int8 weights: MatMulNBits with float32 activations, accuracy_level 0), its else
-        branch the run as built (MatMulNBits' int8 activations, a decode step's). Per sequence, not batch x tokens: a
+        """At accuracy level 4, each maximal run of consecutive float nodes (FLOAT_RUN) that holds MatMulNBits
+        products (int8 weights: int4 ones are MatMulQ4A8 at every row count, quantize.WeightFormat.int8_blocks)
+        becomes one If on the forward's new tokens a sequence (``new`` [1], DecoderGraph.inputs' count;
+        quantize.FLOAT_ACTIVATION_ROWS): its then branch the run with float32 activations (accuracy_level 0, a
+        prompt's), its else branch the run as built (int8, a decode step's). Per sequence, not batch x tokens: a
         decode step is int8 however many sequences it steps, so batching never changes a sequence's arithmetic. A
         run goes from one attention node to the next layer's cache write (o_proj, norm, MLP, norm, q/k/v), so a
         forward pays about one If a layer, not one a product (each a few microseconds)."""
@@ -110,33 +119,22 @@ class Blocks:
         leave = [o for o in made if o in graph_out or readers.get(o, set()) - at]
         first = next(n for n in run if n.op_type == "MatMulNBits").name
 
-        def branch(tag: str, prompt_rows: bool):
+        def branch(tag: str, level: int):
             name = {o: f"{o}/{tag}" for o in made}
             body = []
             for n in run:
-                ins, outs = [name.get(v, v) for v in n.input], [name.get(v, v) for v in n.output]
-                if n.op_type == "MatMulNBits" and prompt_rows and self._int8_blocks:
-                    body += q4a8_nodes(n, ins, outs, f"{n.name}/{tag}")
-                    continue
-                c = H.make_node(n.op_type, ins, outs, name=f"{n.name}/{tag}", domain=n.domain)
+                c = H.make_node(n.op_type, [name.get(v, v) for v in n.input], [name.get(v, v) for v in n.output],
+                                name=f"{n.name}/{tag}", domain=n.domain)
                 c.attribute.extend(a for a in n.attribute if not (n.op_type == "MatMulNBits" and
                                                                   a.name == "accuracy_level"))
                 if n.op_type == "MatMulNBits":
-                    c.attribute.append(H.make_attribute("accuracy_level", 0 if prompt_rows else
-                                                        self.p.weights.accuracy_level))
+                    c.attribute.append(H.make_attribute("accuracy_level", level))
                 body.append(c)
             return H.make_graph(body, f"{first}/{tag}", [], [H.make_tensor_value_info(name[o], self.p.elem, None)
                                                               for o in leave])
 
-        return H.make_node("If", [prompt], leave, name=f"{first}/Rows", then_branch=branch("prompt", True),
-                           else_branch=branch("int8", False))
-
-    @property
-    def _int8_blocks(self) -> bool:
-        """A prompt's products with int8 activation blocks (MatMulQ4A8) rather than float32 ones (MatMulNBits at
-        level 0): int4 weights without zero points, the format that op reads."""
-        fmt = self.p.weights
-        return fmt.bits == 4 and fmt.symmetric
+        return H.make_node("If", [prompt], leave, name=f"{first}/Rows", then_branch=branch("float32", 0),
+                           else_branch=branch("int8", self.p.weights.accuracy_level))
 
     def _quantized(self, name: str, w: torch.Tensor, shape: tuple | None = None) -> list[str]:
         """W [..., N, K] -> the names of its packed blocks, scales and (asymmetric) zero points (quantize.py), the

@@ -207,16 +207,17 @@ def all_logits(m):
 
 
 def float_activations(m):
-    """The graph with every quantized MatMul and expert op computing its activations in float32 (accuracy_level 0):
-    the folder's int8 activations (level 4, on a decode step's few rows) round the input of each quantized MatMul
-    per block, which is the weight format's choice, not the export's; parity gates the export without it and
+    """The graph with every quantized MatMul and expert op computing its activations in float32 (accuracy_level 0;
+    MatMulQ4A8 made MatMulNBits again): the folder's int8 activations (level 4: MatMulQ4A8's blocks at every row
+    count for int4 weights, MatMulNBits' on a decode step's few rows for int8 ones) round the input of each quantized
+    MatMul per block, which is the weight format's choice, not the export's; parity gates the export without it and
     reports it apart."""
 
     from ..ops import matmul_q4a8
 
     def walk(graph):
         for n in graph.node:
-            if n.domain == DOMAIN and n.op_type == matmul_q4a8.OP.name:  # a prompt's int8 activation blocks
+            if n.domain == DOMAIN and n.op_type == matmul_q4a8.OP.name:  # int4 weights' int8 activation blocks
                 matmul_q4a8.to_nbits(n)
             if n.domain == "com.microsoft" and n.op_type in ("MatMulNBits", "QMoE"):
                 for a in n.attribute:

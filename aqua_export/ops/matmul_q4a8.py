@@ -79,18 +79,6 @@ OP = OpDef("MatMulQ4A8", "y [..., N] = a's int8 blocks (per weight block) x int4
            body=body, reference=reference, shape=lambda d: {"y": d["a"][:-1] + [ANY]})
 
 
-def from_nbits(node, inputs: list, outputs: list, name: str) -> list:
-    """A MatMulNBits node of symmetric int4 weights (its inputs and outputs renamed to ``inputs`` / ``outputs``) as
-    MatMulQ4A8 over the same initializers, its bias (input 5) added after."""
-    attrs = {a.name: a.i for a in node.attribute if a.name in ("K", "N", "block_size")}
-    bias = inputs[5] if len(inputs) > 5 and inputs[5] else None
-    y = outputs[0] if bias is None else f"{outputs[0]}/unbiased"
-    nodes = [H.make_node(OP.name, inputs[:3], [y], name=name, domain=DOMAIN, **attrs)]
-    if bias is not None:
-        nodes.append(H.make_node("Add", [y, bias], outputs[:1], name=f"{name}/bias"))
-    return nodes
-
-
 def to_nbits(node) -> None:
     """A MatMulQ4A8 node made MatMulNBits again, in place, with float32 activations (accuracy_level 0): what the
     parity harness's float-activation runs compute (export.rewrites.float_activations)."""
