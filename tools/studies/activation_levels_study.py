@@ -10,12 +10,16 @@ shapes (K x N 576 x 1536, 1536 x 576, 576 x 576), from one row (a decode step) t
                       the CPU has them): OpenVINO's route for a prompt's int4 products is int8 activations too
     per-row int8      standard ops: each row's activations to int8 with its own scale (symmetric), MatMulInteger
                       against int8 weights with one scale per column, both scales applied to the int32 sums
+    q4a8              MatMulQ4A8 (this project's, ops/matmul_q4a8.py, on its native kernel): the same int4 blocks,
+                      the activations rounded to int8 per block of 32 (one scale each), the blocks' sums on the
+                      integer units (AVX-512 VNNI here); what an int4 folder at level 4 runs at every row count
 
 Whether a folder's prompt products still take the faster path on a CPU with VNNI, the float32 rate they reach, and
-what an int8 route inside ONNX Runtime would give a prompt. What the dynamic route costs in quality is estimated in
-PyTorch (quality()): every linear layer of the embedded model, the output layer included, given its input rounded to
-uint8 with one scale per call and its weights to int8 per output row, as DynamicQuantizeMatMul computes them;
-perplexity on builtin:licenses against float32, in windows of 512 and 2,048 tokens (one call each).
+what an int8 route inside ONNX Runtime would give a prompt. What the int8 routes cost in quality is estimated in
+PyTorch (quality()): every linear layer of the embedded model, the output layer included, given its input rounded as
+the route rounds it (dynamic: to uint8 with one scale per call, its weights to int8 per output row; per-row: each
+row to int8, the weights as dynamic's; int8 blocks: each block of 32 inputs to int8, rules.int8_groups, the weights
+float); perplexity on builtin:licenses against float32, in windows of 512 and 2,048 tokens (one call each).
 
     python -m tools.studies.activation_levels_study -> benchmarks/activation_levels_study.json and .md
 """
@@ -32,26 +36,26 @@ from tools.harness import BENCHMARKS, interleaved_medians, table
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576))
 ROWS = (1, 16, 64, 1024, 8000)
-ROUTES = ("level0", "level3", "level4", "int8_level4", "dynamic_int8", "per_row_int8")
+ROUTES = ("level0", "level3", "level4", "int8_level4", "dynamic_int8", "per_row_int8", "q4a8")
 
 
-def _session(nodes, initializers, k: int, n: int):
-    """A graph of nodes x [rows, K] -> y [rows, N] on 2 threads."""
-    import onnxruntime as ort
+def _session(nodes, initializers, k: int, n: int, functions=()):
+    """A graph of nodes x [rows, K] -> y [rows, N] on 2 threads (the project's native kernels registered: the
+    routes' sessions alternate, so their pools do not spin and take the cores from the other's)."""
     from onnx import TensorProto
     from onnx import helper as H
     from onnx import numpy_helper
 
+    from aqua_export.ops.spec import DOMAIN, OPSET_VERSION
+    from aqua_export.runtime.session import make_session
+
     graph = H.make_graph(list(nodes), "g", [H.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
                          [H.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
                          initializer=[numpy_helper.from_array(v, name) for name, v in initializers.items()])
-    model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1)],
-                         ir_version=10)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    # the routes' sessions alternate: a spinning pool would take the cores from the other's
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    model = H.make_model(graph, opset_imports=[H.make_opsetid("", 20), H.make_opsetid("com.microsoft", 1),
+                                               H.make_opsetid(DOMAIN, OPSET_VERSION)],
+                         functions=list(functions), ir_version=10)
+    return make_session(model.SerializeToString(), threads=2, kernel="native", spin=False)
 
 
 def session(k: int, n: int, route: str):
@@ -74,12 +78,46 @@ def session(k: int, n: int, route: str):
                  n_("Mul", ["y1", "s"], ["y"])]
         return _session(nodes, {"w": w8, "s": col, "last": np.array([-1], np.int64),
                                 "c127": np.array(127, np.float32)}, k, n)
-    bits, level = (8, 4) if route == "int8_level4" else (4, int(route[-1]))
+    bits, level = (8, 4) if route in ("int8_level4", "q4a8") else (4, int(route[-1]))
+    bits = 4 if route == "q4a8" else bits
     blocks = (k + 31) // 32
     w = gen.integers(0, 255, (n, blocks, 32 * bits // 8), dtype=np.uint8)
+    if route == "q4a8":
+        from aqua_export.ops import matmul_q4a8
+        from aqua_export.ops.spec import DOMAIN
+
+        node = H.make_node(matmul_q4a8.OP.name, ["x", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=32)
+        return _session([node], {"w": w, "s": (gen.random((n, blocks)) * 0.01).astype(np.float32)}, k, n,
+                        functions=[matmul_q4a8.OP.body(20)])
     node = H.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits,
                        block_size=32, accuracy_level=level)
     return _session([node], {"w": w, "s": (gen.random(n * blocks) * 0.01).astype(np.float32)}, k, n)
+
+
+def _int8_blocks(model):
+    """A context in which every nn.Linear of model is given its input rounded to int8 per block of 32 inputs
+    (rules.int8_groups, MatMulQ4A8's activations), its weights as they are."""
+    import contextlib
+
+    import torch
+
+    from aqua_export.ops.rules import int8_groups
+
+    def rounded_input(module, args):
+        x = args[0]
+        q, s = int8_groups(x, 32)
+        blocks = q.reshape(*x.shape[:-1], -1, 32) * s[..., None]
+        return (blocks.reshape(x.shape).to(x.dtype), *args[1:])
+
+    @contextlib.contextmanager
+    def ctx():
+        hooks = [m.register_forward_pre_hook(rounded_input) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+    return ctx()
 
 
 def _fake_int8(model, per_row: bool):
@@ -129,8 +167,9 @@ def quality() -> list[dict]:
     for seq_len in (512, 2048):
         dense = evaluate.perplexity(model, tok, text, tokens=16384, seq_len=seq_len)["perplexity"]
         q = {}
-        for route, per_row in (("dynamic_int8", False), ("per_row_int8", True)):
-            with _fake_int8(model, per_row):
+        for route, ctx in (("dynamic_int8", lambda: _fake_int8(model, False)),
+                           ("per_row_int8", lambda: _fake_int8(model, True)), ("int8_blocks", lambda: _int8_blocks(model))):
+            with ctx():
                 q[route] = evaluate.perplexity(model, tok, text, tokens=16384, seq_len=seq_len)["perplexity"]
         out.append({"seq_len": seq_len, "float32": dense, **q})
         print(out[-1], flush=True)
@@ -163,20 +202,23 @@ def render(out: dict) -> str:
           "CPU kernel runs it as float32), level 4 int8 (a decode step's); MatMulNBits with int8 weights at level 4; "
           "DynamicQuantizeMatMul: uint8 activations with one scale per call, int8 weights with one per column, MLAS's "
           "integer GEMM; per-row int8: each row's activations to int8 with its own scale, MatMulInteger against int8 "
-          "weights (standard ops). Rates in GFLOP/s (2 K N per row).", "",
-          *table(["K x N", "rows", "level 0 (ms)", "level 3 (ms)", "level 4 (ms)", "level 0 / level 4",
-                  "level 0", "level 4", "int8 weights, level 4", "dynamic int8", "per-row int8",
-                  "dynamic int8 / level 0"],
+          "weights (standard ops); MatMulQ4A8: this project's, the int4 blocks against int8 activation blocks of 32 "
+          "on the integer units (an int4 folder's products at level 4, every row count). Rates in GFLOP/s (2 K N per "
+          "row).", "",
+          *table(["K x N", "rows", "level 0 (ms)", "level 3 (ms)", "level 4 (ms)", "MatMulQ4A8 (ms)",
+                  "level 0", "level 4", "int8 weights, level 4", "dynamic int8", "per-row int8", "MatMulQ4A8",
+                  "MatMulQ4A8 / level 0", "MatMulQ4A8 / level 4"],
                  [[f"{r['K']} x {r['N']}", r["rows"], f"{r['level0_ms']:.3f}", f"{r['level3_ms']:.3f}",
-                   f"{r['level4_ms']:.3f}", f"{r['level0_ms'] / r['level4_ms']:.2f}", f"{r['level0_gflops']:.0f}",
+                   f"{r['level4_ms']:.3f}", f"{r['q4a8_ms']:.3f}", f"{r['level0_gflops']:.0f}",
                    f"{r['level4_gflops']:.0f}", f"{r['int8_level4_gflops']:.0f}", f"{r['dynamic_int8_gflops']:.0f}",
-                   f"{r['per_row_int8_gflops']:.0f}",
-                   f"{r['level0_ms'] / r['dynamic_int8_ms']:.2f}x"] for r in rows]), "",
+                   f"{r['per_row_int8_gflops']:.0f}", f"{r['q4a8_gflops']:.0f}",
+                   f"{r['level0_ms'] / r['q4a8_ms']:.2f}x", f"{r['level4_ms'] / r['q4a8_ms']:.2f}x"] for r in rows]), "",
           "What the int8 routes cost (PyTorch, every linear layer as the route computes it, the output layer "
           "included; perplexity of the embedded model on builtin:licenses, 16,384 tokens, each window one call):", "",
-          *table(["window", "float32", "dynamic int8", "per-row int8"],
+          *table(["window", "float32", "dynamic int8", "per-row int8", "int8 blocks of 32 (MatMulQ4A8)"],
                  [[q["seq_len"], f"{q['float32']:.4f}",
-                   *(f"{q[r]:.4f} ({100 * (q[r] / q['float32'] - 1):+.2f}%)" for r in ("dynamic_int8", "per_row_int8"))]
+                   *(f"{q[r]:.4f} ({100 * (q[r] / q['float32'] - 1):+.2f}%)"
+                     for r in ("dynamic_int8", "per_row_int8", "int8_blocks"))]
                   for q in out["quality"]]), ""]
     return "\n".join(md)
 
