@@ -36,8 +36,8 @@ ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activati
 # 32-64, and 1.2x (int4) to 1.6x (int8 weights) slower from 128 rows to a prompt's 8,000. So a level-4 graph of int8
 # weights multiplies a forward of at least this many new tokens a sequence (a prompt, or its chunk) with float32
 # activations, and a decode step's one token a sequence with int8 ones, whatever the batch
-# (blocks.Blocks.rows_choose_activations: both kernels over the same blocks). int4 weights need no threshold:
-# MatMulQ4A8 (WeightFormat.int8_blocks) is the faster at every row count.
+# (blocks.Blocks.rows_choose_activations: both kernels over the same blocks). int4 weights take MatMulQ4A8 at every
+# row count (WeightFormat.int8_blocks): the faster from 16 rows, 0.63-1.04x MatMulNBits at one.
 FLOAT_ACTIVATION_ROWS = 64
 
 
@@ -75,8 +75,8 @@ class WeightFormat:
     @property
     def int8_blocks(self) -> bool:
         """int4 weights without zero points at level 4: every product is MatMulQ4A8 (ops/matmul_q4a8.py), int8
-        activation blocks on the integer units at any row count (faster than MatMulNBits at level 4 from one row,
-        and 2-4x its float32 products on a prompt's; tools/studies/activation_levels_study.py)."""
+        activation blocks on the integer units at any row count (2-2.8x MatMulNBits on a prompt's rows, 1.3-2x its
+        level 4 from 16, 0.63-1.04x at one; tools/studies/activation_levels_study.py)."""
         return self.bits == 4 and self.symmetric and self.accuracy_level == 4
 
     @property

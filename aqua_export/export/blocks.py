@@ -53,7 +53,7 @@ class Blocks:
         """x [..., in] @ W^T (+ b): W [out, in] stored transposed, [in, out], in the export dtype; with quantized
         weights (Plan.weights) one MatMulNBits node over W's blocks, the bias its sixth input, or for int4 at level 4
         one MatMulQ4A8 over the same blocks (quantize.WeightFormat.int8_blocks), the bias added after."""
-        if self.p.weights.int8_blocks:  # int4 at level 4: MatMulQ4A8 for every row count (quantize.py)
+        if self.p.weights.int8_blocks:  # int4 at level 4: MatMulQ4A8 at every row count (quantize.py)
             fmt = self.p.weights
             y = self.gb.op(f"{name}/MatMulQ4A8", matmul_q4a8.OP.name, [x] + self._quantized(name, w), domain=DOMAIN,
                            outputs=outputs if b is None else None, K=w.shape[1], N=w.shape[0], block_size=fmt.block)
