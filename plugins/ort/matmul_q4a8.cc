@@ -39,6 +39,7 @@ constexpr int64_t kPanel = 16;          // columns a packed panel holds (one 512
 constexpr int64_t kGroup = 8;           // inputs a packed group holds (two 4-input quads)
 constexpr int64_t kRowsPerTask = 64;    // rows of one task: their int8 activations stay in L2 across the columns
 constexpr int64_t kColsPerTask = 256;   // columns of one task: its weights stay in L2 across the rows
+constexpr int64_t kMinTasks = 16;       // tasks a product is cut into at least, where its columns allow
 
 struct Packed {
   std::vector<uint8_t> groups;  // [panels][K / 8][64]
@@ -126,7 +127,7 @@ struct ProductJob {
   const Rows* rows;
   const Packed* w;
   float* y;
-  int64_t m, n, k, block, col_tasks;
+  int64_t m, n, k, block, col_tasks, cols;  // cols: columns a task takes (a multiple of 32)
 };
 
 #if defined(__AVX512BW__)
@@ -322,9 +323,9 @@ void product_task(void* data, size_t task) {
   const auto& j = *static_cast<const ProductJob*>(data);
   const int64_t rt = static_cast<int64_t>(task) / j.col_tasks, ct = static_cast<int64_t>(task) % j.col_tasks;
   const int64_t r0 = rt * kRowsPerTask, r1 = std::min(j.m, r0 + kRowsPerTask);
-  const int64_t p_end = std::min(j.w->panels, (ct + 1) * (kColsPerTask / kPanel));
+  const int64_t p_end = std::min(j.w->panels, (ct + 1) * (j.cols / kPanel));
   alignas(64) float out[4 * 2 * kPanel];
-  for (int64_t p = ct * (kColsPerTask / kPanel); p < p_end; p += 2) {
+  for (int64_t p = ct * (j.cols / kPanel); p < p_end; p += 2) {
     const int64_t c0 = p * kPanel, width = std::min<int64_t>(2 * kPanel, j.n - c0);
     for (int64_t m = r0; m < r1; m += 4) {
       const int64_t rows = std::min<int64_t>(4, r1 - m);
@@ -414,9 +415,19 @@ struct Q4A8Kernel {
     rows.offset.resize(m * nb);
     const size_t row_tasks = static_cast<size_t>((m + kRowsPerTask - 1) / kRowsPerTask);
     QuantJob qj{a.GetTensorData<float>(), &rows, m, k_, block_};
-    ctx.ParallelFor(&quantize_task, row_tasks, 0, &qj);
-    const int64_t col_tasks = (w->panels * kPanel + kColsPerTask - 1) / kColsPerTask;
-    ProductJob pj{&rows, w.get(), y.GetTensorMutableData<float>(), m, n_, k_, block_, col_tasks};
+    if (row_tasks == 1) {
+      quantize_task(&qj, 0);  // a decode step's few rows: not worth a dispatch to the pool
+    } else {
+      ctx.ParallelFor(&quantize_task, row_tasks, 0, &qj);
+    }
+    // columns per task: kColsPerTask, narrower when there are few row tasks (a decode step: one), so that the
+    // pool's threads still get about kMinTasks tasks to share
+    const int64_t padded = w->panels * kPanel, per = (kMinTasks + static_cast<int64_t>(row_tasks) - 1) /
+                                                      static_cast<int64_t>(row_tasks);
+    const int64_t cols = std::clamp<int64_t>((padded / per + 2 * kPanel - 1) / (2 * kPanel) * 2 * kPanel,
+                                             2 * kPanel, kColsPerTask);
+    const int64_t col_tasks = (padded + cols - 1) / cols;
+    ProductJob pj{&rows, w.get(), y.GetTensorMutableData<float>(), m, n_, k_, block_, col_tasks, cols};
     ctx.ParallelFor(&product_task, row_tasks * static_cast<size_t>(col_tasks), 0, &pj);
   }
 
