@@ -37,7 +37,7 @@ ACCURACY_LEVELS = (0, 1, 4)  # MatMulNBits' accuracy_level: 0/1 float32 activati
 # weights multiplies a forward of at least this many new tokens a sequence (a prompt, or its chunk) with float32
 # activations, and a decode step's one token a sequence with int8 ones, whatever the batch
 # (blocks.Blocks.rows_choose_activations: both kernels over the same blocks). int4 weights take MatMulQ4A8 at every
-# row count (WeightFormat.int8_blocks): the faster from 16 rows, 0.63-1.04x MatMulNBits at one.
+# row count (WeightFormat.int8_blocks): the faster from 16 rows, 0.75-1.10x MatMulNBits at one.
 FLOAT_ACTIVATION_ROWS = 64
 
 
@@ -75,8 +75,8 @@ class WeightFormat:
     @property
     def int8_blocks(self) -> bool:
         """int4 weights without zero points at level 4: every product is MatMulQ4A8 (ops/matmul_q4a8.py), int8
-        activation blocks on the integer units at any row count (2-2.8x MatMulNBits on a prompt's rows, 1.3-2x its
-        level 4 from 16, 0.63-1.04x at one; tools/studies/activation_levels_study.py)."""
+        activation blocks on the integer units at any row count (1.8-2.8x MatMulNBits on a prompt's rows, 1.4-1.9x
+        its level 4 from 16, 0.75-1.10x at one; tools/studies/activation_levels_study.py)."""
         return self.bits == 4 and self.symmetric and self.accuracy_level == 4
 
     @property
