@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ops import matmul_q4a8
 from ..ops.catalogue import OPS
 from ..ops.spec import DOMAIN, ONNX
 from .builder import load_graph, save_graph
@@ -212,8 +213,6 @@ def float_activations(m):
     count for int4 weights, MatMulNBits' on a decode step's few rows for int8 ones) round the input of each quantized
     MatMul per block, which is the weight format's choice, not the export's; parity gates the export without it and
     reports it apart."""
-
-    from ..ops import matmul_q4a8
 
     def walk(graph):
         for n in graph.node:

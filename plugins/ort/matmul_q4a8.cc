@@ -394,7 +394,7 @@ struct Q4A8Kernel {
     Ort::KernelContext ctx(context);
     auto a = ctx.GetInput(0), b = ctx.GetInput(1), scales = ctx.GetInput(2);
     auto shape = a.GetTensorTypeAndShapeInfo().GetShape();
-    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape(), ss = scales.GetTensorTypeAndShapeInfo().GetShape();
+    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t nb = k_ / block_;
     if (shape.empty() || shape.back() != k_ || bs != std::vector<int64_t>{n_, nb, block_ / 2} ||
         b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n_ * k_ / 2) ||
@@ -402,7 +402,6 @@ struct Q4A8Kernel {
       ORT_CXX_API_THROW("MatMulQ4A8: expected a [..., K], b [N, K / block_size, block_size / 2] uint8 and scales "
                         "[N, K / block_size]", ORT_INVALID_ARGUMENT);
     }
-    (void)ss;
     const std::shared_ptr<const Packed> w = packed(b.GetTensorData<uint8_t>(), scales.GetTensorData<float>());
     int64_t m = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];

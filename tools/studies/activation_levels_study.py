@@ -78,19 +78,18 @@ def session(k: int, n: int, route: str):
                  n_("Mul", ["y1", "s"], ["y"])]
         return _session(nodes, {"w": w8, "s": col, "last": np.array([-1], np.int64),
                                 "c127": np.array(127, np.float32)}, k, n)
-    bits, level = (8, 4) if route in ("int8_level4", "q4a8") else (4, int(route[-1]))
-    bits = 4 if route == "q4a8" else bits
+    bits = 8 if route == "int8_level4" else 4
     blocks = (k + 31) // 32
     w = gen.integers(0, 255, (n, blocks, 32 * bits // 8), dtype=np.uint8)
     if route == "q4a8":
         from aqua_export.ops import matmul_q4a8
-        from aqua_export.ops.spec import DOMAIN
+        from aqua_export.ops.spec import DOMAIN, OPSET
 
         node = H.make_node(matmul_q4a8.OP.name, ["x", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=32)
         return _session([node], {"w": w, "s": (gen.random((n, blocks)) * 0.01).astype(np.float32)}, k, n,
-                        functions=[matmul_q4a8.OP.body(20)])
+                        functions=[matmul_q4a8.OP.body(OPSET)])
     node = H.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits,
-                       block_size=32, accuracy_level=level)
+                       block_size=32, accuracy_level=int(route[-1]))  # level0 / 3 / 4, int8_level4
     return _session([node], {"w": w, "s": (gen.random(n * blocks) * 0.01).astype(np.float32)}, k, n)
 
 
