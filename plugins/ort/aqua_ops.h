@@ -157,6 +157,14 @@ inline f8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+// Sixteen floats: one AVX-512 register, two AVX ones (GCC splits a vector wider than the target's registers).
+typedef float f16v __attribute__((vector_size(64)));
+inline f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
 // Eight float16 or int8 cache elements widened in registers where the CPU has the instructions (F16C; AVX2's
 // sign extension), through a small buffer otherwise.
 inline f8 load8(const Ort::Float16_t* p) {
@@ -243,35 +251,40 @@ constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the
 // the polynomial in Estrin's form: a Horner chain of dependent multiply-adds (~35 cycles) kept too few vectors in
 // flight to fill the FMA units. exp_sum over a block: 0.60 -> 0.48 ns an element against the degree-7 Horner form
 // with clamps (one core of this AMD EPYC); GCC's vectorised scalar form spent 37 instructions a vector.
-typedef uint32_t u8v __attribute__((vector_size(32)));
-inline f8 exp8(f8 x) {
+template <typename V, typename U>
+inline V exp_lanes(V x) {
   constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
-  const f8 zero{}, lo = zero - 87.0f;
-  const f8 t = x * kLog2e + kRound;
-  const f8 n = t - kRound;
-  const f8 f = (x - n * kLn2Hi) - n * kLn2Lo;
-  const f8 f2 = f * f, f4 = f2 * f2;
-  const f8 p = (f2 * (f * 0.16666432f + 0.49999994f) + (f + 1.0f)) +
-               f4 * (f2 * 0.0013843636f + (f * 0.008374154f + 0.041668f));
-  const f8 scale = reinterpret_cast<f8>((reinterpret_cast<u8v>(t) + 127u) << 23);
+  const V zero{}, lo = zero - 87.0f;
+  const V t = x * kLog2e + kRound;
+  const V n = t - kRound;
+  const V f = (x - n * kLn2Hi) - n * kLn2Lo;
+  const V f2 = f * f, f4 = f2 * f2;
+  const V p = (f2 * (f * 0.16666432f + 0.49999994f) + (f + 1.0f)) +
+              f4 * (f2 * 0.0013843636f + (f * 0.008374154f + 0.041668f));
+  const V scale = reinterpret_cast<V>((reinterpret_cast<U>(t) + 127u) << 23);
   return x < lo ? zero : p * scale;
 }
+typedef uint32_t u8v __attribute__((vector_size(32)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+inline f8 exp8(f8 x) { return exp_lanes<f8, u8v>(x); }
 
 // x[0..n) -> e^(x - top) in place; returns their sum (two chains of eight partial sums, added lane by lane, then
-// in lane order). The softmax loops of every attention kernel.
+// in lane order). The softmax loops of every attention kernel. The two chains are one sixteen-lane vector (low
+// lanes: the first eight of each sixteen elements): one AVX-512 register, or the two AVX ones they always were;
+// each element's exp and each partial sum take the same operations either way.
 inline float exp_sum(float* x, int64_t n, float top) {
-  const f8 shift = f8{} + top;
-  f8 acc{}, acc2{};
+  const f16v shift16 = f16v{} + top;
+  f16v acc16{};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {  // two vectors an iteration: two exps in flight side by side
-    const f8 e = exp8(load8(x + i) - shift), e2 = exp8(load8(x + i + 8) - shift);
-    store8(x + i, e);
-    store8(x + i + 8, e2);
-    acc += e;
-    acc2 += e2;
+  for (; i + 16 <= n; i += 16) {  // two exps of eight in flight side by side (one of sixteen on AVX-512)
+    const f16v e = exp_lanes<f16v, u16v>(load16(x + i) - shift16);
+    store16(x + i, e);
+    acc16 += e;
   }
-  acc += acc2;
+  const f8 shift = f8{} + top;
+  f8 acc = __builtin_shufflevector(acc16, acc16, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(acc16, acc16, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; i + 8 <= n; i += 8) {
     const f8 e = exp8(load8(x + i) - shift);
     store8(x + i, e);
@@ -291,16 +304,16 @@ inline float exp_sum(float* x, int64_t n, float top) {
   return sum;
 }
 
-// max of x[0..n) (-inf when n is 0; NaN ignored, as std::max ignores it), eight lanes at a time.
+// max of x[0..n) (-inf when n is 0; NaN ignored, as std::max ignores it), sixteen lanes at a time.
 inline float row_max(const float* x, int64_t n) {
-  f8 top = f8{} - INFINITY;
+  f16v top = f16v{} - INFINITY;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const f8 v = load8(x + i);
+  for (; i + 16 <= n; i += 16) {
+    const f16v v = load16(x + i);
     top = v > top ? v : top;
   }
   float out = -INFINITY;
-  for (int e = 0; e < 8; ++e) out = std::max(out, top[e]);
+  for (int e = 0; e < 16; ++e) out = std::max(out, top[e]);
   for (; i < n; ++i) out = std::max(out, x[i]);
   return out;
 }
@@ -336,7 +349,7 @@ inline void project(const T* x, const T* P, int64_t d, int64_t r, float* __restr
 // seen yet, o and l 0), l += the block's sum, m = m'. AquaAttention's and H2OAttention's blocks alike.
 inline void online_block(float* x, int64_t n, float top, float& m, float& l, float* o, int64_t rv) {
   const float m_new = std::max(m, top);
-  const float alpha = std::exp(m - m_new);
+  const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);  // e^0 without the call (most blocks of a long row)
   if (alpha != 1.0f) {
     for (int64_t c = 0; c < rv; ++c) o[c] *= alpha;
   }
