@@ -26,6 +26,7 @@ class Features:
     h2o: bool = False  # AQUA-H2O: H2OAttention evicts between tokens
     tokens: bool = False  # token selection: a mode of the fused AquaAttention node
     prefill: bool = False  # sparse prefill: a mode of the fused AquaAttention node's prompt
+    bf16_prompt: bool = False  # the prompt's attention products in bfloat16: the same node's (settings/precision.py)
     shared_k: bool = False  # a layer's heads share its k per token (head_prices)
     uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
     narrow_cache: bool = False  # the cache in float16 or int8 under a float32 graph
@@ -38,7 +39,8 @@ class Features:
         """What a build's AQUA settings (config.AquaConfig) ask, before any work; the build options' fields are
         theirs to add (options.BuildOptions.features)."""
         return cls(h2o=config.evicts, tokens=config.selects_tokens, prefill=config.sparse_prefill,
-                   shared_k=config.shares_k, uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform")
+                   bf16_prompt=config.prompt_bf16, shared_k=config.shares_k,
+                   uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform")
 
     @classmethod
     def of_contract(cls, ct) -> Features:
@@ -50,7 +52,7 @@ class Features:
     def of_folder(cls, cfg) -> Features:
         """From a built folder's FolderConfig: its contract's, and the modes and weights the graph runs."""
         return replace(cls.of_contract(cfg.contract), tokens=cfg.aqua.selects_tokens, prefill=cfg.aqua.sparse_prefill,
-                       quantized=cfg.weights.quantized)
+                       bf16_prompt=cfg.aqua.prompt_bf16, quantized=cfg.weights.quantized)
 
 
 REFUSALS = {
@@ -65,6 +67,8 @@ REFUSALS = {
                              "no TensorRT plugin: use --runtime aqua or genai",
     ("prefill", "triton"): "sparse prefill (--prefill-threshold) runs in the ONNX Runtime kernels and function bodies; "
                            "the Triton kernels attend a prompt densely: drop --prefill-threshold on the GPU",
+    ("bf16_prompt", "tensorrt"): "--prompt-precision bfloat16 is a mode of the fused AquaAttention node's prompt, "
+                                 "which has no TensorRT plugin (TensorRT picks its own precisions): drop it there",
     ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "
                               "the fused AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: use "
                               "--runtime aqua, or --k-alloc uniform or --selection static",

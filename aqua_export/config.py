@@ -9,11 +9,11 @@ import json
 
 from . import settings
 from .errors import ConfigError, reject_unknown
-from .settings import h2o, k_alloc, prefill, selection, tokens
+from .settings import h2o, k_alloc, precision, prefill, selection, tokens
 
 __all__ = ["CONFIG_VERSION", "AquaConfig", "ConfigError", "reject_unknown"]
 
-CONFIG_VERSION = 4  # 4: sparse prefill (prefill_*); 3: k_alloc; 2: token selection (token_ratio, ...); 1-3 still read
+CONFIG_VERSION = 5  # 5: prompt_precision; 4: sparse prefill (prefill_*); 3: k_alloc; 2: token selection; 1-4 read
 
 
 class _Config:
@@ -27,9 +27,9 @@ class _Config:
             object.__setattr__(self, name, s.check(getattr(self, name)))
         for m in settings.MECHANISMS:
             m.check(self)
-        if self.version not in (1, 2, 3, CONFIG_VERSION):
+        if self.version not in (1, 2, 3, 4, CONFIG_VERSION):
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
-        object.__setattr__(self, "version", CONFIG_VERSION)  # 1-3: this version without the newer fields
+        object.__setattr__(self, "version", CONFIG_VERSION)  # 1-4: this version without the newer fields
 
     def retained_width(self, head_dim: int) -> int:
         r = head_dim - round(self.slice_ratio * head_dim)
@@ -51,6 +51,7 @@ class _Config:
     allocates_k = property(k_alloc.allocates)
     shares_k = property(k_alloc.shares)
     sparse_prefill = property(prefill.sparse)
+    prompt_bf16 = property(precision.bf16)
 
     @property
     def on(self) -> tuple[str, ...]:
@@ -59,8 +60,9 @@ class _Config:
 
     @property
     def is_dense(self) -> bool:
-        """Exact attention over every token: no mechanism that changes what a step computes is on."""
-        return not (set(self.on) - {"k_alloc"})
+        """Exact attention over every token: no mechanism that changes what a step computes is on (the prompt's
+        bfloat16 products round, but approximate nothing: a dense folder needs no projection for them)."""
+        return not (set(self.on) - {"k_alloc", "precision"})
 
     def require_projection(self, given: bool, fix: str, spell: str = "flag") -> None:
         """One ConfigError line when this config approximates (not is_dense) and no projection is given: it names
@@ -68,7 +70,8 @@ class _Config:
         k_ratio=0.5), then ``fix``."""
         if given or self.is_dense:
             return
-        on = [s for m in settings.MECHANISMS if m.name != "k_alloc" and m.on(self) for s in m.settings
+        on = [s for m in settings.MECHANISMS if m.name not in ("k_alloc", "precision") and m.on(self)
+              for s in m.settings
               if getattr(self, s.name) != s.default]
         shown = {s.name: f"{v:g}" if isinstance(v := getattr(self, s.name), float) else str(v) for s in on}
         named = ", ".join(f"{s.flag} {shown[s.name]}" if spell == "flag" else f"{s.name}={shown[s.name]}" for s in on)

@@ -22,6 +22,7 @@ from helpers import H2O_MASKS, attention_inputs, h2o_inputs, random_projection
 from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_rows, matmul_q4a8, quantize_rows, rules,
                              topk_gather_dot, value_product)
 from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC, int8_scales
+from aqua_export.runtime.session import prompt_bf16_runs
 
 RULES = sorted(RULE_NAMES)  # every selection rule's code
 
@@ -251,6 +252,49 @@ PREFILL = [
                                                              **_prefill()}),
     _prefill_case("float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, dtype="float16"),
 ]
+# bfloat16 prompt products (prompt_bf16, settings/precision.py; the native kernel: the function body ignores the
+# attribute). Where the CPU runs them, against the reference on q^, K^ and V rounded to bfloat16 (what is left: the
+# probabilities' rounding and float32 sums: 1.5e-3 to 3.6e-3 measured on these cases); elsewhere float32's answer.
+BF16_OUT = 1e-2
+
+
+def _bf16_check(attrs):
+    plain = {n: v for n, v in attrs.items() if n != "prompt_bf16"}
+
+    def check(outs, ins):
+        exact = aqua_attention.reference(*[x.double() if x.is_floating_point() else x for x in ins], **plain)
+        off = (outs[0].double() - exact).abs().max().item()
+        runs = prompt_bf16_runs()
+        assert (off > 1e-4) == runs, f"bfloat16 {'ran' if runs else 'did not run'}, yet the answer is {off:.1e} off"
+        if runs:
+            rounded = [x.to(torch.bfloat16).double() for x in ins[:3]] + list(ins[3:])
+            err = (outs[0].double() - aqua_attention.reference(*rounded, **plain)).abs().max().item()
+            assert err <= BF16_OUT, f"{err:.2e} from the reference on bfloat16 operands > {BF16_OUT:.0e}"
+        else:
+            assert off <= 2e-5, f"float32 here (no AVX512_BF16): {off:.2e} > 2e-5"
+    return check
+
+
+def _bf16_case(name, shape, attrs, cache=None, cache_dtype=None, inputs=None):
+    attrs = {**attrs, "prompt_bf16": 1}
+    return Case(f"bf16-{name}-{'x'.join(map(str, shape))}",
+                inputs or (lambda: _attention_inputs(shape, scale=0.3, cache=cache)), attrs, only=("native",),
+                cache_dtype=cache_dtype, versus_reference=False, check=_bf16_check(attrs))
+
+
+# a prompt from an empty cache, one after a past with left padding, r = 48 (an odd count of 16-column panels), a
+# short prompt (16 rows), a float16 cache, g = 4 and r = 128, soft-capped, sparse prefill on top
+BF16 = [
+    _bf16_case("empty-cache", (1, 2, 3, 300, 64, 300, 300), {"k": 64}),
+    _bf16_case("past-padded", (2, 2, 3, 150, 32, 400, 420), {"k": 32}),
+    _bf16_case("r48", (1, 2, 3, 200, 48, 260, 260), {"k": 48}),
+    _bf16_case("sixteen-rows", (1, 1, 2, 16, 64, 40, 40), {"k": 64}),
+    _bf16_case("cache-float16", (1, 2, 3, 300, 64, 300, 300), {"k": 64}, cache=torch.float16, cache_dtype="float16"),
+    _bf16_case("g4-r128", (1, 2, 4, 130, 128, 130, 130), {"k": 128}),
+    _bf16_case("softcap", (1, 2, 3, 200, 32, 200, 200), {"k": 32, "softcap": 5.0}),
+    _bf16_case("prefill", (1, 2, 3, 700, 32, 700, 700), {"k": 32, "rule": GROUP, **_prefill()},
+               inputs=lambda: _prefill_inputs((1, 2, 3, 700, 32, 700, 700))),
+]
 ATTENTION = [
     *[Case(f"{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
            {"k": _k(s[4], which), "rule": rule}, large=large)
@@ -401,6 +445,9 @@ ATTENTION = [
     Case("prompt-softcap", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), scale=4.0),
          {"k": 8, "rule": GROUP, "softcap": 5.0}),
     *PREFILL,
+    *BF16,
+    Case("prompt-bf16-2", lambda: _attention_inputs((1, 2, 3, 20, 16, 20, 20)), {"k": 8, "prompt_bf16": 2},
+         only=("native",), error="prompt_bf16"),
     Case("prefill-threshold-past-1", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
          {"k": 8, **_prefill(1.5)}, only=("native",), error="prefill_threshold"),
     Case("prefill-stride-0", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),

@@ -9,7 +9,7 @@ def test_round_trip_json():
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25, h2o_ratio=0.5, selection="static")
     again = AquaConfig.from_json(cfg.to_json())
     assert again == cfg
-    assert '"version": 4' in cfg.to_json()
+    assert '"version": 5' in cfg.to_json()
     alloc = AquaConfig(k_ratio=0.4, selection="weighted", k_alloc="measured")
     assert AquaConfig.from_json(alloc.to_json()) == alloc
     tokens = AquaConfig(k_ratio=0.25, token_ratio=0.125, token_sink=4, token_window=32)
@@ -33,7 +33,8 @@ def test_a_version_2_config_reads_as_uniform_k():
     ("token_ratio", 0, "token_ratio=0 is out of range"),
     ("token_budget", -1, "token_budget=-1 must be a whole number"),
     ("token_window", 2.5, "token_window=2.5 must be a whole number"),
-    ("version", 5, "version 5 is not supported"),
+    ("version", 6, "version 6 is not supported"),
+    ("prompt_precision", "float16", "prompt_precision='float16' is unknown"),
     ("k_alloc", "greedy", "k_alloc='greedy' is unknown"),
     ("k_ratio", 0, "k_ratio=0 is out of range"),
     ("k_ratio", 1.5, "k_ratio=1.5 is out of range"),

@@ -95,3 +95,38 @@ def test_the_parity_prompt_is_long_enough_to_choose_blocks():
     assert prompt_length(CONFIG, 256, 4, None) == 320
     assert prompt_length(CONFIG, 512, 4, None) == 512
     assert prompt_length(CONFIG, 16, 2, 100) == 98  # within the context, the steps' positions kept free
+
+
+def test_a_bfloat16_prompt_passes_parity_and_rounds_where_the_cpu_has_it(tiny):
+    """--prompt-precision bfloat16 with sparse prefill: parity passes (the export gated with the prompt in float32,
+    the bfloat16 native kernel by top-1 against the function body), and the folder's prompt logits differ from the
+    float32 folder's exactly where the kernel runs bfloat16 (runtime.session.prompt_bf16_runs), by a bfloat16
+    rounding's worth."""
+    import dataclasses
+
+    import numpy as np
+
+    from aqua_export.runtime.lm import OrtLM
+    from aqua_export.runtime.session import native_variant, prompt_bf16_runs
+
+    if native_library() is None or not native_variant():
+        pytest.skip("native kernel not built (run `make plugin`)")
+    m, proj, tmp = tiny
+    bf16 = dataclasses.replace(CONFIG, prompt_precision="bfloat16")
+    logits = {}
+    for name, cfg in (("float32", CONFIG), ("bfloat16", bf16)):
+        path = tmp / f"precision-{name}.onnx"
+        export_onnx(m, proj, cfg, path)
+        if name == "bfloat16":
+            res = run_parity(path, folder_cfg(m, cfg), CharTokenizer(), proj, cfg, m, prompt_tokens=PROMPT, steps=4,
+                             kernel="native")
+            assert res["pass"], res
+        lm = OrtLM.open(path, folder_cfg(m, cfg), kernel="native", all_logits=True)
+        ids = np.random.default_rng(0).integers(0, m.config.vocab_size, (1, PROMPT))
+        logits[name] = lm.prefill(ids, np.ones_like(ids))[0]
+    gap = float(np.abs(logits["bfloat16"] - logits["float32"]).max())
+    if prompt_bf16_runs():
+        assert 1e-4 < gap < 0.5, gap
+    else:
+        print("no AVX512_BF16 here (or not the AVX-512 variant): the bfloat16 folder computes float32")
+        assert gap == 0.0, gap

@@ -54,10 +54,13 @@ OURS = {"dense": [], "int4": ["--weights", "int4"],
         "tokens-int4-f16-sparse": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
                                    "--weights", "int4", "--cache-dtype", "float16", "--prefill-threshold", "0.98"],
         "int4-sparse": ["--weights", "int4", "--prefill-threshold", "0.98"]}
+# the prompt's attention products in bfloat16 (settings/precision.py), as OpenVINO computes its own on this CPU
+for _name in ("tokens-int4-f16", "tokens-int4-f16-sparse"):
+    OURS[f"{_name}-bf16"] = [*OURS[_name], "--prompt-precision", "bfloat16"]
 # the long cases (16k / 32k, only speed read): the embedded model with its RoPE positions scaled 4x (linear), a
 # 32,768-token context; the trained weights keep a trained model's attention pattern, which random weights lack
 LONG_SOURCE = WORK / "smollm2-rope4"
-for _name in ("tokens-int4-f16", "tokens-int4-f16-sparse"):
+for _name in ("tokens-int4-f16", "tokens-int4-f16-sparse", "tokens-int4-f16-sparse-bf16"):
     OURS[f"long-{_name}"] = ["--model", str(LONG_SOURCE), *OURS[_name]]
 # engine name -> (environment, runner engine, folder maker)
 ENGINES = {
@@ -72,10 +75,13 @@ ENGINES = {
     "openvino-int4-f32": ("openvino", "openvino", "openvino:int4@f32"),
     "genai:ours-tokens-int4-i8": ("ours", "genai", "ours:tokens-int4-i8"),
     "genai:ours-tokens-int4-f16-sparse": ("ours", "genai", "ours:tokens-int4-f16-sparse"),
+    "genai:ours-tokens-int4-f16-bf16": ("ours", "genai", "ours:tokens-int4-f16-bf16"),
+    "genai:ours-tokens-int4-f16-sparse-bf16": ("ours", "genai", "ours:tokens-int4-f16-sparse-bf16"),
     "genai:ours-int4-sparse": ("ours", "genai", "ours:int4-sparse"),
     "openvino-int4-xattention": ("openvino", "openvino", "openvino:int4@xattention"),
     "genai:long-tokens-int4-f16": ("ours", "genai", "ours:long-tokens-int4-f16"),
     "genai:long-tokens-int4-f16-sparse": ("ours", "genai", "ours:long-tokens-int4-f16-sparse"),
+    "genai:long-tokens-int4-f16-sparse-bf16": ("ours", "genai", "ours:long-tokens-int4-f16-sparse-bf16"),
     "llamacpp-q4_1": ("llamacpp", "llamacpp", "gguf:"),
     "llamacpp-q4_1-q8_0": ("llamacpp", "llamacpp", "gguf:@q8_0"),
 }

@@ -25,7 +25,10 @@ from tools.quality_long import built, passkey_cells, passkey_run
 TEXT = "builtin:licenses"
 LENGTHS = (2048, 4096, 8192)
 TOKENS = 16384  # per length: 8 / 4 / 2 windows
-SETTINGS = {"dense": AquaConfig(), "sparse prefill 0.98": AquaConfig(prefill_threshold=0.98)}
+SETTINGS = {"dense": AquaConfig(), "sparse prefill 0.98": AquaConfig(prefill_threshold=0.98),
+            # the prompt's attention products in bfloat16 (settings/precision.py; float32 on a CPU without AVX512_BF16)
+            "dense, bfloat16 prompt": AquaConfig(prompt_precision="bfloat16"),
+            "sparse prefill 0.98, bfloat16 prompt": AquaConfig(prefill_threshold=0.98, prompt_precision="bfloat16")}
 BLOCK = 64
 
 
@@ -90,8 +93,9 @@ def lines(data: dict) -> list[str]:
     for name, r in data.items():
         cells = [f"{r['ppl'][str(n)]:.4f} ({100 * (r['ppl'][str(n)] / dense[str(n)] - 1):+.2f}%)" for n in LENGTHS]
         rows.append([name, *cells, *(f"{r['share'][str(n)]:.1%}" for n in LENGTHS), *passkey_cells(r["passkey"])])
-    return ["\n## Sparse prefill (`--prefill-threshold`)\n",
-            "Folders built with each setting (float32, stride 4, k' = 16 of 64 coordinates), run by ONNX Runtime on "
+    return ["\n## Sparse prefill (`--prefill-threshold`) and the prompt's precision (`--prompt-precision`)\n",
+            "Folders built with each setting (float32, stride 4, k' = 16 of 64 coordinates; a bfloat16 prompt: "
+            "`--prompt-precision bfloat16`, on this CPU's AVX512_BF16), run by ONNX Runtime on "
             f"the native kernels: perplexity on `{TEXT}`'s first {TOKENS} tokens in windows of "
             f"{' / '.join(map(str, LENGTHS))}, each window one forward through the sparse prompt path (against dense "
             "in brackets); blocks: key blocks of 64 computed over the causal ones, the dense last 128 rows included "

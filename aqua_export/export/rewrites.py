@@ -95,7 +95,8 @@ def float32_weight_casts(m):
 
 def set_k(k: int):
     """The graph with every attention node scoring k coordinates, H2O nodes evicting nothing, token selection
-    attending every token and sparse prefill every key block (HF does none of these)."""
+    attending every token, sparse prefill every key block and the prompt's products in float32 (HF does none of
+    these)."""
     selecting = {op.name for op in OPS if "k" in op.attribute_names}
 
     def transform(m):
@@ -106,7 +107,7 @@ def set_k(k: int):
                         a.i = k
                     if a.name in ("ratio", "token_ratio", "prefill_threshold"):
                         a.f = 1.0
-                    if a.name == "token_budget":
+                    if a.name in ("token_budget", "prompt_bf16"):
                         a.i = 0
     return transform
 

@@ -49,6 +49,9 @@ SCALED_ATTR = Attr("cache_scales", "int", "1: the caches are int8, each token's 
 KEYED_ATTR = Attr("key_weights", "floats", "[Hkv * r]: the node scores K^'s rows divided by these (a weighted "
                   "rule's int8 cache, fold.selection_bases); absent: K^ is what the node scores with",
                   required=False)
+BF16_ATTR = Attr("prompt_bf16", "int", "1: a prompt's two products (T >= 16) in bfloat16 where the CPU has "
+                 "AVX512_BF16 (settings/precision.py); the function body and other CPUs compute them in float32",
+                 required=False, default=0)
 TOKEN_ATTRS = (Attr("token_ratio", "float", "token selection: share of the visible tokens a decode step attends",
                     required=False),
                Attr("token_budget", "int", "token selection: tokens a decode step attends (0: by token_ratio)",
@@ -281,7 +284,7 @@ OP = OpDef("AquaAttention",
                    Port("attention_mask", "int64", 2)),
            outputs=(Port("out", rank=5),),
            attributes=(K_ATTR, RULE_ATTR, SOFTCAP_ATTR, WINDOW_ATTR, *PLUGIN_ATTRS, *TOKEN_ATTRS, PRICES_ATTR,
-                       SCALED_ATTR, KEYED_ATTR, *PREFILL_ATTRS),
+                       SCALED_ATTR, KEYED_ATTR, *PREFILL_ATTRS, BF16_ATTR),
            body=body, reference=reference, projectable=True,
            forms=(("tokens", tuple(a.name for a in TOKEN_ATTRS)), ("pooled", (PRICES_ATTR.name,)),
                   ("scaled", (SCALED_ATTR.name,)), ("keyed", (KEYED_ATTR.name,)),

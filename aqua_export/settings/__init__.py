@@ -1,15 +1,15 @@
-"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens, prefill). Each owns its
+"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens, prefill, precision). Each owns its
 fields, defaults, ranges, one-line help, the checks across fields and the attention node's attributes it contributes;
 AquaConfig (config.py), the CLI flags, lm-eval's model arguments and docs/cli.md's table are derived from MECHANISMS.
 A new mechanism is a module here and one entry below."""
 
 from __future__ import annotations
 
-from . import h2o, k_alloc, memory, prefill, selection, tokens
+from . import h2o, k_alloc, memory, precision, prefill, selection, tokens
 from .base import MAX_TOKENS, Mechanism, Setting
 
 MECHANISMS: tuple[Mechanism, ...] = (selection.MECHANISM, memory.MECHANISM, k_alloc.MECHANISM, h2o.MECHANISM,
-                                     tokens.MECHANISM, prefill.MECHANISM)
+                                     tokens.MECHANISM, prefill.MECHANISM, precision.MECHANISM)
 SETTINGS: dict[str, Setting] = {s.name: s for m in MECHANISMS for s in m.settings}
 
 __all__ = ["MAX_TOKENS", "MECHANISMS", "SETTINGS", "Mechanism", "Setting", "add_arguments", "from_args",

@@ -376,7 +376,8 @@ inline void merge_splits(const float* first, int64_t step, int64_t splits, int64
 }
 
 // The per-call buffers (call_buffer): one tag each, so no two uses share one.
-enum class Buffer { kPoolValue, kPoolIndex, kDensePartials, kPageBest, kPageForced, kPageWant, kPageOrigin, kPageChosen, kPagePartials, kH2OVisibleBefore, kPromptPanels };
+enum class Buffer { kPoolValue, kPoolIndex, kDensePartials, kPageBest, kPageForced, kPageWant, kPageOrigin, kPageChosen, kPagePartials, kH2OVisibleBefore, kPromptPanels,
+                   kPromptPanels16 };
 
 // A per-call buffer of n elements, kept by the calling thread between calls. Its elements are stale: each use
 // writes what it reads. Fresh vectors of tens to hundreds of KB cost 15-27 us a call here (measured: glibc hands

@@ -28,94 +28,15 @@
 // matrix-product shape that keeps the FMA units busy. Tasks are spread dynamically over ORT's thread pool (a
 // causal prompt's later blocks cost more).
 
-#include "attention_rows.h"
+#include "prompt_tiles.h"
 
 namespace aqua {
 namespace {
 
-constexpr int kMR = 6;                // rows of a micro-kernel tile
-constexpr int64_t kNR = 16;           // columns of a micro-kernel tile (two vectors of 8)
+using namespace prompt;
+
 constexpr int64_t kQueryRows = 192;    // query rows per task (all g heads of kQueryRows / g tokens, at least one)
 constexpr int64_t kKeys = 128;        // keys per block
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Panels a micro-kernel tile spans: two where a panel row is one register (AVX-512: 6 x 32 scores in 12 of its 32
-// registers, 2 loads of B and 6 broadcasts of A per 12 multiply-adds), one elsewhere (AVX2: 6 x 16 in 12 of its
-// 16). The 6 x 16 tile used half of an AVX-512 CPU's vector width: one layer's prompt attention at 8,000 tokens ran
-// at 201 GFLOP/s on 2 cores of an AMD EPYC with 512-bit FMA units, where ORT's SGEMM reaches ~400; 337 with this
-// tile (`python -m tools prompt`).
-#if defined(__AVX512F__)
-constexpr int kTilePanels = 2;
-#else
-constexpr int kTilePanels = 1;
-#endif
-
-// c[MR][16 NP] (+)= a[MR][kk] (rows lda apart) . b: NP panels [kk][16], pstep floats apart; c rows ldc apart.
-// Each output element takes the same multiply-adds in the same order whatever NP is.
-template <int MR, int NP, bool Add>
-inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t pstep, int64_t kk,
-                  float* __restrict c, int64_t ldc) {
-  f16v acc[MR][NP];
-  for (int i = 0; i < MR; ++i) {
-    for (int q = 0; q < NP; ++q) acc[i][q] = Add ? load16(c + i * ldc + q * kNR) : f16v{};
-  }
-  for (int64_t p = 0; p < kk; ++p) {
-    f16v bv[NP];
-    for (int q = 0; q < NP; ++q) bv[q] = load16(b + q * pstep + p * kNR);
-    for (int i = 0; i < MR; ++i) {
-      const float x = a[i * lda + p];
-      for (int q = 0; q < NP; ++q) acc[i][q] += x * bv[q];
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    for (int q = 0; q < NP; ++q) store16(c + i * ldc + q * kNR, acc[i][q]);
-  }
-}
-
-// C[m][n] (+)= A[m][kk] . B[kk][n], m a multiple of kMR, n of kNR (rows of A lda apart, of C ldc; B in panels
-// [n / kNR][kk][kNR]).
-// pstride: floats from one panel to the next (0: kk * kNR, panels packed for this kk; a sub-range of another
-// block's panels passes its own).
-template <bool Add>
-void gemm(const float* a, int64_t lda, const float* b, int64_t kk, float* c, int64_t ldc, int64_t m, int64_t n,
-          int64_t pstride = 0) {
-  const int64_t step = pstride > 0 ? pstride : kk * kNR;
-  int64_t j0 = 0;
-  for (; j0 + kTilePanels * kNR <= n; j0 += kTilePanels * kNR) {
-    const float* panel = b + (j0 / kNR) * step;
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      micro<kMR, kTilePanels, Add>(a + i0 * lda, lda, panel, step, kk, c + i0 * ldc + j0, ldc);
-    }
-  }
-  for (; j0 < n; j0 += kNR) {  // a last single panel (AVX-512: n an odd multiple of 16)
-    const float* panel = b + (j0 / kNR) * step;
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      micro<kMR, 1, Add>(a + i0 * lda, lda, panel, step, kk, c + i0 * ldc + j0, ldc);
-    }
-  }
-}
-
-// row[0..width) (a multiple of kNR) into column `col` of panels [width / kNR][kk][kNR]: chunk j of the row is
-// row `col` of panel j.
-inline void to_panels(const float* row, int64_t width, float* panels, int64_t kk, int64_t col) {
-  for (int64_t j = 0; j < width; j += kNR) std::memcpy(panels + j * kk + col * kNR, row + j, sizeof(float) * kNR);
-}
-
-// dst[0..n) = src[0..n) as float32, each times scale[i] when given (an int8 cache's K^ row: its tokens' scales;
-// exact, powers of two), then zeros up to `width`.
-template <typename C>
-inline void widen_row(const C* src, int64_t n, float* dst, int64_t width, const float* scale = nullptr) {
-  if constexpr (std::is_same_v<C, float>) {
-    std::memcpy(dst, src, sizeof(float) * n);
-  } else {
-    widen(src, n, dst);
-  }
-  if (scale != nullptr) {
-    for (int64_t i = 0; i < n; ++i) dst[i] *= scale[i];
-  }
-  std::fill(dst + n, dst + width, 0.0f);
-}
 
 template <typename T, typename C>
 struct PromptJob : QueryRows<T> {
@@ -131,8 +52,11 @@ struct PromptJob : QueryRows<T> {
   PrefillRule prefill;
   int64_t shift;        // positions of the first query block before the call's first row (sparse prefill's blocks
                         // start at multiples of kPrefillBlock slots), else 0
+  uint16_t* packed16;   // bf16: the same panels' bfloat16 pairs [B * Hkv][key_blocks][K^ kKeys * r2, V kKeys * rvp]
   int64_t rvp() const { return round_up(rv, kNR); }
+  int64_t r2() const { return round_up(this->r, 2); }
   int64_t block_floats() const { return kKeys * (this->r + rvp()); }
+  int64_t block_halves() const { return kKeys * (r2() + rvp()); }
 };
 
 // Pack task (batch, kv head, block of keys): K^[:, block] and V[block] as float32 panels (K^ [kKeys / 16][r][16],
@@ -169,6 +93,11 @@ void pack_task(void* data, size_t index) {
       for (int64_t c = 0; c < j.rv; ++c) w[c] *= sv;
     }
     to_panels(w, rvp, vp, kKeys, p);
+  }
+  if (j.packed16 != nullptr) {
+    uint16_t* kb = j.packed16 + (bh * j.key_blocks + blk) * j.block_halves();
+    pair_panels(kp, kKeys, r, kb);
+    pair_panels(vp, rvp, kKeys, kb + kKeys * j.r2());
   }
 }
 
@@ -375,6 +304,8 @@ void prompt_task(void* data, size_t index) {
   const int64_t nt = std::min(j.t, (blk + 1) * j.tokens_per_block - j.shift) - t0;
   const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = j.rvp(), r = j.r;
   static thread_local std::vector<float> qbuf, sbuf, obuf, mbuf, lbuf;
+  static thread_local std::vector<uint16_t> q16, p16;
+  const bool bf16 = j.packed16 != nullptr;
   qbuf.resize(static_cast<size_t>(rows_pad * r));
   sbuf.resize(static_cast<size_t>(rows_pad * kKeys));
   obuf.assign(static_cast<size_t>(rows_pad * rvp), 0.0f);
@@ -382,6 +313,13 @@ void prompt_task(void* data, size_t index) {
   lbuf.assign(static_cast<size_t>(rows_pad), 0.0f);
   float *q = qbuf.data(), *s = sbuf.data(), *o = obuf.data();
   query_block(j, bh, t0, nt, q, rows_pad);
+  const int64_t r2 = j.r2();
+  if (bf16) {
+    q16.resize(static_cast<size_t>(rows_pad * r2));
+    p16.resize(static_cast<size_t>(rows_pad * kKeys));
+    to_bf16_rows(q, r, rows_pad, r, q16.data(), r2);
+  }
+  const uint16_t* packed16 = bf16 ? j.packed16 + bh * j.key_blocks * j.block_halves() : nullptr;
   const int64_t b = bh / j.heads;
   const Seen first = j.mask.at(b, t0), last = j.mask.at(b, t0 + nt - 1);
   // the keys any row sees lie in [first.lo, last.hi]; every row sees all of [last.lo, first.hi] that is not padding
@@ -408,7 +346,12 @@ void prompt_task(void* data, size_t index) {
     }
     const float* kp = packed + (s0 / kKeys) * j.block_floats();
     const float* vp = kp + kKeys * r;
-    gemm<false>(q, r, kp + off * r, r, s, kKeys, rows_pad, width);
+    const uint16_t* kb = bf16 ? packed16 + (s0 / kKeys) * j.block_halves() : nullptr;
+    if (bf16) {
+      gemm_bf16<false>(q16.data(), r2, kb + off * r2, r2 / 2, s, kKeys, rows_pad, width);
+    } else {
+      gemm<false>(q, r, kp + off * r, r, s, kKeys, rows_pad, width);
+    }
     bool whole = k0 >= last.lo && k0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
     for (int64_t i = k0; i < k0 + n && whole; ++i) whole = first.am[i] != 0;
     for (int64_t row = 0; row < rows; ++row) {
@@ -422,7 +365,12 @@ void prompt_task(void* data, size_t index) {
       }
       softmax_row(sr, n, width, mbuf[row], lbuf[row], o + row * rvp, rvp);
     }
-    gemm<true>(s, kKeys, vp + off * kNR, width, o, rvp, rows_pad, rvp, kKeys * kNR);
+    if (bf16) {
+      to_bf16_rows(s, kKeys, rows_pad, width, p16.data(), kKeys);
+      gemm_bf16<true>(p16.data(), kKeys, kb + kKeys * r2 + off * kNR, width / 2, o, rvp, rows_pad, rvp, kKeys * kNR);
+    } else {
+      gemm<true>(s, kKeys, vp + off * kNR, width, o, rvp, rows_pad, rvp, kKeys * kNR);
+    }
   }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t tt = t0 + row / j.g, h = row % j.g;
@@ -437,15 +385,20 @@ void prompt_task(void* data, size_t index) {
 template <typename T, typename C>
 void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
                    T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
-                   const PrefillRule& prefill) {
+                   const PrefillRule& prefill, bool bf16) {
   // sparse prefill: one task per query block of kPrefillBlock slots (the first and last may hold fewer rows)
   const int64_t per = prefill.on() ? kPrefillBlock : std::max<int64_t>(1, kQueryRows / q.g);
   const int64_t shift = prefill.on() ? (mask.len - q.t) % kPrefillBlock : 0, blocks = (q.t + shift + per - 1) / per;
   const int64_t key_blocks = (mask.len + kKeys - 1) / kKeys, bh = batch * q.heads;
   PromptJob<T, C> job{q, key, value, mask, out, rv, key_stride, value_slots, blocks, per, softcap, nullptr,
-                      key_blocks, prefill, shift};
+                      key_blocks, prefill, shift, nullptr};
   auto& packed = call_buffer<float, Buffer::kPromptPanels>(static_cast<size_t>(bh * key_blocks * job.block_floats()));
   job.packed = packed.data();
+  if (bf16 && kBf16Build) {
+    auto& halves = call_buffer<uint16_t, Buffer::kPromptPanels16>(static_cast<size_t>(bh * key_blocks *
+                                                                                       job.block_halves()));
+    job.packed16 = halves.data();
+  }
   const size_t packs = static_cast<size_t>(bh * key_blocks), tasks = static_cast<size_t>(bh * blocks);
   ctx.ParallelFor(&pack_task<T, C>, packs, 0, &job);
   ctx.ParallelFor(&prompt_task<T, C>, tasks, tasks, &job);  // a batch per task: scheduled as threads free up
@@ -453,17 +406,26 @@ void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key,
 
 template void attend_prompt<float, float>(Ort::KernelContext&, const QueryRows<float>&, const float*, const float*,
                                           const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
-                                          const PrefillRule&);
+                                          const PrefillRule&, bool);
 template void attend_prompt<Ort::Float16_t, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<Ort::Float16_t>&,
                                                             const Ort::Float16_t*, const Ort::Float16_t*,
                                                             const MaskRows&, Ort::Float16_t*, int64_t, int64_t,
-                                                            int64_t, int64_t, float, const PrefillRule&);
+                                                            int64_t, int64_t, float, const PrefillRule&, bool);
 template void attend_prompt<float, Ort::Float16_t>(Ort::KernelContext&, const QueryRows<float>&,
                                                    const Ort::Float16_t*, const Ort::Float16_t*, const MaskRows&,
                                                    float*, int64_t, int64_t, int64_t, int64_t, float,
-                                                   const PrefillRule&);
+                                                   const PrefillRule&, bool);
 template void attend_prompt<float, int8_t>(Ort::KernelContext&, const QueryRows<float>&, const int8_t*, const int8_t*,
                                            const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
-                                          const PrefillRule&);
+                                          const PrefillRule&, bool);
+
+bool prompt_bf16_runs() {
+#if defined(__AVX512F__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
 
 }  // namespace aqua

@@ -296,9 +296,13 @@ constexpr int64_t kPrefillTail = 128;  // ops/spec.py PREFILL_TAIL
 // A prompt (T >= kPromptTokens) of AquaAttention: exact attention over blocks of queries and keys as small matrix
 // products (aqua_prompt.cc), each row's q^ zeroed outside its selection.
 constexpr int64_t kPromptTokens = 16;
+// bf16 (attribute prompt_bf16, settings/precision.py): its two products in bfloat16 where the CPU has AVX512_BF16
+// (prompt_bf16_runs), float32 elsewhere.
 template <typename T, typename C>
 void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key, const C* value, const MaskRows& mask,
                    T* out, int64_t batch, int64_t rv, int64_t key_stride, int64_t value_slots, float softcap,
-                   const PrefillRule& prefill);
+                   const PrefillRule& prefill, bool bf16);
+// Whether this library and CPU run a prompt's products in bfloat16 (AVX512_BF16 in an AVX-512 variant).
+bool prompt_bf16_runs();
 
 }  // namespace aqua

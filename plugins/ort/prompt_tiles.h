@@ -1,0 +1,175 @@
+// The prompt kernel's matrix products (aqua_prompt.cc): register tiles over panels of 16 columns, in float32 FMAs
+// or, under prompt_bf16 on AVX512_BF16, in bfloat16 pairs with float32 sums; and the packing into those panels.
+
+#pragma once
+
+#include "attention_rows.h"
+
+namespace aqua {
+namespace prompt {
+
+constexpr int kMR = 6;                // rows of a micro-kernel tile
+constexpr int64_t kNR = 16;           // columns of a panel (one AVX-512 vector, two AVX ones)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Panels a micro-kernel tile spans: two where a panel row is one register (AVX-512: 6 x 32 scores in 12 of its 32
+// registers, 2 loads of B and 6 broadcasts of A per 12 multiply-adds), one elsewhere (AVX2: 6 x 16 in 12 of its
+// 16). The 6 x 16 tile used half of an AVX-512 CPU's vector width: one layer's prompt attention at 8,000 tokens ran
+// at 201 GFLOP/s on 2 cores of an AMD EPYC with 512-bit FMA units, where ORT's SGEMM reaches ~400; 337 with this
+// tile (`python -m tools prompt`).
+#if defined(__AVX512F__)
+constexpr int kTilePanels = 2;
+#else
+constexpr int kTilePanels = 1;
+#endif
+
+// c[MR][16 NP] (+)= a[MR][kk] (rows lda apart) . b: NP panels [kk][16], pstep floats apart; c rows ldc apart.
+// Each output element takes the same multiply-adds in the same order whatever NP is.
+template <int MR, int NP, bool Add>
+inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t pstep, int64_t kk,
+                  float* __restrict c, int64_t ldc) {
+  f16v acc[MR][NP];
+  for (int i = 0; i < MR; ++i) {
+    for (int q = 0; q < NP; ++q) acc[i][q] = Add ? load16(c + i * ldc + q * kNR) : f16v{};
+  }
+  for (int64_t p = 0; p < kk; ++p) {
+    f16v bv[NP];
+    for (int q = 0; q < NP; ++q) bv[q] = load16(b + q * pstep + p * kNR);
+    for (int i = 0; i < MR; ++i) {
+      const float x = a[i * lda + p];
+      for (int q = 0; q < NP; ++q) acc[i][q] += x * bv[q];
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int q = 0; q < NP; ++q) store16(c + i * ldc + q * kNR, acc[i][q]);
+  }
+}
+
+// C[m][n] (+)= A[m][kk] . B[kk][n], m a multiple of kMR, n of kNR (rows of A lda apart, of C ldc; B in panels
+// [n / kNR][kk][kNR]).
+// pstride: floats from one panel to the next (0: kk * kNR, panels packed for this kk; a sub-range of another
+// block's panels passes its own).
+template <bool Add>
+void gemm(const float* a, int64_t lda, const float* b, int64_t kk, float* c, int64_t ldc, int64_t m, int64_t n,
+          int64_t pstride = 0) {
+  const int64_t step = pstride > 0 ? pstride : kk * kNR;
+  int64_t j0 = 0;
+  for (; j0 + kTilePanels * kNR <= n; j0 += kTilePanels * kNR) {
+    const float* panel = b + (j0 / kNR) * step;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      micro<kMR, kTilePanels, Add>(a + i0 * lda, lda, panel, step, kk, c + i0 * ldc + j0, ldc);
+    }
+  }
+  for (; j0 < n; j0 += kNR) {  // a last single panel (AVX-512: n an odd multiple of 16)
+    const float* panel = b + (j0 / kNR) * step;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      micro<kMR, 1, Add>(a + i0 * lda, lda, panel, step, kk, c + i0 * ldc + j0, ldc);
+    }
+  }
+}
+
+// bfloat16 products (prompt_bf16): q^, K^, V and the probabilities rounded to bfloat16 (nearest even, as torch's
+// .to(torch.bfloat16)), summed in float32 by AVX512_BF16's vdpbf16ps: 32 multiply-adds an instruction against an
+// FMA's 16, at about the FMA's rate. The operands lie in pairs along the shared dimension: A rows [m][kk2 * 2]
+// (a pair broadcast as one 32-bit value), B panels [n / 16][kk2][16][2].
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  // finite values: no NaN to keep
+}
+
+#if defined(__AVX512F__)
+constexpr bool kBf16Build = true;
+
+// c[MR][16 NP] (+)= a[MR][2 kk2] (rows lda apart, bfloat16) . b: NP panels [kk2][16][2], pstep apart.
+template <int MR, int NP, bool Add>
+__attribute__((target("avx512f,avx512bf16"))) inline void micro_bf16(const uint16_t* __restrict a, int64_t lda,
+                                                                      const uint16_t* __restrict b, int64_t pstep,
+                                                                      int64_t kk2, float* __restrict c, int64_t ldc) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i) {
+    for (int q = 0; q < NP; ++q) acc[i][q] = Add ? _mm512_loadu_ps(c + i * ldc + q * kNR) : _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < kk2; ++p) {
+    __m512bh bv[NP];
+    for (int q = 0; q < NP; ++q) bv[q] = (__m512bh)_mm512_loadu_si512(b + q * pstep + p * 2 * kNR);
+    for (int i = 0; i < MR; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * p, sizeof pair);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], x, bv[q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + i * ldc + q * kNR, acc[i][q]);
+  }
+}
+
+// gemm's bfloat16 form: C[m][n] (+)= A[m][2 kk2] . B (panels [n / kNR][kk2][kNR][2], pstride apart; 0: kk2 * 2kNR).
+template <bool Add>
+void gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kk2, float* c, int64_t ldc, int64_t m,
+               int64_t n, int64_t pstride = 0) {
+  const int64_t step = pstride > 0 ? pstride : kk2 * 2 * kNR;
+  int64_t j0 = 0;
+  for (; j0 + 2 * kNR <= n; j0 += 2 * kNR) {
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      micro_bf16<kMR, 2, Add>(a + i0 * lda, lda, b + (j0 / kNR) * step, step, kk2, c + i0 * ldc + j0, ldc);
+    }
+  }
+  for (; j0 < n; j0 += kNR) {
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      micro_bf16<kMR, 1, Add>(a + i0 * lda, lda, b + (j0 / kNR) * step, step, kk2, c + i0 * ldc + j0, ldc);
+    }
+  }
+}
+#else
+constexpr bool kBf16Build = false;
+template <bool Add>
+void gemm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t = 0) {}
+#endif
+
+// Panels [n / kNR][kk][kNR] (float32) -> their bfloat16 pairs [n / kNR][kk2][kNR][2], kk2 = ceil(kk / 2) (an odd
+// kk's last pair ends in zero).
+inline void pair_panels(const float* src, int64_t n, int64_t kk, uint16_t* dst) {
+  const int64_t kk2 = (kk + 1) / 2;
+  for (int64_t j = 0; j < n / kNR; ++j) {
+    const float* sp = src + j * kk * kNR;
+    uint16_t* dp = dst + j * kk2 * 2 * kNR;
+    for (int64_t p = 0; p < kk2 * 2; ++p) {
+      for (int64_t l = 0; l < kNR; ++l) dp[(p / 2) * 2 * kNR + l * 2 + (p & 1)] = p < kk ? to_bf16(sp[p * kNR + l]) : 0;
+    }
+  }
+}
+
+// rows [m][width] float32 (lda apart) -> bfloat16 [m][width2] (width2 even, zeros past width).
+inline void to_bf16_rows(const float* src, int64_t lda, int64_t m, int64_t width, uint16_t* dst, int64_t width2) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < width; ++c) dst[i * width2 + c] = to_bf16(src[i * lda + c]);
+    std::fill(dst + i * width2 + width, dst + (i + 1) * width2, static_cast<uint16_t>(0));
+  }
+}
+
+// row[0..width) (a multiple of kNR) into column `col` of panels [width / kNR][kk][kNR]: chunk j of the row is
+// row `col` of panel j.
+inline void to_panels(const float* row, int64_t width, float* panels, int64_t kk, int64_t col) {
+  for (int64_t j = 0; j < width; j += kNR) std::memcpy(panels + j * kk + col * kNR, row + j, sizeof(float) * kNR);
+}
+
+// dst[0..n) = src[0..n) as float32, each times scale[i] when given (an int8 cache's K^ row: its tokens' scales;
+// exact, powers of two), then zeros up to `width`.
+template <typename C>
+inline void widen_row(const C* src, int64_t n, float* dst, int64_t width, const float* scale = nullptr) {
+  if constexpr (std::is_same_v<C, float>) {
+    std::memcpy(dst, src, sizeof(float) * n);
+  } else {
+    widen(src, n, dst);
+  }
+  if (scale != nullptr) {
+    for (int64_t i = 0; i < n; ++i) dst[i] *= scale[i];
+  }
+  std::fill(dst + n, dst + width, 0.0f);
+}
+
+}  // namespace prompt
+}  // namespace aqua
