@@ -8,6 +8,7 @@ Geometry: the embedded model's (9 query heads, 3 KV heads, d = 64), batch 1, a c
 Each graph is one session with the same thread count; times are medians of interleaved rounds.
 
     AquaAttention  q^ [1, 3, 3, T, 64], K^ [1, 3, 64, T] (dim-major), V [1, 3, T, 64] --> out   (k = d: every column)
+                   in float32, and with prompt_bf16 (`--prompt-precision bfloat16`: bfloat16 products on AVX512_BF16)
     GQA            q [1, T, 576], k, v [1, T, 192], empty past --> out                        (com.microsoft)
     MatMul         [T, 576] x [576, 1536]: ORT's own SGEMM (MLAS), the MLP's shape, as the rate a matrix product
                    reaches on this CPU; whole, and PREFILL_CHUNK rows at a time (OrtLM.prefill's forwards)
@@ -58,6 +59,7 @@ def measure(t: int, threads: int, reps: int) -> dict:
     k = rng.standard_normal((1, HKV, t, D), dtype=np.float32)
     v = rng.standard_normal((1, HKV, t, D), dtype=np.float32)
     ours = sess(aqua_attention.OP.model(k=D), "native")
+    bf16 = sess(aqua_attention.OP.model(k=D, prompt_bf16=1), "native")  # --prompt-precision bfloat16
     ours_feed = dict(zip([i.name for i in ours.get_inputs()],
                          [q, np.ascontiguousarray(k.transpose(0, 1, 3, 2)), v, np.array([t], np.int64),
                           np.ones((1, t), np.int64)]))
@@ -78,12 +80,17 @@ def measure(t: int, threads: int, reps: int) -> dict:
     ours_out = ours.run(None, ours_feed)[0].transpose(0, 3, 1, 2, 4).reshape(1, t, HQ * D)
     err = float(np.abs(ours_out - gqa.run(None, gqa_feed)[0]).max())
     assert err < 1e-3, f"AquaAttention and GroupQueryAttention differ by {err:.2e} at T {t}"
+    # bfloat16 operands: these unscaled random scores (std 8) are peakier than a model's, so the bound is loose
+    err_bf16 = float(np.abs(bf16.run(None, ours_feed)[0] - ours.run(None, ours_feed)[0]).max())
+    assert err_bf16 < 0.25, f"AquaAttention's bfloat16 prompt differs from its float32 one by {err_bf16:.2e}"
     sec = interleaved_medians({"AquaAttention": lambda: ours.run(None, ours_feed),
+                               "AquaAttention bfloat16": lambda: bf16.run(None, ours_feed),
                                "GroupQueryAttention": lambda: gqa.run(None, gqa_feed),
                                "MatMul": lambda: mm.run(None, mm_feed), "MatMul chunked": mm_chunks}, reps)
     attn_flops = 2 * 2 * (t * t / 2) * D * HQ
-    return {"tokens": t, "seconds": sec, "max_abs_difference": err,
+    return {"tokens": t, "seconds": sec, "max_abs_difference": err, "bfloat16_difference": err_bf16,
             "gflops": {"AquaAttention": attn_flops / sec["AquaAttention"] / 1e9,
+                       "AquaAttention bfloat16": attn_flops / sec["AquaAttention bfloat16"] / 1e9,
                        "GroupQueryAttention": attn_flops / sec["GroupQueryAttention"] / 1e9,
                        "MatMul": 2 * t * 576 * 1536 / sec["MatMul"] / 1e9,
                        "MatMul chunked": 2 * t * 576 * 1536 / sec["MatMul chunked"] / 1e9}}
@@ -91,6 +98,7 @@ def measure(t: int, threads: int, reps: int) -> dict:
 
 def render(res: dict) -> str:
     rows = [[r["tokens"], f"{r['seconds']['AquaAttention'] * 1e3:.1f}", f"{r['gflops']['AquaAttention']:.0f}",
+             f"{r['seconds']['AquaAttention bfloat16'] * 1e3:.1f}", f"{r['gflops']['AquaAttention bfloat16']:.0f}",
              f"{r['seconds']['GroupQueryAttention'] * 1e3:.1f}", f"{r['gflops']['GroupQueryAttention']:.0f}",
              f"{r['seconds']['GroupQueryAttention'] / r['seconds']['AquaAttention']:.2f}x",
              f"{r['gflops']['MatMul']:.0f}", f"{r['gflops']['MatMul chunked']:.0f}"] for r in res["rows"]]
@@ -100,8 +108,11 @@ def render(res: dict) -> str:
         "embedded model (9 query heads, 3 KV heads, d 64), batch 1. GFLOP/s: the causal products; MatMul: ORT's "
         f"SGEMM on [T, 576] x [576, 1536] (a weight initializer, as in a folder), the rate a matrix product reaches "
         f"here: all T rows in one product, and {PREFILL_CHUNK} rows at a time (`aqua-export run`'s prefill chunk, "
-        "aqua_export.runtime.session.PREFILL_CHUNK).", "",
-        *table(["prompt", "AquaAttention (ms)", "GFLOP/s", "GroupQueryAttention (ms)", "GFLOP/s", "speed-up",
+        "aqua_export.runtime.session.PREFILL_CHUNK). bfloat16: the same node with `prompt_bf16` (`--prompt-precision "
+        f"bfloat16`), {'on AVX512_BF16' if res.get('bf16') else 'float32 here: this CPU or variant has no AVX512_BF16'}"
+        "; speed-up: GroupQueryAttention's time over AquaAttention's float32 one.", "",
+        *table(["prompt", "AquaAttention (ms)", "GFLOP/s", "bfloat16 (ms)", "GFLOP/s", "GroupQueryAttention (ms)",
+                "GFLOP/s", "speed-up",
                 "MatMul GFLOP/s", f"MatMul, {PREFILL_CHUNK} rows at a time"], rows), ""])
 
 
@@ -113,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     a = ap.parse_args(argv)
     from aqua_export.meter import cpu_name
-    from aqua_export.runtime.session import native_library
+    from aqua_export.runtime.session import native_library, prompt_bf16_runs
 
     if native_library() is None:
         print("the native kernels are not built: run `make plugin`", file=sys.stderr)
         return 2
     res = {"command": command("prompt") + (" " + " ".join(argv) if argv else ""), "cpu": cpu_name(),
-           "threads": a.threads, "rows": [measure(t, a.threads, a.reps) for t in a.tokens]}
+           "threads": a.threads, "bf16": prompt_bf16_runs(), "rows": [measure(t, a.threads, a.reps) for t in a.tokens]}
     out = Path(a.out)
     (out / "prompt_attention.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "prompt_attention.md").write_text(render(res))

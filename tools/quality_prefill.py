@@ -34,16 +34,16 @@ BLOCK = 64
 
 def block_share(model, tok, proj, cfg: AquaConfig, length: int) -> float:
     """Chosen over causal (query block, key block) pairs of the first window of ``length`` tokens, through the
-    reference (rules.prefill_chosen counted as it is called: every layer, KV head and chunk of rows)."""
+    reference (rules.prefill_choice counted as it is called: every layer, KV head and chunk of rows)."""
     from aqua_export.reference.attention import apply_aqua
 
     ids = corpus.tokenize(tok, corpus.read_text(TEXT), length)[None]
     counts = [0, 0]
-    choose = rules.prefill_chosen
+    choose = rules.prefill_choice  # what the reference asks (its margin and mass besides the choice)
 
     def counted(estimate, visible, real, positions, start, end, threshold, stride):
         out = choose(estimate, visible, real, positions, start, end, threshold, stride)
-        for i, m in enumerate((out, visible)):
+        for i, m in enumerate((out[0], visible)):
             pad = -m.shape[-1] % BLOCK
             m = torch.nn.functional.pad(m, (0, pad)).unflatten(-1, (-1, BLOCK)).any(-1).float()  # [B, Hkv, T, NBk]
             qb = positions // BLOCK
@@ -51,12 +51,13 @@ def block_share(model, tok, proj, cfg: AquaConfig, length: int) -> float:
             counts[i] += int((torch.einsum("tq,bhtk->bhqk", onehot, m) > 0).sum())
         return out
 
-    rules.prefill_chosen = counted
+    rules.prefill_choice = counted
     try:
         with torch.no_grad(), apply_aqua(model, proj, cfg):
             model(ids)
     finally:
-        rules.prefill_chosen = choose
+        rules.prefill_choice = choose
+    assert counts[1] > 0, "the reference made no sparse prefill choice: block_share counts nothing"
     return counts[0] / counts[1]
 
 
