@@ -244,6 +244,7 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
         "prefill_threshold": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98), BuildOptions(), ""),
         "prefill_stride": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_stride=8), BuildOptions(), ""),
         "prefill_k_ratio": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_k_ratio=0.5), BuildOptions(), ""),
+        "prompt_precision": (AquaConfig(k_ratio=0.75, prompt_precision="bfloat16"), BuildOptions(), ""),
         "dtype": (base, BuildOptions(dtype="float16"), ""),
         "weights": (base, BuildOptions(weights=int4), ""),
         "weights int8": (base, BuildOptions(weights=WeightFormat(bits=8)), ""),
@@ -262,6 +263,7 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
     assert len(set(names.values())) == len(names), names
     assert names["dtype"] == "llama-k0.75-float16" and names["h2o_ratio"] == "llama-k0.75-h0.5"
     assert names["cache_dtype"] == "llama-k0.75-kv-float16" and names["token_budget"] == "llama-k0.75-tb512"
+    assert names["prompt_precision"] == "llama-k0.75-bf16"
     # a float32 cache is the float32 graph's own: the same build, the same name
     assert default_out("llama", base, BuildOptions(cache_dtype="float32")).name == names["default"]
     # every setting, and every build option that names its folder, has a row (a new one must show its name part)
