@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -79,13 +80,18 @@ def prompt_bf16_runs(lib: Path | None = None) -> bool:
     """Whether the native kernels compute a prompt's attention products in bfloat16 here when a folder asks
     (settings/precision.py): their AVX-512 variant on a CPU with AVX512_BF16, as the kernel itself tests it
     (plugins/ort/aqua_prompt.cc prompt_bf16_runs); elsewhere they compute in float32."""
-    if native_variant(lib) != "x86-64-v4":
-        return False
+    return native_variant(lib) == "x86-64-v4" and _cpu_has_bf16()
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             return "avx512_bf16" in f.read().split()
     except OSError:
         return False
+
+
 _SAID: set = set()  # the one-line notices already printed by this process
 
 

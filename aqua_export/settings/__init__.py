@@ -1,7 +1,7 @@
-"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens, prefill, precision). Each owns its
-fields, defaults, ranges, one-line help, the checks across fields and the attention node's attributes it contributes;
-AquaConfig (config.py), the CLI flags, lm-eval's model arguments and docs/cli.md's table are derived from MECHANISMS.
-A new mechanism is a module here and one entry below."""
+"""AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens, prefill, precision). Each
+owns its fields, defaults, ranges, one-line help, the checks across fields and the attention node's attributes it
+contributes; AquaConfig (config.py), the CLI flags, lm-eval's model arguments and docs/cli.md's table are derived
+from MECHANISMS. A new mechanism is a module here and one entry below."""
 
 from __future__ import annotations
 
