@@ -18,9 +18,9 @@
 //   rows evicted them.
 //
 // Sparse prefill (ops/rules.py prefill_chosen; node attributes prefill_*): tasks are then query blocks of
-// kPrefillBlock slots, and choose_blocks estimates each sparse block's key-block masses from the packed panels
-// (every stride-th row's top-k' coordinates) before the walk, which skips the products of the 64-key halves it
-// leaves out.
+// kPrefillBlock slots, and choose_blocks (prefill_choice.h) estimates each sparse block's key-block masses from
+// the packed panels (every stride-th row's top-k' coordinates) before the walk, which skips the products of the
+// 64-key halves it leaves out.
 //
 // The micro-kernel keeps a tile of its output in 12 vector registers (GCC vector extensions): 6 x 32 in AVX-512's
 // zmm registers, 6 x 16 in AVX2's ymm ones (which hold it with the two B vectors and the broadcast A value), and
@@ -28,7 +28,7 @@
 // matrix-product shape that keeps the FMA units busy. Tasks are spread dynamically over ORT's thread pool (a
 // causal prompt's later blocks cost more).
 
-#include "prompt_tiles.h"
+#include "prefill_choice.h"
 
 namespace aqua {
 namespace {
@@ -36,7 +36,6 @@ namespace {
 using namespace prompt;
 
 constexpr int64_t kQueryRows = 192;    // query rows per task (all g heads of kQueryRows / g tokens, at least one)
-constexpr int64_t kKeys = 128;        // keys per block
 
 template <typename T, typename C>
 struct PromptJob : QueryRows<T> {
@@ -150,150 +149,6 @@ inline void softmax_row(float* s, int64_t n, int64_t width, float& m, float& l, 
   }
   online_block(s, n, top, m, l, o, rvp);
   std::fill(s + n, s + width, 0.0f);
-}
-
-// Sparse prefill's estimate rows, a group at a time: rows[i] (its q^ as scored at its k coordinates, their panel
-// offsets, its seen keys [lo, hi]) -> s[i][a..hi] (a = lo rounded down to kNR) = softcap(q[I'] . K^[I', j]) + kmask[j] from the packed
-// panels, -inf before lo (kmask: 0 for a real key, -inf for padding). Keys outer, rows inner: a 16-key chunk of the
-// panels (r lines) stays in L1 while every row of the group reads its k lines of it; row by row, each row streamed
-// the whole panel run from L2 again (2 ns a key, a fifth of the dense attention at 8k tokens).
-struct EstimateRow {
-  const float* w;      // [k] the row's q^ at its k coordinates, as scored
-  const int32_t* off;  // [k] where each coordinate's 16 keys lie in a panel chunk (c * kNR)
-  int64_t lo, hi;
-};
-constexpr int64_t kEstimateRows = 24;
-
-template <typename T, typename C>
-void estimate_rows(const PromptJob<T, C>& j, const float* panels, const EstimateRow* rows, int64_t n,
-                   const float* kmask, float* s, int64_t lds) {
-  const int64_t r = j.r, k = j.prefill.k;
-  int64_t a = INT64_MAX, b = 0;
-  for (int64_t i = 0; i < n; ++i) a = std::min(a, rows[i].lo / kNR * kNR), b = std::max(b, rows[i].hi + 1);
-  for (int64_t j0 = a; j0 < b; j0 += kNR) {
-    const float* p = panels + (j0 / kKeys) * j.block_floats() + ((j0 % kKeys) / kNR) * r * kNR;
-    for (int64_t i = 0; i < n; ++i) {
-      const EstimateRow& row = rows[i];
-      if (j0 + kNR <= row.lo || j0 > row.hi) continue;
-      f16v x{};  // one AVX-512 register, two AVX ones
-      for (int64_t c = 0; c < k; ++c) x += row.w[c] * load16(p + row.off[c]);
-      store16(s + i * lds + j0, x);
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    float* si = s + i * lds;
-    const int64_t lo = rows[i].lo, ra = lo / kNR * kNR, rb = rows[i].hi + 1;
-    if (j.softcap > 0.0f) {
-      for (int64_t x = ra; x < rb; ++x) si[x] = std::tanh(si[x] / j.softcap) * j.softcap;
-    }
-    int64_t x = ra;
-    for (; x + 8 <= rb; x += 8) store8(si + x, load8(si + x) + load8(kmask + x));
-    for (; x < rb; ++x) si[x] += kmask[x];
-    std::fill(si + ra, si + lo, -INFINITY);
-  }
-}
-
-// sum of x[0..n), eight lanes at a time.
-inline float sum_of(const float* x, int64_t n) {
-  f8 acc{};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += load8(x + i);
-  float out = 0.0f;
-  for (int e = 0; e < 8; ++e) out += acc[e];
-  for (; i < n; ++i) out += x[i];
-  return out;
-}
-
-// Sparse prefill's choice for the task's query block (ops/rules.py prefill_chosen): kept[0..ceil(L / 64)) the key
-// blocks its rows attend. Returns false when the block is dense (not wholly inside the call and before its last
-// kPrefillTail rows, or no row sampled): then kept is not read.
-template <typename T, typename C>
-bool choose_blocks(const PromptJob<T, C>& j, int64_t bh, int64_t t0, int64_t nt, std::vector<uint8_t>& kept) {
-  const int64_t first = j.mask.len - j.t, p0 = first + t0, len = j.mask.len, b = bh / j.heads;
-  if (p0 % kPrefillBlock != 0 || nt != kPrefillBlock || p0 + kPrefillBlock > len - kPrefillTail) return false;
-  const int64_t nb = (len + kPrefillBlock - 1) / kPrefillBlock, g = j.g, r = j.r;
-  static thread_local std::vector<float> rows, srow, kmask;
-  static thread_local std::vector<int64_t> idx, order;
-  static thread_local std::vector<double> mass;
-  static thread_local std::vector<EstimateRow> est;
-  static thread_local std::vector<float> weights;
-  static thread_local std::vector<int32_t> offsets;
-  const int64_t end = p0 + kPrefillBlock;  // the block's rows see no key at or past its end
-  rows.resize(static_cast<size_t>(nt * g * r));
-  idx.resize(static_cast<size_t>(nt * g * r));
-  srow.resize(static_cast<size_t>(kEstimateRows * (end + kNR)));
-  weights.resize(static_cast<size_t>(nt * g * j.prefill.k));
-  offsets.resize(static_cast<size_t>(nt * g * j.prefill.k));
-  kmask.resize(static_cast<size_t>(end + kNR));
-  est.clear();
-  mass.assign(static_cast<size_t>(nb), 0.0);
-  const float* panels = j.packed + bh * j.key_blocks * j.block_floats();
-  const int64_t* am = j.mask.am + (j.mask.rows == 1 ? 0 : b) * len;
-  for (int64_t i = 0; i < end; ++i) kmask[i] = am[i] != 0 ? 0.0f : -INFINITY;
-  int64_t sampled = 0, sink = len;
-  for (int64_t t = t0; t < t0 + nt; ++t) {
-    const int64_t p = first + t;
-    if (p % j.prefill.stride != j.prefill.stride - 1 || am[p] == 0) continue;
-    const Seen seen = j.mask.at(b, t);
-    for (int64_t i = seen.lo; i <= seen.hi; ++i) {
-      if (am[i] != 0) {
-        sink = std::min(sink, i);
-        break;
-      }
-    }
-    float* q = rows.data() + sampled * g * r;
-    int64_t* ix = idx.data() + sampled * g * r;
-    load_rows(j, bh, t, q);
-    select_group(q, g, r, j.prefill.k, kPerHead, ix, r);
-    unweigh(j, bh % j.heads, q);
-    for (int64_t h = 0; h < g; ++h) {  // the k coordinates' weights and panel offsets, gathered once
-      float* w = weights.data() + (sampled * g + h) * j.prefill.k;
-      int32_t* off = offsets.data() + (sampled * g + h) * j.prefill.k;
-      for (int64_t c = 0; c < j.prefill.k; ++c) {
-        w[c] = q[h * r + ix[h * r + c]];
-        off[c] = static_cast<int32_t>(ix[h * r + c] * kNR);
-      }
-      est.push_back({w, off, seen.lo, seen.hi});
-    }
-    ++sampled;
-  }
-  const int64_t lds = end + kNR;
-  for (size_t i0 = 0; i0 < est.size(); i0 += kEstimateRows) {
-    const int64_t n = std::min<int64_t>(kEstimateRows, static_cast<int64_t>(est.size() - i0));
-    estimate_rows(j, panels, est.data() + i0, n, kmask.data(), srow.data(), lds);
-    for (int64_t i = 0; i < n; ++i) {
-      const EstimateRow& row = est[i0 + i];
-      float* s = srow.data() + i * lds;
-      const int64_t a = row.lo / kNR * kNR, w = row.hi + 1 - a;
-      const float inv = 1.0f / exp_sum(s + a, w, row_max(s + a, w));
-      for (int64_t kb = a / kPrefillBlock; kb * kPrefillBlock <= row.hi; ++kb) {
-        const int64_t x = std::max(a, kb * kPrefillBlock), y = std::min(row.hi + 1, (kb + 1) * kPrefillBlock);
-        mass[kb] += sum_of(s + x, y - x) * inv;
-      }
-    }
-  }
-  if (sampled == 0) return false;
-  const double count = static_cast<double>(sampled * g);
-  for (double& x : mass) x /= count;
-  kept.assign(static_cast<size_t>(nb), 0);
-  double before = 0.0;
-  for (int64_t kb : {std::min(p0, sink) / kPrefillBlock, std::max(p0, sink) / kPrefillBlock}) {
-    if (kept[kb]) continue;  // the sink's block, then the diagonal: forced, in the order of their index
-    kept[kb] = 1;
-    before += mass[kb];
-  }
-  order.clear();
-  for (int64_t kb = 0; kb < nb; ++kb) {
-    if (!kept[kb]) order.push_back(kb);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return mass[x] > mass[y]; });
-  const double bar = static_cast<double>(j.prefill.threshold) - 1e-6;
-  for (int64_t kb : order) {
-    if (before >= bar) break;
-    kept[kb] = 1;
-    before += mass[kb];
-  }
-  return true;
 }
 
 template <typename T, typename C>

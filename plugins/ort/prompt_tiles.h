@@ -10,6 +10,7 @@ namespace prompt {
 
 constexpr int kMR = 6;                // rows of a micro-kernel tile
 constexpr int64_t kNR = 16;           // columns of a panel (one AVX-512 vector, two AVX ones)
+constexpr int64_t kKeys = 128;        // keys per block of the walk (and of the packed panels)
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
