@@ -239,7 +239,8 @@ def test_folder_perplexity_equals_the_reference_and_genais_builder(ckpt, tmp_pat
 @pytest.mark.parametrize("kernel", ["function", "native"])
 def test_level_4_int4_products_are_matmul_q4a8_at_every_row_count(tmp_path, kernel):
     """accuracy_level 4 (the default) with int4 weights: every quantized product is one MatMulQ4A8 (int8 activation
-    blocks on the integer units, the faster at every row count: quantize.WeightFormat.int8_blocks), no If. They round
+    blocks on the integer units, the faster at every row count: quantize.WeightFormat.int8_blocks), the gated MLP's
+    gate and up one MatMulQ4A8Gated with its SiLU gate, no If. They round
     the activations, so every forward differs from the graph with float32 activations (rewrites.float_activations,
     which makes them MatMulNBits at level 0 again) by the rounding's size, a prompt's as a decode step's."""
     import onnx
@@ -256,10 +257,12 @@ def test_level_4_int4_products_are_matmul_q4a8_at_every_row_count(tmp_path, kern
     cfg = AquaConfig(k_ratio=0.75)
     proto = export_onnx(m, tiny_projection(m, tmp_path), cfg, tmp_path / "q.onnx", weights=WeightFormat(bits=4))
     ops = [n.op_type for n in proto.graph.node]
-    assert ops.count("MatMulQ4A8") == 2 * 4 + 1 and "If" not in ops and "MatMulNBits" not in ops  # per layer
+    assert ops.count("MatMulQ4A8") == 2 * 3 + 1 and ops.count("MatMulQ4A8Gated") == 2  # q/k/v, o, down; the head
+    assert "If" not in ops and "MatMulNBits" not in ops and "Sigmoid" not in ops
     floats_proto = float_activations(onnx.load(str(tmp_path / "q.onnx")))  # q/k/v, o, gate/up, down; the head
     back = [n for n in floats_proto.graph.node if n.op_type == "MatMulNBits"]
     assert len(back) == 2 * 4 + 1 and {a.i for x in back for a in x.attribute if a.name == "accuracy_level"} == {0}
+    assert [n.op_type for n in floats_proto.graph.node].count("Sigmoid") == 2  # the gates, in standard ops
 
     def logits(model, lengths):
         lm = OrtLM(make_session(all_logits(model).SerializeToString(), kernel=kernel), folder_cfg(m, cfg), "concat",

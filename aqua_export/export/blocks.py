@@ -224,7 +224,14 @@ class Blocks:
         return self.gb.op(f"{name}/Mul", "Mul", [x, self.gb.op(f"{name}/Sigmoid", "Sigmoid", [x])])
 
     def _gated_mlp(self, n: str, h: str, w: dict) -> str:
-        """down(act(gate(h)) * up(h)), act = SiLU or GELU (tanh approximation)."""
+        """down(act(gate(h)) * up(h)), act = SiLU or GELU (tanh approximation). int4 weights at level 4 under SiLU:
+        gate, up and the gate's product in one MatMulQ4A8Gated node (ops/matmul_q4a8.py)."""
+        if self.p.weights.int8_blocks and self.p.act == "silu":
+            stacked, _ = stack([(w["gate_proj"], None), (w["up_proj"], None)])
+            name = f"{n}/gate_up_proj"
+            gated = self.gb.op(f"{name}/MatMulQ4A8Gated", matmul_q4a8.GATED.name, [h] + self._quantized(name, stacked),
+                               domain=DOMAIN, K=stacked.shape[1], N=stacked.shape[0], block_size=self.p.weights.block)
+            return self._linear(f"{n}/down_proj", gated, w["down_proj"], None)
         gate, up = self._linears(f"{n}/gate_up_proj", h, [(w["gate_proj"], None), (w["up_proj"], None)])
         act = self._silu(f"{n}/act", gate) if self.p.act == "silu" else \
             self.gb.op(f"{n}/act/Gelu", "Gelu", [gate], approximate="tanh")

@@ -210,12 +210,15 @@ def all_logits(m):
 
 def float_activations(m):
     """The graph with every quantized MatMul and expert op computing its activations in float32 (accuracy_level 0;
-    MatMulQ4A8 made MatMulNBits again): the folder's int8 activations (level 4: MatMulQ4A8's blocks at every row
-    count for int4 weights, MatMulNBits' on a decode step's few rows for int8 ones) round the input of each quantized
-    MatMul per block, which is the weight format's choice, not the export's; parity gates the export without it and
-    reports it apart."""
+    MatMulQ4A8 made MatMulNBits again, MatMulQ4A8Gated MatMulNBits with its gate in standard ops after it): the
+    folder's int8 activations (level 4: MatMulQ4A8's blocks at every row count for int4 weights, MatMulNBits' on a
+    decode step's few rows for int8 ones) round the input of each quantized MatMul per block, which is the weight
+    format's choice, not the export's; parity gates the export without it and reports it apart."""
 
     def walk(graph):
+        gated = [i for i, n in enumerate(graph.node) if n.domain == DOMAIN and n.op_type == matmul_q4a8.GATED.name]
+        for i in reversed(gated):  # the gate after each product: nodes inserted, the later ones first
+            matmul_q4a8.to_nbits_gated(graph, i)
         for n in graph.node:
             if n.domain == DOMAIN and n.op_type == matmul_q4a8.OP.name:  # int4 weights' int8 activation blocks
                 matmul_q4a8.to_nbits(n)

@@ -7,7 +7,8 @@ from . import (aqua_attention, cache_update, h2o_attention, logit_rows, matmul_q
 from .table import OpDef
 
 OPS: tuple[OpDef, ...] = (topk_gather_dot.OP, aqua_attention.OP, cache_update.KEY, cache_update.VALUE,
-                          value_product.OP, h2o_attention.OP, logit_rows.OP, quantize_rows.OP, matmul_q4a8.OP)
+                          value_product.OP, h2o_attention.OP, logit_rows.OP, quantize_rows.OP, matmul_q4a8.OP,
+                          matmul_q4a8.GATED)
 BY_NAME = {op.name: op for op in OPS}
 
 

@@ -10,6 +10,10 @@
 // (without VNNI, vpmaddubsw and vpmaddwd: 15 x 127 x 2 cannot saturate 16 bits). So a prompt's products run on the
 // integer units at several times the float32 rate (tools/studies/activation_levels_study.py measures it).
 //
+// MatMulQ4A8Gated (the same module's GATED): the product over a gated MLP's stacked [gate; up] weights (N = 2 I), its
+// output y [..., I] = silu(gate) * up, applied as each tile is stored: the packing pairs gate's panel of 16 columns
+// with up's panel of the same 16 outputs, so a tile of 32 columns holds both halves of its 16 outputs.
+//
 // The weights are repacked once per node, on its first run (again only if another buffer comes): 16 columns a panel, 8 inputs a group, each group 64
 // bytes where byte 4c + i holds column c's inputs 8u + i (low nibble) and 8u + 4 + i (high nibble), so one load
 // and two masks give two vpdpbusd operands of 16 columns x 4 inputs. Columns past N are zero-scaled padding.
@@ -128,7 +132,17 @@ struct ProductJob {
   const Packed* w;
   float* y;
   int64_t m, n, k, block, col_tasks, cols;  // cols: columns a task takes (a multiple of 32)
+  bool gated;  // MatMulQ4A8Gated: y [m][n / 2], each tile's two panels gate's and up's columns of 16 outputs
 };
+
+// silu(g) * u for 16 columns: g / (1 + e^-g) as e = e^-|g| (exp_lanes takes x <= 0), g e / (1 + e) below zero.
+inline void gate16(const float* g, const float* u, float* y, int64_t width) {
+  const f16v x = load16(g), e = exp_lanes<f16v, u16v>(f16v{} - (x < 0 ? -x : x)), one = f16v{} + 1.0f;
+  const f16v sig = x < 0 ? e / (one + e) : one / (one + e);
+  alignas(64) float out[kPanel];
+  store16(out, x * sig * load16(u));
+  std::memcpy(y, out, sizeof(float) * width);
+}
 
 #if defined(__AVX512BW__)
 // R rows x 32 columns (panels p, p + 1) over all K: the int32 sums of a block start at -8 sum q and take the
@@ -325,8 +339,10 @@ void product_task(void* data, size_t task) {
   const int64_t r0 = rt * kRowsPerTask, r1 = std::min(j.m, r0 + kRowsPerTask);
   const int64_t p_end = std::min(j.w->panels, (ct + 1) * (j.cols / kPanel));
   alignas(64) float out[4 * 2 * kPanel];
+  const int64_t out_n = j.gated ? j.n / 2 : j.n;
   for (int64_t p = ct * (j.cols / kPanel); p < p_end; p += 2) {
-    const int64_t c0 = p * kPanel, width = std::min<int64_t>(2 * kPanel, j.n - c0);
+    const int64_t c0 = (j.gated ? p / 2 : p) * kPanel;
+    const int64_t width = std::min<int64_t>(j.gated ? kPanel : 2 * kPanel, out_n - c0);
     for (int64_t m = r0; m < r1; m += 4) {
       const int64_t rows = std::min<int64_t>(4, r1 - m);
       switch (rows) {
@@ -336,15 +352,19 @@ void product_task(void* data, size_t task) {
         default: run_tile<1>(j, m, p, out); break;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        float* y = j.y + (m + r) * j.n + c0;
-        std::memcpy(y, out + r * 2 * kPanel, sizeof(float) * width);
+        float* y = j.y + (m + r) * out_n + c0;
+        if (j.gated) {
+          gate16(out + r * 2 * kPanel, out + r * 2 * kPanel + kPanel, y, width);
+        } else {
+          std::memcpy(y, out + r * 2 * kPanel, sizeof(float) * width);
+        }
       }
     }
   }
 }
 
 struct Q4A8Kernel {
-  explicit Q4A8Kernel(const OrtKernelInfo* info) {
+  Q4A8Kernel(const OrtKernelInfo* info, bool gated) : gated_(gated) {
     Ort::ConstKernelInfo ki(info);
     k_ = ki.GetAttribute<int64_t>("K");
     n_ = ki.GetAttribute<int64_t>("N");
@@ -353,6 +373,17 @@ struct Q4A8Kernel {
       ORT_CXX_API_THROW("MatMulQ4A8: K and N must be >= 1, block_size a multiple of 8 dividing K",
                         ORT_INVALID_ARGUMENT);
     }
+    if (gated_ && n_ % 2 != 0) {
+      ORT_CXX_API_THROW("MatMulQ4A8Gated: N must be even (gate's columns, then up's)", ORT_INVALID_ARGUMENT);
+    }
+  }
+
+  // The weight row (column of the product) packed at (panel, col), or -1 for padding: 16 columns a panel in order,
+  // or, gated, panel 2i gate's outputs 16i.. and panel 2i + 1 up's of the same outputs.
+  int64_t source(int64_t panel, int64_t col) const {
+    if (!gated_) return panel * kPanel + col < n_ ? panel * kPanel + col : -1;
+    const int64_t out = (panel / 2) * kPanel + col, half = n_ / 2;
+    return out < half ? out + (panel % 2) * half : -1;
   }
 
   // MatMulNBits' blocks [N, K / block, block / 2] and scales [N, K / block] -> panels of 16 columns (Packed).
@@ -360,11 +391,13 @@ struct Q4A8Kernel {
     auto out = std::make_shared<Packed>();
     Packed& w = *out;
     const int64_t nb = k_ / block_, groups = k_ / kGroup;
-    w.panels = 2 * ((n_ + 2 * kPanel - 1) / (2 * kPanel));  // whole pairs: a tile reads two panels
+    const int64_t outs = gated_ ? n_ / 2 : n_, per_pair = gated_ ? kPanel : 2 * kPanel;
+    w.panels = 2 * ((outs + per_pair - 1) / per_pair);  // whole pairs: a tile reads two panels
     w.groups.assign(w.panels * groups * 64, 0x88);     // padding columns: nibble 8, weight 0
     w.scales.assign(w.panels * nb * kPanel, 0.0f);
-    for (int64_t n = 0; n < n_; ++n) {
-      const int64_t panel = n / kPanel, col = n % kPanel;
+    for (int64_t at = 0; at < w.panels * kPanel; ++at) {
+      const int64_t panel = at / kPanel, col = at % kPanel, n = source(panel, col);
+      if (n < 0) continue;
       const uint8_t* row = b + n * (k_ / 2);
       const auto nibble = [&](int64_t k) { return (k & 1) ? row[k / 2] >> 4 : row[k / 2] & 0x0F; };
       for (int64_t u = 0; u < groups; ++u) {
@@ -405,7 +438,7 @@ struct Q4A8Kernel {
     const std::shared_ptr<const Packed> w = packed(b.GetTensorData<uint8_t>(), scales.GetTensorData<float>());
     int64_t m = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
-    shape.back() = n_;
+    shape.back() = gated_ ? n_ / 2 : n_;
     auto y = ctx.GetOutput(0, shape);
     if (m == 0) return;
     Rows rows;
@@ -426,11 +459,12 @@ struct Q4A8Kernel {
     const int64_t cols = std::clamp<int64_t>((padded / per + 2 * kPanel - 1) / (2 * kPanel) * 2 * kPanel,
                                              2 * kPanel, kColsPerTask);
     const int64_t col_tasks = (padded + cols - 1) / cols;
-    ProductJob pj{&rows, w.get(), y.GetTensorMutableData<float>(), m, n_, k_, block_, col_tasks, cols};
+    ProductJob pj{&rows, w.get(), y.GetTensorMutableData<float>(), m, n_, k_, block_, col_tasks, cols, gated_};
     ctx.ParallelFor(&product_task, row_tasks * static_cast<size_t>(col_tasks), 0, &pj);
   }
 
  private:
+  bool gated_;
   int64_t k_ = 0, n_ = 0, block_ = 0;
   std::mutex mutex_;
   std::shared_ptr<const Packed> packed_;
@@ -439,8 +473,9 @@ struct Q4A8Kernel {
 };
 
 struct Q4A8Op : Ort::CustomOpBase<Q4A8Op, Q4A8Kernel> {
-  void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new Q4A8Kernel(info); }
-  const char* GetName() const { return "MatMulQ4A8"; }
+  explicit Q4A8Op(bool gated) : gated_(gated) {}
+  void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new Q4A8Kernel(info, gated_); }
+  const char* GetName() const { return gated_ ? "MatMulQ4A8Gated" : "MatMulQ4A8"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
@@ -448,6 +483,7 @@ struct Q4A8Op : Ort::CustomOpBase<Q4A8Op, Q4A8Kernel> {
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  bool gated_;
 };
 
 }  // namespace
@@ -455,8 +491,9 @@ struct Q4A8Op : Ort::CustomOpBase<Q4A8Op, Q4A8Kernel> {
 namespace aqua {
 
 void add_matmul_q4a8_ops(Ort::CustomOpDomain& domain) {
-  static Q4A8Op op;
+  static Q4A8Op op(false), gated(true);
   domain.Add(&op);
+  domain.Add(&gated);
 }
 
 }  // namespace aqua
