@@ -82,8 +82,9 @@ def test_parity_of_a_shared_buffer_export(tmp_path, tiny_llama):
 def test_cache_gate_bar_follows_what_the_rounding_moves():
     """The narrow-cache gate on two traces of 65 forwards, 4 of them with another argmax (as the int4 token folder's
     float16 cache measured): it passes under token selection (the rounding moves page choices at any width:
-    gates.CACHE_TOP1_TOKENS) and fails a float16 cache without it (0.95), as it does 7 differing forwards at any bar."""
-    from aqua_export.parity.gates import TOLERANCE, cache_gate
+    gates.CACHE_TOP1_TOKENS) and fails a float16 cache without it (0.95), as it does 7 differing forwards at any bar;
+    7 whose argmax moved by near-ties (margins within gates.CACHE_TIE_TOKENS) pass under token selection only."""
+    from aqua_export.parity.gates import CACHE_TIE_TOKENS, TOLERANCE, cache_gate
 
     rng = np.random.default_rng(0)
     ref = [rng.standard_normal((1, 50)).astype(np.float32) for _ in range(65)]
@@ -93,6 +94,16 @@ def test_cache_gate_bar_follows_what_the_rounding_moves():
         for r in out[1:n + 1]:
             r[0, int(r[0].argmin())] = r[0].max() + 0.05
         return out
+
+    near = [r.copy() for r in ref]  # 7 forwards whose runner-up trails the argmax by half the tie
+    for r in near[1:8]:
+        r[0, int(np.argsort(r[0])[-2])] = r[0].max() - CACHE_TIE_TOKENS / 2
+    swapped = [r.copy() for r in near]  # ... and leads it by as much in the other trace
+    for r in swapped[1:8]:
+        r[0, int(np.argsort(r[0])[-2])] += CACHE_TIE_TOKENS
+    for tokens in (False, True):
+        c = cache_gate(swapped, near, TOLERANCE["float32"], "float16", tokens)
+        assert c["top1_differing"] == 7 and c["pass"] == tokens, c
 
     verdicts = {}
     for n in (4, 7):
