@@ -119,9 +119,10 @@ def to_nbits(node) -> None:
                            H.make_attribute("accuracy_level", 0)])
 
 
-GATED = OpDef("MatMulQ4A8Gated", "y [..., N / 2] = silu(p[..., :N / 2]) * p[..., N / 2:], p = MatMulQ4A8's product over "
-              "a gated MLP's stacked [gate; up] int4 weights", inputs=OP.inputs, outputs=OP.outputs,
-              attributes=(Attr("K", "int", "inputs"), Attr("N", "int", "the product's columns: gate's, then up's (even)"),
+GATED = OpDef("MatMulQ4A8Gated", "y [..., N / 2] = silu(p[..., :N / 2]) * p[..., N / 2:], p = MatMulQ4A8's product "
+              "over a gated MLP's stacked [gate; up] int4 weights", inputs=OP.inputs, outputs=OP.outputs,
+              attributes=(Attr("K", "int", "inputs"),
+                          Attr("N", "int", "the product's columns: gate's, then up's (even)"),
                           Attr("block_size", "int", "inputs per block (a multiple of 8 dividing K)")),
               body=gated_body, reference=gated_reference, shape=lambda d: {"y": d["a"][:-1] + [ANY]})
 
