@@ -68,6 +68,7 @@ enum Rule : int64_t { kPerHead = 0, kGroup = 1, kStatic = 2 };
 // the ties at that value go to the lower indices. A partition of indices under a comparing lambda cost ~2,000
 // cycles at r = 64 (perf: a fifth of sparse prefill's estimate, which selects for every sampled row).
 inline void top_k(const float* score, int64_t r, int64_t k, int64_t* order) {
+  if (k <= 0) return;
   if (k >= r) {
     std::iota(order, order + r, int64_t{0});
     return;
