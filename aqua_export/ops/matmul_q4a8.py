@@ -54,15 +54,24 @@ def body(opset: int, projected: bool = False):
 
 
 def gated_body(opset: int, projected: bool = False):
-    """body's product, then Split in two halves along the last axis, Sigmoid and Mul (silu of the first), Mul by the
-    second."""
+    """body's product, then the gate (_gate) on its two halves."""
     n = H.make_node
     nodes = _product("y_full") + [  # N / 2 columns each, N read from b as in the product
         n("Div", ["n_1d", "two_i"], ["half"]), n("Concat", ["half", "half"], ["halves"], axis=0),
-        n("Split", ["y_full", "halves"], ["gate", "up"], axis=-1), n("Sigmoid", ["gate"], ["gate_sig"]),
-        n("Mul", ["gate", "gate_sig"], ["gate_silu"]), n("Mul", ["gate_silu", "up"], ["y"])]
+        *_gate("y_full", "halves", "y")]
     return H.make_function(DOMAIN, GATED.name, ["a", "b", "scales"], ["y"], nodes, [H.make_opsetid("", opset)],
                            attributes=["K", "N", "block_size"])
+
+
+def _gate(product: str, halves: str, out: str, prefix: str = "") -> list:
+    """Split ``product`` [..., N] in its two halves (``halves``: [N / 2, N / 2]) along the last axis, Sigmoid and Mul
+    (silu of the first), Mul by the second into ``out``: the gate in standard ops (the function body's, and
+    float_activations' after MatMulNBits). prefix names the intermediate values and the nodes."""
+    n, p = H.make_node, prefix
+    return [n("Split", [product, halves], [p + "gate", p + "up"], name=p + "Split", axis=-1),
+            n("Sigmoid", [p + "gate"], [p + "sigmoid"], name=p + "Sigmoid"),
+            n("Mul", [p + "gate", p + "sigmoid"], [p + "silu"], name=p + "Silu"),
+            n("Mul", [p + "silu", p + "up"], [out], name=p + "Gate")]
 
 
 def _product(out: str) -> list:
@@ -140,9 +149,6 @@ def to_nbits_gated(graph, index: int) -> None:
     half = f"{name}/halves"
     gate = [H.make_node("Constant", [], [half], name=half,
                         value=H.make_tensor(half, TensorProto.INT64, [2], [attrs["N"] // 2] * 2)),
-            H.make_node("Split", [product, half], [f"{name}/gate", f"{name}/up"], name=f"{name}/Split", axis=-1),
-            H.make_node("Sigmoid", [f"{name}/gate"], [f"{name}/sigmoid"], name=f"{name}/Sigmoid"),
-            H.make_node("Mul", [f"{name}/gate", f"{name}/sigmoid"], [f"{name}/silu"], name=f"{name}/Silu"),
-            H.make_node("Mul", [f"{name}/silu", f"{name}/up"], [out], name=f"{name}/Gate")]
+            *_gate(product, half, out, f"{name}/")]
     for i, extra in enumerate(gate):
         graph.node.insert(index + 1 + i, extra)

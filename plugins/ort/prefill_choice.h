@@ -190,15 +190,15 @@ bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector
   sums.resize(est.size() * static_cast<size_t>(nb));
   estimate_rows(j, panels, est, padded ? kmask.data() : nullptr, sums.data(), nb);
   for (size_t i = 0; i < est.size(); ++i) {  // each row's blocks as shares of its mass: l e^(m - max m) / total
-    const BlockSum* s = sums.data() + i * nb;
+    BlockSum* s = sums.data() + i * nb;
     const int64_t k0 = est[i].lo / kPrefillBlock, k1 = est[i].hi / kPrefillBlock;
     float top = -INFINITY;
     for (int64_t kb = k0; kb <= k1; ++kb) top = std::max(top, s[kb].m);
     if (top == -INFINITY) continue;  // a row that sees no real key (not sampled: its own token is real)
     float total = 0.0f;
-    for (int64_t kb = k0; kb <= k1; ++kb) total += s[kb].l * std::exp(s[kb].m - top);
+    for (int64_t kb = k0; kb <= k1; ++kb) total += (s[kb].l *= std::exp(s[kb].m - top));  // l now at the max
     const float inv = 1.0f / total;
-    for (int64_t kb = k0; kb <= k1; ++kb) mass[kb] += s[kb].l * std::exp(s[kb].m - top) * inv;
+    for (int64_t kb = k0; kb <= k1; ++kb) mass[kb] += s[kb].l * inv;
   }
   const double count = static_cast<double>(sampled * g);
   for (double& x : mass) x /= count;
