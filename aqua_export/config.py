@@ -13,7 +13,8 @@ from .settings import h2o, k_alloc, precision, prefill, selection, tokens
 
 __all__ = ["CONFIG_VERSION", "AquaConfig", "ConfigError", "reject_unknown"]
 
-CONFIG_VERSION = 5  # 5: prompt_precision; 4: sparse prefill (prefill_*); 3: k_alloc; 2: token selection; 1-4 read
+CONFIG_VERSION = 6  # 6: sparse prefill's estimate defaults (stride 8, k' = r); 5: prompt_precision; 4: sparse
+# prefill (prefill_*); 3: k_alloc; 2: token selection; 1-5 read
 
 
 class _Config:
@@ -27,9 +28,9 @@ class _Config:
             object.__setattr__(self, name, s.check(getattr(self, name)))
         for m in settings.MECHANISMS:
             m.check(self)
-        if self.version not in (1, 2, 3, 4, CONFIG_VERSION):
+        if self.version not in (1, 2, 3, 4, 5, CONFIG_VERSION):
             raise ConfigError(f"AquaConfig version {self.version} is not supported (this tool writes {CONFIG_VERSION})")
-        object.__setattr__(self, "version", CONFIG_VERSION)  # 1-4: this version without the newer fields
+        object.__setattr__(self, "version", CONFIG_VERSION)  # 1-5: this version without the newer fields
 
     def retained_width(self, head_dim: int) -> int:
         r = head_dim - round(self.slice_ratio * head_dim)
@@ -88,6 +89,8 @@ class _Config:
         if not isinstance(data, dict):
             raise ConfigError("an AQUA config must be a JSON object")
         reject_unknown(cls, data, "AQUA config ")
+        if data.get("version", 1) < 6:
+            data = prefill.upgrade(data)
         return cls(**data)
 
     @classmethod

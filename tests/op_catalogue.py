@@ -23,6 +23,7 @@ from aqua_export.ops import (aqua_attention, cache_update, h2o_attention, logit_
                              topk_gather_dot, value_product)
 from aqua_export.ops.spec import GROUP, MAGNITUDE, RULE_NAMES, STATIC, int8_scales
 from aqua_export.runtime.session import prompt_bf16_runs
+from aqua_export.settings import prefill as prefill_settings
 
 RULES = sorted(RULE_NAMES)  # every selection rule's code
 
@@ -182,7 +183,9 @@ TOKEN_SHAPES = [((1, 2, 3, 1, 64, 700, 700), {"ratio": 0.25}, False, True),
                 ((2, 2, 3, 5, 16, 40, 40), {"ratio": 0.25}, False, False),
                 ((1, 2, 3, 1, 64, 3000, 3000), {"ratio": 0.125, "sink": 16, "window": 64}, True, True),
                 ((2, 2, 4, 1, 128, 1500, 1600), {"budget": 256, "sink": 16, "window": 64}, True, True)]
-def _prefill(threshold=0.9, stride=4, k_ratio=0.25) -> dict:
+def _prefill(threshold=0.9, stride=prefill_settings.STRIDE.default, k_ratio=prefill_settings.K_RATIO.default) -> dict:
+    """Sparse prefill's attributes, its settings' defaults unless given (k_ratio below 1: each estimating row on its
+    top coordinates only)."""
     return {"prefill_threshold": threshold, "prefill_stride": stride, "prefill_k_ratio": k_ratio}
 
 
@@ -233,7 +236,7 @@ def _same_as_dense(attrs):
 PREFILL = [
     _prefill_case("empty-cache", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}),
     _prefill_case("padded-mid-block", (2, 2, 3, 560, 32, 600, 640), {"k": 16, "rule": MAGNITUDE, **_prefill()}),
-    _prefill_case("past-g4", (1, 2, 4, 560, 64, 900, 900), {"k": 32, "rule": MAGNITUDE, **_prefill(0.7, stride=8)}),
+    _prefill_case("past-g4", (1, 2, 4, 560, 64, 900, 900), {"k": 32, "rule": MAGNITUDE, **_prefill(0.7, k_ratio=0.25)}),
     _prefill_case("window", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "sliding_window": 200,
                                                            **_prefill()}),
     _prefill_case("short", (1, 2, 3, 40, 16, 40, 40), {"k": 8, "rule": GROUP, **_prefill()}, differs=False),
@@ -247,9 +250,9 @@ PREFILL = [
                                                            **_prefill()}),
     _prefill_case("softcap", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "softcap": 5.0, **_prefill()}),
     _prefill_case("keyed", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": MAGNITUDE, "key_weights": _key_weights(2, 32),
-                                                          **_prefill()}),
+                                                          **_prefill(stride=4, k_ratio=0.25)}),
     _prefill_case("shared-k", (1, 2, 3, 700, 32, 700, 700), {"k": 8, "rule": MAGNITUDE, "head_prices": _prices(2),
-                                                             **_prefill()}),
+                                                             **_prefill(k_ratio=0.25)}),
     _prefill_case("float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, dtype="float16"),
 ]
 # bfloat16 prompt products (prompt_bf16, settings/precision.py; the native kernel: the function body ignores the

@@ -242,7 +242,7 @@ def test_default_names_differ_for_every_setting_that_changes_the_model():
         "token_sink": (AquaConfig(k_ratio=0.75, token_sink=32, **tokens), BuildOptions(), ""),
         "token_window": (AquaConfig(k_ratio=0.75, token_window=128, **tokens), BuildOptions(), ""),
         "prefill_threshold": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98), BuildOptions(), ""),
-        "prefill_stride": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_stride=8), BuildOptions(), ""),
+        "prefill_stride": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_stride=4), BuildOptions(), ""),
         "prefill_k_ratio": (AquaConfig(k_ratio=0.75, prefill_threshold=0.98, prefill_k_ratio=0.5), BuildOptions(), ""),
         "prompt_precision": (AquaConfig(k_ratio=0.75, prompt_precision="bfloat16"), BuildOptions(), ""),
         "dtype": (base, BuildOptions(dtype="float16"), ""),

@@ -9,7 +9,7 @@ def test_round_trip_json():
     cfg = AquaConfig(k_ratio=0.75, slice_ratio=0.25, h2o_ratio=0.5, selection="static")
     again = AquaConfig.from_json(cfg.to_json())
     assert again == cfg
-    assert '"version": 5' in cfg.to_json()
+    assert '"version": 6' in cfg.to_json()
     alloc = AquaConfig(k_ratio=0.4, selection="weighted", k_alloc="measured")
     assert AquaConfig.from_json(alloc.to_json()) == alloc
     tokens = AquaConfig(k_ratio=0.25, token_ratio=0.125, token_sink=4, token_window=32)
@@ -29,11 +29,22 @@ def test_a_version_2_config_reads_as_uniform_k():
     assert old == AquaConfig(k_ratio=0.5, selection="weighted") and old.k_alloc == "uniform"
 
 
+def test_a_version_5_config_reads_with_the_estimate_it_was_built_with():
+    """Versions 4-5 wrote the estimate's old defaults (every 4th row, k' 0.25 r) into every config: a dense one's mean
+    nothing now (and would be refused without a threshold), a sparse one's are what its nodes hold."""
+    old = {"k_ratio": 0.5, "prefill_threshold": 1.0, "prefill_stride": 4, "prefill_k_ratio": 0.25, "version": 5}
+    assert AquaConfig.from_dict(old) == AquaConfig(k_ratio=0.5)
+    sparse = AquaConfig.from_dict({**old, "prefill_threshold": 0.98})
+    assert (sparse.prefill_stride, sparse.prefill_k_ratio, sparse.version) == (4, 0.25, 6)
+    with pytest.raises(ConfigError, match="give --prefill-threshold below 1"):  # a version 6 dense config is refused
+        AquaConfig.from_dict({**old, "version": 6})
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("token_ratio", 0, "token_ratio=0 is out of range"),
     ("token_budget", -1, "token_budget=-1 must be a whole number"),
     ("token_window", 2.5, "token_window=2.5 must be a whole number"),
-    ("version", 6, "version 6 is not supported"),
+    ("version", 7, "version 7 is not supported"),
     ("prompt_precision", "float16", "prompt_precision='float16' is unknown"),
     ("k_alloc", "greedy", "k_alloc='greedy' is unknown"),
     ("k_ratio", 0, "k_ratio=0 is out of range"),

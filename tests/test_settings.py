@@ -67,7 +67,7 @@ def test_the_mechanisms_own_their_node_attributes_and_name_parts():
 @pytest.mark.parametrize("values,needle", [
     ({"prefill_threshold": 0.9, "prefill_stride": 0}, "prefill_stride=0 is out of range"),
     ({"prefill_threshold": 0.9, "prefill_stride": 65}, "[1, 64]"),
-    ({"prefill_stride": 8}, "give --prefill-threshold below 1"),
+    ({"prefill_stride": 4}, "give --prefill-threshold below 1"),
     ({"prefill_threshold": 0.9, "h2o_ratio": 0.5}, "not both"),
 ])
 def test_sparse_prefill_refuses_what_it_cannot_mean(values, needle):
@@ -77,8 +77,8 @@ def test_sparse_prefill_refuses_what_it_cannot_mean(values, needle):
 
 
 def test_sparse_prefill_names_its_node_attributes_and_folder():
-    cfg = AquaConfig(prefill_threshold=0.98, prefill_stride=8)
-    assert settings.node_attrs(cfg) == {"rule": 0, "prefill_threshold": 0.98, "prefill_stride": 8,
+    cfg = AquaConfig(prefill_threshold=0.98, prefill_stride=4, prefill_k_ratio=0.25)
+    assert settings.node_attrs(cfg) == {"rule": 0, "prefill_threshold": 0.98, "prefill_stride": 4,
                                         "prefill_k_ratio": 0.25}
-    assert settings.name_parts(cfg) == ["p0.98", "ps8"]
+    assert settings.name_parts(cfg) == ["p0.98", "ps4", "pk0.25"]
     assert cfg.on == ("prefill",) and not cfg.is_dense

@@ -20,6 +20,7 @@ import torch
 from aqua_export import corpus, evaluate
 from aqua_export.config import AquaConfig
 from aqua_export.ops import rules
+from aqua_export.settings import prefill
 from tools.harness import table
 from tools.quality_long import built, passkey_cells, passkey_run
 
@@ -31,6 +32,10 @@ SETTINGS = {"dense": AquaConfig(), "sparse prefill 0.98": AquaConfig(prefill_thr
             "dense, bfloat16 prompt": AquaConfig(prompt_precision="bfloat16"),
             "sparse prefill 0.98, bfloat16 prompt": AquaConfig(prefill_threshold=0.98, prompt_precision="bfloat16")}
 BLOCK = 64
+
+
+def _coordinates(ratio: float) -> str:
+    return "all r coordinates" if ratio == 1.0 else f"the top {ratio:g} r of its |q^| coordinates"
 
 
 def block_share(model, tok, proj, cfg: AquaConfig, length: int) -> float:
@@ -100,12 +105,14 @@ def lines(data: dict) -> list[str]:
         cells = [f"{r['ppl'][str(n)]:.4f} ({100 * (r['ppl'][str(n)] / dense[str(n)] - 1):+.2f}%)" for n in LENGTHS]
         rows.append([name, *cells, *(f"{r['share'][str(n)]:.1%}" for n in LENGTHS), *passkey_cells(r["passkey"])])
     return ["\n## Sparse prefill (`--prefill-threshold`) and the prompt's precision (`--prompt-precision`)\n",
-            "Folders built with each setting (float32, stride 4, k' = 16 of 64 coordinates; a bfloat16 prompt: "
+            f"Folders built with each setting (float32; the estimate at its defaults: every "
+            f"{prefill.STRIDE.default}th row scoring on {_coordinates(prefill.K_RATIO.default)}; a bfloat16 prompt: "
             "`--prompt-precision bfloat16`, on this CPU's AVX512_BF16), run by ONNX Runtime on "
             f"the native kernels: perplexity on `{TEXT}`'s first {TOKENS} tokens in windows of "
             f"{' / '.join(map(str, LENGTHS))}, each window one forward through the sparse prompt path (against dense "
             "in brackets); blocks: key blocks of 64 computed over the causal ones, the dense last 128 rows included "
-            "(the reference's choice on each length's first window); pass keys through the same folders (depths "
+            "(the float32 reference's choice on each length's first window: a bfloat16 prompt's estimate, in "
+            "bfloat16, may keep other near-tie blocks); pass keys through the same folders (depths "
             f"{', '.join(map(str, PASSKEY_DEPTHS))}: `x` retrieved, `.` missed). `python -m tools.quality "
             "--sections prefill`.\n",
             *table(["setting", *(f"ppl @ {n}" for n in LENGTHS), *(f"blocks @ {n}" for n in LENGTHS),

@@ -9,11 +9,26 @@ from .base import Mechanism, Setting
 
 THRESHOLD = Setting("prefill_threshold", float, 1.0, "sparse prefill: share of each prompt block's estimated softmax "
                     "mass its chosen key blocks keep, in (0, 1]; 1 = dense prompt", interval=(0.0, 1.0, True, False))
-# every 4th row at 16 of 64 coordinates: +0.25% perplexity at 8k where every 8th cost +1.1% (sparse_prefill_study)
-STRIDE = Setting("prefill_stride", int, 4, "sparse prefill: every this many prompt rows estimate their block's "
+# every 8th row on all r coordinates (the study's rows s=8 k=64): the kernel scores the rows as one matrix product, so
+# the estimate costs its rows whatever k'; at 0.98 it keeps 42.6% of an 8k prompt's blocks for +0.52% perplexity
+# (quality.md) where every 4th row on 16 of 64 kept 49.8% for +0.01%; the 8k bfloat16 node 2.13 s against 3.00
+STRIDE = Setting("prefill_stride", int, 8, "sparse prefill: every this many prompt rows estimate their block's "
                  "attention (1 to 64)")
-K_RATIO = Setting("prefill_k_ratio", float, 0.25, "sparse prefill: share of the retained width r whose top |q^| "
-                  "coordinates score the estimate, in (0, 1]", interval=(0.0, 1.0, True, False))
+K_RATIO = Setting("prefill_k_ratio", float, 1.0, "sparse prefill: share of the retained width r whose top |q^| "
+                  "coordinates score the estimate, in (0, 1] (below 1 narrows it, at the same cost)",
+                  interval=(0.0, 1.0, True, False))
+
+
+# what configs of versions 4-5 (config.CONFIG_VERSION) wrote for these two fields whatever the threshold
+_OLD_DEFAULTS = {"prefill_stride": 4, "prefill_k_ratio": 0.25}
+
+
+def upgrade(data: dict) -> dict:
+    """A config dict written before version 6 -> the same config now: a dense prompt's estimate fields at their old
+    defaults mean nothing and are dropped (a sparse one keeps the estimate it was built with)."""
+    if data.get("prefill_threshold", THRESHOLD.default) < 1.0:
+        return data
+    return {n: v for n, v in data.items() if not (n in _OLD_DEFAULTS and v == _OLD_DEFAULTS[n])}
 
 
 def sparse(cfg) -> bool:

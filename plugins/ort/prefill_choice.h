@@ -1,8 +1,9 @@
 // Sparse prefill's choice in the prompt kernel (aqua_prompt.cc; the rule: ops/rules.py prefill_chosen, node
 // attributes prefill_*): for a query block of kPrefillBlock slots, every stride-th row's top-k' coordinates of |q^|
-// score the keys from the packed float32 panels, each row's softmax is summed per key block of kPrefillBlock, and
-// the blocks are kept in order of their mass until the threshold. The walk then skips the products of the blocks
-// left out. The estimate keeps float32 under prompt_bf16 too: the same blocks either way.
+// score the keys from the packed panels the walk reads, each row's softmax is summed per key block of
+// kPrefillBlock, and the blocks are kept in order of their mass until the threshold. The walk then skips the
+// products of the blocks left out. Under prompt_bf16 the estimate's products are bfloat16 too, as the walk's: the
+// choice of the reference on q^ and K^ rounded to bfloat16 (what the catalogue's bf16 cases compare with).
 
 #pragma once
 
@@ -11,22 +12,17 @@
 namespace aqua {
 namespace prompt {
 
-// One sampled row of one head (its q^ as scored at its k coordinates, their panel offsets, the keys it sees).
+// The keys one sampled row of one head sees: [lo, hi].
 struct EstimateRow {
-  const float* w;      // [k] the row's q^ at its k coordinates, as scored
-  const int32_t* off;  // [k] where each coordinate's 16 keys lie in a panel chunk (c * kNR)
   int64_t lo, hi;
 };
 
 // A row's softmax over one key block of kPrefillBlock, kept as its largest estimated score m and l = sum e^(s - m)
 // over the keys the row sees (m = -inf, l = 0: none): the blocks' shares of the row's mass follow from all of them
-// (choose_blocks), so a row's scores never leave the registers. Written out as a [L] row and passed over three
-// more times (max, e^x, per-block sums) from L2, they cost as much as the products.
+// (choose_blocks), so no [L] row of scores is kept.
 struct BlockSum {
   float m, l;
 };
-
-constexpr int64_t kChunks = kKeys / kNR;  // chunks of 16 keys in a packed block
 
 // The largest and the sum of a vector's sixteen lanes, halving it four times.
 inline float lanes_max(f16v v) {
@@ -45,30 +41,13 @@ inline float lanes_sum(f16v v) {
   return out;
 }
 
-// One row over the packed block of kKeys keys at s0: its scores q[I'] . K^[I', j] (soft-capped, + kmask[j] when
-// given: -inf at padding; -inf outside [lo, hi]) -> out[0..2), the two key blocks' BlockSums. The block's eight
-// chunks side by side: a coordinate's weight and offset are read once for all eight, whose sums are independent
-// (a chunk at a time, each step of the k-long sum waited on the FMA's latency: 0.6 multiply-adds a cycle).
-// R: the width r as a constant (the panel steps become fixed offsets), or 0 to read r.
-template <int64_t R>
-inline void estimate_block(const float* block, const EstimateRow& row, int64_t k, int64_t r, int64_t s0,
-                           const float* kmask, float softcap, BlockSum* out) {
-  static_assert(kKeys == 2 * kPrefillBlock && kChunks == 8, "two key blocks of four chunks a packed block");
-  const int64_t step = (R > 0 ? R : r) * kNR;
-  f16v acc[kChunks] = {};
-  for (int64_t c = 0; c < k; ++c) {
-    const float w = row.w[c];
-    const float* line = block + row.off[c];
-#pragma GCC unroll 8
-    for (int64_t u = 0; u < kChunks; ++u) acc[u] += w * load16(line + u * step);
-  }
-  // the scores leave the registers for one L1 line run: the rare edits below index their elements, which would
-  // keep acc in memory through the products
-  alignas(64) float sc[kKeys];
-#pragma GCC unroll 8
-  for (int64_t u = 0; u < kChunks; ++u) store16(sc + u * kNR, acc[u]);
+// One row's scores sc[0..kKeys) over the packed block at s0 (soft-capped, + kmask[j] when given: -inf at padding;
+// -inf outside [row.lo, row.hi]) -> out[0..2), the two key blocks' BlockSums. sc is overwritten.
+inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const float* kmask, float softcap,
+                       BlockSum* out) {
+  static_assert(kKeys == 2 * kPrefillBlock, "two key blocks a packed block");
   if (softcap > 0.0f) {
-    for (float& x : sc) x = std::tanh(x / softcap) * softcap;
+    for (int64_t x = 0; x < kKeys; ++x) sc[x] = std::tanh(sc[x] / softcap) * softcap;
   }
   if (kmask != nullptr) {
     for (int64_t x = 0; x < kKeys; ++x) sc[x] += kmask[s0 + x];
@@ -92,36 +71,39 @@ inline void estimate_block(const float* block, const EstimateRow& row, int64_t k
   }
 }
 
-// The rows' BlockSums: sums[i * nb + kb] for each key block kb of [lo, hi] of row i (others not written). Packed
-// blocks outer, rows inner: a block's K^ panels (32 KB) stay in L1 while every row reads its k lines of them.
+// The rows' BlockSums: q [rows_pad][r] (the sampled rows' q^, zero outside each row's k' coordinates) ->
+// sums[i * nb + kb] for each key block kb of [lo, hi] of row i (others not written). A packed block's scores for
+// all rows as one matrix product over the panels the walk reads (its micro-kernel: 12 multiply-adds a 2 loads, where
+// gathering a row's k' coordinates ran one load a multiply-add; the zeros add nothing, so each score is the sum
+// over the row's k' coordinates in increasing order), then each row's two BlockSums from an L1 tile.
 template <typename Job>
-void estimate_rows(const Job& j, const float* panels, const std::vector<EstimateRow>& rows,
+void estimate_rows(const Job& j, int64_t bh, const float* q, int64_t rows_pad, const std::vector<EstimateRow>& rows,
                    const float* kmask, BlockSum* sums, int64_t nb) {
-  const int64_t r = j.r, k = j.prefill.k;
+  static thread_local std::vector<float> sc;
+  static thread_local std::vector<uint16_t> q16;
+  sc.resize(static_cast<size_t>(rows_pad * kKeys));
+  const float* panels = j.packed + bh * j.key_blocks * j.block_floats();
+  const uint16_t* halves = j.packed16 != nullptr ? j.packed16 + bh * j.key_blocks * j.block_halves() : nullptr;
+  const int64_t r = j.r, r2 = j.r2();
+  if (halves != nullptr) {
+    q16.resize(static_cast<size_t>(rows_pad * r2));
+    to_bf16_rows(q, r, rows_pad, r, q16.data(), r2);
+  }
   int64_t a = INT64_MAX, b = 0;
   for (const EstimateRow& row : rows) a = std::min(a, row.lo), b = std::max(b, row.hi + 1);
   for (int64_t s0 = a / kKeys * kKeys; s0 < b; s0 += kKeys) {
-    const float* block = panels + (s0 / kKeys) * j.block_floats();
+    if (halves != nullptr) {
+      gemm_bf16<false>(q16.data(), r2, halves + (s0 / kKeys) * j.block_halves(), r2 / 2, sc.data(), kKeys, rows_pad,
+                       kKeys);
+    } else {
+      gemm<false>(q, r, panels + (s0 / kKeys) * j.block_floats(), r, sc.data(), kKeys, rows_pad, kKeys);
+    }
     const int64_t kb = s0 / kPrefillBlock;
-    // the next block's K^ panels (from L3: a long prompt's panels outgrow L2) fetched while the rows read this one,
-    // a share of its lines each: the rows' scattered lines defeat the hardware's stride prefetchers
-    const float* next = block + j.block_floats();
-    const int64_t lines = s0 + kKeys < b ? kKeys * r / kNR : 0;
-    const int64_t per = (lines + static_cast<int64_t>(rows.size()) - 1) / static_cast<int64_t>(rows.size());
     for (size_t i = 0; i < rows.size(); ++i) {
-      for (int64_t x = static_cast<int64_t>(i) * per; x < std::min(lines, (static_cast<int64_t>(i) + 1) * per); ++x) {
-        __builtin_prefetch(next + x * kNR);
-      }
       const EstimateRow& row = rows[i];
       if (s0 + kKeys <= row.lo || s0 > row.hi) continue;
       BlockSum two[2];
-      if (r == 64) {
-        estimate_block<64>(block, row, k, r, s0, kmask, j.softcap, two);
-      } else if (r == 128) {
-        estimate_block<128>(block, row, k, r, s0, kmask, j.softcap, two);
-      } else {
-        estimate_block<0>(block, row, k, r, s0, kmask, j.softcap, two);
-      }
+      block_sums(sc.data() + static_cast<int64_t>(i) * kKeys, row, s0, kmask, j.softcap, two);
       BlockSum* out = sums + static_cast<int64_t>(i) * nb;
       out[kb] = two[0];
       if (kb + 1 < nb) out[kb + 1] = two[1];
@@ -137,21 +119,18 @@ bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector
   const int64_t first = j.mask.len - j.t, p0 = first + t0, len = j.mask.len, b = bh / j.heads;
   if (p0 % kPrefillBlock != 0 || nt != kPrefillBlock || p0 + kPrefillBlock > len - kPrefillTail) return false;
   const int64_t nb = (len + kPrefillBlock - 1) / kPrefillBlock, g = j.g, r = j.r;
-  static thread_local std::vector<float> rows, kmask;
+  static thread_local std::vector<float> row, est_q, kmask;
   static thread_local std::vector<int64_t> idx, order;
   static thread_local std::vector<double> mass;
   static thread_local std::vector<EstimateRow> est;
   static thread_local std::vector<BlockSum> sums;
-  static thread_local std::vector<float> weights;
-  static thread_local std::vector<int32_t> offsets;
   const int64_t end = p0 + kPrefillBlock;  // the block's rows see no key at or past its end
-  rows.resize(static_cast<size_t>(nt * g * r));
-  idx.resize(static_cast<size_t>(nt * g * r));
-  weights.resize(static_cast<size_t>(nt * g * j.prefill.k));
-  offsets.resize(static_cast<size_t>(nt * g * j.prefill.k));
+  row.resize(static_cast<size_t>(g * r));
+  idx.resize(static_cast<size_t>(g * r));
+  // the sampled rows' q^, every row zero outside its k' coordinates: at most ceil(nt / stride) tokens' g rows
+  est_q.assign(static_cast<size_t>(round_up((nt / j.prefill.stride + 1) * g, kMR) * r), 0.0f);
   est.clear();
   mass.assign(static_cast<size_t>(nb), 0.0);
-  const float* panels = j.packed + bh * j.key_blocks * j.block_floats();
   const int64_t* am = j.mask.am + (j.mask.rows == 1 ? 0 : b) * len;
   bool padded = false;  // kmask: 0 at a real key, -inf at padding, over the packed blocks the rows reach
   for (int64_t i = 0; i < end && !padded; ++i) padded = am[i] == 0;
@@ -170,25 +149,21 @@ bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector
         break;
       }
     }
-    float* q = rows.data() + sampled * g * r;
-    int64_t* ix = idx.data() + sampled * g * r;
+    float* q = row.data();
     load_rows(j, bh, t, q);
-    select_group(q, g, r, j.prefill.k, kPerHead, ix, r);
+    select_group(q, g, r, j.prefill.k, kPerHead, idx.data(), r);
     unweigh(j, bh % j.heads, q);
-    for (int64_t h = 0; h < g; ++h) {  // the k coordinates' weights and panel offsets, gathered once
-      float* w = weights.data() + (sampled * g + h) * j.prefill.k;
-      int32_t* off = offsets.data() + (sampled * g + h) * j.prefill.k;
-      for (int64_t c = 0; c < j.prefill.k; ++c) {
-        w[c] = q[h * r + ix[h * r + c]];
-        off[c] = static_cast<int32_t>(ix[h * r + c] * kNR);
-      }
-      est.push_back({w, off, seen.lo, seen.hi});
+    for (int64_t h = 0; h < g; ++h) {
+      float* dst = est_q.data() + (sampled * g + h) * r;
+      for (int64_t c = 0; c < j.prefill.k; ++c) dst[idx[h * r + c]] = q[h * r + idx[h * r + c]];
+      est.push_back({seen.lo, seen.hi});
     }
     ++sampled;
   }
   if (sampled == 0) return false;
   sums.resize(est.size() * static_cast<size_t>(nb));
-  estimate_rows(j, panels, est, padded ? kmask.data() : nullptr, sums.data(), nb);
+  estimate_rows(j, bh, est_q.data(), round_up(sampled * g, kMR), est, padded ? kmask.data() : nullptr,
+                sums.data(), nb);
   for (size_t i = 0; i < est.size(); ++i) {  // each row's blocks as shares of its mass: l e^(m - max m) / total
     BlockSum* s = sums.data() + i * nb;
     const int64_t k0 = est[i].lo / kPrefillBlock, k1 = est[i].hi / kPrefillBlock;
