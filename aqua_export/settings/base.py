@@ -16,7 +16,8 @@ MAX_TOKENS = 1 << 24  # the largest token count a setting may name: past any mod
 @dataclass(frozen=True)
 class Setting:
     """One field of AquaConfig. kind float: a number in the interval (lo, hi) with open/closed ends; kind int: a
-    whole number in [0, MAX_TOKENS]; kind str: one of choices. help is one line, without the default."""
+    whole number in [lo, hi] of whole (at most [0, MAX_TOKENS]); kind str: one of choices. help is one line, without
+    the default."""
 
     name: str
     kind: type
@@ -24,6 +25,7 @@ class Setting:
     help: str
     choices: tuple[str, ...] = ()
     interval: tuple[float, float, bool, bool] = (0.0, 1.0, False, False)  # lo, hi, lo open, hi open
+    whole: tuple[int, int] = (0, MAX_TOKENS)  # kind int: lo, hi
 
     @property
     def flag(self) -> str:
@@ -34,7 +36,7 @@ class Setting:
         if self.kind is str:
             return ", ".join(self.choices)
         if self.kind is int:
-            return f"whole number in [0, {MAX_TOKENS}]"
+            return f"whole number in [{self.whole[0]}, {self.whole[1]}]"
         lo, hi, lo_open, hi_open = self.interval
         return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
@@ -50,6 +52,8 @@ class Setting:
             if value > MAX_TOKENS:
                 raise ConfigError(f"{self.name}={value} is past any context this tool serves ({MAX_TOKENS} tokens): "
                                   "give the tokens a decode step reads")
+            if not self.whole[0] <= value <= self.whole[1]:
+                raise ConfigError(f"{self.name}={value} is out of range: use a {self.domain()}")
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{self.name} must be a number, got {value!r}")
