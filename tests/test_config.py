@@ -38,6 +38,9 @@ def test_a_version_5_config_reads_with_the_estimate_it_was_built_with():
     assert (sparse.prefill_stride, sparse.prefill_k_ratio, sparse.version) == (4, 0.25, 6)
     with pytest.raises(ConfigError, match="give --prefill-threshold below 1"):  # a version 6 dense config is refused
         AquaConfig.from_dict({**old, "version": 6})
+    for bad, needle in (({"version": "5"}, "prefill_stride"), ({"prefill_threshold": "x"}, "must be a number")):
+        with pytest.raises(ConfigError, match=needle):  # one line, not a TypeError from the upgrade
+            AquaConfig.from_dict({**old, **bad})
 
 
 @pytest.mark.parametrize("field,value,needle", [

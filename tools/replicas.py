@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +162,19 @@ def given(replica: Replica) -> bool:
                                             "aqua_requests_total")) > 0
 
 
+def unanswered_on(log: Path, server: str, before: float) -> int:
+    """Requests in HAProxy's log (option httplog) that it sent to `server`, accepted before the wall-clock time
+    `before`, and ended without any response to the client (status -1: the server died with the request, e.g. SD)."""
+    n = 0
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r"\[(\d+/\w+/\d+:\d+:\d+:\d+\.\d+)\] \S+ \S+/(\S+) \S+ (-?\d+) ", line)
+        # HAProxy writes its local time, as datetime reads a naive one
+        if m and m[2] == server and m[3] == "-1" and \
+                datetime.strptime(m[1], "%d/%b/%Y:%H:%M:%S.%f").timestamp() < before:
+            n += 1
+    return n
+
+
 def fault_run(folder: Path, prompts: list[str], new: int, at_once: int, serve_args: list[str], logs: Path,
               kill_after: int, haproxy: Path = HAPROXY, back_within: float = 120) -> dict:
     """Two replicas of folder behind the proxy; prompts streamed through it at_once at a time; replica 1 killed with
@@ -190,7 +205,7 @@ def fault_run(folder: Path, prompts: list[str], new: int, at_once: int, serve_ar
         while done[0] < kill_after or not streaming["replica1"]:
             time.sleep(0.002)
         victim = reps[0]
-        out["killed"] = time.perf_counter()
+        out["killed"], out["killed_wall"] = time.perf_counter(), time.time()
         victim.stop(signal.SIGKILL)
         out["killed_at_answered"] = done[0]
         out["restart_ready_s"] = round(victim.start(), 2)
@@ -224,8 +239,11 @@ def fault_run(folder: Path, prompts: list[str], new: int, at_once: int, serve_ar
             r.stop()
     answered = [r for r in res if r["answered"]]
     failed = [r for r in res if not r["answered"]]
-    # held by the killed replica: sent to it (its X-Replica) and started before it died
+    # held by the killed replica: sent to it (its X-Replica) and started before it died; or given no response at all
+    # (no header to name a replica) where HAProxy's log says it had sent that many to the killed one and got nothing
     held = [r for r in failed if r["replica"] == "replica1" and r["start"] < out["killed"]]
+    unheard = [r for r in failed if r["replica"] is None and r["start"] < out["killed"]]
+    held += unheard[:unanswered_on(proxy.log, "replica1", out["killed_wall"])]
     ttft = sorted(r["ttft"] for r in answered)
     return {"requests": len(prompts), "at_once": at_once, "answered": len(answered),
             "failed": len(failed), "errors": sorted({r["error"] for r in res if r["error"]}),

@@ -26,7 +26,7 @@ _OLD_DEFAULTS = {"prefill_stride": 4, "prefill_k_ratio": 0.25}
 def upgrade(data: dict) -> dict:
     """A config dict written before version 6 -> the same config now: a dense prompt's estimate fields at their old
     defaults mean nothing and are dropped (a sparse one keeps the estimate it was built with)."""
-    if data.get("prefill_threshold", THRESHOLD.default) < 1.0:
+    if data.get("prefill_threshold", THRESHOLD.default) != 1.0:  # sparse, or a value its check refuses
         return data
     return {n: v for n, v in data.items() if not (n in _OLD_DEFAULTS and v == _OLD_DEFAULTS[n])}
 
