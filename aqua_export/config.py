@@ -89,7 +89,8 @@ class _Config:
         if not isinstance(data, dict):
             raise ConfigError("an AQUA config must be a JSON object")
         reject_unknown(cls, data, "AQUA config ")
-        if isinstance(data.get("version", 1), int) and data.get("version", 1) < 6:  # other types: refused below
+        version = data.get("version", 1)
+        if isinstance(version, int) and version < 6:  # another type is refused below
             data = prefill.upgrade(data)
         return cls(**data)
 
