@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -146,29 +147,36 @@ inline void gate16(const float* g, const float* u, float* y, int64_t width) {
 
 #if defined(__AVX512BW__)
 // R rows x 32 columns (panels p, p + 1) over all K: the int32 sums of a block start at -8 sum q and take the
-// block's products; each block's sums are scaled into float32 accumulators.
-template <int R, bool VNNI>
+// block's products; each block's sums are scaled into float32 accumulators. PB: groups a block holds when known
+// at compile time (0: j.block / kGroup), so the loop over a block's groups unrolls whole and each accumulator
+// stays in its register (GCC copied the loop-carried ones through others at every group).
+template <int R, bool VNNI, int PB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const ProductJob& j, int64_t m0, int64_t p,
                                                                           float* out) {
-  const int64_t nb = j.k / j.block, groups = j.k / kGroup, per_block = j.block / kGroup;
+  const int64_t nb = j.k / j.block, groups = j.k / kGroup, per_block = PB > 0 ? PB : j.block / kGroup;
   const Rows& rows = *j.rows;
   __m512 f[R][2];
-  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  const int8_t* q[R];
+  for (int r = 0; r < R; ++r) {
+    f[r][0] = f[r][1] = _mm512_setzero_ps();
+    q[r] = rows.q.data() + (m0 + r) * j.k;
+  }
   const __m512i low = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
   const uint8_t* w0 = j.w->groups.data() + p * groups * 64;
   const uint8_t* w1 = w0 + groups * 64;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_set1_epi32(rows.offset[(m0 + r) * nb + b]);
-    for (int64_t u = b * per_block; u < (b + 1) * per_block; ++u) {
+#pragma GCC unroll 16
+    for (int64_t g = 0; g < per_block; ++g) {
+      const int64_t u = b * per_block + g;
       const __m512i x0 = _mm512_loadu_si512(w0 + u * 64), x1 = _mm512_loadu_si512(w1 + u * 64);
       const __m512i l0 = _mm512_and_si512(x0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(x0, 4), low);
       const __m512i l1 = _mm512_and_si512(x1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(x1, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = rows.q.data() + (m0 + r) * j.k + u * kGroup;
         int32_t lo_q, hi_q;
-        std::memcpy(&lo_q, q, 4);
-        std::memcpy(&hi_q, q + 4, 4);
+        std::memcpy(&lo_q, q[r] + u * kGroup, 4);
+        std::memcpy(&hi_q, q[r] + u * kGroup + 4, 4);
         const __m512i a0 = _mm512_set1_epi32(lo_q), a1 = _mm512_set1_epi32(hi_q);
         if constexpr (VNNI) {
           acc[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0], l0, a0), h0, a1);
@@ -191,6 +199,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const Pr
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(out + r * kPanel * 2, f[r][0]);
     _mm512_storeu_ps(out + r * kPanel * 2 + kPanel, f[r][1]);
+  }
+}
+
+// f(std::integral_constant<int, PB>) with PB the groups of a weight block of `block` inputs (16, 32, 64, 128:
+// the ones quantize.BLOCKS makes), or 0 for any other: tile's loop over a block's groups then unrolls whole.
+template <typename F>
+inline void by_block(int64_t block, F&& f) {
+  switch (block / kGroup) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+    default: return f(std::integral_constant<int, 0>{});
   }
 }
 
@@ -308,8 +329,8 @@ void tile_portable(const ProductJob& j, int64_t m0, int64_t p, float* out) {
 template <int R>
 void run_tile(const ProductJob& j, int64_t m0, int64_t p, float* out) {
 #if defined(__AVX512BW__)
-  if (has_vnni()) return tile<R, true>(j, m0, p, out);
-  tile<R, false>(j, m0, p, out);
+  if (has_vnni()) return by_block(j.block, [&](auto pb) { tile<R, true, decltype(pb)::value>(j, m0, p, out); });
+  by_block(j.block, [&](auto pb) { tile<R, false, decltype(pb)::value>(j, m0, p, out); });
 #elif defined(__AVX2__)
   float half[2 * 2 * kPanel];
   for (int r = 0; r < R; r += 2) {

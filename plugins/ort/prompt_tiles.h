@@ -34,14 +34,15 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
   for (int i = 0; i < MR; ++i) {
     for (int q = 0; q < NP; ++q) acc[i][q] = Add ? load16(c + i * ldc + q * kNR) : f16v{};
   }
-  for (int64_t p = 0; p < kk; ++p) {
+  int64_t p = 0;
+  do {  // kk >= 1 (gemm): a loop that may run zero times kept GCC from holding acc in registers only
     f16v bv[NP];
     for (int q = 0; q < NP; ++q) bv[q] = load16(b + q * pstep + p * kNR);
     for (int i = 0; i < MR; ++i) {
       const float x = a[i * lda + p];
       for (int q = 0; q < NP; ++q) acc[i][q] += x * bv[q];
     }
-  }
+  } while (++p < kk);
   for (int i = 0; i < MR; ++i) {
     for (int q = 0; q < NP; ++q) store16(c + i * ldc + q * kNR, acc[i][q]);
   }
@@ -54,6 +55,10 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
 template <bool Add>
 void gemm(const float* a, int64_t lda, const float* b, int64_t kk, float* c, int64_t ldc, int64_t m, int64_t n,
           int64_t pstride = 0) {
+  if (kk < 1) {  // an empty product (micro runs its loop at least once)
+    for (int64_t i = 0; i < m && !Add; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
   const int64_t step = pstride > 0 ? pstride : kk * kNR;
   int64_t j0 = 0;
   for (; j0 + kTilePanels * kNR <= n; j0 += kTilePanels * kNR) {
@@ -80,6 +85,14 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  // finite values: no NaN to keep
 }
 
+// Sixteen floats -> bfloat16 at dst, as to_bf16 rounds each.
+inline void store_bf16(uint16_t* dst, f16v x) {
+  typedef uint16_t h16 __attribute__((vector_size(32)));
+  const u16v bits = reinterpret_cast<u16v>(x);
+  const h16 h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, h16);
+  std::memcpy(dst, &h, sizeof h);
+}
+
 #if defined(__AVX512F__)
 constexpr bool kBf16Build = true;
 
@@ -92,7 +105,8 @@ __attribute__((target("avx512f,avx512bf16"))) inline void micro_bf16(const uint1
   for (int i = 0; i < MR; ++i) {
     for (int q = 0; q < NP; ++q) acc[i][q] = Add ? _mm512_loadu_ps(c + i * ldc + q * kNR) : _mm512_setzero_ps();
   }
-  for (int64_t p = 0; p < kk2; ++p) {
+  int64_t p = 0;
+  do {  // kk2 >= 1 (gemm_bf16): a loop that may run zero times kept GCC from holding acc in registers only
     __m512bh bv[NP];
     for (int q = 0; q < NP; ++q) bv[q] = (__m512bh)_mm512_loadu_si512(b + q * pstep + p * 2 * kNR);
     for (int i = 0; i < MR; ++i) {
@@ -101,7 +115,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void micro_bf16(const uint1
       const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], x, bv[q]);
     }
-  }
+  } while (++p < kk2);
   for (int i = 0; i < MR; ++i) {
     for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + i * ldc + q * kNR, acc[i][q]);
   }
@@ -111,6 +125,10 @@ __attribute__((target("avx512f,avx512bf16"))) inline void micro_bf16(const uint1
 template <bool Add>
 void gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kk2, float* c, int64_t ldc, int64_t m,
                int64_t n, int64_t pstride = 0) {
+  if (kk2 < 1) {  // an empty product (micro_bf16 runs its loop at least once)
+    for (int64_t i = 0; i < m && !Add; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
   const int64_t step = pstride > 0 ? pstride : kk2 * 2 * kNR;
   int64_t j0 = 0;
   for (; j0 + 2 * kNR <= n; j0 += 2 * kNR) {
