@@ -205,8 +205,10 @@ def fault_run(folder: Path, prompts: list[str], new: int, at_once: int, serve_ar
         while done[0] < kill_after or not streaming["replica1"]:
             time.sleep(0.002)
         victim = reps[0]
-        out["killed"], out["killed_wall"] = time.perf_counter(), time.time()
         victim.stop(signal.SIGKILL)
+        # reaped, so its sockets are closed: until then the kernel still queued connections on its port for it,
+        # and a request HAProxy sent there in those milliseconds went down with it
+        out["gone"], out["gone_wall"] = time.perf_counter(), time.time()
         out["killed_at_answered"] = done[0]
         out["restart_ready_s"] = round(victim.start(), 2)
         out["restarted_at"] = time.perf_counter()
@@ -239,11 +241,12 @@ def fault_run(folder: Path, prompts: list[str], new: int, at_once: int, serve_ar
             r.stop()
     answered = [r for r in res if r["answered"]]
     failed = [r for r in res if not r["answered"]]
-    # held by the killed replica: sent to it (its X-Replica) and started before it died; or given no response at all
-    # (no header to name a replica) where HAProxy's log says it had sent that many to the killed one and got nothing
-    held = [r for r in failed if r["replica"] == "replica1" and r["start"] < out["killed"]]
-    unheard = [r for r in failed if r["replica"] is None and r["start"] < out["killed"]]
-    held += unheard[:unanswered_on(proxy.log, "replica1", out["killed_wall"])]
+    # held by the killed replica: sent to it (its X-Replica) and started before it was gone; or given no response at
+    # all (no header to name a replica) where HAProxy's log says it had sent that many to the killed one and got
+    # nothing
+    held = [r for r in failed if r["replica"] == "replica1" and r["start"] < out["gone"]]
+    unheard = [r for r in failed if r["replica"] is None and r["start"] < out["gone"]]
+    held += unheard[:unanswered_on(proxy.log, "replica1", out["gone_wall"])]
     ttft = sorted(r["ttft"] for r in answered)
     return {"requests": len(prompts), "at_once": at_once, "answered": len(answered),
             "failed": len(failed), "errors": sorted({r["error"] for r in res if r["error"]}),
