@@ -142,12 +142,12 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
 // N rows' online softmax over a block of n keys (n <= 16 NV, the block's width): row i's scores s[i kKeys ..)
 // (masked: -inf) -> e^(s - m') with m' = max(m[i], the row's largest), m, l and the row's output o[i rvp ..)
 // updated; a row that sees nothing of the block is left as it was, its e^ 0. The e^ go back into s in float32,
-// or, given p16, into p16[i kKeys ..) as bfloat16 (to_bf16's rounding: the bits that rounding s afterwards gave);
-// 0 past n up to the width either way. The rows stay in registers from their maxima to their sums, and each
+// or, BF16, into p16[i kKeys ..) as bfloat16 (to_bf16's rounding), their e^ by exp_lanes' coarse polynomial
+// (2.9e-6 relative, under bfloat16's 2^-9); 0 past n up to the width either way. The rows stay in registers from their maxima to their sums, and each
 // reduces as a tree: one row at a time with lane-order reductions (chains of 16 and 8 dependent scalar
 // operations), the units waited on each row's maximum before its e^ (two rows side by side: the node at 8k in
 // bfloat16 2.10 -> 2.03 s against one row with the same trees).
-template <int N, int NV>
+template <int N, int NV, bool BF16>
 inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int64_t rvp, uint16_t* p16) {
   typedef int32_t i16v __attribute__((vector_size(64)));
   const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -172,10 +172,10 @@ inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int6
     const f16v shift = f16v{} + (m_new == -INFINITY ? 0.0f : m_new);
     f16v acc{}, e[NV];
     for (int v = 0; v < NV; ++v) {
-      e[v] = exp_lanes<f16v, u16v>(x[i][v] - shift);
+      e[v] = exp_lanes<f16v, u16v, BF16>(x[i][v] - shift);
       acc += e[v];
     }
-    if (p16 != nullptr) {
+    if constexpr (BF16) {
       for (int v = 0; v < NV; ++v) store_bf16(p16 + i * kKeys + 16 * v, e[v]);
     } else {
       for (int v = 0; v < NV; ++v) store16(s + i * kKeys + 16 * v, e[v]);
@@ -185,16 +185,18 @@ inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int6
   }
 }
 
-// Rows [0, rows) of a block's scores (kKeys apart) through softmax_rows, two at a time.
-template <int NV>
+// Rows [0, rows) of a block's scores (kKeys apart) through softmax_rows, two at a time; BF16: into p16.
+template <int NV, bool BF16>
 inline void softmax_block(float* s, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t rvp,
                           uint16_t* p16) {
   int64_t row = 0;
   for (; row + 2 <= rows; row += 2) {
-    softmax_rows<2, NV>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp, p16 ? p16 + row * kKeys : nullptr);
+    softmax_rows<2, NV, BF16>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp,
+                              BF16 ? p16 + row * kKeys : nullptr);
   }
   if (row < rows) {
-    softmax_rows<1, NV>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp, p16 ? p16 + row * kKeys : nullptr);
+    softmax_rows<1, NV, BF16>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp,
+                              BF16 ? p16 + row * kKeys : nullptr);
   }
 }
 
@@ -267,15 +269,20 @@ void prompt_task(void* data, size_t index) {
         for (int64_t i = 0; i < n; ++i) sr[i] = seen(k0 + i) ? sr[i] : -INFINITY;
       }
     }
-    uint16_t* pout = bf16 ? p16.data() : nullptr;
-    if (width == kKeys) {
-      softmax_block<kKeys / 16>(s, rows, n, mbuf.data(), lbuf.data(), o, rvp, pout);
-    } else {
-      softmax_block<kPrefillBlock / 16>(s, rows, n, mbuf.data(), lbuf.data(), o, rvp, pout);
-    }
+    float *mb = mbuf.data(), *lb = lbuf.data();
     if (bf16) {
+      if (width == kKeys) {
+        softmax_block<kKeys / 16, true>(s, rows, n, mb, lb, o, rvp, p16.data());
+      } else {
+        softmax_block<kPrefillBlock / 16, true>(s, rows, n, mb, lb, o, rvp, p16.data());
+      }
       gemm_bf16<true>(p16.data(), kKeys, kb + kKeys * r2 + off * kNR, width / 2, o, rvp, rows_pad, rvp, kKeys * kNR);
     } else {
+      if (width == kKeys) {
+        softmax_block<kKeys / 16, false>(s, rows, n, mb, lb, o, rvp, nullptr);
+      } else {
+        softmax_block<kPrefillBlock / 16, false>(s, rows, n, mb, lb, o, rvp, nullptr);
+      }
       gemm<true>(s, kKeys, vp + off * kNR, width, o, rvp, rows_pad, rvp, kKeys * kNR);
     }
   }
