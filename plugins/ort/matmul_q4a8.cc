@@ -406,7 +406,13 @@ struct Q4A8Kernel {
   // model). Compute finds the same buffers and keeps the copy; weights fed as inputs are packed on their first run.
   void prepack(const Ort::ConstKernelInfo& ki) {
     int b_const = 0, s_const = 0;
-    const Ort::ConstValue b = ki.GetTensorConstantInput(1, &b_const), s = ki.GetTensorConstantInput(2, &s_const);
+    Ort::ConstValue b{nullptr}, s{nullptr};
+    try {
+      b = ki.GetTensorConstantInput(1, &b_const);
+      s = ki.GetTensorConstantInput(2, &s_const);
+    } catch (const Ort::Exception&) {
+      return;  // a runtime that cannot say: packed on the first run, as before
+    }
     if (!b_const || !s_const) return;
     const auto bs = b.GetTensorTypeAndShapeInfo(), ss = s.GetTensorTypeAndShapeInfo();
     if (bs.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
