@@ -322,7 +322,8 @@ inline float exp_sum(float* x, int64_t n, float top) {
   return sum;
 }
 
-// The largest / the sum of sixteen lanes, halving: four dependent operations, not fifteen.
+// The largest / the sum of sixteen lanes, halving: four dependent operations, not fifteen (the softmax rows of the
+// prompt kernel and of sparse prefill's estimate).
 inline float tree_max(f16v v) {
   f8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12,
                                                                                              13, 14, 15);

@@ -143,10 +143,10 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
 // (masked: -inf) -> e^(s - m') with m' = max(m[i], the row's largest), m, l and the row's output o[i rvp ..)
 // updated; a row that sees nothing of the block is left as it was, its e^ 0. The e^ go back into s in float32,
 // or, BF16, into p16[i kKeys ..) as bfloat16 (to_bf16's rounding), their e^ by exp_lanes' coarse polynomial
-// (2.9e-6 relative, under bfloat16's 2^-9); 0 past n up to the width either way. The rows stay in registers from their maxima to their sums, and each
-// reduces as a tree: one row at a time with lane-order reductions (chains of 16 and 8 dependent scalar
-// operations), the units waited on each row's maximum before its e^ (two rows side by side: the node at 8k in
-// bfloat16 2.10 -> 2.03 s against one row with the same trees).
+// (2.9e-6 relative, under bfloat16's 2^-9); 0 past n up to the width either way. The rows stay in registers from
+// their maxima to their sums, and each reduces as a tree: one row at a time with lane-order reductions (chains of
+// 16 and 8 dependent scalar operations), the units waited on each row's maximum before its e^ (two rows side by
+// side: the node at 8k in bfloat16 2.10 -> 2.03 s against one row with the same trees).
 template <int N, int NV, bool BF16>
 inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int64_t rvp, uint16_t* p16) {
   typedef int32_t i16v __attribute__((vector_size(64)));
@@ -185,9 +185,10 @@ inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int6
   }
 }
 
-// Rows [0, rows) of a block's scores (kKeys apart) through softmax_rows, two at a time; BF16: into p16.
+// Rows [0, rows) of a block's scores (kKeys apart, width kKeys or kPrefillBlock) through softmax_rows, two at a
+// time; BF16: into p16.
 template <int NV, bool BF16>
-inline void softmax_block(float* s, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t rvp,
+inline void softmax_pairs(float* s, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t rvp,
                           uint16_t* p16) {
   int64_t row = 0;
   for (; row + 2 <= rows; row += 2) {
@@ -197,6 +198,15 @@ inline void softmax_block(float* s, int64_t rows, int64_t n, float* m, float* l,
   if (row < rows) {
     softmax_rows<1, NV, BF16>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp,
                               BF16 ? p16 + row * kKeys : nullptr);
+  }
+}
+template <bool BF16>
+inline void softmax_block(float* s, int64_t rows, int64_t n, int64_t width, float* m, float* l, float* o,
+                          int64_t rvp, uint16_t* p16) {
+  if (width == kKeys) {
+    softmax_pairs<kKeys / 16, BF16>(s, rows, n, m, l, o, rvp, p16);
+  } else {
+    softmax_pairs<kPrefillBlock / 16, BF16>(s, rows, n, m, l, o, rvp, p16);
   }
 }
 
@@ -259,7 +269,7 @@ void prompt_task(void* data, size_t index) {
     }
     bool whole = k0 >= last.lo && k0 + n - 1 <= first.hi;  // every row sees every key of the block but padding
     for (int64_t i = k0; i < k0 + n && whole; ++i) whole = first.am[i] != 0;
-    for (int64_t row = 0; row < rows && (j.softcap > 0.0f || !whole); ++row) {
+    for (int64_t row = 0; row < rows && (j.softcap > 0.0f || !whole); ++row) {  // the softmax reads scores as given
       float* sr = s + row * kKeys;
       if (j.softcap > 0.0f) {
         for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / j.softcap) * j.softcap;
@@ -269,20 +279,11 @@ void prompt_task(void* data, size_t index) {
         for (int64_t i = 0; i < n; ++i) sr[i] = seen(k0 + i) ? sr[i] : -INFINITY;
       }
     }
-    float *mb = mbuf.data(), *lb = lbuf.data();
     if (bf16) {
-      if (width == kKeys) {
-        softmax_block<kKeys / 16, true>(s, rows, n, mb, lb, o, rvp, p16.data());
-      } else {
-        softmax_block<kPrefillBlock / 16, true>(s, rows, n, mb, lb, o, rvp, p16.data());
-      }
+      softmax_block<true>(s, rows, n, width, mbuf.data(), lbuf.data(), o, rvp, p16.data());
       gemm_bf16<true>(p16.data(), kKeys, kb + kKeys * r2 + off * kNR, width / 2, o, rvp, rows_pad, rvp, kKeys * kNR);
     } else {
-      if (width == kKeys) {
-        softmax_block<kKeys / 16, false>(s, rows, n, mb, lb, o, rvp, nullptr);
-      } else {
-        softmax_block<kPrefillBlock / 16, false>(s, rows, n, mb, lb, o, rvp, nullptr);
-      }
+      softmax_block<false>(s, rows, n, width, mbuf.data(), lbuf.data(), o, rvp, nullptr);
       gemm<true>(s, kKeys, vp + off * kNR, width, o, rvp, rows_pad, rvp, kKeys * kNR);
     }
   }

@@ -413,15 +413,16 @@ struct Q4A8Kernel {
     } catch (const Ort::Exception&) {
       return;  // a runtime that cannot say: packed on the first run, as before
     }
-    if (!b_const || !s_const) return;
-    const auto bs = b.GetTensorTypeAndShapeInfo(), ss = s.GetTensorTypeAndShapeInfo();
-    if (bs.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
-        ss.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ||
-        bs.GetShape() != std::vector<int64_t>{n_, k_ / block_, block_ / 2} ||
-        ss.GetElementCount() != static_cast<size_t>(n_ * (k_ / block_))) {
-      return;  // Compute refuses these shapes in one line
+    if (b_const && s_const && fits(b.GetTensorTypeAndShapeInfo().GetShape(),
+                                   s.GetTensorTypeAndShapeInfo().GetElementCount())) {  // else Compute refuses them
+      packed(b.GetTensorData<uint8_t>(), s.GetTensorData<float>());
     }
-    packed(b.GetTensorData<uint8_t>(), s.GetTensorData<float>());
+  }
+
+  // Whether b's shape and the scales' count are MatMulNBits' blocks of this node's K, N and block size.
+  bool fits(const std::vector<int64_t>& b_shape, size_t scales) const {
+    return b_shape == std::vector<int64_t>{n_, k_ / block_, block_ / 2} &&
+           scales == static_cast<size_t>(n_ * (k_ / block_));
   }
 
   // The weight row (column of the product) packed at (panel, col), or -1 for padding: 16 columns a panel in order,
@@ -473,11 +474,9 @@ struct Q4A8Kernel {
     Ort::KernelContext ctx(context);
     auto a = ctx.GetInput(0), b = ctx.GetInput(1), scales = ctx.GetInput(2);
     auto shape = a.GetTensorTypeAndShapeInfo().GetShape();
-    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t nb = k_ / block_;
-    if (shape.empty() || shape.back() != k_ || bs != std::vector<int64_t>{n_, nb, block_ / 2} ||
-        b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n_ * k_ / 2) ||
-        scales.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n_ * nb)) {
+    if (shape.empty() || shape.back() != k_ ||
+        !fits(b.GetTensorTypeAndShapeInfo().GetShape(), scales.GetTensorTypeAndShapeInfo().GetElementCount())) {
       ORT_CXX_API_THROW("MatMulQ4A8: expected a [..., K], b [N, K / block_size, block_size / 2] uint8 and scales "
                         "[N, K / block_size]", ORT_INVALID_ARGUMENT);
     }

@@ -24,23 +24,6 @@ struct BlockSum {
   float m, l;
 };
 
-// The largest and the sum of a vector's sixteen lanes, halving it four times.
-inline float lanes_max(f16v v) {
-  const f8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), b = __builtin_shufflevector(v, v, 8, 9, 10, 11,
-                                                                                                 12, 13, 14, 15);
-  const f8 c = a > b ? a : b;
-  float out = c[0];
-  for (int e = 1; e < 8; ++e) out = std::max(out, c[e]);
-  return out;
-}
-inline float lanes_sum(f16v v) {
-  const f8 c = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  float out = 0.0f;
-  for (int e = 0; e < 8; ++e) out += c[e];
-  return out;
-}
-
 // One row's scores sc[0..kKeys) over the packed block at s0 (soft-capped, + kmask[j] when given: -inf at padding;
 // -inf outside [row.lo, row.hi]) -> out[0..2), the two key blocks' BlockSums. sc is overwritten.
 inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const float* kmask, float softcap,
@@ -59,7 +42,7 @@ inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const floa
     const float* v = sc + h * kPrefillBlock;
     const f16v v0 = load16(v), v1 = load16(v + kNR), v2 = load16(v + 2 * kNR), v3 = load16(v + 3 * kNR);
     const f16v a = v0 > v1 ? v0 : v1, b = v2 > v3 ? v2 : v3;
-    const float m = lanes_max(a > b ? a : b);
+    const float m = tree_max(a > b ? a : b);
     if (m == -INFINITY) {
       out[h] = {m, 0.0f};
       continue;
@@ -67,7 +50,7 @@ inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const floa
     const f16v shift = f16v{} + m;
     const f16v e = (exp_lanes<f16v, u16v>(v0 - shift) + exp_lanes<f16v, u16v>(v1 - shift)) +
                    (exp_lanes<f16v, u16v>(v2 - shift) + exp_lanes<f16v, u16v>(v3 - shift));
-    out[h] = {m, lanes_sum(e)};
+    out[h] = {m, tree_sum(e)};
   }
 }
 
