@@ -253,11 +253,12 @@ inline void scale_rows(int nr, float* s, int64_t pitch, int64_t n, const float* 
 
 constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
 
-// e^x of eight floats x <= 0 (the softmax's scores less their maximum) in float32, within 2 ulp of expf down to
-// -87 and 0 below it (a masked score), NaN kept: x = n ln2 + f with |f| <= ln2 / 2, e^f by a degree-6 polynomial
-// (relative error 1.7e-8: Lawson's minimax of the relative error, constant term 1, coefficients rounded to
-// float), 2^n written into the exponent bits (t = 1.5 2^23 + n holds n in its low bits). Whole vectors, no clamp
-// (x < -87 takes 0 from the last select whatever the arithmetic gave, and x <= 0 leaves nothing to clamp above),
+// e^x of eight floats x <= 0 (the softmax's scores less their maximum; the prompt kernel's less a shift up to
+// kShiftSlack = 8 below it, prompt_tiles.h) in float32, within 2 ulp of expf down to -87 and 0 below it (a masked
+// score), NaN kept: x = n ln2 + f with |f| <= ln2 / 2, e^f by a degree-6 polynomial (relative error 1.7e-8:
+// Lawson's minimax of the relative error, constant term 1, coefficients rounded to float), 2^n written into the
+// exponent bits (t = 1.5 2^23 + n holds n in its low bits; any n up to 127 is a normal float). Whole vectors, no
+// clamp (x < -87 takes 0 from the last select whatever the arithmetic gave, and x <= 8 leaves nothing to clamp above),
 // the polynomial in Estrin's form: a Horner chain of dependent multiply-adds (~35 cycles) kept too few vectors in
 // flight to fill the FMA units. exp_sum over a block: 0.60 -> 0.48 ns an element against the degree-7 Horner form
 // with clamps (one core of this AMD EPYC); GCC's vectorised scalar form spent 37 instructions a vector.
@@ -400,7 +401,7 @@ inline void merge_splits(const float* first, int64_t step, int64_t splits, int64
 
 // The per-call buffers (call_buffer): one tag each, so no two uses share one.
 enum class Buffer { kPoolValue, kPoolIndex, kDensePartials, kPageBest, kPageForced, kPageWant, kPageOrigin, kPageChosen, kPagePartials, kH2OVisibleBefore, kPromptPanels,
-                   kPromptPanels16 };
+                   kPromptPanels16, kPromptProjection };
 
 // A per-call buffer of n elements, kept by the calling thread between calls. Its elements are stale: each use
 // writes what it reads. Fresh vectors of tens to hundreds of KB cost 15-27 us a call here (measured: glibc hands

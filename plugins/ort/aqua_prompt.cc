@@ -5,7 +5,7 @@
 //   tasks (batch, kv head, block of kQueryRows query rows: all g heads of consecutive tokens, so K^ and V are read
 //   once for the GQA group), each walking the keys its rows see in blocks of kKeys:
 //
-//     K^[:, block] --packed in panels [kKeys / 16][r][16]--> S = Q K^  (Q [rows][r])   tiles of 6 x 32 / 6 x 16 scores
+//     K^[:, block] --packed in panels [kKeys / 16][r][16]--> S = Q K^  (Q [rows][r])   tiles of 8 x 32 / 6 x 16 scores
 //     S --softcap, mask (attention_mask, causal, sliding window)--> online softmax: m, l, O rescaled, P = e^(S - m)
 //     V[block] --packed in panels [rv / 16][kKeys][16]--> O += P V                     the same micro-kernel
 //
@@ -22,9 +22,9 @@
 // the packed panels (every stride-th row's top-k' coordinates) before the walk, which skips the products of the
 // 64-key halves it leaves out.
 //
-// The micro-kernel keeps a tile of its output in 12 vector registers (GCC vector extensions): 6 x 32 in AVX-512's
-// zmm registers, 6 x 16 in AVX2's ymm ones (which hold it with the two B vectors and the broadcast A value), and
-// runs the shared dimension through it, 12 multiply-adds per 2 loads of B and 6 broadcasts of A: the
+// The micro-kernel keeps a tile of its output in vector registers (GCC vector extensions): 8 x 32 in 16 of AVX-512's
+// zmm registers, 6 x 16 in 12 of AVX2's ymm ones (which hold it with the two B vectors and the broadcast A value),
+// and runs the shared dimension through it, 16 (12) multiply-adds per 2 loads of B and 8 (6) broadcasts of A: the
 // matrix-product shape that keeps the FMA units busy. Tasks are spread dynamically over ORT's thread pool (a
 // causal prompt's later blocks cost more).
 
@@ -52,6 +52,10 @@ struct PromptJob : QueryRows<T> {
   int64_t shift;        // positions of the first query block before the call's first row (sparse prefill's blocks
                         // start at multiples of kPrefillBlock slots), else 0
   uint16_t* packed16;   // bf16: the same panels' bfloat16 pairs [B * Hkv][key_blocks][K^ kKeys * r2, V kKeys * rvp]
+  const int64_t* first_pad;  // [mask rows]: each attention_mask row's first 0 (padding), or L: sparse prefill's
+  const float* proj_panels;  // float32 q with P: P [Hkv][qw][r] as panels [Hkv][rp / 16][qw][16] (zeros past r), else
+                             // null (then each row is projected by load_rows)
+  int64_t rp() const { return round_up(this->r, kNR); }
   int64_t rvp() const { return round_up(rv, kNR); }
   int64_t r2() const { return round_up(this->r, 2); }
   int64_t block_floats() const { return kKeys * (this->r + rvp()); }
@@ -100,10 +104,43 @@ void pack_task(void* data, size_t index) {
   }
 }
 
-// The task's query rows (token-major: row = token * g + head) as float q^ with each row's unselected coordinates
-// zero: q [rows_pad][r]; rows beyond the task's are zero.
+// The task's tokens [t0, t0 + nt) as float q^ before any selection, token-major (row = token * g + head):
+// qhat [nt g][rp] (rp = r rounded up to 16; columns past r are not read). Float32 q with P: one matrix product
+// over the task's rows, P packed once per call (its float32 multiply-adds in the order project's take: the same
+// q^), where one row at a time ran eight-lane FMAs over P from L1; otherwise load_rows a token at a time.
+template <typename T, typename C>
+void project_rows(const PromptJob<T, C>& j, int64_t bh, int64_t t0, int64_t nt, std::vector<float>& qhat) {
+  const int64_t g = j.g, rows = nt * g, rp = j.rp();
+  if constexpr (std::is_same_v<T, float>) {
+    if (j.proj_panels != nullptr) {
+      static thread_local std::vector<float> x;
+      const int64_t qw = j.qw, rows_pad = round_up(rows, kMR);
+      x.resize(static_cast<size_t>(rows_pad * qw));
+      std::fill(x.begin() + rows * qw, x.end(), 0.0f);
+      for (int64_t h = 0; h < g; ++h) {
+        const float* src = j.q + ((bh * g + h) * j.t + t0) * qw;
+        for (int64_t t = 0; t < nt; ++t) std::copy(src + t * qw, src + (t + 1) * qw, x.data() + (t * g + h) * qw);
+      }
+      qhat.resize(static_cast<size_t>(rows_pad * rp));
+      gemm<false>(x.data(), qw, j.proj_panels + (bh % j.heads) * qw * rp, qw, qhat.data(), rp, rows_pad, rp);
+      return;
+    }
+  }
+  static thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(g * j.r));
+  qhat.resize(static_cast<size_t>(rows * rp));
+  for (int64_t t = 0; t < nt; ++t) {
+    load_rows(j, bh, t0 + t, row.data());
+    for (int64_t h = 0; h < g; ++h) std::copy(row.begin() + h * j.r, row.begin() + (h + 1) * j.r,
+                                              qhat.begin() + (t * g + h) * rp);
+  }
+}
+
+// The task's query rows from qhat (project_rows) as the scores take them: each row's unselected coordinates zero
+// and its kept ones times unweight, q [rows_pad][r]; rows beyond the task's are zero.
 template <typename T>
-void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, float* q, int64_t rows_pad) {
+void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, const float* qhat, int64_t rp, float* q,
+                 int64_t rows_pad) {
   static thread_local std::vector<float> rows;
   static thread_local std::vector<int64_t> idx, count;
   rows.resize(static_cast<size_t>(j.g * j.r));
@@ -113,7 +150,10 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
   const bool pool = pooled(j, j.k);
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t tt = t0 + t;
-    load_rows(j, bh, tt, rows.data());
+    for (int64_t h = 0; h < j.g; ++h) {
+      const float* src = qhat + (t * j.g + h) * rp;
+      std::copy(src, src + j.r, rows.begin() + h * j.r);
+    }
     float* dst = q + t * j.g * j.r;
     const int64_t kvh = bh % j.heads;
     if (j.k == j.r) {
@@ -139,77 +179,6 @@ void query_block(const QueryRows<T>& j, int64_t bh, int64_t t0, int64_t nt, floa
   }
 }
 
-// N rows' online softmax over a block of n keys (n <= 16 NV, the block's width): row i's scores s[i kKeys ..)
-// (masked: -inf) -> e^(s - m') with m' = max(m[i], the row's largest), m, l and the row's output o[i rvp ..)
-// updated; a row that sees nothing of the block is left as it was, its e^ 0. The e^ go back into s in float32,
-// or, BF16, into p16[i kKeys ..) as bfloat16 (to_bf16's rounding), their e^ by exp_lanes' coarse polynomial
-// (2.9e-6 relative, under bfloat16's 2^-9); 0 past n up to the width either way. The rows stay in registers from
-// their maxima to their sums, and each reduces as a tree: one row at a time with lane-order reductions (chains of
-// 16 and 8 dependent scalar operations), the units waited on each row's maximum before its e^ (two rows side by
-// side: the node at 8k in bfloat16 2.10 -> 2.03 s against one row with the same trees).
-template <int N, int NV, bool BF16>
-inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int64_t rvp, uint16_t* p16) {
-  typedef int32_t i16v __attribute__((vector_size(64)));
-  const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const f16v none = f16v{} - INFINITY;
-  f16v x[N][NV];
-  float top[N];
-  for (int i = 0; i < N; ++i) {
-    f16v t = none;
-    for (int v = 0; v < NV; ++v) {
-      const f16v xv = load16(s + i * kKeys + 16 * v);
-      x[i][v] = 16 * v + 16 > n ? (lane + 16 * v < static_cast<int32_t>(n) ? xv : none) : xv;  // past n: e^ 0
-      t = x[i][v] > t ? x[i][v] : t;
-    }
-    top[i] = tree_max(t);
-  }
-  for (int i = 0; i < N; ++i) {
-    const float m_new = std::max(m[i], top[i]);  // -inf: nothing seen yet, nor in this block (e^ all 0)
-    const float alpha = m_new == m[i] ? 1.0f : std::exp(m[i] - m_new);  // e^0 without the call (most blocks)
-    if (alpha != 1.0f) {
-      for (int64_t c = 0; c < rvp; ++c) o[i * rvp + c] *= alpha;
-    }
-    const f16v shift = f16v{} + (m_new == -INFINITY ? 0.0f : m_new);
-    f16v acc{}, e[NV];
-    for (int v = 0; v < NV; ++v) {
-      e[v] = exp_lanes<f16v, u16v, BF16>(x[i][v] - shift);
-      acc += e[v];
-    }
-    if constexpr (BF16) {
-      for (int v = 0; v < NV; ++v) store_bf16(p16 + i * kKeys + 16 * v, e[v]);
-    } else {
-      for (int v = 0; v < NV; ++v) store16(s + i * kKeys + 16 * v, e[v]);
-    }
-    l[i] = l[i] * alpha + tree_sum(acc);
-    m[i] = m_new;
-  }
-}
-
-// Rows [0, rows) of a block's scores (kKeys apart, width kKeys or kPrefillBlock) through softmax_rows, two at a
-// time; BF16: into p16.
-template <int NV, bool BF16>
-inline void softmax_pairs(float* s, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t rvp,
-                          uint16_t* p16) {
-  int64_t row = 0;
-  for (; row + 2 <= rows; row += 2) {
-    softmax_rows<2, NV, BF16>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp,
-                              BF16 ? p16 + row * kKeys : nullptr);
-  }
-  if (row < rows) {
-    softmax_rows<1, NV, BF16>(s + row * kKeys, n, m + row, l + row, o + row * rvp, rvp,
-                              BF16 ? p16 + row * kKeys : nullptr);
-  }
-}
-template <bool BF16>
-inline void softmax_block(float* s, int64_t rows, int64_t n, int64_t width, float* m, float* l, float* o,
-                          int64_t rvp, uint16_t* p16) {
-  if (width == kKeys) {
-    softmax_pairs<kKeys / 16, BF16>(s, rows, n, m, l, o, rvp, p16);
-  } else {
-    softmax_pairs<kPrefillBlock / 16, BF16>(s, rows, n, m, l, o, rvp, p16);
-  }
-}
-
 template <typename T, typename C>
 void prompt_task(void* data, size_t index) {
   const auto& j = *static_cast<const PromptJob<T, C>*>(data);
@@ -217,16 +186,17 @@ void prompt_task(void* data, size_t index) {
   const int64_t t0 = std::max<int64_t>(0, blk * j.tokens_per_block - j.shift);
   const int64_t nt = std::min(j.t, (blk + 1) * j.tokens_per_block - j.shift) - t0;
   const int64_t rows = nt * j.g, rows_pad = round_up(rows, kMR), rvp = j.rvp(), r = j.r;
-  static thread_local std::vector<float> qbuf, sbuf, obuf, mbuf, lbuf;
+  static thread_local std::vector<float> qbuf, sbuf, obuf, mbuf, lbuf, qhat;
   static thread_local std::vector<uint16_t> q16, p16;
   const bool bf16 = j.packed16 != nullptr;
   qbuf.resize(static_cast<size_t>(rows_pad * r));
   sbuf.resize(static_cast<size_t>(rows_pad * kKeys));
   obuf.assign(static_cast<size_t>(rows_pad * rvp), 0.0f);
   mbuf.assign(static_cast<size_t>(rows_pad), -INFINITY);
-  lbuf.assign(static_cast<size_t>(rows_pad), 0.0f);
+  lbuf.assign(static_cast<size_t>(rows_pad * 16), 0.0f);
   float *q = qbuf.data(), *s = sbuf.data(), *o = obuf.data();
-  query_block(j, bh, t0, nt, q, rows_pad);
+  project_rows(j, bh, t0, nt, qhat);
+  query_block(j, bh, t0, nt, qhat.data(), j.rp(), q, rows_pad);
   const int64_t r2 = j.r2();
   if (bf16) {
     q16.resize(static_cast<size_t>(rows_pad * r2));
@@ -241,7 +211,7 @@ void prompt_task(void* data, size_t index) {
   const int64_t k_begin = first.lo / kKeys * kKeys, k_end = last.hi + 1;
   const float* packed = j.packed + bh * j.key_blocks * j.block_floats();
   static thread_local std::vector<uint8_t> kept;
-  const bool sparse = j.prefill.on() && choose_blocks(j, bh, t0, nt, kept);
+  const bool sparse = j.prefill.on() && choose_blocks(j, bh, t0, nt, qhat.data(), kept);
   for (int64_t s0 = k_begin; s0 < k_end; s0 += kKeys) {
     int64_t n = std::min(kKeys, k_end - s0), off = 0, width = kKeys;
     if (sparse) {  // the halves of this block of kKeys keys that sparse prefill keeps (kKeys = 2 kPrefillBlock)
@@ -274,9 +244,13 @@ void prompt_task(void* data, size_t index) {
       if (j.softcap > 0.0f) {
         for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / j.softcap) * j.softcap;
       }
-      if (!whole) {
+      if (!whole) {  // the window's ends bound the loop, so its body is a select the compiler vectorises
         const Seen seen = j.mask.at(b, t0 + row / j.g);
-        for (int64_t i = 0; i < n; ++i) sr[i] = seen(k0 + i) ? sr[i] : -INFINITY;
+        const int64_t lo = std::clamp<int64_t>(seen.lo - k0, 0, n), hi = std::clamp<int64_t>(seen.hi + 1 - k0, lo, n);
+        const int64_t* am = seen.am + k0;
+        std::fill(sr, sr + lo, -INFINITY);
+        for (int64_t i = lo; i < hi; ++i) sr[i] = am[i] != 0 ? sr[i] : -INFINITY;
+        std::fill(sr + hi, sr + n, -INFINITY);
       }
     }
     if (bf16) {
@@ -290,7 +264,8 @@ void prompt_task(void* data, size_t index) {
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t tt = t0 + row / j.g, h = row % j.g;
     T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.rv;
-    const float inv = lbuf[row] > 0.0f ? 1.0f / lbuf[row] : 0.0f;  // a row that saw no key: zeros
+    const float sum = tree_sum(load16(lbuf.data() + row * 16));
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that saw no key: zeros
     for (int64_t c = 0; c < j.rv; ++c) store(dst, c, o[row * rvp + c] * inv);
   }
 }
@@ -305,8 +280,27 @@ void attend_prompt(Ort::KernelContext& ctx, const QueryRows<T>& q, const C* key,
   const int64_t per = prefill.on() ? kPrefillBlock : std::max<int64_t>(1, kQueryRows / q.g);
   const int64_t shift = prefill.on() ? (mask.len - q.t) % kPrefillBlock : 0, blocks = (q.t + shift + per - 1) / per;
   const int64_t key_blocks = (mask.len + kKeys - 1) / kKeys, bh = batch * q.heads;
+  std::vector<int64_t> first_pad(static_cast<size_t>(mask.rows), mask.len);
+  for (int64_t b = 0; b < mask.rows && prefill.on(); ++b) {
+    const int64_t* am = mask.am + b * mask.len;
+    first_pad[b] = std::find(am, am + mask.len, int64_t{0}) - am;
+  }
   PromptJob<T, C> job{q, key, value, mask, out, rv, key_stride, value_slots, blocks, per, softcap, nullptr,
-                      key_blocks, prefill, shift, nullptr};
+                      key_blocks, prefill, shift, nullptr, first_pad.data(), nullptr};
+  if constexpr (std::is_same_v<T, float>) {
+    if (q.proj != nullptr) {  // P [Hkv][qw][r] -> panels [Hkv][rp / 16][qw][16], zeros past r
+      const int64_t rp = job.rp();
+      auto& panels = call_buffer<float, Buffer::kPromptProjection>(static_cast<size_t>(q.heads * q.qw * rp));
+      std::vector<float> w(static_cast<size_t>(rp), 0.0f);
+      for (int64_t h = 0; h < q.heads; ++h) {
+        for (int64_t i = 0; i < q.qw; ++i) {
+          std::copy(q.proj + (h * q.qw + i) * q.r, q.proj + (h * q.qw + i + 1) * q.r, w.begin());
+          to_panels(w.data(), rp, panels.data() + h * q.qw * rp, q.qw, i);
+        }
+      }
+      job.proj_panels = panels.data();
+    }
+  }
   auto& packed = call_buffer<float, Buffer::kPromptPanels>(static_cast<size_t>(bh * key_blocks * job.block_floats()));
   job.packed = packed.data();
   if (bf16 && kBf16Build) {

@@ -17,17 +17,20 @@ struct EstimateRow {
   int64_t lo, hi;
 };
 
-// A row's softmax over one key block of kPrefillBlock, kept as its largest estimated score m and l = sum e^(s - m)
-// over the keys the row sees (m = -inf, l = 0: none): the blocks' shares of the row's mass follow from all of them
-// (choose_blocks), so no [L] row of scores is kept.
+// A row's softmax over one key block of kPrefillBlock, kept as l = sum e^(s - m) over the keys the row sees with
+// the row's shift m at the time (m = -inf, l = 0: nothing seen yet): the blocks' shares of the row's mass follow
+// from all of them (choose_blocks), so no [L] row of scores is kept.
 struct BlockSum {
   float m, l;
 };
 
 // One row's scores sc[0..kKeys) over the packed block at s0 (soft-capped, + kmask[j] when given: -inf at padding;
-// -inf outside [row.lo, row.hi]) -> out[0..2), the two key blocks' BlockSums. sc is overwritten.
+// -inf outside [row.lo, row.hi]) -> out[0..2), the two key blocks' BlockSums. sc is overwritten. shift: the row's
+// running shift, moved to a block's maximum only when a score passes it by kShiftSlack (or it is -inf), as the
+// walk's softmax does: one vector compare a block, not a reduction across lanes. The e^ by exp_lanes' degree-4
+// polynomial (2.9e-6 relative: a choice of blocks by their share of the mass reads no finer).
 inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const float* kmask, float softcap,
-                       BlockSum* out) {
+                       BlockSum* out, float& shift) {
   static_assert(kKeys == 2 * kPrefillBlock, "two key blocks a packed block");
   if (softcap > 0.0f) {
     for (int64_t x = 0; x < kKeys; ++x) sc[x] = std::tanh(sc[x] / softcap) * softcap;
@@ -41,22 +44,22 @@ inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const floa
   for (int h = 0; h < 2; ++h) {
     const float* v = sc + h * kPrefillBlock;
     const f16v v0 = load16(v), v1 = load16(v + kNR), v2 = load16(v + 2 * kNR), v3 = load16(v + 3 * kNR);
-    const f16v a = v0 > v1 ? v0 : v1, b = v2 > v3 ? v2 : v3;
-    const float m = tree_max(a > b ? a : b);
-    if (m == -INFINITY) {
-      out[h] = {m, 0.0f};
+    const f16v a = v0 > v1 ? v0 : v1, b = v2 > v3 ? v2 : v3, top = a > b ? a : b;
+    if (any_above(top, shift + kShiftSlack)) shift = tree_max(top);
+    if (shift == -INFINITY) {
+      out[h] = {shift, 0.0f};
       continue;
     }
-    const f16v shift = f16v{} + m;
-    const f16v e = (exp_lanes<f16v, u16v>(v0 - shift) + exp_lanes<f16v, u16v>(v1 - shift)) +
-                   (exp_lanes<f16v, u16v>(v2 - shift) + exp_lanes<f16v, u16v>(v3 - shift));
-    out[h] = {m, tree_sum(e)};
+    const f16v at = f16v{} + shift;
+    const f16v e = (exp_lanes<f16v, u16v, true>(v0 - at) + exp_lanes<f16v, u16v, true>(v1 - at)) +
+                   (exp_lanes<f16v, u16v, true>(v2 - at) + exp_lanes<f16v, u16v, true>(v3 - at));
+    out[h] = {shift, tree_sum(e)};
   }
 }
 
 // The rows' BlockSums: q [rows_pad][r] (the sampled rows' q^, zero outside each row's k' coordinates) ->
 // sums[i * nb + kb] for each key block kb of [lo, hi] of row i (others not written). A packed block's scores for
-// all rows as one matrix product over the panels the walk reads (its micro-kernel: 12 multiply-adds a 2 loads, where
+// all rows as one matrix product over the panels the walk reads (its micro-kernel: 16 multiply-adds a 2 loads, where
 // gathering a row's k' coordinates ran one load a multiply-add; the zeros add nothing, so each score is the sum
 // over the row's k' coordinates in increasing order), then each row's two BlockSums from an L1 tile.
 template <typename Job>
@@ -64,7 +67,9 @@ void estimate_rows(const Job& j, int64_t bh, const float* q, int64_t rows_pad, c
                    const float* kmask, BlockSum* sums, int64_t nb) {
   static thread_local std::vector<float> sc;
   static thread_local std::vector<uint16_t> q16;
+  static thread_local std::vector<float> shift;
   sc.resize(static_cast<size_t>(rows_pad * kKeys));
+  shift.assign(rows.size(), -INFINITY);
   const float* panels = j.packed + bh * j.key_blocks * j.block_floats();
   const uint16_t* halves = j.packed16 != nullptr ? j.packed16 + bh * j.key_blocks * j.block_halves() : nullptr;
   const int64_t r = j.r, r2 = j.r2();
@@ -86,7 +91,7 @@ void estimate_rows(const Job& j, int64_t bh, const float* q, int64_t rows_pad, c
       const EstimateRow& row = rows[i];
       if (s0 + kKeys <= row.lo || s0 > row.hi) continue;
       BlockSum two[2];
-      block_sums(sc.data() + static_cast<int64_t>(i) * kKeys, row, s0, kmask, j.softcap, two);
+      block_sums(sc.data() + static_cast<int64_t>(i) * kKeys, row, s0, kmask, j.softcap, two, shift[i]);
       BlockSum* out = sums + static_cast<int64_t>(i) * nb;
       out[kb] = two[0];
       if (kb + 1 < nb) out[kb + 1] = two[1];
@@ -95,10 +100,11 @@ void estimate_rows(const Job& j, int64_t bh, const float* q, int64_t rows_pad, c
 }
 
 // Sparse prefill's choice for the task's query block (ops/rules.py prefill_chosen): kept[0..ceil(L / 64)) the key
-// blocks its rows attend. Returns false when the block is dense (not wholly inside the call and before its last
-// kPrefillTail rows, or no row sampled): then kept is not read.
+// blocks its rows attend, from the task's q^ rows qhat [nt g][rp] (aqua_prompt.cc project_rows). Returns false when
+// the block is dense (not wholly inside the call and before its last kPrefillTail rows, or no row sampled): then
+// kept is not read.
 template <typename Job>
-bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector<uint8_t>& kept) {
+bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, const float* qhat, std::vector<uint8_t>& kept) {
   const int64_t first = j.mask.len - j.t, p0 = first + t0, len = j.mask.len, b = bh / j.heads;
   if (p0 % kPrefillBlock != 0 || nt != kPrefillBlock || p0 + kPrefillBlock > len - kPrefillTail) return false;
   const int64_t nb = (len + kPrefillBlock - 1) / kPrefillBlock, g = j.g, r = j.r;
@@ -115,9 +121,8 @@ bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector
   est.clear();
   mass.assign(static_cast<size_t>(nb), 0.0);
   const int64_t* am = j.mask.am + (j.mask.rows == 1 ? 0 : b) * len;
-  bool padded = false;  // kmask: 0 at a real key, -inf at padding, over the packed blocks the rows reach
-  for (int64_t i = 0; i < end && !padded; ++i) padded = am[i] == 0;
-  if (padded) {
+  const bool padded = j.first_pad[j.mask.rows == 1 ? 0 : b] < end;  // kmask: 0 at a real key, -inf at padding,
+  if (padded) {                                                       // over the packed blocks the rows reach
     kmask.assign(static_cast<size_t>(round_up(end, kKeys)), 0.0f);
     for (int64_t i = 0; i < end; ++i) kmask[i] = am[i] != 0 ? 0.0f : -INFINITY;
   }
@@ -133,7 +138,10 @@ bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector
       }
     }
     float* q = row.data();
-    load_rows(j, bh, t, q);
+    for (int64_t h = 0; h < g; ++h) {
+      const float* src = qhat + ((t - t0) * g + h) * j.rp();
+      std::copy(src, src + r, q + h * r);
+    }
     select_group(q, g, r, j.prefill.k, kPerHead, idx.data(), r);
     unweigh(j, bh % j.heads, q);
     for (int64_t h = 0; h < g; ++h) {
@@ -154,7 +162,10 @@ bool choose_blocks(const Job& j, int64_t bh, int64_t t0, int64_t nt, std::vector
     for (int64_t kb = k0; kb <= k1; ++kb) top = std::max(top, s[kb].m);
     if (top == -INFINITY) continue;  // a row that sees no real key (not sampled: its own token is real)
     float total = 0.0f;
-    for (int64_t kb = k0; kb <= k1; ++kb) total += (s[kb].l *= std::exp(s[kb].m - top));  // l now at the max
+    for (int64_t kb = k0; kb <= k1; ++kb) {  // l now at the max (most blocks were summed at it already)
+      if (s[kb].m != top) s[kb].l *= std::exp(s[kb].m - top);
+      total += s[kb].l;
+    }
     const float inv = 1.0f / total;
     for (int64_t kb = k0; kb <= k1; ++kb) mass[kb] += s[kb].l * inv;
   }

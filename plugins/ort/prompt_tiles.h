@@ -1,5 +1,6 @@
 // The prompt kernel's matrix products (aqua_prompt.cc): register tiles over panels of 16 columns, in float32 FMAs
-// or, under prompt_bf16 on AVX512_BF16, in bfloat16 pairs with float32 sums; and the packing into those panels.
+// or, under prompt_bf16 on AVX512_BF16, in bfloat16 pairs with float32 sums; the packing into those panels; and the
+// online softmax between the two products.
 
 #pragma once
 
@@ -8,21 +9,23 @@
 namespace aqua {
 namespace prompt {
 
-constexpr int kMR = 6;                // rows of a micro-kernel tile
 constexpr int64_t kNR = 16;           // columns of a panel (one AVX-512 vector, two AVX ones)
 constexpr int64_t kKeys = 128;        // keys per block of the walk (and of the packed panels)
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Panels a micro-kernel tile spans: two where a panel row is one register (AVX-512: 6 x 32 scores in 12 of its 32
-// registers, 2 loads of B and 6 broadcasts of A per 12 multiply-adds), one elsewhere (AVX2: 6 x 16 in 12 of its
-// 16). The 6 x 16 tile used half of an AVX-512 CPU's vector width: one layer's prompt attention at 8,000 tokens ran
-// at 201 GFLOP/s on 2 cores of an AMD EPYC with 512-bit FMA units, where ORT's SGEMM reaches ~400; 337 with this
-// tile (`python -m tools prompt`).
+// Panels a micro-kernel tile spans and its rows kMR: two panels where a panel row is one register (AVX-512: 8 x 32
+// scores in 16 of its 32 registers, 2 loads of B and 8 broadcasts of A per 16 multiply-adds), one elsewhere (AVX2:
+// 6 x 16 in 12 of its 16). The 6 x 16 tile used half of an AVX-512 CPU's vector width: one layer's prompt attention
+// at 8,000 tokens ran at 201 GFLOP/s on 2 cores of an AMD EPYC with 512-bit FMA units, where ORT's SGEMM reaches
+// ~400; 337 with a 6 x 32 tile (`python -m tools prompt`). 8 rows, not 6: vdpbf16ps takes 6 cycles and issues two a
+// cycle, so 12 accumulators left its units idle about a tenth of the time (docs/design.md).
 #if defined(__AVX512F__)
 constexpr int kTilePanels = 2;
+constexpr int kMR = 8;
 #else
 constexpr int kTilePanels = 1;
+constexpr int kMR = 6;
 #endif
 
 // c[MR][16 NP] (+)= a[MR][kk] (rows lda apart) . b: NP panels [kk][16], pstep floats apart; c rows ldc apart.
@@ -85,12 +88,36 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  // finite values: no NaN to keep
 }
 
-// Sixteen floats -> bfloat16 at dst, as to_bf16 rounds each.
+// How far a block's scores may rise above a row's shift m before m moves (e^8 ~ 3000: P, l and O stay far inside
+// float32's range, and bfloat16's, which has float32's exponent). Checking a block against m + kShiftSlack takes
+// one vector compare; moving m to the block's maximum takes a reduction across lanes and a rescale of the row's O
+// and l, which the sink block, walked first, makes rare.
+constexpr float kShiftSlack = 8.0f;
+
+// Whether any lane of v exceeds x.
+inline bool any_above(f16v v, float x) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(x), _CMP_GT_OQ) != 0;
+#else
+  return tree_max(v) > x;
+#endif
+}
+
+// Sixteen floats -> bfloat16 at dst, as to_bf16 rounds each (nearest even). Only on a CPU with AVX512_BF16 (the
+// prompt's bfloat16 path): its vcvtneps2bf16, one instruction for the five integer operations of to_bf16's rounding,
+// written as assembly so the functions it is inlined into need no target of their own; it differs from to_bf16 only
+// on subnormal values, which it flushes to zero (an e^ below 2^-126 in a sum of e^ that holds at least 1).
 inline void store_bf16(uint16_t* dst, f16v x) {
+#if defined(__AVX512F__)
+  __m256i h;
+  __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(reinterpret_cast<__m512>(x)));
+  std::memcpy(dst, &h, sizeof h);
+#else
   typedef uint16_t h16 __attribute__((vector_size(32)));
   const u16v bits = reinterpret_cast<u16v>(x);
   const h16 h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, h16);
   std::memcpy(dst, &h, sizeof h);
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -188,6 +215,78 @@ inline void widen_row(const C* src, int64_t n, float* dst, int64_t width, const 
     for (int64_t i = 0; i < n; ++i) dst[i] *= scale[i];
   }
   std::fill(dst + n, dst + width, 0.0f);
+}
+
+// N rows' online softmax over a block of n keys (n <= 16 NV, the block's width): row i's scores s[i kKeys ..)
+// (masked: -inf) -> e^(s - m) with the row's shift m[i], l and the row's output o[i rvp ..) updated. m moves only
+// when a score passes m + kShiftSlack (or m is -inf: nothing seen yet), to the block's maximum, with O and l
+// rescaled; otherwise the e^ are up to e^kShiftSlack, which the final O / l cancels. A row that sees nothing of the
+// block is left as it was, its e^ 0. l is kept per lane, l[i 16 ..): summed across lanes once, after the walk. The
+// e^ go back into s in float32, or, BF16, into p16[i kKeys ..) as bfloat16 (to_bf16's rounding), their e^ by
+// exp_lanes' coarse polynomial (2.9e-6 relative, under bfloat16's 2^-9); 0 past n up to the width either way. Two
+// rows side by side: the units are not left waiting on one row's rare reduction.
+template <int N, int NV, bool BF16>
+inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int64_t rvp, uint16_t* p16) {
+  typedef int32_t i16v __attribute__((vector_size(64)));
+  const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const f16v none = f16v{} - INFINITY;
+  f16v x[N][NV], top[N];
+  for (int i = 0; i < N; ++i) {
+    top[i] = none;
+    for (int v = 0; v < NV; ++v) {
+      const f16v xv = load16(s + i * kKeys + 16 * v);
+      x[i][v] = 16 * v + 16 > n ? (lane + 16 * v < static_cast<int32_t>(n) ? xv : none) : xv;  // past n: e^ 0
+      top[i] = x[i][v] > top[i] ? x[i][v] : top[i];
+    }
+  }
+  for (int i = 0; i < N; ++i) {
+    if (any_above(top[i], m[i] + kShiftSlack)) {  // -inf + slack: any key seen moves m
+      const float m_new = tree_max(top[i]);
+      if (m[i] != -INFINITY) {
+        const float alpha = std::exp(m[i] - m_new);
+        for (int64_t c = 0; c < rvp; ++c) o[i * rvp + c] *= alpha;
+        store16(l + i * 16, load16(l + i * 16) * alpha);
+      }
+      m[i] = m_new;
+    }
+    const f16v shift = f16v{} + (m[i] == -INFINITY ? 0.0f : m[i]);
+    f16v acc = load16(l + i * 16);
+    for (int v = 0; v < NV; ++v) {
+      const f16v e = exp_lanes<f16v, u16v, BF16>(x[i][v] - shift);
+      acc += e;
+      if constexpr (BF16) {
+        store_bf16(p16 + i * kKeys + 16 * v, e);
+      } else {
+        store16(s + i * kKeys + 16 * v, e);
+      }
+    }
+    store16(l + i * 16, acc);
+  }
+}
+
+// Rows [0, rows) of a block's scores (kKeys apart, width kKeys or kPrefillBlock) through softmax_rows, two at a
+// time; BF16: into p16.
+template <int NV, bool BF16>
+inline void softmax_pairs(float* s, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t rvp,
+                          uint16_t* p16) {
+  int64_t row = 0;
+  for (; row + 2 <= rows; row += 2) {
+    softmax_rows<2, NV, BF16>(s + row * kKeys, n, m + row, l + row * 16, o + row * rvp, rvp,
+                              BF16 ? p16 + row * kKeys : nullptr);
+  }
+  if (row < rows) {
+    softmax_rows<1, NV, BF16>(s + row * kKeys, n, m + row, l + row * 16, o + row * rvp, rvp,
+                              BF16 ? p16 + row * kKeys : nullptr);
+  }
+}
+template <bool BF16>
+inline void softmax_block(float* s, int64_t rows, int64_t n, int64_t width, float* m, float* l, float* o,
+                          int64_t rvp, uint16_t* p16) {
+  if (width == kKeys) {
+    softmax_pairs<kKeys / 16, BF16>(s, rows, n, m, l, o, rvp, p16);
+  } else {
+    softmax_pairs<kPrefillBlock / 16, BF16>(s, rows, n, m, l, o, rvp, p16);
+  }
 }
 
 }  // namespace prompt
