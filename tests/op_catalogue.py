@@ -206,6 +206,15 @@ def _prefill_inputs(shape, **kw):
     return ins
 
 
+def _rising(ins):
+    """The same inputs with K^'s columns growing along the keys (1x to 6x): a later key block's scores pass an earlier
+    one's maximum by more than the prompt kernel's shift slack (8), so its softmax moves the shift and rescales the
+    rows' O and l (plugins/ort/prompt_tiles.h kShiftSlack; the estimate's block sums alike)."""
+    kc = ins[1]
+    ins[1] = (kc * torch.linspace(1.0, 6.0, kc.shape[-1], dtype=torch.float64).to(kc.dtype)).contiguous()
+    return ins
+
+
 def _dense_of(attrs: dict, projected: bool = False):
     """The case's answer with a dense prompt (a sparse prefill case must differ from it)."""
     plain = {n: v for n, v in attrs.items() if not n.startswith("prefill_")}
@@ -232,7 +241,8 @@ def _same_as_dense(attrs):
 
 # sparse prefill: from an empty cache (block boundaries), a left-padded batch whose chunk starts mid-block, a chunk
 # after a past at g = 4 and r = 64, a sliding window, a prompt shorter than one block (dense), the int8 and float16
-# caches, projected, with token selection, soft-capped, key weights, shared k, a float16 graph
+# caches, projected, with token selection, soft-capped, key weights, shared k, a float16 graph, scores rising along
+# the keys
 PREFILL = [
     _prefill_case("empty-cache", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}),
     _prefill_case("padded-mid-block", (2, 2, 3, 560, 32, 600, 640), {"k": 16, "rule": MAGNITUDE, **_prefill()}),
@@ -254,6 +264,8 @@ PREFILL = [
     _prefill_case("shared-k", (1, 2, 3, 700, 32, 700, 700), {"k": 8, "rule": MAGNITUDE, "head_prices": _prices(2),
                                                              **_prefill(k_ratio=0.25)}),
     _prefill_case("float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, dtype="float16"),
+    Case("prefill-rising-1x2x3x700x32x700x700", lambda: _rising(_prefill_inputs((1, 2, 3, 700, 32, 700, 700))),
+         {"k": 32, "rule": GROUP, **_prefill()}, only=("function", "native"), unlike=_dense_of({"k": 32, "rule": GROUP})),
 ]
 # bfloat16 prompt products (prompt_bf16, settings/precision.py; the native kernel: the function body ignores the
 # attribute). Where the CPU runs them, against the reference on q^, K^ and V rounded to bfloat16 (what is left: the
@@ -286,7 +298,8 @@ def _bf16_case(name, shape, attrs, cache=None, cache_dtype=None, inputs=None):
 
 
 # a prompt from an empty cache, one after a past with left padding, r = 48 (an odd count of 16-column panels), a
-# short prompt (16 rows), a float16 cache, g = 4 and r = 128, soft-capped, sparse prefill on top
+# short prompt (16 rows), a float16 cache, g = 4 and r = 128, soft-capped, sparse prefill on top, scores rising
+# along the keys (the softmax's shift moves)
 BF16 = [
     _bf16_case("empty-cache", (1, 2, 3, 300, 64, 300, 300), {"k": 64}),
     _bf16_case("past-padded", (2, 2, 3, 150, 32, 400, 420), {"k": 32}),
@@ -297,6 +310,8 @@ BF16 = [
     _bf16_case("softcap", (1, 2, 3, 200, 32, 200, 200), {"k": 32, "softcap": 5.0}),
     _bf16_case("prefill", (1, 2, 3, 700, 32, 700, 700), {"k": 32, "rule": GROUP, **_prefill()},
                inputs=lambda: _prefill_inputs((1, 2, 3, 700, 32, 700, 700))),
+    _bf16_case("rising", (1, 2, 3, 300, 32, 700, 700), {"k": 32},
+               inputs=lambda: _rising(_attention_inputs((1, 2, 3, 300, 32, 700, 700), scale=0.3))),
 ]
 ATTENTION = [
     *[Case(f"{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
@@ -417,7 +432,7 @@ ATTENTION = [
                    ((1, 2, 3, 20, 32, 300, 320), 50))],
     # prompts (T >= 16 tokens: blocked matrix products): from an empty cache with a left-padded batch (its padding
     # rows see nothing), a chunk after a past, a long one, every rule and k, values of another width, projected,
-    # shared k, token selection (exact), float16, a float16 cache, soft-capped
+    # shared k, token selection (exact), float16, a float16 cache, soft-capped, scores rising along the keys
     # (the grid on the CPU's implementations: Triton takes a prompt through its decode kernel's programs, run on the
     # cases above with T <= 7 and the single prompt cases below; its interpreter would spend minutes here)
     *[Case(f"prompt-{'x'.join(map(str, s))}-k{which}-rule{rule}", lambda s=s: _attention_inputs(s),
@@ -447,6 +462,8 @@ ATTENTION = [
          only=("function", "native")),
     Case("prompt-softcap", lambda: _attention_inputs((2, 2, 3, 30, 16, 50, 64), scale=4.0),
          {"k": 8, "rule": GROUP, "softcap": 5.0}),
+    Case("prompt-rising-scores", lambda: _rising(_attention_inputs((2, 2, 3, 300, 32, 700, 700), scale=0.3)),
+         {"k": 32, "rule": GROUP}, only=("function", "native")),
     *PREFILL,
     *BF16,
     Case("prompt-bf16-2", lambda: _attention_inputs((1, 2, 3, 20, 16, 20, 20)), {"k": 8, "prompt_bf16": 2},

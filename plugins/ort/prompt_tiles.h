@@ -103,21 +103,22 @@ inline bool any_above(f16v v, float x) {
 #endif
 }
 
-// Sixteen floats -> bfloat16 at dst, as to_bf16 rounds each (nearest even). Only on a CPU with AVX512_BF16 (the
-// prompt's bfloat16 path): its vcvtneps2bf16, one instruction for the five integer operations of to_bf16's rounding,
-// written as assembly so the functions it is inlined into need no target of their own; it differs from to_bf16 only
-// on subnormal values, which it flushes to zero (an e^ below 2^-126 in a sum of e^ that holds at least 1).
-inline void store_bf16(uint16_t* dst, f16v x) {
-#if defined(__AVX512F__)
-  __m256i h;
-  __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(reinterpret_cast<__m512>(x)));
-  std::memcpy(dst, &h, sizeof h);
-#else
+// Sixteen floats -> bfloat16 at dst, as to_bf16 rounds each (nearest even); returns the stored values as floats.
+// Only on a CPU with AVX512_BF16 (the prompt's bfloat16 path): its vcvtneps2bf16, one instruction for the five
+// integer operations of to_bf16's rounding, written as assembly so the functions it is inlined into need no target
+// of their own; it differs from to_bf16 only on subnormal values, which it flushes to zero (an e^ below 2^-126 in a
+// sum of e^ that holds at least 1).
+inline f16v store_bf16(uint16_t* dst, f16v x) {
   typedef uint16_t h16 __attribute__((vector_size(32)));
+  h16 h;
+#if defined(__AVX512F__)
+  __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(reinterpret_cast<__m512>(x)));
+#else
   const u16v bits = reinterpret_cast<u16v>(x);
-  const h16 h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, h16);
-  std::memcpy(dst, &h, sizeof h);
+  h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, h16);
 #endif
+  std::memcpy(dst, &h, sizeof h);
+  return reinterpret_cast<f16v>(__builtin_convertvector(h, u16v) << 16);
 }
 
 #if defined(__AVX512F__)
@@ -223,8 +224,11 @@ inline void widen_row(const C* src, int64_t n, float* dst, int64_t width, const 
 // rescaled; otherwise the e^ are up to e^kShiftSlack, which the final O / l cancels. A row that sees nothing of the
 // block is left as it was, its e^ 0. l is kept per lane, l[i 16 ..): summed across lanes once, after the walk. The
 // e^ go back into s in float32, or, BF16, into p16[i kKeys ..) as bfloat16 (to_bf16's rounding), their e^ by
-// exp_lanes' coarse polynomial (2.9e-6 relative, under bfloat16's 2^-9); 0 past n up to the width either way. Two
-// rows side by side: the units are not left waiting on one row's rare reduction.
+// exp_lanes' coarse polynomial (2.9e-6 relative, under bfloat16's 2^-9), l then summing the rounded P: the weights
+// P V takes, so O / l weighs V by P / sum P whatever the rounding (a row whose mass is one key's gives that key's V
+// row, where a sum of the unrounded e^ left the key's own rounding in, up to 2^-9 of it: with the shift lazy, the
+// largest e^ is no longer 1, which bfloat16 holds exactly). 0 past n up to the width either way. Two rows side by
+// side: the units are not left waiting on one row's rare reduction.
 template <int N, int NV, bool BF16>
 inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int64_t rvp, uint16_t* p16) {
   typedef int32_t i16v __attribute__((vector_size(64)));
@@ -253,11 +257,11 @@ inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int6
     f16v acc = load16(l + i * 16);
     for (int v = 0; v < NV; ++v) {
       const f16v e = exp_lanes<f16v, u16v, BF16>(x[i][v] - shift);
-      acc += e;
       if constexpr (BF16) {
-        store_bf16(p16 + i * kKeys + 16 * v, e);
+        acc += store_bf16(p16 + i * kKeys + 16 * v, e);  // l sums the P that P V takes
       } else {
         store16(s + i * kKeys + 16 * v, e);
+        acc += e;
       }
     }
     store16(l + i * 16, acc);
