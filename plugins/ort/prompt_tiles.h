@@ -103,22 +103,30 @@ inline bool any_above(f16v v, float x) {
 #endif
 }
 
-// Sixteen floats -> bfloat16 at dst, as to_bf16 rounds each (nearest even); returns the stored values as floats.
-// Only on a CPU with AVX512_BF16 (the prompt's bfloat16 path): its vcvtneps2bf16, one instruction for the five
-// integer operations of to_bf16's rounding, written as assembly so the functions it is inlined into need no target
-// of their own; it differs from to_bf16 only on subnormal values, which it flushes to zero (an e^ below 2^-126 in a
-// sum of e^ that holds at least 1).
-inline f16v store_bf16(uint16_t* dst, f16v x) {
-  typedef uint16_t h16 __attribute__((vector_size(32)));
-  h16 h;
+// Thirty-two floats x0, x1 -> bfloat16 at dst (x0's sixteen, then x1's), as to_bf16 rounds each (nearest even), and
+// their rounded values summed into l's lanes (pairwise: only l's total is read). Only on a CPU with AVX512_BF16 (the
+// prompt's bfloat16 path): vcvtne2ps2bf16 rounds both vectors in one instruction, and vdpbf16ps against bfloat16
+// ones sums the rounded values exactly as P V will take them, in one more; both written as assembly so the functions
+// they are inlined into need no target of their own. vcvtne2ps2bf16 differs from to_bf16 only on subnormal values,
+// which it flushes to zero (an e^ below 2^-126 in a sum of e^ that holds at least 1).
+inline void store_bf16_pair(uint16_t* dst, f16v x0, f16v x1, f16v& l) {
 #if defined(__AVX512F__)
-  __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(reinterpret_cast<__m512>(x)));
-#else
-  const u16v bits = reinterpret_cast<u16v>(x);
-  h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, h16);
-#endif
+  __m512i h;
+  __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(h) : "v"(reinterpret_cast<__m512>(x1)), "v"(reinterpret_cast<__m512>(x0)));
   std::memcpy(dst, &h, sizeof h);
-  return reinterpret_cast<f16v>(__builtin_convertvector(h, u16v) << 16);
+  const __m512i ones = _mm512_set1_epi16(0x3F80);  // bfloat16 1.0
+  __m512 acc = reinterpret_cast<__m512>(l);
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(h), "v"(ones));
+  l = reinterpret_cast<f16v>(acc);
+#else
+  typedef uint16_t h16 __attribute__((vector_size(32)));
+  for (int half = 0; half < 2; ++half) {
+    const u16v bits = reinterpret_cast<u16v>(half == 0 ? x0 : x1);
+    const h16 h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, h16);
+    std::memcpy(dst + 16 * half, &h, sizeof h);
+    l += reinterpret_cast<f16v>(__builtin_convertvector(h, u16v) << 16);
+  }
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -255,11 +263,15 @@ inline void softmax_rows(float* s, int64_t n, float* m, float* l, float* o, int6
     }
     const f16v shift = f16v{} + (m[i] == -INFINITY ? 0.0f : m[i]);
     f16v acc = load16(l + i * 16);
-    for (int v = 0; v < NV; ++v) {
-      const f16v e = exp_lanes<f16v, u16v, BF16>(x[i][v] - shift);
-      if constexpr (BF16) {
-        acc += store_bf16(p16 + i * kKeys + 16 * v, e);  // l sums the P that P V takes
-      } else {
+    if constexpr (BF16) {  // l sums the P that P V takes
+      static_assert(NV % 2 == 0, "bfloat16 P in pairs of vectors");
+      for (int v = 0; v < NV; v += 2) {
+        store_bf16_pair(p16 + i * kKeys + 16 * v, exp_lanes<f16v, u16v, true>(x[i][v] - shift),
+                        exp_lanes<f16v, u16v, true>(x[i][v + 1] - shift), acc);
+      }
+    } else {
+      for (int v = 0; v < NV; ++v) {
+        const f16v e = exp_lanes<f16v, u16v>(x[i][v] - shift);
         store16(s + i * kKeys + 16 * v, e);
         acc += e;
       }
