@@ -244,14 +244,7 @@ void prompt_task(void* data, size_t index) {
       if (j.softcap > 0.0f) {
         for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / j.softcap) * j.softcap;
       }
-      if (!whole) {  // the window's ends bound the loop, so its body is a select the compiler vectorises
-        const Seen seen = j.mask.at(b, t0 + row / j.g);
-        const int64_t lo = std::clamp<int64_t>(seen.lo - k0, 0, n), hi = std::clamp<int64_t>(seen.hi + 1 - k0, lo, n);
-        const int64_t* am = seen.am + k0;
-        std::fill(sr, sr + lo, -INFINITY);
-        for (int64_t i = lo; i < hi; ++i) sr[i] = am[i] != 0 ? sr[i] : -INFINITY;
-        std::fill(sr + hi, sr + n, -INFINITY);
-      }
+      if (!whole) j.mask.at(b, t0 + row / j.g).hide(k0, n, sr);
     }
     if (bf16) {
       softmax_block<true>(s, rows, n, width, mbuf.data(), lbuf.data(), o, rvp, p16.data());

@@ -31,11 +31,25 @@ struct Seen {
   // passes' online softmax; written per block, never for the whole [T, L]). The window's ends bound the loop, so
   // its body is a select the compiler vectorises (a test of lo and hi per key was a tenth of an int8 dense pass).
   void block(int64_t s0, int64_t n, float* out) const {
-    const int64_t a = std::clamp<int64_t>(lo - s0, 0, n), b = std::clamp<int64_t>(hi + 1 - s0, a, n);
+    const auto [a, b] = span(s0, n);
     const int64_t* m = am + s0;
     std::fill(out, out + a, kLowest);
     for (int64_t i = a; i < b; ++i) out[i] = m[i] != 0 ? 0.0f : kLowest;
     std::fill(out + b, out + n, kLowest);
+  }
+  // x[0..n), the scores of keys s0..s0+n, with every key not seen set to -inf, in place (the prompt kernel's blocks
+  // that some of their rows see only in part), by the same bounded select.
+  void hide(int64_t s0, int64_t n, float* x) const {
+    const auto [a, b] = span(s0, n);
+    const int64_t* m = am + s0;
+    std::fill(x, x + a, -INFINITY);
+    for (int64_t i = a; i < b; ++i) x[i] = m[i] != 0 ? x[i] : -INFINITY;
+    std::fill(x + b, x + n, -INFINITY);
+  }
+  // The part of [s0, s0 + n) inside [lo, hi], relative to s0: [a, b).
+  std::pair<int64_t, int64_t> span(int64_t s0, int64_t n) const {
+    const int64_t a = std::clamp<int64_t>(lo - s0, 0, n);
+    return {a, std::clamp<int64_t>(hi + 1 - s0, a, n)};
   }
 };
 
