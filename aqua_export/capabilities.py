@@ -65,8 +65,6 @@ REFUSALS = {
                             "use --runtime aqua",
     ("prefill", "tensorrt"): "sparse prefill (--prefill-threshold) is a mode of the fused AquaAttention node, which has "
                              "no TensorRT plugin: use --runtime aqua or genai",
-    ("prefill", "triton"): "sparse prefill (--prefill-threshold) runs in the ONNX Runtime kernels and function bodies; "
-                           "the Triton kernels attend a prompt densely: drop --prefill-threshold on the GPU",
     ("bf16_prompt", "tensorrt"): "--prompt-precision bfloat16 is a mode of the fused AquaAttention node's prompt, "
                                  "which has no TensorRT plugin (TensorRT picks its own precisions): drop it there",
     ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "

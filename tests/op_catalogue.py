@@ -225,11 +225,12 @@ def _dense_of(attrs: dict, projected: bool = False):
 
 
 def _prefill_case(name, shape, attrs, dtype="float32", projected=False, cache=None, cache_dtype=None, d=None,
-                  differs=True, large=False):
-    """A sparse prefill case (CPU implementations: Triton refuses it, capabilities.REFUSALS)."""
+                  differs=True, large=False, triton=True):
+    """A sparse prefill case (triton: Triton runs it too; an int8 cache or key weights are the CPU kernels')."""
     return Case(f"prefill-{name}-{'x'.join(map(str, shape))}",
                 lambda: _prefill_inputs(shape, dtype=getattr(torch, dtype), d=d, cache=cache), attrs, dtype=dtype,
-                projected=projected, cache_dtype=cache_dtype, only=("function", "native"), large=large,
+                projected=projected, cache_dtype=cache_dtype,
+                only=("function", "native", "triton") if triton else ("function", "native"), large=large,
                 unlike=_dense_of(attrs, projected) if differs else None,
                 check=None if differs else _same_as_dense(attrs))
 
@@ -244,30 +245,51 @@ def _same_as_dense(attrs):
 # sparse prefill: from an empty cache (block boundaries), a left-padded batch whose chunk starts mid-block, a chunk
 # after a past at g = 4 and r = 64, a sliding window, a prompt shorter than one block (dense), the int8 and float16
 # caches, projected, with token selection, soft-capped, key weights, shared k, a float16 graph, scores rising along
-# the keys
+# the keys; those of 700 rows are large for Triton's interpreter (~80 s each), which runs the small ones after them
 PREFILL = [
-    _prefill_case("empty-cache", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}),
-    _prefill_case("padded-mid-block", (2, 2, 3, 560, 32, 600, 640), {"k": 16, "rule": MAGNITUDE, **_prefill()}),
-    _prefill_case("past-g4", (1, 2, 4, 560, 64, 900, 900), {"k": 32, "rule": MAGNITUDE, **_prefill(0.7, k_ratio=0.25)}),
+    _prefill_case("empty-cache", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, large=True),
+    _prefill_case("padded-mid-block", (2, 2, 3, 560, 32, 600, 640), {"k": 16, "rule": MAGNITUDE, **_prefill()},
+                  large=True),
+    _prefill_case("past-g4", (1, 2, 4, 560, 64, 900, 900), {"k": 32, "rule": MAGNITUDE, **_prefill(0.7, k_ratio=0.25)},
+                  large=True),
     _prefill_case("window", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "sliding_window": 200,
-                                                           **_prefill()}),
+                                                           **_prefill()}, large=True),
     _prefill_case("short", (1, 2, 3, 40, 16, 40, 40), {"k": 8, "rule": GROUP, **_prefill()}, differs=False),
     _prefill_case("cache-int8", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "cache_scales": 1,
-                                                               **_prefill()}, cache=torch.int8, cache_dtype="int8"),
+                                                               **_prefill()}, cache=torch.int8, cache_dtype="int8",
+                  triton=False),
     _prefill_case("cache-float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()},
-                  cache=torch.float16, cache_dtype="float16"),
+                  cache=torch.float16, cache_dtype="float16", large=True),
     _prefill_case("projects", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": MAGNITUDE, **_prefill(k_ratio=0.5)},
-                  projected=True, d=48),
+                  projected=True, d=48, large=True),
     _prefill_case("tokens", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_tokens(ratio=0.25),
-                                                           **_prefill()}),
-    _prefill_case("softcap", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "softcap": 5.0, **_prefill()}),
+                                                           **_prefill()}, large=True),
+    _prefill_case("softcap", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, "softcap": 5.0, **_prefill()},
+                  large=True),
     _prefill_case("keyed", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": MAGNITUDE, "key_weights": _key_weights(2, 32),
-                                                          **_prefill(stride=4, k_ratio=0.25)}),
+                                                          **_prefill(stride=4, k_ratio=0.25)}, triton=False),
     _prefill_case("shared-k", (1, 2, 3, 700, 32, 700, 700), {"k": 8, "rule": MAGNITUDE, "head_prices": _prices(2),
-                                                             **_prefill(k_ratio=0.25)}),
-    _prefill_case("float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, dtype="float16"),
+                                                             **_prefill(k_ratio=0.25)}, large=True),
+    _prefill_case("float16", (1, 2, 3, 700, 32, 700, 700), {"k": 16, "rule": GROUP, **_prefill()}, dtype="float16",
+                  large=True),
     Case("prefill-rising-1x2x3x700x32x700x700", lambda: _rising(_prefill_inputs((1, 2, 3, 700, 32, 700, 700)), 2.0),
-         {"k": 32, "rule": GROUP, **_prefill()}, only=("function", "native"), unlike=_dense_of({"k": 32, "rule": GROUP})),
+         {"k": 32, "rule": GROUP, **_prefill()}, only=("function", "native", "triton"),
+         unlike=_dense_of({"k": 32, "rule": GROUP}), large=True),
+    # sized for the interpreter (one KV head, r = 16, ~300 rows): block boundaries; a left-padded batch after a past,
+    # its chunk starting mid-block; a past at g = 4, projected, estimating on half of r; a sliding window,
+    # soft-capped, under token selection; shared k (the g rows share one KV head's budget); a float16 graph
+    _prefill_case("small", (1, 1, 3, 384, 16, 384, 384), {"k": 8, "rule": GROUP, **_prefill()}),
+    _prefill_case("small-padded-mid-block", (2, 1, 3, 200, 16, 390, 400), {"k": 8, "rule": MAGNITUDE, **_prefill()}),
+    _prefill_case("small-past-g4-projects", (1, 1, 4, 256, 16, 448, 448), {"k": 8, "rule": MAGNITUDE,
+                                                                            **_prefill(0.7, k_ratio=0.5)},
+                  projected=True, d=24),
+    _prefill_case("small-window-softcap-tokens", (1, 1, 3, 384, 16, 384, 384),
+                  {"k": 8, "rule": GROUP, "sliding_window": 200, "softcap": 5.0, **_tokens(ratio=0.25),
+                   **_prefill(0.8)}),
+    _prefill_case("small-shared-k", (1, 1, 3, 384, 16, 384, 384), {"k": 4, "rule": MAGNITUDE, "head_prices": _prices(1),
+                                                                   **_prefill(k_ratio=0.25)}),
+    _prefill_case("small-float16", (1, 1, 3, 384, 16, 384, 384), {"k": 8, "rule": GROUP, **_prefill()},
+                  dtype="float16"),
 ]
 # bfloat16 prompt products (prompt_bf16, settings/precision.py; the native kernel: the function body ignores the
 # attribute). Where the CPU runs them, against the reference on q^, K^ and V rounded to bfloat16 (what is left: the
@@ -474,8 +496,6 @@ ATTENTION = [
          {"k": 8, **_prefill(1.5)}, only=("native",), error="prefill_threshold"),
     Case("prefill-stride-0", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
          {"k": 8, **_prefill(0.9, stride=0)}, only=("native",), error="prefill_stride"),
-    Case("prefill-on-triton", lambda: _prefill_inputs((1, 2, 3, 400, 16, 400, 400)),
-         {"k": 8, **_prefill(0.9)}, only=("triton",), error="Triton kernels attend a prompt densely"),
     # the capability table's triton column, asked by the host: an int8 cache is the CPU kernels'
     Case("int8-cache-on-triton", lambda: _attention_inputs((1, 2, 3, 1, 16, 20, 20), cache=torch.int8),
          {"k": 8, "cache_scales": 1}, cache_dtype="int8", only=("triton",), error="the Triton kernels read the GPU's"),

@@ -72,7 +72,7 @@ def test_every_pair_runs_or_is_refused_in_one_line(tiny_llama, tmp_path, feature
     cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=o.get("cache_dtype", dtype)))
     assert getattr(Features.of_folder(cfg), feature), "the folder's contract must say what the build asked"
     if backend == "triton":  # the Triton kernels serve the reference on a GPU: tests/test_ops.py holds them to float64
-        assert (line is None) == (feature not in ("int8_cache", "prefill"))  # test_ops: Triton refuses prefill
+        assert (line is None) == (feature != "int8_cache")
         return
     if backend == "serve":
         return _serve_or_refuse(model, proj, config, cfg, o, line, tmp_path)

@@ -1,5 +1,6 @@
 """What only the Triton kernels have (their op cases are the catalogue's, test_ops.py): the host's launch shapes,
-flash-decoding splits that merge exactly, and the kernels on a real GPU when there is one."""
+flash-decoding splits that merge exactly, sparse prefill's block lists against the rule, and the kernels on a real GPU
+when there is one."""
 
 import pytest
 import torch
@@ -68,13 +69,14 @@ def test_compiled_kernels_see_their_constexpr_parameters():
     from aqua_export.kernels.triton.aqua_attention import aqua_attention_kernel, merge_kernel
     from aqua_export.kernels.triton.h2o_attention import evict_kernel, heavy_kernel, score_kernel, tables_kernel
     from aqua_export.kernels.triton.h2o_attention import merge_kernel as h2o_merge_kernel
+    from aqua_export.kernels.triton.prompt import prompt_kernel
     from aqua_export.kernels.triton.select import jit, select_kernel
     from aqua_export.kernels.triton.tokens import choose_kernel, page_score_kernel
     from aqua_export.kernels.triton.topk_gather_dot import topk_gather_dot_kernel
 
     h2o_kernels = (tables_kernel, score_kernel, h2o_merge_kernel, heavy_kernel, evict_kernel)
-    for raw in (select_kernel, aqua_attention_kernel, merge_kernel, page_score_kernel, choose_kernel, *h2o_kernels,
-                topk_gather_dot_kernel):
+    for raw in (select_kernel, aqua_attention_kernel, merge_kernel, prompt_kernel, page_score_kernel, choose_kernel,
+                *h2o_kernels, topk_gather_dot_kernel):
         compiled, _ = jit(raw, False)
         declared = {n for n, a in raw.__annotations__.items() if "constexpr" in str(a)}
         assert declared and {p.name for p in compiled.params if p.is_constexpr} == declared, raw.__name__
@@ -119,3 +121,47 @@ def test_h2o_tables_are_the_rules():
         want = torch.nn.functional.pad(mask.cumsum(1), (1, 0))
         assert torch.equal(before, want)
         assert torch.equal(keep, rules.budget(ratio, want[:, 1:]))
+
+
+@pytest.mark.parametrize("shape,window", [((2, 2, 3, 560, 32, 600, 640), 0), ((1, 2, 4, 700, 16, 700, 700), 200)])
+def test_prefill_lists_are_the_rules_blocks_in_any_chunking(shape, window, monkeypatch):
+    """block_lists (on the device, float32, in chunks of sampled rows) keeps exactly the key blocks
+    rules.prefill_choice keeps in float64 for every sparse query block, among those its rows can see (left padding, a
+    chunk starting mid-block, a sliding window), and every visible block for the call's dense ones; one sampled row
+    per chunk lists the same."""
+    from op_catalogue import _prefill_inputs
+
+    from aqua_export.kernels.triton import prefill
+    from aqua_export.ops import prefill as prefill_op
+    from aqua_export.ops.spec import PREFILL_BLOCK
+
+    q, kc, _, total, mask = _prefill_inputs(shape)
+    total = int(total)
+    b, hkv, g, t, r = q.shape
+    setting = prefill.Prefill(0.9, 4, 0.5)
+    lists, counts, nbq = prefill.block_lists(q.to(DEV), kc.to(DEV), mask.to(DEV).int(), total, window, 0.0, setting)
+    allowed = prefill_op.choice(q.double(), kc[..., :total].unsqueeze(2).double(), rules.additive_mask(mask, t, window),
+                                mask, 0.0, setting.threshold, setting.stride, setting.k_ratio)  # [B, Hkv, T, L]
+    nb = -(-total // PREFILL_BLOCK)
+    first = (total - t) // PREFILL_BLOCK
+    listed = lists.cpu().long()
+    assert torch.equal((listed >= 0).sum(1), counts.cpu().long())
+    assert bool((listed[listed >= 0] % PREFILL_BLOCK == 0).all())  # first slots of blocks
+    at_block = torch.where(listed >= 0, listed // PREFILL_BLOCK, nb)
+    got = torch.zeros(b * hkv * nbq, nb + 1, dtype=torch.bool).scatter_(1, at_block, True)[:, :nb]
+    got = got.reshape(b, hkv, nbq, nb)
+    visible = rules.visible(mask, t, window)  # [B, T, L]
+    n_sparse = 0
+    for qb in range(nbq):
+        rows = torch.arange(max((first + qb) * PREFILL_BLOCK, total - t), min((first + qb + 1) * PREFILL_BLOCK, total))
+        at = rows - (total - t)
+        seen = rules.key_blocks(visible[:, at].any(1).double(), nb) > 0  # [B, NB]: what the rows can see
+        want = rules.key_blocks(allowed[:, :, at].any(2).double(), nb) > 0  # [B, Hkv, NB]
+        assert not bool((got[:, :, qb] & ~(torch.arange(nb) <= first + qb)).any())  # nothing after the diagonal
+        assert torch.equal(got[:, :, qb] & seen[:, None], want), qb
+        dropped = not torch.equal(want, seen[:, None].expand_as(want))
+        n_sparse += int(bool(rules.prefill_rows(rows, total - t, total).all()) and dropped)
+    assert n_sparse >= 2  # query blocks whose choice dropped a block the rows see
+    monkeypatch.setattr(prefill, "ESTIMATE_ELEMENTS", 1)
+    again = prefill.block_lists(q.to(DEV), kc.to(DEV), mask.to(DEV).int(), total, window, 0.0, setting)
+    assert torch.equal(again[0], lists) and torch.equal(again[1], counts)

@@ -22,7 +22,8 @@ from aqua_export.ops import aqua_attention
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
          torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-KERNELS = {"select_kernel", "topk_gather_dot_kernel", "aqua_attention_kernel", "merge_kernel", "page_score_kernel",
+KERNELS = {"select_kernel", "topk_gather_dot_kernel", "aqua_attention_kernel", "merge_kernel", "prompt_kernel",
+           "page_score_kernel",
            "choose_kernel", "pool_score_kernel", "pool_cut_kernel", "tables_kernel", "score_kernel", "heavy_kernel",
            "evict_kernel"}  # every kernel the hosts launch (generate.py launches these too)
 

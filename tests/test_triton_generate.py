@@ -92,3 +92,26 @@ def test_a_taken_over_cache_decodes_as_its_own_prefill():
     ref = got["own", "fused k=16"]
     for key in (("taken", "fused k=16"), ("taken", "dense SDPA")):
         assert ((got[key] - ref).norm() / ref.norm()).item() < 1e-5, key
+
+
+def test_a_sparse_prompt_keeps_every_block_near_1_and_drops_blocks_below():
+    """A projected setting's sparse prefill: its prompt goes through aqua_attention's page lists. At a threshold a
+    hair under 1 every block of the random model's diffuse attention is kept, so the prompt's logits are dense SDPA's
+    within float32 noise (the plumbing: scale, P, the lists of each query block); at 0.5 blocks are dropped and the
+    logits move far past that noise."""
+    from aqua_export.kernels.triton.generate import GpuSetting, attention_on
+    from aqua_export.kernels.triton.prefill import Prefill
+
+    model = model_of(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=100), torch.float32, DEVICE)
+    ids = torch.randint(0, 100, (1, 384), device=DEVICE)  # query blocks 0-3 sparse, 4-5 the dense tail
+    logits = {}
+    for setting in (GpuSetting("dense SDPA"), GpuSetting("near 1", k=16, prefill=Prefill(1 - 1e-7)),
+                    GpuSetting("half", k=16, prefill=Prefill(0.5))):
+        with attention_on(model, setting, 1, 384) as cache, torch.no_grad():
+            logits[setting.name] = model(ids, past_key_values=cache, use_cache=True).logits
+    ref = logits["dense SDPA"]
+    assert ((logits["near 1"] - ref).norm() / ref.norm()).item() < 1e-5  # float32 noise
+    assert ((logits["half"] - ref).norm() / ref.norm()).item() > 1e-3
+    with pytest.raises(ValueError, match="give the setting a k"):
+        GpuSetting("no P", prefill=Prefill(0.5))

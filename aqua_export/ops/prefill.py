@@ -1,7 +1,7 @@
 """Sparse prefill on AquaAttention (attributes prefill_threshold < 1, prefill_stride, prefill_k_ratio; the rule is
 ops.rules.prefill_chosen): the node's attributes, the choice as the reference node makes it, and the function body's
 nodes (a masked dense product). The native kernel (plugins/ort/aqua_prompt.cc choose_blocks) skips the blocks' products
-instead; the Triton kernels refuse the attributes (capabilities.REFUSALS)."""
+instead; the Triton kernels walk each query block's kept pages (kernels/triton/prefill.py)."""
 
 from __future__ import annotations
 

@@ -305,32 +305,44 @@ def prefill_choice(estimate: torch.Tensor, visible: torch.Tensor, real: torch.Te
     nb = -(-length // PREFILL_BLOCK)
     onehot = (positions[:, None] // PREFILL_BLOCK == torch.arange(nb)).to(torch.float64)  # [T, NB]
     p = torch.softmax(estimate.to(torch.float64).masked_fill(~visible[:, :, None], -math.inf), -1).nan_to_num(0.0)
-    per_row = _key_blocks(p.sum(2) * sampled[:, None, :, None], nb)  # [B, Hkv, T, NB]
+    per_row = key_blocks(p.sum(2) * sampled[:, None, :, None], nb)  # [B, Hkv, T, NB]
     count = (sampled.to(torch.float64) @ onehot) * g  # [B, NBq]
     mass = torch.einsum("tq,bhtk->bhqk", onehot, per_row) / count.clamp_min(1.0)[:, None, :, None]
-    seen = torch.einsum("tq,bhtk->bhqk", onehot, _key_blocks((visible & sampled[:, None, :, None]).double(), nb)) > 0
-    sink = seen.to(torch.uint8).argmax(-1, keepdim=True)  # [B, Hkv, NBq, 1]: the first block a sampled row sees
-    blocks = torch.arange(nb)
-    forced = (blocks == blocks[:, None]) | (blocks == sink)
-    order = torch.sort(torch.where(forced, math.inf, mass), dim=-1, descending=True, stable=True).indices
-    ranked = mass.gather(-1, order)
-    before = ranked.cumsum(-1) - ranked  # the mass kept before each block, in the order taken
-    take = forced.gather(-1, order) | (before < threshold - 1e-6)
-    chosen = torch.zeros_like(forced).scatter(-1, order, take) | (count == 0)[:, None, :, None]
+    seen = torch.einsum("tq,bhtk->bhqk", onehot, key_blocks((visible & sampled[:, None, :, None]).double(), nb)) > 0
+    chosen, margin, near = prefill_blocks(mass, seen, count[:, None], threshold)
     rows = chosen[:, :, positions // PREFILL_BLOCK].repeat_interleave(PREFILL_BLOCK, -1)[..., :length]
-    # the margins: blocks not forced, of query blocks with sampled rows (a key block past the rows' keys has mass 0
-    # and competes like any other)
-    gap = (before - (threshold - 1e-6)).abs().masked_fill(forced.gather(-1, order) | (count == 0)[:, None, :, None],
-                                                          math.inf)
-    margin, at = gap.min(-1)
-    near = before.gather(-1, at[..., None])[..., 0].masked_fill(margin == math.inf, math.nan)
     per_row = positions // PREFILL_BLOCK
     dense = ~sparse[None, None]
     return (visible & (rows | ~sparse[:, None]), margin[:, :, per_row].masked_fill(dense, math.inf),
             near[:, :, per_row].masked_fill(dense, math.nan))
 
 
-def _key_blocks(x: torch.Tensor, nb: int) -> torch.Tensor:
+def prefill_blocks(mass: torch.Tensor, seen: torch.Tensor, count: torch.Tensor, threshold: float,
+                   first: int = 0) -> tuple:
+    """The keep rule of sparse prefill (the module docstring) on its block statistics, in any float type and on any
+    device: mass [..., NBq, NBk] (a query block's mean estimated mass per key block), seen [..., NBq, NBk] bool (a
+    sampled row of the query block sees a key of the block), count [..., NBq] (its sampled rows times g); the query
+    blocks are blocks first.. first + NBq - 1 of the keys' -> (chosen [..., NBq, NBk] bool, margin [..., NBq] and
+    before [..., NBq] float64: prefill_choice's, per block)."""
+    nb = mass.shape[-1]
+    sink = seen.to(torch.uint8).argmax(-1, keepdim=True)  # the first block a sampled row sees
+    blocks = torch.arange(nb, device=mass.device)
+    forced = (blocks == blocks[first:first + mass.shape[-2], None]) | (blocks == sink)
+    order = torch.sort(torch.where(forced, math.inf, mass), dim=-1, descending=True, stable=True).indices
+    ranked = mass.gather(-1, order)
+    before = ranked.cumsum(-1) - ranked  # the mass kept before each block, in the order taken
+    take = forced.gather(-1, order) | (before < threshold - 1e-6)
+    unsampled = (count == 0)[..., None]
+    chosen = torch.zeros_like(forced).scatter(-1, order, take) | unsampled
+    # the margins: blocks not forced, of query blocks with sampled rows (a key block past the rows' keys has mass 0
+    # and competes like any other)
+    gap = (before.double() - (threshold - 1e-6)).abs().masked_fill(forced.gather(-1, order) | unsampled, math.inf)
+    margin, at = gap.min(-1)
+    near = before.double().gather(-1, at[..., None])[..., 0].masked_fill(margin == math.inf, math.nan)
+    return chosen, margin, near
+
+
+def key_blocks(x: torch.Tensor, nb: int) -> torch.Tensor:
     """x [..., L] -> [..., nb]: summed per key block of PREFILL_BLOCK slots."""
     x = torch.nn.functional.pad(x, (0, nb * PREFILL_BLOCK - x.shape[-1]))
     return x.reshape(*x.shape[:-1], nb, PREFILL_BLOCK).sum(-1)

@@ -7,12 +7,15 @@ so one test drives every implementation alike.
     topk_gather_dot  TopKGatherDot (also compiled ahead of time into the TensorRT plugin)
     aqua_attention   AquaAttention, flash-decoding splits merged by a kernel
     tokens           token selection at a decode step: pages scored and chosen on the device
+    prefill          sparse prefill: each prompt query block's kept key blocks, as page lists
     h2o_attention    H2OAttention over slot buffers updated in place
 """
 
 from __future__ import annotations
 
+from ...settings.prefill import K_RATIO, STRIDE
 from .aqua_attention import aqua_attention
+from .prefill import Prefill
 from .tokens import Tokens
 from .h2o_attention import h2o_attention
 from .topk_gather_dot import topk_gather_dot
@@ -35,12 +38,13 @@ def _scores(query_hat, key_cache, total_length, *, k, rule=0, interpret=None, **
 
 def _attention(query_hat, key_cache, value_cache, total_length, attention_mask, projection=None, *, k, rule=0,
                softcap=0.0, sliding_window=0, interpret=None, token_ratio=1.0, token_budget=0, token_sink=0,
-               token_window=0, head_prices=None, prefill_threshold=1.0, **plugin):
-    _refuse(prefill=prefill_threshold < 1.0, int8_cache=key_cache.dtype.itemsize == 1,
-            shared_k=head_prices is not None)
+               token_window=0, head_prices=None, prefill_threshold=1.0, prefill_stride=STRIDE.default,
+               prefill_k_ratio=K_RATIO.default, **plugin):
+    _refuse(int8_cache=key_cache.dtype.itemsize == 1, shared_k=head_prices is not None)
     tokens = Tokens(token_ratio, token_budget, token_sink, token_window)
     return (aqua_attention(query_hat, key_cache, value_cache, int(total_length), attention_mask, k, rule, softcap,
-                           projection, interpret, tokens=tokens, prices=head_prices, window=sliding_window),)
+                           projection, interpret, tokens=tokens, prices=head_prices, window=sliding_window,
+                           prefill=Prefill(prefill_threshold, prefill_stride, prefill_k_ratio)),)
 
 
 def _h2o(*inputs, k, rule=0, softcap=0.0, ratio=0.5, interpret=None, **plugin):

@@ -6,8 +6,8 @@ plugins/ort/aqua_attention.cc) for the PyTorch host.
         -> out [B, Hkv, g, T, rv] = softmax(softcap(q^[I] . K^[I, :L]) + mask) @ V[:L]
     (mask: the keys the query at position L - T + t sees, ops.rules.visible, read per block from attention_mask)
 
-One program per (sequence, KV head, token, split of the L positions), holding the g query rows of the group
-padded to 16 (the tensor cores' smallest M; the two products below are tl.dot):
+A decode step (T = 1): one program per (sequence, KV head, split of the L positions), holding the g query rows of
+the group padded to 16 (the tensor cores' smallest M; the two products below are tl.dot):
 
     select_kernel (select.py), once per (sequence, KV head, token):
         q [g, d] --x P (chunks of d)--> q^ [g, r] --selection--> idx [U]: the group's union of kept coordinates,
@@ -22,6 +22,8 @@ all r coordinates) then merge_kernel, one program per (sequence, KV head, token,
 out = sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M). No [B, Hkv, g, T, L] tensor is written. Splits exist so
 that decode at small batch still fills the GPU (flash-decoding). A row hidden everywhere outputs zeros (the CPU
 kernel's rule).
+A prompt (T > 1) runs prompt.py's tiles instead: 64 rows of one query head per program, over the key blocks its query
+block's list holds (every visible one, or those sparse prefill keeps: prefill.py).
 triton is imported only when the kernel is built; without a GPU ``interpret=True`` runs it in Triton's
 interpreter on the CPU (how the tests check it).
 """
@@ -32,6 +34,8 @@ import torch
 
 from ...ops.spec import PAGE, RULE_NAMES, STATIC
 from .pool import pool_cuts
+from .prefill import Prefill, block_lists
+from .prompt import prompt
 from .select import ieee, jit, next_pow2, select, triton_for
 from .tokens import Tokens, chosen_pages
 
@@ -138,14 +142,15 @@ def _check(query, key_cache, value_cache, total: int, mask, k: int, rule: int, p
 def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule: int = 0, softcap: float = 0.0,
                    projection=None, interpret: bool | None = None, splits: int | None = None,
                    tokens: Tokens | None = None, warps: int = 4, stages: int = 2, block: int | None = None,
-                   prices=None, window: int = 0):
+                   prices=None, window: int = 0, prefill: Prefill | None = None):
     """The node on the GPU (or in the interpreter): out [B, Hkv, g, T, rv] in query's dtype. splits: of the
     positions per (sequence, KV head, token); None chooses (split_count). tokens: token selection (a decode step
     scores pages with page_score_kernel and attends the chosen ones with all r coordinates; a prompt attends every
     token with all r). warps, stages, block (positions per block): the main kernel's launch (tools/bench_gpu.py
     tunes them). prices: [Hkv], the heads share the layer's k per token (ops.rules, pooled; pool.py): a float32 tensor
     on the device keeps the step free of host copies. mask: attention_mask [B|1, L]; window: the node's
-    sliding_window (0: none)."""
+    sliding_window (0: none). A prompt (T > 1) runs prompt.prompt_kernel over prefill.block_lists' key blocks;
+    prefill: sparse prefill's attributes, or None (every visible block)."""
     r = _check(query, key_cache, value_cache, total, mask, k, rule, projection, tokens, prices)
     b, hkv, g, t, d = query.shape
     cap, rv = key_cache.shape[3], value_cache.shape[3]
@@ -171,6 +176,11 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
     else:  # a prompt with token selection attends every token with every coordinate
         k = r if prompt_exact else k
         qs, idx = select(q, p, r, k, rule, projection is not None, interpret, pool=pool)
+    if t > 1:  # flash attention's tiles over each query block's key blocks (prompt.py)
+        sparse = prefill is not None and prefill.on
+        qhat = (q.float() @ p.float()[None, :, None] if projection is not None else q) if sparse else q
+        lists = block_lists(qhat, kc, mk, total, window, softcap, prefill)
+        return prompt(qs, idx, kc, vc, mk, total, g, softcap, window, lists, interpret, query.dtype)
     block = block or block_s(max(r, rv))
     n = splits or split_count(b * hkv * t, n_pos, block)
     split_len = -(-(-(-n_pos // n)) // block) * block  # whole blocks

@@ -16,7 +16,8 @@ Per layer the cache holds, for ``capacity`` positions of ``batch`` sequences (do
 A prompt's rows (T > 1, any setting) attend exactly, as token selection's prompt does in the graph: SDPA of
 q^ = q P against K^ (P orthogonal, so q^ . k^ = q . k), causal from the bottom right so a prompt may come in
 chunks after earlier ones. The fused kernel's prompt rows are therefore exact here, where the graph's are
-approximate; its decode steps are the node's.
+approximate; its decode steps are the node's. Under sparse prefill (a projected setting's ``prefill``) the prompt
+goes through aqua_attention on every coordinate, each query block over the key blocks its estimate keeps.
 
 ``greedy`` decodes with the step's lengths on the device (_Static: the slot a step writes, and the mask of the
 positions written), so the kernels' shapes depend only on a bucket of positions and one captured CUDA graph
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ops.spec import GROUP
+from .prefill import Prefill
 from .tokens import Tokens
 
 IMPL = "aqua_triton"
@@ -40,12 +42,18 @@ BUCKET = 256  # positions one captured step covers: a graph serves every step wh
 @dataclass(frozen=True)
 class GpuSetting:
     """One way to attend. k: coordinates of q^ per step (None: dense SDPA, no P); rule: the selection rule
-    (ops.spec's codes); tokens: token selection's attributes or None."""
+    (ops.spec's codes); tokens: token selection's attributes or None; prefill: sparse prefill's or None (a projected
+    setting's prompt)."""
 
     name: str
     k: int | None = None
     rule: int = GROUP
     tokens: Tokens | None = None
+    prefill: Prefill | None = None
+
+    def __post_init__(self):
+        if self.prefill is not None and self.k is None:
+            raise ValueError("aqua_triton: sparse prefill estimates with q^ = q P: give the setting a k")
 
     @property
     def projected(self) -> bool:
@@ -150,11 +158,18 @@ def _layer_class():
 
 
 def _prompt(slot: _Slot, q: torch.Tensor, total: int, scale: float) -> torch.Tensor:
-    """q [B, H, T, d] (the last T of ``total`` positions) -> exact causal attention [B, H, T, d]."""
+    """q [B, H, T, d] (the last T of ``total`` positions) -> causal attention [B, H, T, d]: exact, or over the key
+    blocks sparse prefill keeps."""
     from torch.nn.attention.bias import causal_lower_right
 
     b, h, t, d = q.shape
     g = h // slot.values.shape[1]
+    if slot.setting.prefill is not None:  # every coordinate (k = d: exact scores), over the kept key blocks
+        from .aqua_attention import aqua_attention
+
+        out = aqua_attention((q * scale).reshape(b, h // g, g, t, d), slot.keys, slot.values, total,
+                             slot.ones[:, :total], d, GROUP, projection=slot.P, prefill=slot.setting.prefill)
+        return out.reshape(b, h, t, d)
     keys = slot.keys[:, :, :total] if slot.P is None else slot.keys[..., :total].transpose(2, 3)
     if slot.P is not None:  # q^ = q P per KV head
         q = torch.einsum("bhgtd,hdr->bhgtr", q.view(b, h // g, g, t, d), slot.P).reshape(b, h, t, d)
