@@ -5,9 +5,10 @@ so one test drives every implementation alike.
     select           the selection rank rule as one jit helper, the interpreter switch, binding a kernel to a mode
     pool             each token's cut of the pooled selection (a node with head_prices)
     topk_gather_dot  TopKGatherDot (also compiled ahead of time into the TensorRT plugin)
-    aqua_attention   AquaAttention, flash-decoding splits merged by a kernel
+    aqua_attention   AquaAttention, flash-decoding splits merged by a kernel (a decode step)
+    prompt           AquaAttention over a prompt: flash attention's tiles over each query block's key blocks
+    prefill          those blocks: every visible one, or those sparse prefill's estimate keeps
     tokens           token selection at a decode step: pages scored and chosen on the device
-    prefill          sparse prefill: each prompt query block's kept key blocks, as page lists
     h2o_attention    H2OAttention over slot buffers updated in place
 """
 
