@@ -175,10 +175,11 @@ def aqua_attention(query, key_cache, value_cache, total: int, mask, k: int, rule
         n_pos = n_list * PAGE
     else:  # a prompt with token selection attends every token with every coordinate
         k = r if prompt_exact else k
-        qs, idx = select(q, p, r, k, rule, projection is not None, interpret, pool=pool)
+        # sparse prefill's estimate reads every coordinate of q^: select's full rows, so the prompt projects once
+        sparse = t > 1 and prefill is not None and prefill.on
+        qs, idx, *whole = select(q, p, r, k, rule, projection is not None, interpret, full=sparse, pool=pool)
     if t > 1:  # flash attention's tiles over each query block's key blocks (prompt.py)
-        sparse = prefill is not None and prefill.on
-        qhat = (q.float() @ p.float()[None, :, None] if projection is not None else q) if sparse else q
+        qhat = whole[0].view(b, hkv, t, -1, whole[0].shape[2])[..., :g, :r].transpose(2, 3) if whole else q
         lists = block_lists(qhat, kc, mk, total, window, softcap, prefill)
         return prompt(qs, idx, kc, vc, mk, total, g, softcap, window, lists, interpret, query.dtype)
     block = block or block_s(max(r, rv))

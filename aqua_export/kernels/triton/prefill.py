@@ -8,7 +8,7 @@ lists hold every block its rows can see).
         and per key block --> mass [B, Hkv, NBq, NB], each query block's mean over its sampled rows and heads;
         seen (a sampled row sees a key of the block), count (sampled rows times g)
     rules.prefill_blocks (the keep rule, as the reference applies it) --> kept [B, Hkv, NBq, NB]; the call's
-    dense query blocks (not wholly inside it, or among its last PREFILL_TAIL rows) keep every block
+    dense query blocks (rules.prefill_rows: not wholly inside it, or among its last rows) keep every block
     --> lists [B * Hkv * NBq, N_LIST] int32: the first slots of the kept blocks up to the query block's own (no
         later key is visible to it), ascending, -1 past the last, and their counts
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ops import rules
-from ...ops.spec import MAGNITUDE, PREFILL_BLOCK, PREFILL_TAIL
+from ...ops.spec import MAGNITUDE, PREFILL_BLOCK
 from ...settings.prefill import K_RATIO, STRIDE, THRESHOLD
 
 ESTIMATE_ELEMENTS = 1 << 25  # float32 estimate scores per chunk (128 MB; the softmax's temporaries about as much)
@@ -99,7 +99,7 @@ def block_lists(qhat, kc, mask, total: int, window: int, softcap: float, prefill
         chosen, _, _ = rules.prefill_blocks(mass / count.clamp_min(1.0)[:, None, :, None],
                                             (seen > 0)[:, None].expand(b, hkv, nbq, nb), count[:, None],
                                             prefill.threshold, first)
-        sparse = (qb * PREFILL_BLOCK >= start) & (qb * PREFILL_BLOCK + PREFILL_BLOCK <= total - PREFILL_TAIL)
+        sparse = rules.prefill_rows(qb * PREFILL_BLOCK, start, total)  # the query blocks' first slots
         kept = kept & (chosen | ~sparse[:, None])
     counts = kept.sum(-1).reshape(-1).to(torch.int32)
     slot = (kb * PREFILL_BLOCK).to(torch.int32)

@@ -21,7 +21,7 @@ import torch
 from ...ops.spec import PREFILL_BLOCK
 from .select import ieee, jit, next_pow2, triton_for
 
-tl = key_tile = products = online_step = None  # bound per mode by select.jit
+tl = key_tile = scores_of = online_step = None  # bound per mode by select.jit
 
 
 def prompt_kernel(q_ptr, key_ptr, value_ptr, mask_ptr, list_ptr, count_ptr, out_ptr, HKV, T, L, C, MASK_BATCH, WINDOW,
@@ -53,10 +53,8 @@ def prompt_kernel(q_ptr, key_ptr, value_ptr, mask_ptr, list_ptr, count_ptr, out_
     o = tl.zeros([QBLOCK, BLOCK_V], tl.float32)
     for i in range(0, tl.load(count_ptr + bh * N_QB + qb)):
         kb, s, ok = key_tile(krow, use, tl.load(blocks + i), blocks, N_LIST, C, BLOCK_R, QBLOCK, False, QBLOCK)
-        sc = products(qt, kb, SOFTCAP, IEEE)
-        real = ok & (s < L)
-        real = real & (tl.load(arow + s, mask=real, other=0) != 0)
-        vis = real[None, :] & (s[None, :] <= pos[:, None]) & (s[None, :] >= lo[:, None])
+        sc, real = scores_of(qt, kb, s, ok, arow, L, 0, L - 1, SOFTCAP, IEEE)  # real: in range, not padding
+        vis = real[None, :] & (s[None, :] <= pos[:, None]) & (s[None, :] >= lo[:, None])  # each row's own bounds
         vb = tl.load(value + s[:, None] * RV + v[None, :], mask=real[:, None] & in_v[None, :], other=0.0)
         m, acc, o = online_step(m, acc, o, tl.where(vis, sc, float("-inf")), vb, IEEE)
     res = o / tl.where(acc > 0.0, acc, 1.0)[:, None]

@@ -174,8 +174,8 @@ def select_kernel(q_ptr, p_ptr, qs_ptr, idx_ptr, qf_ptr, idxf_ptr, price_ptr, cu
     BLOCK_M, BLOCK_U] float32, q^ at those coordinates with each row's unselected ones zeroed, rows past g and
     places past the union zero (the tensor cores' M of 16). The kernels that read K^ then load a dense
     [BLOCK_U, block] tile: only the rows they need, no masked-off lanes. FULL: also the selection of every
-    coordinate (qf [rows, BLOCK_M, BLOCK_R], idxf [rows, BLOCK_R]; token selection attends with all r) from the
-    same q^, so a token step projects once. POOLED: the rows keep what their token's pooled cut keeps (cutv, cuti
+    coordinate (qf [rows, BLOCK_M, BLOCK_R], idxf [rows, BLOCK_R]; token selection attends with all r, sparse
+    prefill's estimate ranks them) from the same q^, so a step or a prompt projects once. POOLED: the rows keep what their token's pooled cut keeps (cutv, cuti
     [B * T], pool.py; price [Hkv]) instead of K each."""
     row = tl.program_id(0)  # (b * Hkv + h) * T + t
     tt = row % T
