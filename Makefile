@@ -21,7 +21,7 @@ $(BIN)/aqua-export: pyproject.toml setup.py
 # The native ONNX Runtime kernels (plugins/ort): a loader and one library per instruction-set variant, the best one
 # the CPU runs chosen at load. The C API headers are not in the onnxruntime wheel: plugins/fetch_deb.sh takes them
 # from Debian's libonnxruntime-dev at build time (never vendored). `pip install` runs the same build (setup.py).
-NATIVE_SRC := $(wildcard plugins/ort/*.cc plugins/ort/*.h plugins/ort/*.map plugins/ort/*.sh) plugins/ort/CMakeLists.txt \
+NATIVE_SRC := $(wildcard plugins/ort/*.cc plugins/ort/*.h plugins/ort/simd/*.h plugins/ort/*.map plugins/ort/*.sh) plugins/ort/CMakeLists.txt \
 	plugins/fetch_deb.sh
 
 $(NATIVE): $(NATIVE_SRC)

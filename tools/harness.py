@@ -87,10 +87,11 @@ def command(name: str) -> str:
 
 
 def interleaved_medians(fns: dict, reps: int, budget_s: float = float("inf"), warmup: bool = True,
-                        between=None) -> dict:
+                        between=None, stat=statistics.median) -> dict:
     """Median seconds per callable of ``fns`` (name -> fn), measured in rounds that run every callable once, so
     drift and frequency changes hit all of them alike; stops after ``budget_s`` once 5 rounds are in. between: called
-    untimed before each timed call (flush_caches: every call starts cold)."""
+    untimed before each timed call (flush_caches: every call starts cold). stat: min for the least disturbed run
+    (a ratio that must hold beside other processes: tests/test_variant_speed.py)."""
     if warmup:
         for fn in fns.values():
             fn()  # allocations, thread pools
@@ -105,7 +106,7 @@ def interleaved_medians(fns: dict, reps: int, budget_s: float = float("inf"), wa
             times[name].append(time.perf_counter() - t)
         if time.perf_counter() - start > budget_s and i >= 4:
             break
-    return {name: statistics.median(v) for name, v in times.items()}
+    return {name: stat(v) for name, v in times.items()}
 
 
 FLUSH_BYTES = 64 << 20  # four times the 16 MiB L3 of this machine's core complex, more than most x86 L3 slices

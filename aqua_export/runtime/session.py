@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -29,6 +30,8 @@ PREFILL_CHUNK = 2048
 
 NATIVE_ENV = "AQUA_ORT_KERNEL"  # path of a libaqua_ort.so to use instead of the installed one
 VARIANT_ENV = "AQUA_ORT_ISA"  # force one of the library's instruction-set variants (plugins/ort/loader.cc)
+# the variants plugins/ort builds for x86-64, narrowest first (loader.cc; CMakeLists.txt AQUA_VARIANTS)
+X86_VARIANTS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 
 
 def native_library() -> Path | None:
@@ -78,18 +81,69 @@ _VARIANTS: dict = {}  # (library, AQUA_ORT_ISA) -> its answer
 
 def prompt_bf16_runs(lib: Path | None = None) -> bool:
     """Whether the native kernels compute a prompt's attention products in bfloat16 here when a folder asks
-    (settings/precision.py): their AVX-512 variant on a CPU with AVX512_BF16, as the kernel itself tests it
-    (plugins/ort/aqua_prompt.cc prompt_bf16_runs); elsewhere they compute in float32."""
-    return native_variant(lib) == "x86-64-v4" and _cpu_has_bf16()
-
-
-@functools.cache
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read().split()
-    except OSError:
+    (settings/precision.py): the library says (its loader's AquaOrtPromptBf16: the variant it registers on this CPU
+    has bfloat16 products and the CPU runs them, AVX512_BF16); elsewhere they compute in float32."""
+    lib = lib or native_library()
+    variant = native_variant(lib) if lib is not None else ""
+    if not variant:
         return False
+    import ctypes
+
+    handle = ctypes.CDLL(str(lib))
+    if not hasattr(handle, "AquaOrtPromptBf16"):  # a library from before the question (AVX-512 only had them)
+        return variant == "x86-64-v4" and "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    return bool(handle.AquaOrtPromptBf16())
+
+
+@contextlib.contextmanager
+def forced_variant(name: str | None):
+    """Within: the native kernels' variant `name` (AQUA_ORT_ISA), for the sessions made and runs forked meanwhile;
+    None leaves the loader's own choice. Sessions keep the variant registered when they were made."""
+    old = os.environ.get(VARIANT_ENV)
+    if name is not None:
+        os.environ[VARIANT_ENV] = name
+    try:
+        yield
+    finally:
+        if name is not None:
+            if old is None:
+                os.environ.pop(VARIANT_ENV, None)
+            else:
+                os.environ[VARIANT_ENV] = old
+
+
+def variants_here(lib: Path | None = None) -> list[str]:
+    """The kernels' instruction-set variants this CPU runs, narrowest first ([] without the kernels or on a CPU whose
+    library has one variant): what `python -m tools prompt` / `prefill` / `serve --variants` measure side by side."""
+    lib = lib or native_library()
+    if lib is None:
+        return []
+    out = []
+    for name in X86_VARIANTS:
+        with forced_variant(name):
+            try:
+                if native_variant(lib) == name:
+                    out.append(name)
+            except ConfigError:  # this CPU cannot run it, or its file is missing
+                pass
+    return out
+
+
+def peak_gflops(lib: Path | None = None, seconds: float = 0.3) -> float:
+    """One thread's multiply-add rate, GFLOP/s, on the vectors of the variant the loader registers here (AQUA_ORT_ISA
+    forces one): the rate its register tiles are measured against (plugins/ort/simd/simd.h peak_gflops); 0 when
+    none runs or the library predates the question."""
+    lib = lib or native_library()
+    if lib is None or not native_variant(lib):
+        return 0.0
+    import ctypes
+
+    handle = ctypes.CDLL(str(lib))
+    if not hasattr(handle, "AquaOrtPeakGflops"):
+        return 0.0
+    handle.AquaOrtPeakGflops.restype = ctypes.c_double
+    handle.AquaOrtPeakGflops.argtypes = [ctypes.c_double]
+    return float(handle.AquaOrtPeakGflops(seconds))
 
 
 _SAID: set = set()  # the one-line notices already printed by this process

@@ -14,9 +14,8 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
-#if defined(__F16C__) || defined(__SSE4_1__)
-#include <immintrin.h>
-#endif
+
+#include "simd/simd.h"
 
 namespace aqua {
 
@@ -28,34 +27,21 @@ inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]);
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(Ort::Float16_t* p, int64_t i, float v) { p[i] = Ort::Float16_t(v); }
 
-// x[0..n) -> out[0..n) float32. A float16 cache (contract cache_dtype) is read through this in vectors of 8 where the
-// CPU converts them (F16C: one instruction per 8); Ort::Float16_t's own conversion is a scalar bit-level routine
-// that held a float16 cache's key pass at a fraction of the bandwidth its halved bytes allow.
+// x[0..n) -> out[0..n) float32. A float16 cache (contract cache_dtype) is read through this a vector at a time where
+// the CPU converts them (F16C: one instruction per 8 or 16); Ort::Float16_t's own conversion is a scalar bit-level
+// routine that held a float16 cache's key pass at a fraction of the bandwidth its halved bytes allow.
 inline void widen(const Ort::Float16_t* x, int64_t n, float* out) {
   int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  for (; i + simd::kLanes <= n; i += simd::kLanes) {
+    simd::store(out + i, simd::load_f16(reinterpret_cast<const uint16_t*>(x + i)));
   }
-#endif
   for (; i < n; ++i) out[i] = x[i].ToFloat();
 }
 
 // x[0..n) -> out[0..n) float32: an int8 cache's stored integers.
 inline void widen(const int8_t* x, int64_t n, float* out) {
   int64_t i = 0;
-#if defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {  // 8 bytes -> 8 int32 -> 8 floats: two instructions
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + i));
-    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-  }
-#elif defined(__SSE4_1__)
-  for (; i + 4 <= n; i += 4) {
-    int32_t w;
-    std::memcpy(&w, x + i, sizeof w);
-    _mm_storeu_ps(out + i, _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(w))));
-  }
-#endif
+  for (; i + simd::kLanes <= n; i += simd::kLanes) simd::store(out + i, simd::load_i8(x + i));
   for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
@@ -158,49 +144,18 @@ inline void select_pooled(const float* q, int64_t g, int64_t r, int64_t rule, in
   }
 }
 
-// Eight floats in one vector register (GCC/Clang vector extension: one AVX register on x86-64, two NEON ones
-// on Arm), for float32 inner loops whose accumulators must stay in registers. Loads and stores are unaligned.
-typedef float f8 __attribute__((vector_size(32)));
+// Eight floats (simd.h: one AVX register, or two SSE ones), for the decode kernels' float32 inner loops, which walk
+// positions eight at a time; loads and stores are unaligned. float16 or int8 cache elements are widened in registers
+// where the CPU has the instructions (F16C; AVX2's sign extension).
+using simd::f8;
 inline f8 load8(const float* p) {
   f8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
-// Sixteen floats: one AVX-512 register, two AVX ones (GCC splits a vector wider than the target's registers).
-typedef float f16v __attribute__((vector_size(64)));
-inline f16v load16(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
-// Eight float16 or int8 cache elements widened in registers where the CPU has the instructions (F16C; AVX2's
-// sign extension), through a small buffer otherwise.
-inline f8 load8(const Ort::Float16_t* p) {
-#if defined(__F16C__)
-  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  f8 out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-#else
-  float x[8];
-  widen(p, 8, x);
-  return load8(x);
-#endif
-}
-inline f8 load8(const int8_t* p) {
-#if defined(__AVX2__)
-  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  f8 out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-#else
-  float x[8];
-  widen(p, 8, x);
-  return load8(x);
-#endif
-}
+inline f8 load8(const Ort::Float16_t* p) { return simd::load8_f16(reinterpret_cast<const uint16_t*>(p)); }
+inline f8 load8(const int8_t* p) { return simd::load8_i8(p); }
 
 // An int8 cache's rows (ops.spec, ops.rules.int8_rows): each token's K^ column and V row end in the code c of its
 // scale 2^(c / 4), one element past the width (K^: one more dim-major row; V: one more column).
@@ -253,113 +208,57 @@ inline void scale_rows(int nr, float* s, int64_t pitch, int64_t n, const float* 
 
 constexpr int kLanes = 8;  // independent partial maxima / sums: a reduction the compiler can vectorise
 
-// e^x of eight floats x <= 0 (the softmax's scores less their maximum; the prompt kernel's less a shift up to
-// kShiftSlack = 8 below it, prompt_tiles.h) in float32, within 2 ulp of expf down to -87 and 0 below it (a masked
-// score), NaN kept: x = n ln2 + f with |f| <= ln2 / 2, e^f by a degree-6 polynomial (relative error 1.7e-8:
-// Lawson's minimax of the relative error, constant term 1, coefficients rounded to float), 2^n written into the
-// exponent bits (t = 1.5 2^23 + n holds n in its low bits; any n up to 127 is a normal float). Whole vectors, no
-// clamp (x < -87 takes 0 from the last select whatever the arithmetic gave, and x <= 8 leaves nothing to clamp above),
-// the polynomial in Estrin's form: a Horner chain of dependent multiply-adds (~35 cycles) kept too few vectors in
-// flight to fill the FMA units. exp_sum over a block: 0.60 -> 0.48 ns an element against the degree-7 Horner form
-// with clamps (one core of this AMD EPYC); GCC's vectorised scalar form spent 37 instructions a vector.
-// Coarse: e^f by a degree-4 polynomial (the same fit, relative error 2.9e-6) for values rounded to bfloat16 next
-// (a bfloat16 prompt's probabilities: 2^-9 relative), three operations fewer a vector.
-template <typename V, typename U, bool Coarse = false>
-inline V exp_lanes(V x) {
-  constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
-  const V zero{}, lo = zero - 87.0f;
-  const V t = x * kLog2e + kRound;
-  const V n = t - kRound;
-  const V f = (x - n * kLn2Hi) - n * kLn2Lo;
-  const V f2 = f * f;
-  V p;
-  if constexpr (Coarse) {
-    p = (f * 0.99996686f + 1.0f) + f2 * (f2 * 0.041513849f + (f * 0.16787474f + 0.50003016f));
-  } else {
-    const V f4 = f2 * f2;
-    p = (f2 * (f * 0.16666432f + 0.49999994f) + (f + 1.0f)) +
-        f4 * (f2 * 0.0013843636f + (f * 0.008374154f + 0.041668f));
-  }
-  const V scale = reinterpret_cast<V>((reinterpret_cast<U>(t) + 127u) << 23);
-  return x < lo ? zero : p * scale;
-}
-typedef uint32_t u8v __attribute__((vector_size(32)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-inline f8 exp8(f8 x) { return exp_lanes<f8, u8v>(x); }
-
-// x[0..n) -> e^(x - top) in place; returns their sum (two chains of eight partial sums, added lane by lane, then
-// in lane order). The softmax loops of every attention kernel. The two chains are one sixteen-lane vector (low
-// lanes: the first eight of each sixteen elements): one AVX-512 register, or the two AVX ones they always were;
-// each element's exp and each partial sum take the same operations either way.
+// x[0..n) -> e^(x - top) in place; returns their sum: sixteen partial sums (a panel, simd.h), one a lane, folded
+// in simd::fold_sum's order, the tail through one padded panel (-inf lanes give 0). The softmax loops of every
+// attention kernel. The same operations on each element and each partial sum at every width: the same bits.
 inline float exp_sum(float* x, int64_t n, float top) {
-  const f16v shift16 = f16v{} + top;
-  f16v acc16{};
+  using simd::kLanes;
+  using simd::kPanel;
+  using simd::kPanelVecs;
+  const simd::vf shift = simd::splat(top);
+  simd::vf acc[kPanelVecs] = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {  // two exps of eight in flight side by side (one of sixteen on AVX-512)
-    const f16v e = exp_lanes<f16v, u16v>(load16(x + i) - shift16);
-    store16(x + i, e);
-    acc16 += e;
+  for (; i + kPanel <= n; i += kPanel) {  // kPanelVecs exps in flight side by side
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const simd::vf e = simd::exp(simd::load(x + i + v * kLanes) - shift);
+      simd::store(x + i + v * kLanes, e);
+      acc[v] += e;
+    }
   }
-  const f8 shift = f8{} + top;
-  f8 acc = __builtin_shufflevector(acc16, acc16, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(acc16, acc16, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (; i + 8 <= n; i += 8) {
-    const f8 e = exp8(load8(x + i) - shift);
-    store8(x + i, e);
-    acc += e;
-  }
-  if (i < n) {  // the tail through one padded vector: -inf lanes give 0
-    float tail[8];
-    std::fill(tail, tail + 8, -INFINITY);
+  if (i < n) {
+    alignas(64) float tail[kPanel];
+    std::fill(tail, tail + kPanel, -INFINITY);
     std::copy(x + i, x + n, tail);
-    const f8 e = exp8(load8(tail) - shift);
-    store8(tail, e);
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const simd::vf e = simd::exp(simd::load(tail + v * kLanes) - shift);
+      simd::store(tail + v * kLanes, e);
+      acc[v] += e;
+    }
     std::copy(tail, tail + (n - i), x + i);
-    acc += e;
   }
-  float sum = 0.0f;
-  for (int e = 0; e < 8; ++e) sum += acc[e];
-  return sum;
+  return simd::fold_sum(acc);
 }
 
-// The largest / the sum of sixteen lanes, halving: four dependent operations, not fifteen (the softmax rows of the
-// prompt kernel and of sparse prefill's estimate).
-inline float tree_max(f16v v) {
-  f8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12,
-                                                                                             13, 14, 15);
-  a = a > b ? a : b;
-  typedef float f4 __attribute__((vector_size(16)));
-  f4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  c = c > d ? c : d;
-  return std::max(std::max(c[0], c[2]), std::max(c[1], c[3]));
-}
-inline float tree_sum(f16v v) {
-  const f8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  typedef float f4 __attribute__((vector_size(16)));
-  const f4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-// out[c0..c0 + 8W) = x[0..d) P[d][c0..c0 + 8W): W vector accumulators held in registers over the d rows of P.
+// out[c0..c0 + W kLanes) = x[0..d) P[d][c0..): W vector accumulators held in registers over the d rows of P.
 template <int W>
 inline void project_columns(const float* x, const float* P, int64_t d, int64_t r, float* out) {
-  f8 acc[W] = {};
+  simd::vf acc[W] = {};
   for (int64_t i = 0; i < d; ++i) {
-    for (int w = 0; w < W; ++w) acc[w] += x[i] * load8(P + i * r + 8 * w);
+    for (int w = 0; w < W; ++w) acc[w] += x[i] * simd::load(P + i * r + simd::kLanes * w);
   }
-  for (int w = 0; w < W; ++w) store8(out + 8 * w, acc[w]);
+  for (int w = 0; w < W; ++w) simd::store(out + simd::kLanes * w, acc[w]);
 }
 
 // out[0..r) = x[0..d) P[d][r], float32 accumulation: q^ of one query row (d^2 multiply-adds, the cost that
-// sets AQUA's break-even, so float32 keeps them in vector registers; other types take the plain loop).
+// sets AQUA's break-even, so float32 keeps them in vector registers; other types take the plain loop). Each output
+// takes the same operations (a sum over i in order) whichever loop computes it.
 template <typename T>
 inline void project(const T* x, const T* P, int64_t d, int64_t r, float* __restrict out) {
   int64_t c0 = 0;
   if constexpr (std::is_same_v<T, float>) {
-    for (; c0 + 64 <= r; c0 += 64) project_columns<8>(x, P + c0, d, r, out + c0);
-    for (; c0 + 8 <= r; c0 += 8) project_columns<1>(x, P + c0, d, r, out + c0);
+    constexpr int64_t wide = simd::kProjectVecs * simd::kLanes;
+    for (; c0 + wide <= r; c0 += wide) project_columns<simd::kProjectVecs>(x, P + c0, d, r, out + c0);
+    for (; c0 + simd::kLanes <= r; c0 += simd::kLanes) project_columns<1>(x, P + c0, d, r, out + c0);
   }
   std::fill(out + c0, out + r, 0.0f);
   for (int64_t i = 0; i < d; ++i) {
@@ -640,11 +539,9 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
   }
 }
 
-// Vectors of 8 columns per pass over the V rows for NR rows: NR x W accumulators, NR broadcast weights and one V
-// vector within AVX2's 16 registers (wider tiles spilled the accumulators to the stack: a load and a store per
-// multiply-add); the passes after the first read the rows from L1.
-template <int NR>
-constexpr int kValueVectors = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+// Vectors of 8 columns per pass over the V rows for NR rows: simd::kValueVectors (the width's register file); the
+// passes after the first read the rows from L1.
+using simd::kValueVectors;
 
 // V rows `vs` elements apart (r, or r + 1 in an int8 cache: the scale's code rides at the end of each row).
 template <int NR, bool Ahead, typename T>

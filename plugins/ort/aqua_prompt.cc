@@ -193,7 +193,7 @@ void prompt_task(void* data, size_t index) {
   sbuf.resize(static_cast<size_t>(rows_pad * kKeys));
   obuf.assign(static_cast<size_t>(rows_pad * rvp), 0.0f);
   mbuf.assign(static_cast<size_t>(rows_pad), -INFINITY);
-  lbuf.assign(static_cast<size_t>(rows_pad * 16), 0.0f);
+  lbuf.assign(static_cast<size_t>(rows_pad * kNR), 0.0f);
   float *q = qbuf.data(), *s = sbuf.data(), *o = obuf.data();
   project_rows(j, bh, t0, nt, qhat);
   query_block(j, bh, t0, nt, qhat.data(), j.rp(), q, rows_pad);
@@ -257,7 +257,7 @@ void prompt_task(void* data, size_t index) {
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t tt = t0 + row / j.g, h = row % j.g;
     T* dst = j.out + ((bh * j.g + h) * j.t + tt) * j.rv;
-    const float sum = tree_sum(load16(lbuf.data() + row * 16));
+    const float sum = simd::sum_panel(lbuf.data() + row * kNR);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that saw no key: zeros
     for (int64_t c = 0; c < j.rv; ++c) store(dst, c, o[row * rvp + c] * inv);
   }
@@ -321,13 +321,6 @@ template void attend_prompt<float, int8_t>(Ort::KernelContext&, const QueryRows<
                                            const MaskRows&, float*, int64_t, int64_t, int64_t, int64_t, float,
                                           const PrefillRule&, bool);
 
-bool prompt_bf16_runs() {
-#if defined(__AVX512F__)
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-#else
-  return false;
-#endif
-}
+bool prompt_bf16_runs() { return simd::bf16_runs(); }
 
 }  // namespace aqua

@@ -100,6 +100,13 @@ OrtStatus* fail(const OrtApiBase* api_base, const std::string& text) {
   return api_base->GetApi(ORT_API_VERSION)->CreateStatus(ORT_INVALID_ARGUMENT, ("libaqua_ort: " + text).c_str());
 }
 
+// The variant RegisterCustomOps registers here, loaded (kept for the process's life), or null when none runs.
+void* chosen_variant() {
+  const auto [name, error] = choose();
+  if (name.empty() || !error.empty()) return nullptr;
+  return dlopen(variant_path(name.c_str()).c_str(), RTLD_NOW | RTLD_LOCAL);
+}
+
 std::mutex g_mutex;
 std::string g_chosen;  // AquaOrtVariant's answer, kept alive for the caller
 
@@ -136,6 +143,22 @@ AQUA_EXPORT const char* AquaOrtVariant() {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_chosen = error.empty() ? name : "!" + error;
   return g_chosen.c_str();
+}
+
+// Whether that variant runs a prompt_bf16 node's products in bfloat16 (its AquaPromptBf16: the width has the
+// instructions and this CPU reports them); 0 when none runs.
+AQUA_EXPORT int AquaOrtPromptBf16() {
+  void* lib = chosen_variant();
+  auto ask = lib != nullptr ? reinterpret_cast<int (*)()>(dlsym(lib, "AquaPromptBf16")) : nullptr;
+  return ask != nullptr ? ask() : 0;
+}
+
+// That variant's one-thread multiply-add rate in GFLOP/s, measured for about `seconds` (its AquaPeakGflops); 0 when
+// none runs.
+AQUA_EXPORT double AquaOrtPeakGflops(double seconds) {
+  void* lib = chosen_variant();
+  auto ask = lib != nullptr ? reinterpret_cast<double (*)(double)>(dlsym(lib, "AquaPeakGflops")) : nullptr;
+  return ask != nullptr ? ask(seconds) : 0.0;
 }
 
 // The C API version the kernels were compiled against (checked by tests/test_ops.py).

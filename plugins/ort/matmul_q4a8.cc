@@ -5,10 +5,10 @@
 //   s[m, j] = max |a[m, block j]| / 127     q[m, k] = clamp(round(a[m, k] / s[m, j]), +-127)  (0 where s is 0)
 //   y[m, n] = sum_j s[m, j] w_scale[n, j] sum_{k in j} q[m, k] (nibble[n, k] - 8)
 //
-// The sums over a block are integer products: AVX-512 VNNI's vpdpbusd multiplies the unsigned nibbles (0..15) by the
-// signed q four at a time, and 8 sum_k q[m, k] per block, subtracted once, makes them the signed weights' products
-// (without VNNI, vpmaddubsw and vpmaddwd: 15 x 127 x 2 cannot saturate 16 bits). So a prompt's products run on the
-// integer units at several times the float32 rate (tools/studies/activation_levels_study.py measures it).
+// The sums over a block are integer products (simd.h: AVX-512 VNNI's vpdpbusd, else vpmaddubsw and
+// vpmaddwd) of the unsigned nibbles (0..15) and the signed q, four at a time, and 8 sum_k q[m, k] per block,
+// subtracted once, makes them the signed weights' products. So a prompt's products run on the integer units at
+// several times the float32 rate (tools/studies/activation_levels_study.py measures it).
 //
 // MatMulQ4A8Gated (the same module's GATED): the product over a gated MLP's stacked [gate; up] weights (N = 2 I), its
 // output y [..., I] = silu(gate) * up, applied as each tile is stored: the packing pairs gate's panel of 16 columns
@@ -19,10 +19,6 @@
 // 4c + i holds column c's inputs 8u + i (low nibble) and 8u + 4 + i (high nibble), so one load and two masks give
 // two vpdpbusd operands of 16 columns x 4 inputs. Columns past N are zero-scaled padding.
 
-// GCC 12 warns that _mm512_cvtepi32_ps's own _mm512_undefined_ps() "may be used uninitialized" (its header's
-// pass-through operand under an all-ones mask): a false positive in the intrinsics, not in this file's values
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -30,10 +26,6 @@
 #include <mutex>
 #include <type_traits>
 #include <vector>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "aqua_ops.h"
 
@@ -67,47 +59,48 @@ struct QuantJob {
 };
 
 // One block of a row: its scale and int8 values (the same float32 operations as the function body: Abs,
-// ReduceMax, Div by 127, Div, Round half to even, Clip), and -8 times their sum.
+// ReduceMax, Div by 127, Div, Round half to even, Clip), and -8 times their sum; a vector at a time.
 void quantize_block(const float* a, int64_t block, int8_t* q, float* scale, int32_t* offset) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(a[i]));
-  const float s = amax / 127.0f;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < block; ++i) {
-    const float v = s == 0.0f ? 0.0f : std::clamp(std::nearbyint(a[i] / s), -127.0f, 127.0f);
-    q[i] = static_cast<int8_t>(v);
-    sum += static_cast<int32_t>(v);
+  using simd::kLanes;
+  using simd::vf;
+  typedef int8_t bytes_t __attribute__((vector_size(kLanes)));
+  const simd::vu magnitude = simd::vu{} + 0x7FFFFFFFu;
+  vf top{};
+  int64_t i = 0;
+  for (; i + kLanes <= block; i += kLanes) {
+    top = simd::max(reinterpret_cast<vf>(reinterpret_cast<simd::vu>(simd::load(a + i)) & magnitude), top);
   }
-  *scale = s;
-  *offset = -8 * sum;
-}
-
-#if defined(__AVX512F__)
-// The same operations 16 values at a time (division, round to nearest even, clamp: the same float32 results).
-void quantize_block16(const float* a, int64_t block, int8_t* q, float* scale, int32_t* offset) {
-  const __m512 sign = _mm512_set1_ps(-0.0f);
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_loadu_ps(a + i)));
-  const float s = _mm512_reduce_max_ps(amax) / 127.0f;
+  float amax = 0.0f;
+  for (int l = 0; l < kLanes; ++l) amax = std::max(amax, top[l]);
+  for (int64_t t = i; t < block; ++t) amax = std::max(amax, std::fabs(a[t]));
+  const float s = amax / 127.0f;
   if (s == 0.0f) {
     std::memset(q, 0, static_cast<size_t>(block));
     *scale = 0.0f;
     *offset = 0;
     return;
   }
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  __m512i sum = _mm512_setzero_si512();
-  for (int64_t i = 0; i < block; i += 16) {
-    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(a + i), sv),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(v));
-    sum = _mm512_add_epi32(sum, v);
+  const vf sv = simd::splat(s), lo = simd::splat(-127.0f), hi = simd::splat(127.0f);
+  simd::vi sum{};
+  for (i = 0; i + kLanes <= block; i += kLanes) {
+    vf r = simd::round_even(simd::load(a + i) / sv);  // |a / s| <= 127.5: round_even is nearbyint there
+    r = r < lo ? lo : r;
+    r = r > hi ? hi : r;
+    const simd::vi v = __builtin_convertvector(r, simd::vi);
+    const bytes_t b = __builtin_convertvector(v, bytes_t);
+    std::memcpy(q + i, &b, sizeof b);
+    sum += v;
+  }
+  int32_t total = 0;
+  for (int l = 0; l < kLanes; ++l) total += sum[l];
+  for (; i < block; ++i) {
+    const float v = std::clamp(std::nearbyint(a[i] / s), -127.0f, 127.0f);
+    q[i] = static_cast<int8_t>(v);
+    total += static_cast<int32_t>(v);
   }
   *scale = s;
-  *offset = -8 * _mm512_reduce_add_epi32(sum);
+  *offset = -8 * total;
 }
-#endif
 
 void quantize_task(void* data, size_t task) {
   const auto& j = *static_cast<const QuantJob*>(data);
@@ -115,16 +108,8 @@ void quantize_task(void* data, size_t task) {
   for (int64_t m = r0; m < std::min(j.m, r0 + kRowsPerTask); ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t at = m * j.k + b * j.block;
-      int8_t* q = j.rows->q.data() + at;
-      float* scale = j.rows->scale.data() + m * nb + b;
-      int32_t* offset = j.rows->offset.data() + m * nb + b;
-#if defined(__AVX512F__)
-      if (j.block % 16 == 0) {
-        quantize_block16(j.a + at, j.block, q, scale, offset);
-        continue;
-      }
-#endif
-      quantize_block(j.a + at, j.block, q, scale, offset);
+      quantize_block(j.a + at, j.block, j.rows->q.data() + at, j.rows->scale.data() + m * nb + b,
+                     j.rows->offset.data() + m * nb + b);
     }
   }
 }
@@ -137,69 +122,84 @@ struct ProductJob {
   bool gated;  // MatMulQ4A8Gated: y [m][n / 2], each tile's two panels gate's and up's columns of 16 outputs
 };
 
-// silu(g) * u for 16 columns: g / (1 + e^-g) as e = e^-|g| (exp_lanes takes x <= 0), g e / (1 + e) below zero.
+// silu(g) * u for 16 columns: g / (1 + e^-g) as e = e^-|g| (simd::exp takes x <= 0), g e / (1 + e) below zero.
 inline void gate16(const float* g, const float* u, float* y, int64_t width) {
-  const f16v x = load16(g), e = exp_lanes<f16v, u16v>(f16v{} - (x < 0 ? -x : x)), one = f16v{} + 1.0f;
-  const f16v sig = x < 0 ? e / (one + e) : one / (one + e);
+  using simd::vf;
   alignas(64) float out[kPanel];
-  store16(out, x * sig * load16(u));
+  for (int v = 0; v < simd::kPanelVecs; ++v) {
+    const vf x = simd::load(g + v * simd::kLanes), e = simd::exp(vf{} - (x < 0 ? -x : x)), one = simd::splat(1.0f);
+    const vf sig = x < 0 ? e / (one + e) : one / (one + e);
+    simd::store(out + v * simd::kLanes, x * sig * simd::load(u + v * simd::kLanes));
+  }
   std::memcpy(y, out, sizeof(float) * width);
 }
 
-#if defined(__AVX512BW__)
-// R rows x 32 columns (panels p, p + 1) over all K: the int32 sums of a block start at -8 sum q and take the
-// block's products; each block's sums are scaled into float32 accumulators. PB: groups a block holds when known
-// at compile time (0: j.block / kGroup), so the loop over a block's groups unrolls whole and each accumulator
-// stays in its register (GCC copied the loop-carried ones through others at every group).
-template <int R, bool VNNI, int PB>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const ProductJob& j, int64_t m0, int64_t p,
-                                                                          float* out) {
+// R rows x NP panels (16 NP columns from panel p) over all K into out [R][2 kPanel] (column 16 (p - first) on): the
+// int32 sums of a block start at -8 sum q and take the block's products (Dot: simd.h's int8 product forms, partial
+// sums over Dot::kGroups groups, then widened); each block's sums are scaled into float32 accumulators. A 64-byte group of a panel is kIV int vectors (kLanes columns x 4
+// inputs each). PB: groups a block holds when known at compile time (0: j.block / kGroup), so the loop over a block's
+// groups unrolls whole and each accumulator stays in its register (GCC copied the loop-carried ones through others at
+// every group). R and NP: simd::kQ4Rows, kQ4Panels, the width's tile.
+template <int R, int NP, typename Dot, int PB>
+inline void tile(const ProductJob& j, int64_t m0, int64_t p, float* out) {
+  using simd::vb;
+  using simd::vf;
+  using simd::vi;
+  constexpr int kIV = simd::kPanelVecs, NQ = NP * kIV;
   const int64_t nb = j.k / j.block, groups = j.k / kGroup, per_block = PB > 0 ? PB : j.block / kGroup;
   const Rows& rows = *j.rows;
-  __m512 f[R][2];
+  vf f[R][NQ];
   const int8_t* q[R];
   for (int r = 0; r < R; ++r) {
-    f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int c = 0; c < NQ; ++c) f[r][c] = vf{};
     q[r] = rows.q.data() + (m0 + r) * j.k;
   }
-  const __m512i low = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
-  const uint8_t* w0 = j.w->groups.data() + p * groups * 64;
-  const uint8_t* w1 = w0 + groups * 64;
+  const vb low = vb{} + 0x0F;
+  const uint8_t* w = j.w->groups.data() + p * groups * 64;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_set1_epi32(rows.offset[(m0 + r) * nb + b]);
-#pragma GCC unroll 16
-    for (int64_t g = 0; g < per_block; ++g) {
-      const int64_t u = b * per_block + g;
-      const __m512i x0 = _mm512_loadu_si512(w0 + u * 64), x1 = _mm512_loadu_si512(w1 + u * 64);
-      const __m512i l0 = _mm512_and_si512(x0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(x0, 4), low);
-      const __m512i l1 = _mm512_and_si512(x1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(x1, 4), low);
+    vi acc[R][NQ];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < NQ; ++c) acc[r][c] = vi{} + rows.offset[(m0 + r) * nb + b];
+    }
+    for (int64_t g0 = 0; g0 < per_block; g0 += Dot::kGroups) {  // the partial sums' span (simd.h: Dot::kGroups)
+      typename Dot::part_t part[R][NQ];
       for (int r = 0; r < R; ++r) {
-        int32_t lo_q, hi_q;
-        std::memcpy(&lo_q, q[r] + u * kGroup, 4);
-        std::memcpy(&hi_q, q[r] + u * kGroup + 4, 4);
-        const __m512i a0 = _mm512_set1_epi32(lo_q), a1 = _mm512_set1_epi32(hi_q);
-        if constexpr (VNNI) {
-          acc[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0], l0, a0), h0, a1);
-          acc[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1], l1, a0), h1, a1);
-        } else {
-          const auto dot = [&](__m512i w, __m512i a) { return _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), ones); };
-          acc[r][0] = _mm512_add_epi32(acc[r][0], _mm512_add_epi32(dot(l0, a0), dot(h0, a1)));
-          acc[r][1] = _mm512_add_epi32(acc[r][1], _mm512_add_epi32(dot(l1, a0), dot(h1, a1)));
+        for (int c = 0; c < NQ; ++c) part[r][c] = typename Dot::part_t{};
+      }
+      const int64_t g1 = std::min<int64_t>(per_block, g0 + Dot::kGroups);
+#pragma GCC unroll simd::kQ4Unroll
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t u = b * per_block + g;
+        vb lo[NQ], hi[NQ];
+        for (int c = 0; c < NQ; ++c) {
+          vb x;
+          std::memcpy(&x, w + (c / kIV) * groups * 64 + u * 64 + (c % kIV) * sizeof(vb), sizeof x);
+          lo[c] = x & low;
+          hi[c] = reinterpret_cast<vb>(reinterpret_cast<simd::vu>(x) >> 4) & low;  // each byte's high nibble
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t lo_q, hi_q;
+          std::memcpy(&lo_q, q[r] + u * kGroup, 4);
+          std::memcpy(&hi_q, q[r] + u * kGroup + 4, 4);
+          const vb a0 = reinterpret_cast<vb>(vi{} + lo_q), a1 = reinterpret_cast<vb>(vi{} + hi_q);
+          for (int c = 0; c < NQ; ++c) part[r][c] = Dot::step(Dot::step(part[r][c], lo[c], a0), hi[c], a1);
         }
       }
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < NQ; ++c) acc[r][c] = Dot::flush(acc[r][c], part[r][c]);
+      }
     }
-    const __m512 s0 = _mm512_loadu_ps(j.w->scales.data() + (p * nb + b) * kPanel);
-    const __m512 s1 = _mm512_loadu_ps(j.w->scales.data() + ((p + 1) * nb + b) * kPanel);
+    vf sc[NQ];
+    for (int c = 0; c < NQ; ++c) {
+      sc[c] = simd::load(j.w->scales.data() + ((p + c / kIV) * nb + b) * kPanel + (c % kIV) * simd::kLanes);
+    }
     for (int r = 0; r < R; ++r) {
-      const __m512 as = _mm512_set1_ps(rows.scale[(m0 + r) * nb + b]);
-      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s0, as), f[r][0]);
-      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(s1, as), f[r][1]);
+      const vf as = simd::splat(rows.scale[(m0 + r) * nb + b]);
+      for (int c = 0; c < NQ; ++c) f[r][c] += __builtin_convertvector(acc[r][c], vf) * (sc[c] * as);
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * kPanel * 2, f[r][0]);
-    _mm512_storeu_ps(out + r * kPanel * 2 + kPanel, f[r][1]);
+    for (int c = 0; c < NQ; ++c) simd::store(out + r * kPanel * 2 + c * simd::kLanes, f[r][c]);
   }
 }
 
@@ -216,143 +216,21 @@ inline void by_block(int64_t block, F&& f) {
   }
 }
 
-bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
-#endif
-
-#if defined(__AVX2__) && !defined(__AVX512BW__)
-// AVX2: R rows (<= 2, sixteen registers) x one panel of 16 columns, as two 8-column halves of each 64-byte group.
-template <int R>
-inline void tile_avx2(const ProductJob& j, int64_t m0, int64_t p, float* out) {
-  const int64_t nb = j.k / j.block, groups = j.k / kGroup, per_block = j.block / kGroup;
-  const Rows& rows = *j.rows;
-  __m256 f[R][2];
-  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const uint8_t* w = j.w->groups.data() + p * groups * 64;
-  const auto dot = [&](__m256i wv, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, a), ones); };
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(rows.offset[(m0 + r) * nb + b]);
-    for (int64_t u = b * per_block; u < (b + 1) * per_block; ++u) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + u * 64));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + u * 64 + 32));
-      const __m256i l0 = _mm256_and_si256(x0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), low);
-      const __m256i l1 = _mm256_and_si256(x1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), low);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = rows.q.data() + (m0 + r) * j.k + u * kGroup;
-        int32_t lo_q, hi_q;
-        std::memcpy(&lo_q, q, 4);
-        std::memcpy(&hi_q, q + 4, 4);
-        const __m256i a0 = _mm256_set1_epi32(lo_q), a1 = _mm256_set1_epi32(hi_q);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(dot(l0, a0), dot(h0, a1)));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(dot(l1, a0), dot(h1, a1)));
-      }
-    }
-    const float* sc = j.w->scales.data() + (p * nb + b) * kPanel;
-    const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 as = _mm256_set1_ps(rows.scale[(m0 + r) * nb + b]);
-      f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s0, as), f[r][0]);
-      f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s1, as), f[r][1]);
-    }
+// R rows x 32 columns (panels p, p + 1) into out [R][32], as the width's tiles (kQ4Rows x kQ4Panels) cover them.
+template <int R, typename Dot, int PB>
+void tile_rows(const ProductJob& j, int64_t m0, int64_t p, float* out) {
+  constexpr int R0 = R < simd::kQ4Rows ? R : simd::kQ4Rows;
+  for (int64_t pp = 0; pp < 2; pp += simd::kQ4Panels) {
+    tile<R0, simd::kQ4Panels, Dot, PB>(j, m0, p + pp, out + pp * kPanel);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * kPanel * 2, f[r][0]);
-    _mm256_storeu_ps(out + r * kPanel * 2 + 8, f[r][1]);
-  }
-}
-#endif
-
-#if defined(__SSSE3__) && !defined(__AVX2__)
-// SSSE3 (x86-64-v2): one row x one panel of 16 columns, as four 4-column quarters of each 64-byte group.
-inline void tile_ssse3(const ProductJob& j, int64_t m, int64_t p, float* out) {
-  const int64_t nb = j.k / j.block, groups = j.k / kGroup, per_block = j.block / kGroup;
-  const Rows& rows = *j.rows;
-  __m128 f[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-  const __m128i low = _mm_set1_epi8(0x0F), ones = _mm_set1_epi16(1);
-  const uint8_t* w = j.w->groups.data() + p * groups * 64;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m128i acc[4];
-    for (auto& x : acc) x = _mm_set1_epi32(rows.offset[m * nb + b]);
-    for (int64_t u = b * per_block; u < (b + 1) * per_block; ++u) {
-      const int8_t* q = rows.q.data() + m * j.k + u * kGroup;
-      int32_t lo_q, hi_q;
-      std::memcpy(&lo_q, q, 4);
-      std::memcpy(&hi_q, q + 4, 4);
-      const __m128i a0 = _mm_set1_epi32(lo_q), a1 = _mm_set1_epi32(hi_q);
-      for (int c = 0; c < 4; ++c) {
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + u * 64 + c * 16));
-        const __m128i l = _mm_and_si128(x, low), h = _mm_and_si128(_mm_srli_epi16(x, 4), low);
-        acc[c] = _mm_add_epi32(acc[c], _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(l, a0), ones),
-                                                     _mm_madd_epi16(_mm_maddubs_epi16(h, a1), ones)));
-      }
-    }
-    const float* sc = j.w->scales.data() + (p * nb + b) * kPanel;
-    const __m128 as = _mm_set1_ps(rows.scale[m * nb + b]);
-    for (int c = 0; c < 4; ++c) {
-      f[c] = _mm_add_ps(f[c], _mm_mul_ps(_mm_cvtepi32_ps(acc[c]), _mm_mul_ps(_mm_loadu_ps(sc + 4 * c), as)));
-    }
-  }
-  for (int c = 0; c < 4; ++c) _mm_storeu_ps(out + 4 * c, f[c]);
-}
-#endif
-
-// The portable tile: the same integer sums and float32 scaling, one column at a time.
-template <int R>
-void tile_portable(const ProductJob& j, int64_t m0, int64_t p, float* out) {
-  const int64_t nb = j.k / j.block, groups = j.k / kGroup;
-  const Rows& rows = *j.rows;
-  for (int64_t c = 0; c < 2 * kPanel; ++c) {
-    const int64_t panel = p + c / kPanel, col = c % kPanel;
-    const uint8_t* w = j.w->groups.data() + panel * groups * 64 + col * 4;
-    for (int r = 0; r < R; ++r) {
-      float f = 0.0f;
-      const int8_t* q = rows.q.data() + (m0 + r) * j.k;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t acc = rows.offset[(m0 + r) * nb + b];
-        for (int64_t u = b * (j.block / kGroup); u < (b + 1) * (j.block / kGroup); ++u) {
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = w[u * 64 + i];
-            acc += (byte & 0x0F) * q[u * kGroup + i] + (byte >> 4) * q[u * kGroup + 4 + i];
-          }
-        }
-        f += static_cast<float>(acc) * (j.w->scales[(panel * nb + b) * kPanel + col] * rows.scale[(m0 + r) * nb + b]);
-      }
-      out[r * kPanel * 2 + c] = f;
-    }
-  }
+  if constexpr (R > R0) tile_rows<R - R0, Dot, PB>(j, m0 + R0, p, out + R0 * 2 * kPanel);
 }
 
-// R rows x 32 columns (panels p, p + 1) into out [R][32], by the widest tile this build has.
 template <int R>
 void run_tile(const ProductJob& j, int64_t m0, int64_t p, float* out) {
-#if defined(__AVX512BW__)
-  if (has_vnni()) return by_block(j.block, [&](auto pb) { tile<R, true, decltype(pb)::value>(j, m0, p, out); });
-  by_block(j.block, [&](auto pb) { tile<R, false, decltype(pb)::value>(j, m0, p, out); });
-#elif defined(__AVX2__)
-  float half[2 * 2 * kPanel];
-  for (int r = 0; r < R; r += 2) {
-    for (int64_t panel = 0; panel < 2; ++panel) {
-      if (R - r >= 2) {
-        tile_avx2<2>(j, m0 + r, p + panel, half);
-      } else {
-        tile_avx2<1>(j, m0 + r, p + panel, half);
-      }
-      for (int i = 0; i < std::min(2, R - r); ++i) {
-        std::memcpy(out + (r + i) * 2 * kPanel + panel * kPanel, half + i * 2 * kPanel, sizeof(float) * kPanel);
-      }
-    }
-  }
-#elif defined(__SSSE3__)
-  for (int r = 0; r < R; ++r) {
-    for (int64_t panel = 0; panel < 2; ++panel) tile_ssse3(j, m0 + r, p + panel, out + r * 2 * kPanel + panel * kPanel);
-  }
-#else
-  tile_portable<R>(j, m0, p, out);
-#endif
+  simd::with_int8_dot([&](auto dot) {
+    by_block(j.block, [&](auto pb) { tile_rows<R, decltype(dot), decltype(pb)::value>(j, m0, p, out); });
+  });
 }
 
 void product_task(void* data, size_t task) {

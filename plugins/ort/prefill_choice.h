@@ -41,19 +41,29 @@ inline void block_sums(float* sc, const EstimateRow& row, int64_t s0, const floa
   if (s0 < row.lo || s0 + kKeys - 1 > row.hi) {  // a block the row sees part of
     for (int64_t x = 0; x < kKeys; ++x) sc[x] = s0 + x < row.lo || s0 + x > row.hi ? -INFINITY : sc[x];
   }
+  constexpr int kPanels = kPrefillBlock / kNR;  // a key block's panels of 16 scores
   for (int h = 0; h < 2; ++h) {
     const float* v = sc + h * kPrefillBlock;
-    const f16v v0 = load16(v), v1 = load16(v + kNR), v2 = load16(v + 2 * kNR), v3 = load16(v + 3 * kNR);
-    const f16v a = v0 > v1 ? v0 : v1, b = v2 > v3 ? v2 : v3, top = a > b ? a : b;
-    if (any_above(top, shift + kShiftSlack)) shift = tree_max(top);
+    simd::vf x[kPanels][kPV], top[kPV];
+    for (int u = 0; u < kPV; ++u) top[u] = simd::splat(-INFINITY);
+    for (int q = 0; q < kPanels; ++q) {
+      for (int u = 0; u < kPV; ++u) {
+        x[q][u] = simd::load(v + q * kNR + u * simd::kLanes);
+        top[u] = simd::max(x[q][u], top[u]);
+      }
+    }
+    if (simd::any_gt_panel(top, shift + kShiftSlack)) shift = simd::fold_max(top);
     if (shift == -INFINITY) {
       out[h] = {shift, 0.0f};
       continue;
     }
-    const f16v at = f16v{} + shift;
-    const f16v e = (exp_lanes<f16v, u16v, true>(v0 - at) + exp_lanes<f16v, u16v, true>(v1 - at)) +
-                   (exp_lanes<f16v, u16v, true>(v2 - at) + exp_lanes<f16v, u16v, true>(v3 - at));
-    out[h] = {shift, tree_sum(e)};
+    const simd::vf at = simd::splat(shift);
+    simd::vf e[kPV];  // the four panels' e^ summed lane by lane, as (0 + 1) + (2 + 3)
+    for (int u = 0; u < kPV; ++u) {
+      e[u] = (simd::exp<true>(x[0][u] - at) + simd::exp<true>(x[1][u] - at)) +
+             (simd::exp<true>(x[2][u] - at) + simd::exp<true>(x[3][u] - at));
+    }
+    out[h] = {shift, simd::fold_sum(e)};
   }
 }
 

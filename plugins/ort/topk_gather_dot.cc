@@ -399,4 +399,11 @@ AQUA_EXPORT OrtStatus* ORT_API_CALL AquaRegisterOps(OrtSessionOptions* options, 
   return nullptr;
 }
 
+// Whether this variant runs a prompt_bf16 node's products in bfloat16 on this CPU (simd.h: the width has them and the
+// CPU reports them): what runtime.session.prompt_bf16_runs asks through the loader, so Python repeats no CPU test.
+AQUA_EXPORT int AquaPromptBf16() { return aqua::simd::bf16_runs() ? 1 : 0; }
+
+// One thread's multiply-add rate on this variant's vectors, measured for about `seconds` (simd.h peak_gflops).
+AQUA_EXPORT double AquaPeakGflops(double seconds) { return aqua::simd::peak_gflops(seconds); }
+
 }  // extern "C"
