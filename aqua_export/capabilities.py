@@ -3,7 +3,9 @@
 The vocabulary on every command line: ``--runtime`` names what drives a folder (``aqua``: this project's ONNX Runtime
 loop, ``genai``: onnxruntime-genai, ``tensorrt``: the folder's model.engine) and ``--kernel`` what runs the custom
 nodes inside ONNX Runtime (``native``: the C++ kernels, ``function``: the nodes' ONNX function bodies, ``auto``).
-The Triton kernels serve the PyTorch reference on a GPU and TensorRT's plugin. A pair absent from REFUSALS runs;
+The Triton kernels serve the PyTorch reference on a GPU and TensorRT's plugin; ``standard`` is a folder built with
+``--ops standard`` in any ONNX consumer (ONNX's own reference evaluator: the com.aqua nodes' function bodies). A pair
+absent from REFUSALS runs (NOTES say how, where it differs);
 the build, `run`, `bench`, `eval --folder` and lm-eval all ask ``check`` (tests/test_capabilities.py walks every pair).
 """
 
@@ -15,8 +17,9 @@ from .errors import ConfigError
 
 RUNTIMES = ("aqua", "genai", "tensorrt")  # --runtime: what drives a folder
 KERNELS = ("auto", "native", "function")  # --kernel: what runs the custom nodes under ONNX Runtime
-# the table's columns; serve: `aqua-export serve`'s continuous batching (serving.engine), over the aqua runtime
-BACKENDS = ("native", "function", "genai", "tensorrt", "triton", "serve")
+# the table's columns; serve: `aqua-export serve`'s continuous batching (serving.engine), over the aqua runtime;
+# standard: the --ops standard graph in any ONNX consumer
+BACKENDS = ("native", "function", "genai", "tensorrt", "triton", "serve", "standard")
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,18 @@ REFUSALS = {
                       "cannot follow: serve a folder built without --h2o-ratio (or run it with `aqua-export run`)",
     ("float16", "native"): "the native kernels run float32 graphs (a float16 kernel would round the scores to float16 "
                            "before the softmax): run this float16 folder with --kernel function (auto does)",
+    ("quantized", "standard"): "--ops standard writes standard ONNX ops only, and int4 / int8 blocks are ONNX Runtime's "
+                               "MatMulNBits: build it with --weights float, or drop --ops standard",
 }
-assert all(f in {x.name for x in fields(Features)} and b in BACKENDS for f, b in REFUSALS), "a row or column is unknown"
+# pairs that run, but not as the setting says everywhere: the table's cell instead of "yes"
+NOTES = {
+    ("bf16_prompt", "function"): "yes, in float32 (the function body ignores prompt_bf16)",
+    ("bf16_prompt", "standard"): "yes, in float32 (the function body ignores prompt_bf16)",
+    ("bf16_prompt", "native"): "yes, in bfloat16 where the CPU has AVX512_BF16, else float32",
+}
+assert all(f in {x.name for x in fields(Features)} and b in BACKENDS for f, b in (*REFUSALS, *NOTES)), \
+    "a row or column is unknown"
+assert not set(REFUSALS) & set(NOTES), "a pair is refused or runs, not both"
 
 
 def refusal(features: Features, backend: str) -> str | None:
@@ -106,5 +119,6 @@ def check(features: Features, backend: str) -> None:
 def table() -> str:
     """docs/cli.md's capability table (markdown): one row per feature, one column per backend."""
     head = ["| needs | " + " | ".join(BACKENDS) + " |", "|---|" + "---|" * len(BACKENDS)]
-    return "\n".join(head + [f"| {f.name} | " + " | ".join("refused" if (f.name, b) in REFUSALS else "yes"
-                                                           for b in BACKENDS) + " |" for f in fields(Features)])
+    return "\n".join(head + [f"| {f.name} | " + " | ".join("refused" if (f.name, b) in REFUSALS else
+                                                           NOTES.get((f.name, b), "yes") for b in BACKENDS) + " |"
+                              for f in fields(Features)])

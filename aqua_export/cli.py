@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shlex
 import signal
 import sys
@@ -29,6 +30,29 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"aqua-export: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(self._joined(sys.argv[1:] if args is None else list(args)), namespace)
+
+    def _joined(self, args: list[str]) -> list[str]:
+        """An option's value that starts with '-' but is no option (-inf, -.5, -1e3) joined to it (--flag=-inf):
+        argparse reads such a value as an unknown option and says "expected one argument"."""
+        out, i = [], 0
+        while i < len(args):
+            a = args[i]
+            action = self._option_string_actions.get(a)
+            if (action is not None and action.nargs is None and action.option_strings and i + 1 < len(args)
+                    and args[i + 1].startswith("-") and args[i + 1] not in self._option_string_actions
+                    and _NUMBER_LIKE.match(args[i + 1])):
+                out.append(f"{a}={args[i + 1]}")
+                i += 2
+                continue
+            out.append(a)
+            i += 1
+        return out
+
+
+_NUMBER_LIKE = re.compile(r"^-(inf|infinity|nan|\d|\.\d)", re.IGNORECASE)  # a negative number, not an option
 
 
 def _model_arg(p):
@@ -317,6 +341,10 @@ def _main(argv: list[str]) -> int:
         _end_progress_bars()
         print(f"aqua-export: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # argparse, its one line printed (a setting's value is checked as it is parsed)
+        if isinstance(e.code, int):
+            return e.code
+        raise
     except OSError as e:
         if e.errno not in REFUSALS:
             raise

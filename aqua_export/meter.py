@@ -16,16 +16,30 @@ _CLEAR = Path("/proc/self/clear_refs")
 
 
 def cpu_name() -> str:
-    """The CPU's model name (the benchmark tables' header), from /proc/cpuinfo where Linux has it."""
+    """The CPU's model name and the vector instructions the kernels' variants turn on (the benchmark tables' header:
+    "AMD EPYC (AVX2, no AVX-512)", "AMD EPYC (AVX-512, VNNI, BF16)"), from /proc/cpuinfo where Linux has it."""
     import platform
 
+    name, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    if not name:
+        return platform.processor() or "unknown CPU"
+    if "avx512f" in flags:
+        isa = ", ".join(["AVX-512"] + [n for f, n in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if f in flags])
+    elif "avx2" in flags:
+        isa = "AVX2, no AVX-512"
+    elif flags:
+        isa = "no AVX2"
+    else:
+        return name
+    return f"{name} ({isa})"
 
 
 def _vm_hwm_bytes() -> int | None:

@@ -24,8 +24,6 @@ from .quantize import ACCURACY_LEVELS, BITS, BLOCKS, WeightFormat
 # SkipSimplifiedLayerNormalization, MatMulNBits, MoE: fastest there), or standard ops only beside the com.aqua nodes and
 # their bodies (any ONNX consumer: ONNX's reference evaluator, other runtimes, shape inference)
 GRAPH_OPS = ("onnxruntime", "standard")
-STANDARD_NEEDS_FLOAT = ("--ops standard writes standard ONNX ops only, and int4 / int8 blocks are ONNX Runtime's "
-                        "MatMulNBits: build it with --weights float, or drop --ops standard")
 WEIGHTS = ("float",) + tuple(f"int{b}" for b in BITS)
 
 
@@ -176,11 +174,11 @@ class BuildOptions:
         for opt, value in asked:
             if value is not None and value not in opt.choices:
                 raise ConfigError(f"unknown {opt.flag} {value!r}: use one of {', '.join(opt.choices)}")
-        if self.ops == "standard" and self.weights.quantized:
-            raise ConfigError(STANDARD_NEEDS_FLOAT)
         if self.weights.quantized and self.dtype != "float32":
             raise ConfigError(f"--weights {self.weights.name} is ONNX Runtime's MatMulNBits with float32 activations: "
                               "build it with --dtype float32 (float16 is the GPU format: drop --weights)")
         capabilities.check(self.features(config), self.runtime)
+        if self.ops == "standard":  # a graph for any ONNX consumer: what its function bodies can run
+            capabilities.check(self.features(config), "standard")
         if self.cache_dtype is not None:  # the contract's refusals of a cache type, before any work
             Contract.check_cache_dtype(self.dtype, self.cache_dtype, config.evicts)

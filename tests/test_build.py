@@ -12,8 +12,8 @@ from aqua_export.runtime.folder import FolderConfig
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--k-ratio", "0"], "k_ratio=0.0 is out of range"),
-    (["--k-ratio", "0.5", "--slice-ratio", "1"], "slice_ratio=1.0 is out of range"),
+    (["--k-ratio", "0"], "argument --k-ratio: 0 is out of range"),
+    (["--k-ratio", "0.5", "--slice-ratio", "1"], "argument --slice-ratio: 1 is out of range"),
     (["--k-ratio", "0.5", "--projection", "/nonexistent/p.safetensors"], "projection file /nonexistent/p.safetensors does not exist"),
     (["--k-ratio", "0.5", "--runtime", "tensorrt"], "--runtime tensorrt: TensorRT is not installed here"),
     (["--k-ratio", "0.5", "--parity-prompt-tokens", "8"], "--parity-prompt-tokens 8: give a prompt of 16 or more"),

@@ -76,6 +76,8 @@ def test_every_pair_runs_or_is_refused_in_one_line(tiny_llama, tmp_path, feature
         return
     if backend == "serve":
         return _serve_or_refuse(model, proj, config, cfg, o, line, tmp_path)
+    if backend == "standard":
+        return _standard_or_refuse(model, proj, config, cfg, o, line, tmp_path)
     if line is not None:
         with pytest.raises(ConfigError) as e:
             if backend == "genai":
@@ -115,6 +117,41 @@ def _greedy(n):
     return SamplingConfig(max_new_tokens=n)
 
 
+def _standard_or_refuse(model, proj, config, cfg, o, line, tmp_path):
+    """--ops standard: refused before any work in the table's line, or the graph of standard ops beside the com.aqua
+    nodes runs in ONNX's reference evaluator (their function bodies) with ONNX Runtime's logits, on the feed
+    `aqua-export run`'s loop gives it (a prompt, then a decode step)."""
+    import warnings
+
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    if line is not None:
+        with pytest.raises(ConfigError) as e:
+            check_options(BuildOptions(ops="standard", **o), config)
+        assert str(e.value) == line
+        return
+    if o.get("dtype") == "float16":
+        pytest.skip("a float16 folder is built from a float16 model, which the tiny fixture is not")
+    check_options(BuildOptions(ops="standard", **o), config)
+    path = tmp_path / "m.onnx"
+    export_onnx(model, proj, config, path, ops="standard", **_export_args(o))
+    m = onnx.load(path)
+    assert {n.domain for n in m.graph.node} == {"", "com.aqua"}
+    lm = OrtLM.open(path, cfg, kernel="function")
+    runs, run = [], lm.session.run
+    lm.session.run = lambda names, feed, *a, **k: runs.append((feed, run(names, feed, *a, **k))) or runs[-1][1]
+    ids = np.array([[5, 9, 17, 33, 2, 44, 8, 19]], np.int64)
+    lm.generate(ids, np.ones_like(ids), _greedy(2))
+    assert len(runs) >= 2, "the loop's forwards went past the recorder"
+    evaluator = ReferenceEvaluator(m)
+    for feed, got in runs:
+        with warnings.catch_warnings():  # the bodies divide by a soft-cap of 0 on the branch Where drops
+            warnings.simplefilter("ignore", RuntimeWarning)
+            want = evaluator.run(None, feed)[0]
+        assert np.isfinite(want[:, -1]).all() and np.abs(want[:, -1] - got[0][:, -1]).max() <= 1e-4
+
+
 def _serve_or_refuse(model, proj, config, cfg, o, line, tmp_path):
     """`aqua-export serve`'s engine: refused in the table's line, or two sequences batched together give the tokens
     each gives alone (greedy, OrtLM.generate)."""
@@ -141,3 +178,43 @@ def _serve_or_refuse(model, proj, config, cfg, o, line, tmp_path):
     for p, s in zip(prompts, seqs):
         alone = lm.generate(p[None], np.ones((1, len(p)), np.int64), _greedy(6))[0]
         assert s.out == alone.tolist()
+
+
+def test_a_standard_graph_runs_sparse_prefill_and_the_bfloat16_prompt_in_any_onnx_consumer(tiny_llama, tmp_path):
+    """--ops standard with sparse prefill and --prompt-precision bfloat16 (they passed the up-front checks with nothing
+    said; the capability table's standard column now says they run): a 448-token prompt, long enough for sparse query
+    blocks, through ONNX's reference evaluator gives ONNX Runtime's function-body logits, and they differ from a dense
+    prompt's (threshold 0.5: blocks were dropped); the bfloat16 attribute is the function body's float32
+    (capabilities.NOTES)."""
+    import warnings
+
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    from aqua_export.runtime.session import make_session
+
+    class GatherElements(OpRun):  # ONNX's own is numpy.choose, which takes at most 64 entries along the axis
+        op_domain = ""
+
+        def _run(self, data, indices, axis=None):
+            return (np.take_along_axis(data, np.where(indices < 0, indices + data.shape[axis], indices), axis),)
+
+    model, proj = tiny_llama
+    outs = {}
+    for name, extra in (("sparse", dict(prefill_threshold=0.5, prompt_precision="bfloat16")), ("dense", {})):
+        config = AquaConfig(k_ratio=0.5, **extra)
+        check_options(BuildOptions(ops="standard"), config)
+        path = tmp_path / f"{name}.onnx"
+        export_onnx(model, proj, config, path, ops="standard")
+        m = onnx.load(path)
+        ids = (np.arange(448)[None] * 7 % 120 + 3).astype(np.int64)  # the tiny vocabulary: 128
+        dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input[2:]}
+        empty = {n: np.zeros([1, d[1], 0, *d[3:]], np.float32) for n, d in dims.items()}  # batch 1, nothing cached
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), **empty}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            outs[name] = ReferenceEvaluator(m, new_ops=[GatherElements]).run(None, feed)[0][:, -1]
+        got = make_session(path, kernel="function").run(None, feed)[0][:, -1]
+        assert np.abs(outs[name] - got).max() <= 1e-4, name
+    assert np.abs(outs["sparse"] - outs["dense"]).max() > 1e-4, "sparse prefill dropped no block"

@@ -15,9 +15,9 @@ def _run(*args):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["eval", "--text", "builtin:gpl-3", "--k-ratio", "1.5", "--projection", "x"], "k_ratio=1.5 is out of range"),
-    (["eval", "--text", "builtin:gpl-3", "--k-ratio", "nan", "--projection", "x"], "k_ratio must be a finite number"),
-    (["eval", "--text", "builtin:gpl-3", "--slice-ratio", "1.0", "--projection", "x"], "slice_ratio=1.0 is out of range"),
+    (["eval", "--text", "builtin:gpl-3", "--k-ratio", "1.5", "--projection", "x"], "argument --k-ratio: 1.5 is out of range"),
+    (["eval", "--text", "builtin:gpl-3", "--k-ratio", "nan", "--projection", "x"], "argument --k-ratio: nan is out of range"),
+    (["eval", "--text", "builtin:gpl-3", "--slice-ratio", "1.0", "--projection", "x"], "argument --slice-ratio: 1.0 is out of range"),
     (["eval", "--text", "builtin:nope"], "unknown builtin text 'nope'"),
     (["eval", "--text", "builtin:gpl-3", "--k-ratio", "0.5", "--projection", "/nonexistent.safetensors"],
      "projection file /nonexistent.safetensors does not exist"),

@@ -122,7 +122,7 @@ def test_folder_config_round_trips_and_writes_atomically(tmp_path):
     (lambda d: {**d, "contract": {**d["contract"], "widths": [11, 12, 12]}}, "disagree with the AQUA settings"),
     (lambda d: {**d, "contract": {**d["contract"], "widths": [11, 13, 12]}}, "disagree with the AQUA settings"),
     (lambda d: {**d, "contract": {**d["contract"], "value_widths": [11, 13, 12]}}, "disagree with the AQUA settings"),
-    (lambda d: {**d, "aqua": {**d["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
+    (lambda d: {**d, "aqua": {**d["aqua"], "k_ratio": "banana"}}, "k_ratio='banana' is not a number"),
     (lambda d: {**d, "context_length": 0}, "context_length"),
 ])
 def test_folder_config_refuses_edits_with_one_line(tmp_path, edit, needle):

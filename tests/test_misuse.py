@@ -243,8 +243,8 @@ def test_help_lists_every_subcommand(capsys):
 # ------------------------------------------------------------------ a newcomer's second pass (values out of range)
 
 @pytest.mark.parametrize("args,needle", [
-    (["--token-budget", "1000000000000"], "token_budget=1000000000000 is past any context this tool serves"),
-    (["--token-budget", "32", "--token-window", "100000000"], "token_window=100000000 is past any context"),
+    (["--token-budget", "1000000000000"], "argument --token-budget: 1000000000000 is past any context this tool serves"),
+    (["--token-budget", "32", "--token-window", "100000000"], "argument --token-window: 100000000 is past any context"),
     (["--token-window", "32"], "token_sink / token_window are token selection's"),
     (["--token-budget", "60", *SHORT_PARITY], "reads every token of any prompt that fits this model's context of 64"),
     (["--parity-prompt-tokens", "60", "--parity-steps", "8"], "past the model's context of 64 tokens"),

@@ -93,7 +93,7 @@ def test_check_says_what_it_verified(folder, capsys):
     (lambda c: [1, 2, 3], "not a JSON object"),
     (lambda c: {**c, "geometry": {**c["geometry"], "layers": -3}}, "geometry.layers"),
     (lambda c: {**c, "geometry": {**c["geometry"], "layers": "two"}}, "geometry.layers"),
-    (lambda c: {**c, "aqua": {**c["aqua"], "k_ratio": "banana"}}, "k_ratio must be a number"),
+    (lambda c: {**c, "aqua": {**c["aqua"], "k_ratio": "banana"}}, "k_ratio='banana' is not a number"),
     (lambda c: {**c, "contract": {**c["contract"], "h2o": "bogus"}}, "contract.h2o"),
     (lambda c: {**c, "contract": {**c["contract"], "widths": [60] * len(c["contract"]["widths"])}}, "disagree"),
     (lambda c: {**c, "contract": {**c["contract"], "dtype": "int8"}}, "dtype"),

@@ -145,11 +145,13 @@ def _make(spec: str) -> str:
 
 
 def _current_kernels(folder: Path) -> None:
-    """A folder made by an earlier run carries the kernels of its build: the package's current ones are copied in
-    (what a folder built now would hold), so a benchmark never times stale kernels."""
+    """A folder made by an earlier run carries the kernels of its build: the package's current ones are copied in and
+    the folder's manifest (aqua_config.json's files and checksum) updated, what a folder built now would hold, so a
+    benchmark never times stale kernels."""
     import filecmp
     import shutil
 
+    from aqua_export.runtime.folder import CHECKSUM, CONFIG_FILE, checksum_of, file_sha256
     from aqua_export.runtime.genai import native_files
     from aqua_export.runtime.session import native_library
 
@@ -158,10 +160,17 @@ def _current_kernels(folder: Path) -> None:
         return
     stale = [f for f in native_files(lib) if not (folder / f.name).exists() or not filecmp.cmp(f, folder / f.name,
                                                                                                 shallow=False)]
+    if not stale:
+        return
+    config = json.loads((folder / CONFIG_FILE).read_text())
     for f in stale:
         shutil.copy2(f, folder / f.name)
-    if stale:
-        print(f"  {folder.name}: the package's current kernels copied in ({len(stale)} files)", flush=True)
+        config["files"][f.name] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+    config[CHECKSUM] = checksum_of({k: v for k, v in config.items() if k != CHECKSUM})
+    tmp = folder / f"{CONFIG_FILE}.tmp"
+    tmp.write_text(json.dumps(config, indent=1) + "\n")
+    tmp.replace(folder / CONFIG_FILE)
+    print(f"  {folder.name}: the package's current kernels copied in ({len(stale)} files)", flush=True)
 
 
 def _long_source() -> None:
@@ -194,9 +203,12 @@ def _prompt(tokens: int) -> Path:
     return path
 
 
-def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int, threads: int) -> dict | None:
+def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int, threads: int,
+         variant: str | None = None) -> dict | None:
     env_name, runner, _ = ENGINES[engine]
     env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONPATH=str(ROOT))
+    if variant:
+        env["AQUA_ORT_ISA"] = variant  # our kernels' instruction-set variant (runtime.session.forced_variant)
     cmd = [PY[env_name], str(ROOT / "tools" / "request_runner.py"), runner, path, str(prompt), str(batch),
            str(chunk), str(new), str(threads)]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
@@ -211,8 +223,27 @@ def threads_label(engine: str, threads: int) -> str:
     return engine if threads else f"{engine} [default threads]"
 
 
-def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds: int, threads: list[int]) -> list[dict]:
-    """threads: each engine runs once per count in a round; 0 sets none (the engine's default, what a user gets)."""
+def kernels_of(engine: str, variants: list[str]) -> list[str | None]:
+    """The kernel variants an engine runs at: ours once per variant (None: the loader's choice), a peer once at its
+    own."""
+    return list(variants) or [None] if ENGINES[engine][0] == "ours" else [None]
+
+
+def kernels_label(engine: str, variant: str | None) -> str:
+    """What the row's kernels are: ours the variant (the loader's choice named), a peer its own."""
+    if ENGINES[engine][0] != "ours":
+        return "its own"
+    if variant:
+        return variant
+    from aqua_export.runtime.session import native_variant
+
+    return native_variant() or "function bodies"
+
+
+def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds: int, threads: list[int],
+        variants: list[str] = ()) -> list[dict]:
+    """threads: each engine runs once per count in a round; 0 sets none (the engine's default, what a user gets).
+    variants: our engines run once per kernel variant in a round (none given: the loader's choice)."""
     WORK.mkdir(parents=True, exist_ok=True)
     present = []
     for e in engines:
@@ -225,19 +256,21 @@ def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds:
     for tokens, batch, chunk in cases:
         prompt = _prompt(tokens)
         # llama-cpp-python serves one sequence; only genai's API takes a prompt in several calls
-        runs = {(e, t): [] for e in present for t in threads
+        runs = {(e, t, v): [] for e in present for t in threads for v in kernels_of(e, variants)
                 if not (batch > 1 and ENGINES[e][1] == "llamacpp") and not (chunk and ENGINES[e][1] != "genai")}
         for r in range(rounds):  # interleaved: every engine once per round
-            for (e, t), done in runs.items():
-                res = _one(e, paths[e], prompt, batch, chunk, new, t)
-                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {threads_label(e, t)}: "
+            for (e, t, v), done in runs.items():
+                res = _one(e, paths[e], prompt, batch, chunk, new, t, v)
+                print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {threads_label(e, t)} "
+                      f"[{kernels_label(e, v)}]: "
                       + (f"ttft {res['ttft_s']:.2f} s, {res['decode_tokens_per_s']:.1f} tok/s, "
                          f"{res['peak_rss_mb']:.0f} MB" if res else "-"), flush=True)
                 if res:
                     done.append(res)
-        for (e, t), rs in runs.items():
+        for (e, t, v), rs in runs.items():
             if rs:
-                rows.append({"engine": threads_label(e, t), "threads": t or "default", "prompt": tokens,
+                rows.append({"engine": threads_label(e, t), "kernels": kernels_label(e, v), "threads": t or "default",
+                             "prompt": tokens,
                              "batch": batch, "chunk": chunk, "new": new,
                              "ttft_s": min(x["ttft_s"] for x in rs),
                              "decode_tokens_per_s": max(x["decode_tokens_per_s"] for x in rs),
@@ -270,9 +303,10 @@ def profile(folder: str, tokens: int, threads: int) -> str:
 
 def rows_table(rows: list[dict]) -> str:
     new = rows[0]["new"] if rows else 0
-    return "\n".join(table(["prompt", "batch", "appended", "engine", "time to first token (s)", "decode tokens/s",
-                            f"request: prompt + {new} tokens (s)", "peak RSS (MB)", "loaded (MB)"],
+    return "\n".join(table(["prompt", "batch", "appended", "engine", "kernels", "time to first token (s)",
+                            "decode tokens/s", f"request: prompt + {new} tokens (s)", "peak RSS (MB)", "loaded (MB)"],
                            [[r["prompt"], r["batch"], "one call" if not r["chunk"] else r["chunk"], r["engine"],
+                             r.get("kernels", "-"),
                              f"{r['ttft_s']:.2f}", f"{r['decode_tokens_per_s']:.1f}", f"{r['e2e_s']:.1f}",
                              f"{r['peak_rss_mb']:.0f}", f"{r['loaded_rss_mb']:.0f}"] for r in rows]))
 
@@ -297,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                          "default, what a user who sets nothing gets (default: 2 and 0)")
     ap.add_argument("--profile", metavar="FOLDER", help="print ONNX Runtime's per-node profile of one prefill of "
                     "the first case's prompt through FOLDER (this project's folder) instead")
+    ap.add_argument("--variants", nargs="+", default=[], metavar="VARIANT",
+                    help="our engines run once per kernel variant (x86-64-v2 / v3 / v4, AQUA_ORT_ISA; default: the "
+                         "one the loader picks for this CPU); the peers run at their own")
     ap.add_argument("--setup", action="store_true", help="make the peers' environments first (ENVS)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prefill"))
     a = ap.parse_args(argv)
@@ -309,17 +346,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.setup:
         setup()
-    rows = run(a.engines, a.cases, a.new, a.rounds, a.threads)
+    from aqua_export.runtime.session import variants_here
+
+    missing = [v for v in a.variants if v not in variants_here()]
+    if missing:
+        ap.error(f"--variants {' '.join(missing)}: this CPU runs {', '.join(variants_here()) or 'none'}")
+    rows = run(a.engines, a.cases, a.new, a.rounds, a.threads, a.variants)
     command = "python -m tools prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     for r in rows:
-        r["command"] = command
+        r["command"], r["cpu"] = command, cpu_name()
     # the rows of other cases stay (each case is one interleaved run of its own, its command beside it)
-    old = json.loads(Path(a.out + ".json").read_text())["rows"] if Path(a.out + ".json").exists() else []
-    key = ("prompt", "batch", "chunk")
+    old = json.loads(Path(a.out + ".json").read_text()) if Path(a.out + ".json").exists() else {"rows": []}
+    for r in old["rows"]:  # rows from before each row named its CPU: the file's
+        r.setdefault("cpu", old.get("meta", {}).get("cpu", "unknown CPU"))
+    old = old["rows"]
+    key = ("prompt", "batch", "chunk", "command")
     ran = {tuple(r[k] for k in key) for r in rows}
     rows = sorted([r for r in old if tuple(r[k] for k in key) not in ran] + rows,
                   key=lambda r: (r["chunk"] > 0, r["batch"], -r["prompt"]))
-    meta = {"cpu": cpu_name(), "threads": a.threads}
+    meta = {"threads": a.threads}
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     Path(a.out + ".md").write_text(_markdown(meta, rows))
     print(rows_table([r for r in rows if tuple(r[k] for k in key) in ran]))
@@ -330,15 +375,17 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
     threads = ("each engine given the thread count its block's command names (--threads; 2 where it names none), and "
                "with 0 none at all: the engine's own default, what a user who sets nothing gets (rows marked [default "
                "threads])")
-    intro = (f"Written by `python -m tools prefill` on {meta['cpu']}, {threads}; each request in a fresh "
-             "process, each case one interleaved run (every engine once per round, best of its rounds). Time to first "
-             "token: from handing over the prompt's ids to the first generated id; decode tokens/s: the tokens after it "
-             "(times the batch); request: both; peak RSS: the process's high-water mark, loading included; loaded: "
-             "resident once loaded, before the prompt. Engines: see the tool's docstring.")
+    intro = (f"Written by `python -m tools prefill`, {threads}; each request in a fresh process, each case one "
+             "interleaved run (every engine once per round, best of its rounds), on the CPU its block names. Kernels: "
+             "our native kernels' instruction-set variant (x86-64-v2 SSE4.2, v3 AVX2, v4 AVX-512; `--variants` runs "
+             "each), or the peer's own. Time to first token: from handing over the prompt's ids to the first "
+             "generated id; decode tokens/s: the tokens after it (times the batch); request: both; peak RSS: the "
+             "process's high-water mark, loading included; loaded: resident once loaded, before the prompt. Engines: "
+             "see the tool's docstring.")
     out = ["# A long prompt, as users meet it", "", intro, ""]
-    for cmd in dict.fromkeys(r["command"] for r in rows):
-        mine = [r for r in rows if r["command"] == cmd]
-        out += [f"`{cmd}` (rounds: {max(r['rounds'] for r in mine)}):", "", rows_table(mine), ""]
+    for cmd, cpu in dict.fromkeys((r["command"], r["cpu"]) for r in rows):
+        mine = [r for r in rows if r["command"] == cmd and r["cpu"] == cpu]
+        out += [f"`{cmd}` on {cpu} (rounds: {max(r['rounds'] for r in mine)}):", "", rows_table(mine), ""]
     return "\n".join(out)
 
 

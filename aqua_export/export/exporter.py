@@ -19,7 +19,7 @@ from ..capabilities import Features
 from ..config import AquaConfig, ConfigError
 from ..fold import layer_bases
 from ..models import architecture_of, attention_geometry
-from ..options import GRAPH_OPS, STANDARD_NEEDS_FLOAT
+from ..options import GRAPH_OPS
 from ..ops import spec
 from ..ops.catalogue import function_bodies, register_schemas
 from ..projection import Projection
@@ -41,7 +41,7 @@ def check_exportable(model, projection: Projection, config: AquaConfig, weights:
     if ops not in GRAPH_OPS:
         raise ConfigError(f"--ops {ops!r} is unknown: use one of {', '.join(GRAPH_OPS)}")
     if ops == "standard" and weights.quantized:
-        raise ConfigError(STANDARD_NEEDS_FLOAT)
+        raise ConfigError(capabilities.REFUSALS["quantized", "standard"])
     if ops == "standard" and "router" in arch.layer_weights(arch.layers(model)[0]):
         raise ConfigError(STANDARD_NEEDS_DENSE_MLP)
     if weights.bits == 8 and "router" in arch.layer_weights(arch.layers(model)[0]):

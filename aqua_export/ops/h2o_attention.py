@@ -209,13 +209,14 @@ def body(opset: int, projected: bool = False):
     n = H.make_node
     nodes = projection_nodes() * projected + selection_nodes() + [
         ref_constant("cap", "softcap", "value_float"), ref_constant("ratio", "ratio", "value_float"),
-        const("h_ax1", [1]), const("h_one", 1), const("h_eps", 1e-9, D), const("h_slack", 1e-6, D), const("h_zeros6", [0] * 6),
+        const("h_ax1", [1]), const("h_ax1_s", 1),
+        const("h_one", 1), const("h_eps", 1e-9, D), const("h_slack", 1e-6, D), const("h_zeros6", [0] * 6),
         const("h_zeros5", [0] * 5), const("h_zeros7", [0] * 7), const("h_zeros1", [0]),
         const("h_free", FREE), const("h_zero_f", 0.0),
         n("Cast", ["ratio"], ["ratio_d"], to=D),
         n("Cast", ["attention_mask"], ["mask_b"], to=TensorProto.BOOL),
         n("Cast", ["mask_b"], ["real"], to=I64),
-        n("CumSum", ["real", "h_ax1"], ["before"], exclusive=1),
+        n("CumSum", ["real", "h_ax1_s"], ["before"], exclusive=1),  # axis: rank 0, as ONNX says
         n("Shape", ["attention_mask"], ["len_1d"], start=1, end=2),
         n("Shape", ["key_new"], ["t_1d"], start=2, end=3),
         n("Sub", ["len_1d", "t_1d"], ["first"]),

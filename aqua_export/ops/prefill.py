@@ -55,7 +55,8 @@ def nodes() -> list:
         ref_constant("pf_stride", "prefill_stride", "value_int"),
         c("pf_half", 0.5, TensorProto.DOUBLE), c("pf_one", 1), c("pf_zero", 0), c("pf_block", PREFILL_BLOCK),
         c("pf_tail", PREFILL_TAIL),
-        c("pf_one_1d", [1]), c("pf_axis_g", [2]), c("pf_axes_13", [1, 3]), c("pf_last", [-1]), c("pf_axis_1", [1]),
+        c("pf_one_1d", [1]), c("pf_axis_g", [2]), c("pf_axes_13", [1, 3]), c("pf_last", [-1]), c("pf_last_s", -1),
+        c("pf_axis_1", [1]),
         c("pf_slack", 1e-6), c("pf_masked", rules.MASKED, f), c("pf_neg_inf", -math.inf, f),
         c("pf_pos_inf", math.inf, f), c("pf_hidden", rules.HIDDEN, f), c("pf_zero_f", 0.0), c("pf_one_f", 1.0),
         c("pf_block_1d", [PREFILL_BLOCK]),
@@ -134,7 +135,7 @@ def nodes() -> list:
         n("Where", ["pf_forced", "pf_pos_inf", "pf_mass"], ["pf_key"]),
         n("TopK", ["pf_key", "pf_nb_1d"], ["pf_key_top", "pf_order"], axis=-1, largest=1, sorted=1),
         n("GatherElements", ["pf_mass", "pf_order"], ["pf_ranked"], axis=-1),
-        n("CumSum", ["pf_ranked", "pf_last"], ["pf_before"], exclusive=1),
+        n("CumSum", ["pf_ranked", "pf_last_s"], ["pf_before"], exclusive=1),  # axis: rank 0, as ONNX says
         n("Sub", ["pf_threshold", "pf_slack"], ["pf_bar"]), n("Less", ["pf_before", "pf_bar"], ["pf_under"]),
         n("GatherElements", ["pf_forced", "pf_order"], ["pf_forced_ranked"], axis=-1),
         n("Or", ["pf_under", "pf_forced_ranked"], ["pf_take"]), n("Cast", ["pf_take"], ["pf_take_f"], to=f),

@@ -40,45 +40,59 @@ class Setting:
         lo, hi, lo_open, hi_open = self.interval
         return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
-    def check(self, value):
-        """The value as AquaConfig stores it (a float for kind float), or one ConfigError line naming the fix."""
+    def check(self, value, said: str | None = None):
+        """The value as AquaConfig stores it (a float for kind float), or one ConfigError line naming the fix. said:
+        how the user gave it, as the message names it (default ``name=value``, as a config or lm-eval's model_args
+        spell it; the CLI names its flag: add_to)."""
+        said = said or f"{self.name}={value!r}"
         if self.kind is str:
             if value not in self.choices:
-                raise ConfigError(f"{self.name}={value!r} is unknown: use one of {', '.join(self.choices)}")
+                raise ConfigError(f"{said} is unknown: use one of {', '.join(self.choices)}")
             return value
         if self.kind is int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{self.name}={value!r} must be a whole number >= 0")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{said} is not a whole number: use a {self.domain()}")
             if value > MAX_TOKENS:
-                raise ConfigError(f"{self.name}={value} is past any context this tool serves ({MAX_TOKENS} tokens): "
-                                  "give the tokens a decode step reads")
+                raise ConfigError(f"{said} is past any context this tool serves ({MAX_TOKENS} tokens): give the tokens "
+                                  "a decode step reads")
             if not self.whole[0] <= value <= self.whole[1]:
-                raise ConfigError(f"{self.name}={value} is out of range: use a {self.domain()}")
+                raise ConfigError(f"{said} is out of range: use a {self.domain()}")
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{self.name} must be a number, got {value!r}")
+            raise ConfigError(f"{said} is not a number: use a value in {self.domain()}")
         v = float(value)
-        if math.isnan(v) or math.isinf(v):
-            raise ConfigError(f"{self.name} must be a finite number, got {value!r}")
         lo, hi, lo_open, hi_open = self.interval
-        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
-            raise ConfigError(f"{self.name}={value!r} is out of range: use a value in {self.domain()}")
+        if math.isnan(v) or (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            raise ConfigError(f"{said} is out of range: use a value in {self.domain()}")
         return v
 
-    def parse(self, text):
-        """A value given as text (lm-eval's model_args, a query string) -> the setting's type; check() judges it."""
+    def parse(self, text, said: str | None = None):
+        """A value given as text (lm-eval's model_args, a query string, a flag) -> the setting's type; check()
+        judges it."""
         if not isinstance(text, str) or self.kind is str:
             return text
         try:
             return self.kind(text)
         except ValueError:
-            raise ConfigError(f"{self.name}={text!r} must be a {'whole ' if self.kind is int else ''}number") from None
+            said = said or f"{self.name}={text!r}"
+            if self.kind is int:
+                raise ConfigError(f"{said} is not a whole number: use a {self.domain()}") from None
+            raise ConfigError(f"{said} is not a number: use a value in {self.domain()}") from None
+
+    def from_flag(self, text: str):
+        """argparse's type for this setting's flag: the value parsed and checked, or argparse's error naming the flag
+        (argument --prefill-threshold: 2 is out of range: use a value in (0, 1])."""
+        import argparse
+
+        try:
+            return self.check(self.parse(text, said=repr(text) if self.kind is str else text), said=text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     def add_to(self, parser, default=None) -> None:
-        """This setting as a command-line option of an argparse parser."""
-        parser.add_argument(self.flag, type=None if self.kind is str else self.kind,
-                            default=self.default if default is None else default, choices=self.choices or None,
-                            help=f"{self.help} (default %(default)s)")
+        """This setting as a command-line option of an argparse parser (its value checked as it is parsed)."""
+        parser.add_argument(self.flag, type=self.from_flag, default=self.default if default is None else default,
+                            choices=self.choices or None, help=f"{self.help} (default %(default)s)")
 
 
 @dataclass(frozen=True)

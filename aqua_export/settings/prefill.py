@@ -37,9 +37,11 @@ def sparse(cfg) -> bool:
 
 
 def _check(cfg) -> None:
-    if not sparse(cfg) and (cfg.prefill_stride, cfg.prefill_k_ratio) != (STRIDE.default, K_RATIO.default):
-        raise ConfigError("prefill_stride / prefill_k_ratio are sparse prefill's: give --prefill-threshold below 1 "
-                          "too, or drop them")
+    given = [s for s in (STRIDE, K_RATIO) if getattr(cfg, s.name) != s.default]
+    if not sparse(cfg) and given:  # named as given, one or both
+        named = " and ".join(f"{s.flag} {getattr(cfg, s.name):g}" for s in given)
+        raise ConfigError(f"{named} {'is' if len(given) == 1 else 'are'} sparse prefill's: give --prefill-threshold "
+                          f"below 1 too, or drop {'it' if len(given) == 1 else 'them'}")
     if sparse(cfg) and cfg.h2o_ratio < 1.0:
         raise ConfigError("sparse prefill chooses key blocks of a cache that keeps every token, and AQUA-H2O evicts "
                           "tokens from it: use --prefill-threshold or --h2o-ratio, not both")
