@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup plugin demo test quality bench
+.PHONY: setup plugin demo test quality bench haproxy
 
 NATIVE := aqua_export/_native/libaqua_ort.so
 
@@ -51,9 +51,11 @@ PORTABLE := $(if $(filter x86_64,$(shell uname -m)),$(QEMU),)
 # HAProxy (Debian's package and the libraries it links, unpacked under build/): tests/test_replicas.py runs
 # docs/deploy/haproxy.cfg with two replicas behind it
 HAPROXY := build/haproxy/usr/sbin/haproxy
-$(HAPROXY): plugins/fetch_deb.sh
+$(HAPROXY): plugins/fetch_deb.sh | $(BIN)/aqua-export
 	$(BIN)/python -c "from tools.replicas import fetch_haproxy; fetch_haproxy()"
 	touch $@
+
+haproxy: $(HAPROXY)
 
 # Triton 3.6.0 (what torch 2.11 pins; pyproject's floor) in a venv of its own, everything else read from .venv's:
 # tests/test_triton_compile.py compiles the kernels for GPU targets under it as well as under .venv's newest Triton

@@ -223,15 +223,21 @@ def threads_label(engine: str, threads: int) -> str:
     return engine if threads else f"{engine} [default threads]"
 
 
+def _our_folder(engine: str) -> bool:
+    """Whether the engine runs one of this project's folders (genai's builder runs in our environment, not on our
+    kernels)."""
+    return ENGINES[engine][2].startswith("ours:")
+
+
 def kernels_of(engine: str, variants: list[str]) -> list[str | None]:
     """The kernel variants an engine runs at: ours once per variant (None: the loader's choice), a peer once at its
     own."""
-    return list(variants) or [None] if ENGINES[engine][0] == "ours" else [None]
+    return (list(variants) or [None]) if _our_folder(engine) else [None]
 
 
 def kernels_label(engine: str, variant: str | None) -> str:
     """What the row's kernels are: ours the variant (the loader's choice named), a peer its own."""
-    if ENGINES[engine][0] != "ours":
+    if not _our_folder(engine):
         return "its own"
     if variant:
         return variant

@@ -367,6 +367,12 @@ def peers(text: Text, threads: int, quick: bool, skip: bool) -> dict:
     return out
 
 
+def _marked(key: str, variant: str) -> str:
+    """A row's key with our kernel variant named: engine [variant], before the peers scenario's @length."""
+    engine, at, length = key.partition("@")
+    return f"{engine} [{variant}]{at}{length}"
+
+
 def _lead(rows: dict, ours: str, key: str) -> str:
     """ours' figure against the best peer row's (key: a summary field, higher is better)."""
     peers = {k: v for k, v in rows.items() if k.split(" [")[0] in PEERS}  # openvino-cb-f32 is not what users get
@@ -387,7 +393,8 @@ def write(res: dict) -> None:
     (BENCHMARKS / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
     lines = ["# Serving under load: `aqua-export serve` against llama-server and OpenVINO GenAI", "",
              written_by("serve"), "",
-             f"2-core CPU, {res['threads']} threads per engine given explicitly (in the batching scenario the peers "
+             f"{res.get('cpu', 'A 2-core CPU')}, our kernels' variant {' and '.join(res.get('variants') or ['-'])} "
+             f"(rows marked [variant] for the others), {res['threads']} threads per engine given explicitly (in the batching scenario the peers "
              "again with none given: [default threads]), greedy, every request all its tokens; one engine at a "
              "time. Ours and llama-server over HTTP, streamed through the `openai` client; OpenVINO GenAI's "
              "continuous-batching pipeline in process (openvino-cb: no HTTP, its token ids counted; its default "
@@ -444,6 +451,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="load,batching,prefix,peers",
                     help="scenarios to run (comma-separated); the others' figures are kept from benchmarks/serve.json")
+    ap.add_argument("--variants", nargs="+", default=[], metavar="VARIANT",
+                    help="our servers run once per native-kernel variant (x86-64-v2 / v3 / v4, AQUA_ORT_ISA; the "
+                         "first keeps the plain rows, the others' rows are marked [VARIANT]); default: the one the "
+                         "loader picks. The peers run once, at their own")
     a = ap.parse_args(argv)
     only = a.only.split(",")
     if set(only) - set(SCENARIOS):
@@ -463,20 +474,38 @@ def main(argv=None) -> None:
         _make("ours:" + f.name.removeprefix("ours-"))
     if peers_:
         _make("openvino:int4")
+    from aqua_export.meter import cpu_name
+    from aqua_export.runtime.session import forced_variant, native_variant, variants_here
+
+    missing = [v for v in a.variants if v not in variants_here()]
+    if missing:
+        raise SystemExit(f"--variants {' '.join(missing)}: this CPU runs {', '.join(variants_here()) or 'none'}")
     text = Text()
     path = BENCHMARKS / "serve.json"
     res = json.loads(path.read_text()) if path.exists() and len(only) < len(SCENARIOS) else {}
-    res["threads"] = a.threads
-    runs = {"load": lambda: load(text, a.threads, 24 if a.quick else 200, peers_),
-            "batching": lambda: batching(text, a.threads, 4 if a.quick else 16, peers_),
-            "prefix": lambda: prefix(text, a.threads, 2 if a.quick else 4, peers_),
-            "peers": lambda: peers(text, a.threads, a.quick, a.skip_peers)}
-    for i, name in enumerate(SCENARIOS):
-        if name in only:
-            print(name, flush=True)
-            text.at = i * len(text.ids) // len(SCENARIOS)  # each scenario its own part of the text, run alone or not
-            res[name] = runs[name]()
-            print(" ", res[name], flush=True)
+    res["threads"], res["cpu"] = a.threads, cpu_name()
+    for vi, variant in enumerate(a.variants or [None]):
+        with forced_variant(variant):  # our servers and in-process engines inherit it; the peers ignore it
+            res.setdefault("variants", [])
+            if vi == 0:
+                res["variants"] = [native_variant()]
+            else:
+                res["variants"].append(variant)
+            ps = peers_ if vi == 0 else ()
+            runs = {"load": lambda: load(text, a.threads, 24 if a.quick else 200, ps),
+                    "batching": lambda: batching(text, a.threads, 4 if a.quick else 16, ps),
+                    "prefix": lambda: prefix(text, a.threads, 2 if a.quick else 4, ps),
+                    "peers": lambda: peers(text, a.threads, a.quick, a.skip_peers or vi > 0)}
+            for i, name in enumerate(SCENARIOS):
+                if name in only:
+                    print(name, f"[{native_variant()}]", flush=True)
+                    text.at = i * len(text.ids) // len(SCENARIOS)  # each scenario its own part of the text
+                    got = runs[name]()
+                    if vi == 0:
+                        res[name] = got
+                    else:  # the other variants' rows of ours, marked
+                        res[name].update({_marked(k, variant): v for k, v in got.items() if k.startswith("ours")})
+                    print(" ", got, flush=True)
     if not a.quick and all(k in res for k in SCENARIOS):
         write(res)
     print(json.dumps(res))

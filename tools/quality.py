@@ -27,14 +27,14 @@ from aqua_export.config import AquaConfig
 from aqua_export.outputs import atomic_write_bytes
 from tools.harness import table, written_by
 from tools import quality_alloc
-from tools import quality_long, quality_prefill
+from tools import quality_long, quality_prefill, quality_qa
 
 CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
 SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval", "long", "passkey", "k-alloc",
-            "prefill")
+            "prefill", "qa")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
 # AQUA-Memory's allocations compared with uniform at k 0.9 ('measured' also works, after 2 L n forwards that
 # measure its costs: add it here to compare it too)
@@ -274,8 +274,9 @@ def measure(a, sections: set, old: dict, model, tok, proj, proj_path: Path, text
         k_alloc = old.get("k_alloc", {})
     prefill = quality_prefill.measure(model, tok, proj, ROOT / "build" / "quality") if "prefill" in sections \
         else old.get("prefill", {})
+    qa = quality_qa.measure(model, tok, proj, ROOT / "build" / "quality") if "qa" in sections else old.get("qa", {})
     return {"results": results, "union": union, "lm_eval": lm_grid, "kv_split": split, "long": long,
-            "passkey": passkey, "k_alloc": k_alloc, "prefill": prefill}
+            "passkey": passkey, "k_alloc": k_alloc, "prefill": prefill, "qa": qa}
 
 
 def render(data: dict, rep: dict) -> str:
@@ -323,6 +324,7 @@ def render(data: dict, rep: dict) -> str:
         L += lm_eval_lines(data["lm_eval"])
     L += quality_long.lines(data.get("long", {}), data.get("passkey", {}), union)
     L += quality_prefill.lines(data.get("prefill", {}))
+    L += quality_qa.lines(data.get("qa", {}))
     L += quality_alloc.lines(data.get("k_alloc", {}))
     L.append("")
     return "\n".join(L)

@@ -154,6 +154,7 @@ inline f8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline f8 splat8(float x) { return x - f8{}; }  // one broadcast (0 + x would add first: simd::splat)
 inline f8 load8(const Ort::Float16_t* p) { return simd::load8_f16(reinterpret_cast<const uint16_t*>(p)); }
 inline f8 load8(const int8_t* p) { return simd::load8_i8(p); }
 
@@ -352,7 +353,7 @@ void accumulate_stream(const T* __restrict key, int64_t stride, const int32_t* u
     f8 w[4][NR];
     for (int t = 0; t < 4; ++t) {
       k[t] = key + uni[u + t] * stride;
-      for (int rr = 0; rr < NR; ++rr) w[t][rr] = f8{} + wbuf[uni[u + t] * kRows + rr];
+      for (int rr = 0; rr < NR; ++rr) w[t][rr] = splat8(wbuf[uni[u + t] * kRows + rr]);
     }
     for (int64_t i0 = 0; i0 < whole; i0 += kLine) {
       if (i0 % kLineElems == 0) {
@@ -528,7 +529,7 @@ void add_value_vectors(const float* p, int64_t p_pitch, const T* __restrict v, i
       for (int w = 0; w < W; w += kPerLine) __builtin_prefetch(v + (i + kValueAhead) * vs + 8 * w);
     }
     f8 pw[NR];
-    for (int rr = 0; rr < NR; ++rr) pw[rr] = f8{} + p[rr * p_pitch + i];
+    for (int rr = 0; rr < NR; ++rr) pw[rr] = splat8(p[rr * p_pitch + i]);
     for (int w = 0; w < W; ++w) {
       const f8 vv = load8(v + i * vs + 8 * w);
       for (int rr = 0; rr < NR; ++rr) acc[rr][w] += pw[rr] * vv;

@@ -7,6 +7,7 @@ namespace aqua {
 namespace simd {
 
 constexpr const char* kIsa = "AVX2";
+constexpr bool kNativeWidth = true;  // a vf is one of the target's registers
 constexpr int kLanes = 8;
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));

@@ -13,6 +13,7 @@ namespace aqua {
 namespace simd {
 
 constexpr const char* kIsa = "AVX-512";
+constexpr bool kNativeWidth = true;  // a vf is one of the target's registers
 constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));

@@ -16,6 +16,7 @@ namespace aqua {
 namespace simd {
 
 constexpr const char* kIsa = AQUA_PORTABLE_LANES == 4 ? "portable" : "portable (AVX-512's layout)";
+constexpr bool kNativeWidth = AQUA_PORTABLE_LANES == 4;  // a vf is one of the target's registers
 constexpr int kLanes = AQUA_PORTABLE_LANES;
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
@@ -59,9 +60,9 @@ inline float fold_max(const vf* p) {
 }
 
 inline vf load_f16(const uint16_t* p) {
-  vf v;
-  for (int l = 0; l < kLanes; ++l) v[l] = half_to_float(p[l]);
-  return v;
+  vu h;
+  for (int l = 0; l < kLanes; ++l) h[l] = p[l];
+  return halves_to_floats<vf>(h);
 }
 inline vf load_i8(const int8_t* p) {
   vf v;
@@ -70,7 +71,10 @@ inline vf load_i8(const int8_t* p) {
 }
 inline f8 load8_f16(const uint16_t* p) {
   f8 v;
-  for (int l = 0; l < 8; ++l) v[l] = half_to_float(p[l]);
+  for (int l = 0; l < 8; l += kLanes) {
+    const vf part = load_f16(p + l);
+    for (int e = 0; e < kLanes && l + e < 8; ++e) v[l + e] = part[e];
+  }
   return v;
 }
 inline f8 load8_i8(const int8_t* p) {

@@ -28,29 +28,19 @@
 namespace aqua {
 namespace simd {
 
-// A float16's bits -> float32, exactly (subnormals, infinities and NaN kept): the conversion of the widths without
-// F16C, one value at a time.
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: man 2^-24, normalised
-    int e = -1;
-    uint32_t m = man;
-    do {
-      m <<= 1;
-      ++e;
-    } while ((m & 0x400u) == 0);
-    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((m & 0x3FFu) << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
+// float16 bits (in the low half of each uint32 lane of VU) -> float32 lanes (VF), exactly (subnormals, infinities and
+// NaN kept), without a branch: the exponent rebased by 112, infinities and NaN by 112 more, and a zero or subnormal
+// rescaled by a float subtraction (2^-14 (1 + m) - 2^-14 = 2^-14 m, exact). The widths without F16C widen a float16
+// cache with it (sse4.h, portable.h).
+template <typename VF, typename VU>
+inline VF halves_to_floats(VU h) {
+  const VU em = (h & 0x7FFFu) << 13, exp = em & (0x7C00u << 13);
+  VU bits = em + ((127u - 15u) << 23);
+  bits = exp == (0x7C00u << 13) ? bits + ((128u - 16u) << 23) : bits;
+  const VF magic = reinterpret_cast<VF>(VU{} + (113u << 23));
+  const VF small = reinterpret_cast<VF>(bits + (1u << 23)) - magic;
+  bits = exp == 0u ? reinterpret_cast<VU>(small) : bits;
+  return reinterpret_cast<VF>(bits | ((h & 0x8000u) << 16));
 }
 
 }  // namespace simd
@@ -147,8 +137,13 @@ __attribute__((noinline)) inline float multiply_adds(int64_t rounds, float seed)
   for (int64_t n = 0; n < rounds; ++n) {
     x0 = x0 * b + c, x1 = x1 * b + c, x2 = x2 * b + c, x3 = x3 * b + c, x4 = x4 * b + c, x5 = x5 * b + c;
     x6 = x6 * b + c, x7 = x7 * b + c, x8 = x8 * b + c, x9 = x9 * b + c, x10 = x10 * b + c, x11 = x11 * b + c;
-    __asm__ volatile("" : "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3), "+x"(x4), "+x"(x5), "+x"(x6), "+x"(x7), "+x"(x8),
-                     "+x"(x9), "+x"(x10), "+x"(x11));
+    if constexpr (kNativeWidth) {
+      __asm__ volatile("" : "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3), "+x"(x4), "+x"(x5), "+x"(x6), "+x"(x7), "+x"(x8),
+                       "+x"(x9), "+x"(x10), "+x"(x11));
+    } else {  // emulate.sh's 16 lanes on a narrower target: no register holds one
+      __asm__ volatile("" : "+m"(x0), "+m"(x1), "+m"(x2), "+m"(x3), "+m"(x4), "+m"(x5), "+m"(x6), "+m"(x7), "+m"(x8),
+                       "+m"(x9), "+m"(x10), "+m"(x11));
+    }
   }
   const vf sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) + ((x8 + x9) + (x10 + x11));
   return sum[0];

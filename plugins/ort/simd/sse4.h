@@ -8,6 +8,7 @@ namespace aqua {
 namespace simd {
 
 constexpr const char* kIsa = "SSE4.2";
+constexpr bool kNativeWidth = true;  // a vf is one of the target's registers
 constexpr int kLanes = 4;
 typedef float vf __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(16)));
@@ -46,21 +47,32 @@ inline float fold_max(const vf* p) {
   return std::max(std::max(c[0], c[2]), std::max(c[1], c[3]));
 }
 
-inline vf load_f16(const uint16_t* p) { return vf{half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]),
-                                                 half_to_float(p[3])}; }
+// Two vectors as the decode kernels' f8, through memory: GCC assembled a shuffle of them into a 32-byte vector lane by
+// lane (an extract and a store each), where two stores and the f8's two loads are what its own lowering does anyway.
+inline f8 join8(vf lo, vf hi) {
+  alignas(32) float x[8];
+  std::memcpy(x, &lo, sizeof lo);
+  std::memcpy(x + 4, &hi, sizeof hi);
+  f8 v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline vf load_f16(const uint16_t* p) {  // 4 halves in one load, widened to 32-bit lanes, converted in registers
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return halves_to_floats<vf>(reinterpret_cast<vu>(_mm_unpacklo_epi16(h, _mm_setzero_si128())));
+}
 inline vf load_i8(const int8_t* p) {
   int32_t w;
   std::memcpy(&w, p, sizeof w);
   return reinterpret_cast<vf>(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(w))));
 }
 inline f8 load8_f16(const uint16_t* p) {
-  const vf lo = load_f16(p), hi = load_f16(p + 4);
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), z = _mm_setzero_si128();
+  const vf lo = halves_to_floats<vf>(reinterpret_cast<vu>(_mm_unpacklo_epi16(h, z)));
+  const vf hi = halves_to_floats<vf>(reinterpret_cast<vu>(_mm_unpackhi_epi16(h, z)));
+  return join8(lo, hi);
 }
-inline f8 load8_i8(const int8_t* p) {
-  const vf lo = load_i8(p), hi = load_i8(p + 4);
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
-}
+inline f8 load8_i8(const int8_t* p) { return join8(load_i8(p), load_i8(p + 4)); }
 
 // int8 products (matmul_q4a8.cc): acc's int32 lanes += the sums of 4 adjacent products u * s, u unsigned bytes up
 // to 15, s signed. pmaddubsw sums pairs into int16 (2 x 15 x 127 = 3,810: no saturation), and those stay in int16
