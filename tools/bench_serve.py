@@ -93,8 +93,9 @@ class Text:
     def __init__(self):
         from aqua_export.corpus import read_texts
         from aqua_export.runtime.text import load_tokenizer
+        from tools.bench_prefill import _source
 
-        self.tok = load_tokenizer(FOLDERS["ours-int4"])
+        self.tok = load_tokenizer(_source())  # the embedded model's, as every folder of it carries
         self.ids = self.tok(read_texts(["builtin:licenses"]))["input_ids"]
         self.at = 0
 

@@ -142,7 +142,7 @@ def _step_graph():
         n("CastLike", ["w", "q_t"], ["w_t"]),
         n("Unsqueeze", ["V_out", "ax2"], ["V_g"]),
         n("MatMul", ["w_t", "V_g"], ["o5"]),
-        n("Squeeze", ["o5", "ax3"], ["o"]),  # [B,H,g,r]
+        n("Transpose", ["o5"], ["o"], perm=[3, 0, 1, 2, 4]),  # [1,B,H,g,r]: see the Loop's Reshape
         # heavy hitters and eviction
         n("ReduceSum", ["w", "ax23"], ["w_sum"], keepdims=0),
         n("Add", ["heavy_w", "w_sum"], ["heavy_add"]),
@@ -203,7 +203,7 @@ def body(opset: int, projected: bool = False):
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection (k, rule)--> q_sel
         past_* --widen to C' slots (keys as their dim-major [B,H,r,C] view)--> Loop over the T new tokens
-        (_step_graph) --> out [T,B,H,g,r] --Transpose--> [B,H,g,T,r]; present_* (keys back to [B,H,C',r])
+        (_step_graph) --> a [1,B,H,g,r] per token --Reshape--> [T,B,H,g,r] --Transpose--> [B,H,g,T,r]; present_* (keys back to [B,H,C',r])
     """
     I64, D = TensorProto.INT64, TensorProto.DOUBLE
     n = H.make_node
@@ -244,10 +244,18 @@ def body(opset: int, projected: bool = False):
         n("Pad", ["past_heavy", "pads_s", "h_zero_f"], ["heavy0"]),
         n("Pad", ["past_token", "pads_s", "h_free"], ["token0"]),
         n("Identity", ["q_selected"], ["q_sel"]),
-        n("Loop", ["t_s", ""] + ["K0", "V0", "heavy0", "token0"] + list(FIXED),
+        const("h_go", True, TensorProto.BOOL),  # an explicit condition: ONNX's reference Loop runs none without one
+        n("Loop", ["t_s", "h_go"] + ["K0", "V0", "heavy0", "token0"] + list(FIXED),
           ["K_f", "present_value", "present_heavy", "present_token"] + [f"{f}_f" for f in FIXED] + ["o_seq"],
           body=_step_graph()),
-        n("Transpose", ["o_seq"], ["out"], perm=[1, 2, 3, 0, 4]),
+        # ONNX's Loop spec reads as stacking the steps' [1,B,H,g,r] (ONNX Runtime: [T,1,B,H,g,r]) or concatenating
+        # them (onnx.reference: [T,B,H,g,r]); one Reshape makes both [T,B,H,g,r]
+        const("h_minus1", [-1]),
+        n("Shape", ["q_sel"], ["bhg"], start=0, end=3),
+        n("Shape", ["past_value"], ["h_rv"], start=3, end=4),
+        n("Concat", ["h_minus1", "bhg", "h_rv"], ["o_shape"], axis=0),
+        n("Reshape", ["o_seq", "o_shape"], ["o_tbhgr"]),
+        n("Transpose", ["o_tbhgr"], ["out"], perm=[1, 2, 3, 0, 4]),
         n("Concat", ["bh", "cap_1d", "h_r"], ["key_shape"], axis=0),
         n("Reshape", ["K_f", "key_shape"], ["present_key"], allowzero=1),
     ]
