@@ -82,6 +82,32 @@ def test_the_package_has_no_import_circle():
             visit(m, [m])
 
 
+
+def test_the_tools_import_no_tool_in_a_circle():
+    """tools/: every import of one tool by another, lazy ones included (a tool's helpers a second tool needs live in
+    a module both import, tools/folders.py or harness.py, instead of one tool importing the other back)."""
+    graph = {p.stem: set() for p in (ROOT / "tools").glob("*.py")}
+    for p in (ROOT / "tools").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tools."):
+                graph[p.stem].add(node.module.split(".")[1])
+            elif isinstance(node, ast.ImportFrom) and node.module == "tools":
+                graph[p.stem] |= {a.name for a in node.names}
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            assert state.get(d) != 1, " -> ".join(path[path.index(d):] + [d])
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
 # the lower floors and what of the package each may import (anywhere in the file, lazy imports included): nothing
 # above it. settings/ reads ops.spec's names. Above them, what runtime/ and serving/ may not import at module level
 # (a lazy import is a stage boundary: evaluation's all-logits graph rewrite): the export stage (torch) and above

@@ -19,7 +19,7 @@ Engines (each request in a fresh process of its own environment: tools/request_r
 Prompt: English prose (builtin:python-reference), the first T tokens of the model's tokenizer; NEW greedy tokens
 (the "8k request": 7,936 + 256 = 8,192 tokens, the embedded model's whole context).
 
-Environments: .venv (ours, genai's builder); the peers' own, made by --setup under build/venvs from PyPI (ENVS): an
+Environments: .venv (ours, genai's builder); the peers' own, made by --setup under build/venvs from PyPI (tools/folders.py's ENVS): an
 engine whose environment is missing is left out with one line. Rerun: `.venv/bin/python -m tools prefill --setup`
 (--help for the cases).
 """
@@ -33,35 +33,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.folders import PY, ROOT, WORK, make, prompt, setup, threads_label
 from tools.harness import table
 
-ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "build" / "prefill"
-VENVS = ROOT / "build" / "venvs"
-PY = {"ours": sys.executable, "openvino": str(VENVS / "openvino" / "bin" / "python"),
-      "llamacpp": str(VENVS / "llamacpp" / "bin" / "python")}
-# the peers' environments: torch pinned to the local CPU wheel (optimum-intel's converter would pull CUDA's), and
-# torchvision removed (its 0.28 wheel does not load with torch 2.13, and transformers then fails to import)
-ENVS = {"openvino": (["openvino-genai", "optimum-intel[openvino]", "torch==2.13.0"], ["torchvision"]),
-        "llamacpp": (["llama-cpp-python[server]", "numpy"], [])}  # [server]: tools/bench_serve.py's peer
-OURS = {"dense": [], "int4": ["--weights", "int4"],
-        "tokens-int4-f16": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
-                            "--weights", "int4", "--cache-dtype", "float16"],
-        "tokens": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512"],
-        "tokens-int4-i8": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
-                           "--weights", "int4", "--cache-dtype", "int8"],  # tools/bench_serve.py's
-        # sparse prefill (settings/prefill.py) at its studied point: 0.98 of the estimated mass
-        "tokens-int4-f16-sparse": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
-                                   "--weights", "int4", "--cache-dtype", "float16", "--prefill-threshold", "0.98"],
-        "int4-sparse": ["--weights", "int4", "--prefill-threshold", "0.98"]}
-# the prompt's attention products in bfloat16 (settings/precision.py), as OpenVINO computes its own on this CPU
-for _name in ("tokens-int4-f16", "tokens-int4-f16-sparse"):
-    OURS[f"{_name}-bf16"] = [*OURS[_name], "--prompt-precision", "bfloat16"]
-# the long cases (16k / 32k, only speed read): the embedded model with its RoPE positions scaled 4x (linear), a
-# 32,768-token context; the trained weights keep a trained model's attention pattern, which random weights lack
-LONG_SOURCE = WORK / "smollm2-rope4"
-for _name in ("tokens-int4-f16", "tokens-int4-f16-sparse", "tokens-int4-f16-sparse-bf16"):
-    OURS[f"long-{_name}"] = ["--model", str(LONG_SOURCE), *OURS[_name]]
 # engine name -> (environment, runner engine, folder maker)
 ENGINES = {
     "genai:ours-dense": ("ours", "genai", "ours:dense"), "genai:ours-int4": ("ours", "genai", "ours:int4"),
@@ -89,120 +63,6 @@ DEFAULT = ["genai:ours-dense", "genai:ours-int4", "genai:ours-tokens-int4-f16", 
            "genai:builder-fp32", "genai:builder-int4", "openvino-int4", "openvino-f32", "llamacpp-q4_1"]
 
 
-def setup() -> None:
-    """The peers' virtual environments, each from PyPI (llama-cpp-python compiles llama.cpp for this CPU)."""
-    for name, (packages, drop) in ENVS.items():
-        if Path(PY[name]).exists():
-            continue
-        print(f"  setting up build/venvs/{name}", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENVS / name)], check=True)
-        pip = [str(VENVS / name / "bin" / "pip"), "-q"]
-        subprocess.run([*pip, "install", *packages], check=True)
-        if drop:
-            subprocess.run([*pip, "uninstall", "-y", *drop], check=True)
-
-
-def _source() -> Path:
-    from aqua_export import models
-
-    return models.resolve("llama")[0]  # the float32 HF folder of the embedded checkpoint
-
-
-def _make(spec: str) -> str:
-    """The engine's model path, converted or built once under build/prefill."""
-    kind, _, what = spec.partition(":")
-    what, _, suffix = what.partition("@")
-    out = WORK / f"{kind}-{what}"
-    if kind == "gguf":
-        from aqua_export import models
-
-        return str(models.embedded_gguf()) + (f"@{suffix}" if suffix else "")
-    if out.exists() and kind == "ours":
-        _current_kernels(out)
-    if not out.exists():
-        tmp = WORK / f"{out.name}.tmp"
-        if kind == "ours" and str(LONG_SOURCE) in OURS[what]:
-            _long_source()
-        if kind == "ours":
-            cmd = [str(ROOT / ".venv" / "bin" / "aqua-export"), "--model", "llama", *OURS[what], "--out", str(out),
-                   "--force"]
-            tmp = out
-        elif kind == "builder":
-            cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(_source()), "-o", str(tmp),
-                   "-p", what, "-e", "cpu", "-c", str(WORK / "builder-cache")]
-        else:
-            weights = ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"] if what == "int4" else \
-                ["--weight-format", what]
-            cmd = [str(VENVS / "openvino" / "bin" / "optimum-cli"), "export", "openvino", "--model", str(_source()),
-                   "--task", "text-generation-with-past", *weights, str(tmp)]
-        print("  making", out.name, flush=True)
-        WORK.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no build/prefill yet
-        with open(WORK / f"{out.name}.log", "w") as log:
-            subprocess.run(cmd, check=True, stdout=log, stderr=log)
-        if tmp != out:
-            tmp.replace(out)
-    return str(out) + (f"@{suffix}" if suffix else "")
-
-
-def _current_kernels(folder: Path) -> None:
-    """A folder made by an earlier run carries the kernels of its build: the package's current ones are copied in and
-    the folder's manifest (aqua_config.json's files and checksum) updated, what a folder built now would hold, so a
-    benchmark never times stale kernels."""
-    import filecmp
-    import shutil
-
-    from aqua_export.runtime.folder import CHECKSUM, CONFIG_FILE, checksum_of, file_sha256
-    from aqua_export.runtime.genai import native_files
-    from aqua_export.runtime.session import native_library
-
-    lib = native_library()
-    if lib is None:
-        return
-    stale = [f for f in native_files(lib) if not (folder / f.name).exists() or not filecmp.cmp(f, folder / f.name,
-                                                                                                shallow=False)]
-    if not stale:
-        return
-    config = json.loads((folder / CONFIG_FILE).read_text())
-    for f in stale:
-        shutil.copy2(f, folder / f.name)
-        config["files"][f.name] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-    config[CHECKSUM] = checksum_of({k: v for k, v in config.items() if k != CHECKSUM})
-    tmp = folder / f"{CONFIG_FILE}.tmp"
-    tmp.write_text(json.dumps(config, indent=1) + "\n")
-    tmp.replace(folder / CONFIG_FILE)
-    print(f"  {folder.name}: the package's current kernels copied in ({len(stale)} files)", flush=True)
-
-
-def _long_source() -> None:
-    """LONG_SOURCE: the embedded checkpoint's folder with rope_scaling linear x4 and a 32,768-token context."""
-    import shutil
-
-    if LONG_SOURCE.exists():
-        return
-    tmp = WORK / f"{LONG_SOURCE.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(_source(), tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config.update(max_position_embeddings=4 * config["max_position_embeddings"],
-                  rope_parameters={**config["rope_parameters"], "rope_type": "linear", "factor": 4.0})
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    tmp.replace(LONG_SOURCE)
-
-
-def _prompt(tokens: int) -> Path:
-    import numpy as np
-
-    path = WORK / f"prompt-{tokens}.npy"
-    if not path.exists():
-        from aqua_export.corpus import read_texts, tokenize
-        from aqua_export.runtime.text import load_tokenizer
-
-        ids = tokenize(load_tokenizer(_source()), read_texts(["builtin:python-reference"]), tokens)
-        WORK.mkdir(parents=True, exist_ok=True)
-        np.save(path, ids.numpy())
-    return path
-
-
 def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int, threads: int,
          variant: str | None = None) -> dict | None:
     env_name, runner, _ = ENGINES[engine]
@@ -216,11 +76,6 @@ def _one(engine: str, path: str, prompt: Path, batch: int, chunk: int, new: int,
         print(f"  {engine}: failed ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})")
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def threads_label(engine: str, threads: int) -> str:
-    """A table row's engine name: marked when no thread count was given (0: the engine's own default)."""
-    return engine if threads else f"{engine} [default threads]"
 
 
 def _our_folder(engine: str) -> bool:
@@ -257,16 +112,16 @@ def run(engines: list[str], cases: list[tuple[int, int, int]], new: int, rounds:
             print(f"  {e}: left out, its environment {Path(PY[ENGINES[e][0]]).parent.parent} is missing")
             continue
         present.append(e)
-    paths = {e: _make(ENGINES[e][2]) for e in present}
+    paths = {e: make(ENGINES[e][2]) for e in present}
     rows = []
     for tokens, batch, chunk in cases:
-        prompt = _prompt(tokens)
+        ids = prompt(tokens)
         # llama-cpp-python serves one sequence; only genai's API takes a prompt in several calls
         runs = {(e, t, v): [] for e in present for t in threads for v in kernels_of(e, variants)
                 if not (batch > 1 and ENGINES[e][1] == "llamacpp") and not (chunk and ENGINES[e][1] != "genai")}
         for r in range(rounds):  # interleaved: every engine once per round
             for (e, t, v), done in runs.items():
-                res = _one(e, paths[e], prompt, batch, chunk, new, t, v)
+                res = _one(e, paths[e], ids, batch, chunk, new, t, v)
                 print(f"  {tokens} x{batch} chunk {chunk or 'one call'} round {r + 1} {threads_label(e, t)} "
                       f"[{kernels_label(e, v)}]: "
                       + (f"ttft {res['ttft_s']:.2f} s, {res['decode_tokens_per_s']:.1f} tok/s, "
@@ -297,7 +152,7 @@ def profile(folder: str, tokens: int, threads: int) -> str:
     from aqua_export.bench import op_times
     from aqua_export.runtime.lm import OrtLM
 
-    ids = np.load(_prompt(tokens))[None]
+    ids = np.load(prompt(tokens))[None]
     with tempfile.TemporaryDirectory() as tmp:
         lm = OrtLM.from_folder(folder, threads, kernel="native", serving=(1, tokens), profile=str(Path(tmp) / "ort"))
         lm.step(ids, np.ones_like(ids), lm.empty_past(1))
@@ -340,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=[], metavar="VARIANT",
                     help="our engines run once per kernel variant (x86-64-v2 / v3 / v4, AQUA_ORT_ISA; default: the "
                          "one the loader picks for this CPU); the peers run at their own")
-    ap.add_argument("--setup", action="store_true", help="make the peers' environments first (ENVS)")
+    ap.add_argument("--setup", action="store_true", help="make the peers' environments first (tools/folders.py's ENVS)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prefill"))
     a = ap.parse_args(argv)
     if a.new < 2 or a.rounds < 1 or min(a.threads) < 0:

@@ -47,15 +47,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tools.bench_prefill import threads_label
-from tools.replicas import free_port
+from tools.folders import FOLDERS, Text, free_port, make, threads_label
 from tools.harness import BENCHMARKS, table, written_by
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "serve-bench"
-FOLDERS = {"ours-tokens-int4": ROOT / "build" / "prefill" / "ours-tokens-int4-f16",
-           "ours-tokens-int4-i8": ROOT / "build" / "prefill" / "ours-tokens-int4-i8",
-           "ours-int4": ROOT / "build" / "prefill" / "ours-int4"}
 LLAMACPP = ROOT / "build" / "venvs" / "llamacpp" / "bin" / "python"
 LLAMA_SERVER_DIR = ROOT / "build" / "llama-server"
 LLAMA_SERVER = LLAMA_SERVER_DIR / "cmake" / "bin" / "llama-server"
@@ -85,29 +81,6 @@ def setup_llama_server() -> None:
                     "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON"], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count()), "--target", "llama-server"],
                    check=True, stdout=subprocess.DEVNULL)
-
-
-class Text:
-    """Prose slices of given token counts, none sharing a prefix with another (successive offsets)."""
-
-    def __init__(self):
-        from aqua_export.corpus import read_texts
-        from aqua_export.runtime.text import load_tokenizer
-        from tools.bench_prefill import _source
-
-        self.tok = load_tokenizer(_source())  # the embedded model's, as every folder of it carries
-        self.ids = self.tok(read_texts(["builtin:licenses"]))["input_ids"]
-        self.at = 0
-
-    def take(self, n: int) -> str:
-        if self.at + n > len(self.ids):
-            self.at = 0
-        piece = self.ids[self.at:self.at + n]
-        self.at += n + 7
-        return self.tok.decode(piece)
-
-    def count(self, text: str) -> int:
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
 class Server:
@@ -469,12 +442,11 @@ def main(argv=None) -> None:
     if missing:
         raise SystemExit("; ".join(missing))
     peers_ = () if a.skip_peers else PEERS
-    from tools.bench_prefill import _make
 
     for f in FOLDERS.values():  # built once under build/prefill (calibration included: minutes each)
-        _make("ours:" + f.name.removeprefix("ours-"))
+        make("ours:" + f.name.removeprefix("ours-"))
     if peers_:
-        _make("openvino:int4")
+        make("openvino:int4")
     from aqua_export.meter import cpu_name
     from aqua_export.runtime.session import forced_variant, native_variant, variants_here
 

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench_prefill import OURS, _make, _prompt
+from tools.folders import OURS, make
+from tools.folders import prompt as prompt_ids
 from tools.harness import command, table, written_by
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def measure(folders: dict, prompt: int, batch: int, steps: int, threads: int) ->
 
     from aqua_export.runtime.lm import OrtLM
 
-    ids = np.repeat(np.load(_prompt(prompt))[None, :prompt], batch, 0)
+    ids = np.repeat(np.load(prompt_ids(prompt))[None, :prompt], batch, 0)
     state = {}
     for name, path in folders.items():
         lm = OrtLM.from_folder(path, threads, serving=(batch, prompt + steps + 5), spin=False)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                  "embedded model's context)")
     from aqua_export.meter import cpu_name
 
-    folders = {name: _make(f"ours:{name}") for name in a.folders}
+    folders = {name: make(f"ours:{name}") for name in a.folders}
     rows = [r for b in a.batches for r in measure(folders, a.prompt, b, a.steps, a.threads)]
     res = {"command": command("steps") + (" " + " ".join(argv) if argv else ""), "cpu": cpu_name(),
            "threads": a.threads, "prompt": a.prompt, "rows": rows}

@@ -1,5 +1,5 @@
 """OpenVINO GenAI's continuous-batching pipeline under a load, in process (no HTTP: OpenVINO's own OpenAI server,
-OVMS, does not install from PyPI). Runs in OpenVINO's virtual environment (tools/bench_prefill.py's ENVS): only the
+OVMS, does not install from PyPI). Runs in OpenVINO's virtual environment (tools/folders.py's ENVS): only the
 standard library, numpy and openvino_genai. tools/bench_serve.py calls it.
 
     python cb_runner.py FOLDER LOAD.json  -> one JSON line on stdout: {"requests": [...], "load_s", "peak_rss_mb"}

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
+
+from tools.folders import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deploy" / "haproxy.cfg"
@@ -41,12 +42,6 @@ def fetch_haproxy() -> Path:
     subprocess.run(["bash", str(ROOT / "plugins" / "fetch_deb.sh"), HAPROXY_DEBS, str(HAPROXY_DIR), "bookworm"],
                    check=True)
     return HAPROXY
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 2) -> str:
@@ -314,14 +309,13 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import random
 
-    from tools.bench_prefill import _make
-    from tools.bench_serve import FOLDERS, Text
+    from tools.folders import FOLDERS, Text, make
 
     if a.requests < 8 or a.at_once < 1:
         raise SystemExit("--requests takes 8 or more, --at-once 1 or more")
     fetch_haproxy()
     folder = FOLDERS["ours-tokens-int4"]
-    _make("ours:" + folder.name.removeprefix("ours-"))
+    make("ours:" + folder.name.removeprefix("ours-"))
     text, rnd = Text(), random.Random(1)
     prompts = [text.take(rnd.randint(50, 400)) for _ in range(a.requests)]
     args = ["--threads", str(a.threads), "--context", "2048", "--max-seqs", "16", "--queue", "256"]

@@ -1,6 +1,6 @@
 """One request as a user makes it, in a fresh process of whichever environment the engine lives in: a prompt of
 token ids, prefilled through the engine's own API, then greedy tokens after it. Needs only the standard library,
-numpy and the engine's package, so the peers run from their own virtual environments (tools/bench_prefill.py).
+numpy and the engine's package, so the peers run from their own virtual environments (tools/folders.py).
 
     python request_runner.py ENGINE PATH PROMPT.npy BATCH CHUNK NEW THREADS  -> one JSON line on stdout:
     {"ttft_s", "decode_tokens_per_s", "e2e_s", "load_s", "peak_rss_mb", "loaded_rss_mb", "first_tokens"}
