@@ -29,7 +29,7 @@ class Features:
     h2o: bool = False  # AQUA-H2O: H2OAttention evicts between tokens
     tokens: bool = False  # token selection: a mode of the fused AquaAttention node
     prefill: bool = False  # sparse prefill: a mode of the fused AquaAttention node's prompt
-    bf16_prompt: bool = False  # the prompt's attention products in bfloat16: the same node's (settings/precision.py)
+    prompt_bf16: bool = False  # the prompt's attention products in bfloat16: the same node's (settings/precision.py)
     shared_k: bool = False  # a layer's heads share its k per token (head_prices)
     uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
     narrow_cache: bool = False  # the cache in float16 or int8 under a float32 graph
@@ -42,7 +42,7 @@ class Features:
         """What a build's AQUA settings (config.AquaConfig) ask, before any work; the build options' fields are
         theirs to add (options.BuildOptions.features)."""
         return cls(h2o=config.evicts, tokens=config.selects_tokens, prefill=config.sparse_prefill,
-                   bf16_prompt=config.prompt_bf16, shared_k=config.shares_k,
+                   prompt_bf16=config.prompt_bf16, shared_k=config.shares_k,
                    uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform")
 
     @classmethod
@@ -55,7 +55,7 @@ class Features:
     def of_folder(cls, cfg) -> Features:
         """From a built folder's FolderConfig: its contract's, and the modes and weights the graph runs."""
         return replace(cls.of_contract(cfg.contract), tokens=cfg.aqua.selects_tokens, prefill=cfg.aqua.sparse_prefill,
-                       bf16_prompt=cfg.aqua.prompt_bf16, quantized=cfg.weights.quantized)
+                       prompt_bf16=cfg.aqua.prompt_bf16, quantized=cfg.weights.quantized)
 
 
 REFUSALS = {
@@ -68,7 +68,7 @@ REFUSALS = {
                             "use --runtime aqua",
     ("prefill", "tensorrt"): "sparse prefill (--prefill-threshold) is a mode of the fused AquaAttention node, which has "
                              "no TensorRT plugin: use --runtime aqua or genai",
-    ("bf16_prompt", "tensorrt"): "--prompt-precision bfloat16 is a mode of the fused AquaAttention node's prompt, "
+    ("prompt_bf16", "tensorrt"): "--prompt-precision bfloat16 is a mode of the fused AquaAttention node's prompt, "
                                  "which has no TensorRT plugin (TensorRT picks its own precisions): drop it there",
     ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "
                               "the fused AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: use "
@@ -89,9 +89,9 @@ REFUSALS = {
 }
 # pairs that run, but not as the setting says everywhere: the table's cell instead of "yes"
 NOTES = {
-    ("bf16_prompt", "function"): "yes, in float32 (the function body ignores prompt_bf16)",
-    ("bf16_prompt", "standard"): "yes, in float32 (the function body ignores prompt_bf16)",
-    ("bf16_prompt", "native"): "yes, in bfloat16 where the CPU has AVX512_BF16, else float32",
+    ("prompt_bf16", "function"): "yes, in float32 (the function body ignores prompt_bf16)",
+    ("prompt_bf16", "standard"): "yes, in float32 (the function body ignores prompt_bf16)",
+    ("prompt_bf16", "native"): "yes, in bfloat16 where the CPU has AVX512_BF16, else float32",
 }
 assert all(f in {x.name for x in fields(Features)} and b in BACKENDS for f, b in (*REFUSALS, *NOTES)), \
     "a row or column is unknown"

@@ -22,7 +22,7 @@ from aqua_export.runtime.session import native_library, native_variant
 ASKS = {"h2o": (dict(k_ratio=0.5, h2o_ratio=0.5), {}),
         "tokens": (dict(k_ratio=0.5, token_budget=32), {}),
         "prefill": (dict(k_ratio=0.5, prefill_threshold=0.9), {}),
-        "bf16_prompt": (dict(k_ratio=0.5, prompt_precision="bfloat16"), {}),
+        "prompt_bf16": (dict(k_ratio=0.5, prompt_precision="bfloat16"), {}),
         "shared_k": (dict(k_ratio=0.5, k_alloc="energy"), {}),
         "uneven_widths": (dict(slice_ratio=0.5, slice_alloc="energy"), {}),
         "narrow_cache": (dict(k_ratio=0.5), dict(cache_dtype="float16")),

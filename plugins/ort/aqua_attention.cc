@@ -113,7 +113,7 @@ struct AttentionKernel {
     prefill_ratio_ = float_attribute(ki, "prefill_k_ratio", 1.0f);
     const int64_t bf16 = int_attribute(ki, "prompt_bf16", 0);
     if (bf16 != 0 && bf16 != 1) ORT_CXX_API_THROW("AquaAttention: prompt_bf16 must be 0 or 1", ORT_INVALID_ARGUMENT);
-    bf16_ = bf16 == 1 && prompt_bf16_runs();
+    prompt_bf16_ = bf16 == 1 && prompt_bf16_runs();
     try {  // optional: a pooled node (ops/rules.py), the heads sharing the layer's k
       prices_ = ki.GetAttributes<float>("head_prices");
     } catch (const Ort::Exception&) {
@@ -215,7 +215,7 @@ struct AttentionKernel {
       prefill.k = std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(prefill_ratio_) * r + 0.5)),
                                       1, r);
       attend_prompt<T, C>(ctx, at_k, k_in.GetTensorData<C>(), v_in.GetTensorData<C>(), mask,
-                          out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_, prefill, bf16_);
+                          out.GetTensorMutableData<T>(), qs[0], rv, ks[3], vs[2], softcap_, prefill, prompt_bf16_);
       return;
     }
     const int64_t tiles = (rows + kRows - 1) / kRows;
@@ -238,7 +238,7 @@ struct AttentionKernel {
   TokenRule tokens_;
   PrefillRule prefill_;
   float prefill_ratio_;
-  bool bf16_;  // a prompt's products in bfloat16 (attend_prompt)
+  bool prompt_bf16_;  // a prompt's products in bfloat16 (attend_prompt)
   std::vector<float> prices_;  // empty: each row keeps its own k
   std::vector<float> unweight_;  // [Hkv][r] 1 / key_weights: a row's selected q^ times these scores k^ / w; empty: 1
 };
