@@ -66,6 +66,11 @@ def test_the_package_has_no_import_circle():
     graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
     # a package's __init__ may gather its own modules: an edge into a package from inside it is not a circle
     graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    _assert_no_circle(graph)
+
+
+def _assert_no_circle(graph: dict[str, set[str]]) -> None:
+    """A depth-first walk of module -> the modules it imports; a circle fails, named module by module."""
     state: dict[str, int] = {}
 
     def visit(m, path):
@@ -82,7 +87,6 @@ def test_the_package_has_no_import_circle():
             visit(m, [m])
 
 
-
 def test_the_tools_import_no_tool_in_a_circle():
     """tools/: every import of one tool by another, lazy ones included (a tool's helpers a second tool needs live in
     a module both import, tools/folders.py or harness.py, instead of one tool importing the other back)."""
@@ -93,20 +97,7 @@ def test_the_tools_import_no_tool_in_a_circle():
                 graph[p.stem].add(node.module.split(".")[1])
             elif isinstance(node, ast.ImportFrom) and node.module == "tools":
                 graph[p.stem] |= {a.name for a in node.names}
-    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
-    state: dict[str, int] = {}
-
-    def visit(m, path):
-        state[m] = 1
-        for d in sorted(graph[m]):
-            assert state.get(d) != 1, " -> ".join(path[path.index(d):] + [d])
-            if d not in state:
-                visit(d, path + [d])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
+    _assert_no_circle({m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()})
 
 # the lower floors and what of the package each may import (anywhere in the file, lazy imports included): nothing
 # above it. settings/ reads ops.spec's names. Above them, what runtime/ and serving/ may not import at module level

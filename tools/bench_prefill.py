@@ -19,8 +19,8 @@ Engines (each request in a fresh process of its own environment: tools/request_r
 Prompt: English prose (builtin:python-reference), the first T tokens of the model's tokenizer; NEW greedy tokens
 (the "8k request": 7,936 + 256 = 8,192 tokens, the embedded model's whole context).
 
-Environments: .venv (ours, genai's builder); the peers' own, made by --setup under build/venvs from PyPI (tools/folders.py's ENVS): an
-engine whose environment is missing is left out with one line. Rerun: `.venv/bin/python -m tools prefill --setup`
+Environments: .venv (ours, genai's builder); the peers' own, made by --setup under build/venvs from PyPI
+(tools/folders.py's ENVS): an engine whose environment is missing is left out with one line. Rerun: `.venv/bin/python -m tools prefill --setup`
 (--help for the cases).
 """
 

@@ -368,7 +368,8 @@ def write(res: dict) -> None:
     lines = ["# Serving under load: `aqua-export serve` against llama-server and OpenVINO GenAI", "",
              written_by("serve"), "",
              f"{res.get('cpu', 'A 2-core CPU')}, our kernels' variant {' and '.join(res.get('variants') or ['-'])} "
-             f"(rows marked [variant] for the others), {res['threads']} threads per engine given explicitly (in the batching scenario the peers "
+             f"(rows marked [variant] for the others), {res['threads']} threads per engine given explicitly "
+             "(in the batching scenario the peers "
              "again with none given: [default threads]), greedy, every request all its tokens; one engine at a "
              "time. Ours and llama-server over HTTP, streamed through the `openai` client; OpenVINO GenAI's "
              "continuous-batching pipeline in process (openvino-cb: no HTTP, its token ids counted; its default "
@@ -456,14 +457,10 @@ def main(argv=None) -> None:
     text = Text()
     path = BENCHMARKS / "serve.json"
     res = json.loads(path.read_text()) if path.exists() and len(only) < len(SCENARIOS) else {}
-    res["threads"], res["cpu"] = a.threads, cpu_name()
+    res["threads"], res["cpu"], res["variants"] = a.threads, cpu_name(), []
     for vi, variant in enumerate(a.variants or [None]):
         with forced_variant(variant):  # our servers and in-process engines inherit it; the peers ignore it
-            res.setdefault("variants", [])
-            if vi == 0:
-                res["variants"] = [native_variant()]
-            else:
-                res["variants"].append(variant)
+            res["variants"].append(native_variant())  # the forced one, or the loader's choice
             ps = peers_ if vi == 0 else ()
             runs = {"load": lambda: load(text, a.threads, 24 if a.quick else 200, ps),
                     "batching": lambda: batching(text, a.threads, 4 if a.quick else 16, ps),

@@ -82,7 +82,7 @@ def make(spec: str) -> str:
     if not out.exists():
         tmp = WORK / f"{out.name}.tmp"
         if kind == "ours" and str(LONG_SOURCE) in OURS[what]:
-            _longsource()
+            _long_source()
         if kind == "ours":
             cmd = [str(ROOT / ".venv" / "bin" / "aqua-export"), "--model", "llama", *OURS[what], "--out", str(out),
                    "--force"]
@@ -133,7 +133,7 @@ def current_kernels(folder: Path) -> None:
     print(f"  {folder.name}: the package's current kernels copied in ({len(stale)} files)", flush=True)
 
 
-def _longsource() -> None:
+def _long_source() -> None:
     """LONG_SOURCE: the embedded checkpoint's folder with rope_scaling linear x4 and a 32,768-token context."""
     import shutil
 

@@ -203,7 +203,8 @@ def body(opset: int, projected: bool = False):
 
         (projected: query --MatMul Unsqueeze(projection, 1)-->) query_hat --selection (k, rule)--> q_sel
         past_* --widen to C' slots (keys as their dim-major [B,H,r,C] view)--> Loop over the T new tokens
-        (_step_graph) --> a [1,B,H,g,r] per token --Reshape--> [T,B,H,g,r] --Transpose--> [B,H,g,T,r]; present_* (keys back to [B,H,C',r])
+        (_step_graph) --> a [1,B,H,g,r] per token --Reshape--> [T,B,H,g,r] --Transpose--> [B,H,g,T,r];
+        present_* (keys back to [B,H,C',r])
     """
     I64, D = TensorProto.INT64, TensorProto.DOUBLE
     n = H.make_node
