@@ -16,4 +16,13 @@ The pipeline, each stage pointing down only (docs/design.md, Where each thing li
 
 __version__ = "0.1.0"
 
-from .config import AquaConfig, ConfigError  # noqa: F401
+
+
+def __getattr__(name: str):
+    """aqua_export.AquaConfig / ConfigError, imported when first asked for: a mechanism declared outside settings/
+    registers before AquaConfig derives its fields (settings.register)."""
+    if name in ("AquaConfig", "ConfigError"):
+        from . import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'aqua_export' has no attribute {name!r}")

@@ -11,8 +11,9 @@ the build, `run`, `bench`, `eval --folder` and lm-eval all ask ``check`` (tests/
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import field, fields, make_dataclass
 
+from . import settings
 from .errors import ConfigError
 
 RUNTIMES = ("aqua", "genai", "tensorrt")  # --runtime: what drives a folder
@@ -22,57 +23,52 @@ KERNELS = ("auto", "native", "function")  # --kernel: what runs the custom nodes
 BACKENDS = ("native", "function", "genai", "tensorrt", "triton", "serve", "standard")
 
 
-@dataclass(frozen=True)
-class Features:
-    """What a folder (or a build's settings) asks of the code that runs it; each field is a row of the table."""
+# the rows a build option or the graph contract adds (options.BuildOptions' fields turn them on); the mechanisms'
+# rows come from their declarations (settings.Mechanism.features), before these
+BUILD_ROWS = {
+    "narrow_cache": "the cache in float16 or int8 under a float32 graph",
+    "int8_cache": "int8 rows with their scales' codes (ops.spec)",
+    "float16": "a float16 graph",
+    "quantized": "int4 / int8 weights (MatMulNBits)",
+}
+_MODE_ROWS = {row: on for m in settings.MECHANISMS for row, on in m.features.items()}
 
-    h2o: bool = False  # AQUA-H2O: H2OAttention evicts between tokens
-    tokens: bool = False  # token selection: a mode of the fused AquaAttention node
-    prefill: bool = False  # sparse prefill: a mode of the fused AquaAttention node's prompt
-    prompt_bf16: bool = False  # the prompt's attention products in bfloat16: the same node's (settings/precision.py)
-    shared_k: bool = False  # a layer's heads share its k per token (head_prices)
-    uneven_widths: bool = False  # K^ and V cached at several widths (an allocated AQUA-Memory)
-    narrow_cache: bool = False  # the cache in float16 or int8 under a float32 graph
-    int8_cache: bool = False  # int8 rows with their scales' codes (ops.spec)
-    float16: bool = False  # a float16 graph
-    quantized: bool = False  # int4 / int8 weights (MatMulNBits)
+
+class _Features:
+    """What a folder (or a build's settings) asks of the code that runs it; each field is a row of the table: the
+    mechanisms' (settings.Mechanism.features: h2o, tokens, prefill, prompt_bf16, shared_k, uneven_widths, ...),
+    then BUILD_ROWS."""
 
     @classmethod
     def of_config(cls, config) -> Features:
         """What a build's AQUA settings (config.AquaConfig) ask, before any work; the build options' fields are
         theirs to add (options.BuildOptions.features)."""
-        return cls(h2o=config.evicts, tokens=config.selects_tokens, prefill=config.sparse_prefill,
-                   prompt_bf16=config.prompt_bf16, shared_k=config.shares_k,
-                   uneven_widths=config.slice_ratio > 0 and config.slice_alloc != "uniform")
+        return cls(**{row: bool(on(config)) for row, on in _MODE_ROWS.items()})
+
+    @staticmethod
+    def _contract_rows(ct) -> dict:
+        return dict(h2o=ct.h2o, shared_k=ct.prices is not None, uneven_widths=not ct.uniform,
+                    narrow_cache=ct.narrow_cache, int8_cache=ct.scale_slots > 0, float16=ct.dtype == "float16")
 
     @classmethod
     def of_contract(cls, ct) -> Features:
         """What a graph contract (contract.Contract) holds: its buffers' kinds, widths and types."""
-        return cls(h2o=ct.h2o, shared_k=ct.prices is not None, uneven_widths=not ct.uniform,
-                   narrow_cache=ct.narrow_cache, int8_cache=ct.scale_slots > 0, float16=ct.dtype == "float16")
+        return cls(**cls._contract_rows(ct))
 
     @classmethod
     def of_folder(cls, cfg) -> Features:
-        """From a built folder's FolderConfig: its contract's, and the modes and weights the graph runs."""
-        return replace(cls.of_contract(cfg.contract), tokens=cfg.aqua.selects_tokens, prefill=cfg.aqua.sparse_prefill,
-                       prompt_bf16=cfg.aqua.prompt_bf16, quantized=cfg.weights.quantized)
+        """From a built folder's FolderConfig: the modes its AQUA settings run, what its contract holds (where the
+        contract knows a row, it decides), and its weights."""
+        return cls(**{row: bool(on(cfg.aqua)) for row, on in _MODE_ROWS.items()}
+                   | cls._contract_rows(cfg.contract) | {"quantized": cfg.weights.quantized})
 
+
+Features = make_dataclass("Features", [(row, bool, field(default=False)) for row in (*_MODE_ROWS, *BUILD_ROWS)],
+                          bases=(_Features,), frozen=True)
+Features.__module__, Features.__doc__ = __name__, _Features.__doc__
 
 REFUSALS = {
-    ("h2o", "genai"): "AQUA-H2O folders evict between tokens, which onnxruntime-genai cannot do: run them with "
-                      "--runtime aqua",
-    ("uneven_widths", "genai"): "this folder caches K^ and V at several widths (--slice-alloc), and onnxruntime-genai "
-                                "takes one head_size for all: run it with --runtime aqua",
-    ("h2o", "tensorrt"): "AQUA-H2O's H2OAttention node has no TensorRT plugin: use --runtime aqua for H2O folders",
-    ("tokens", "tensorrt"): "token selection is a mode of the fused AquaAttention node, which has no TensorRT plugin: "
-                            "use --runtime aqua",
-    ("prefill", "tensorrt"): "sparse prefill (--prefill-threshold) is a mode of the fused AquaAttention node, which has "
-                             "no TensorRT plugin: use --runtime aqua or genai",
-    ("prompt_bf16", "tensorrt"): "--prompt-precision bfloat16 is a mode of the fused AquaAttention node's prompt, "
-                                 "which has no TensorRT plugin (TensorRT picks its own precisions): drop it there",
-    ("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its heads per token, a mode of "
-                              "the fused AquaAttention node; TensorRT's TopKGatherDot plugin takes one k per row: use "
-                              "--runtime aqua, or --k-alloc uniform or --selection static",
+    **{pair: line for m in settings.MECHANISMS for pair, line in m.refusals.items()},
     ("narrow_cache", "tensorrt"): "--cache-dtype float16 / int8 under a float32 graph is read by AquaAttention's ONNX "
                                   "Runtime kernels; TensorRT's separate nodes take one type: use --runtime aqua, or "
                                   "drop --cache-dtype",
@@ -80,19 +76,13 @@ REFUSALS = {
                               "Triton kernels read the GPU's float caches: use --cache-dtype float16 there",
     ("quantized", "tensorrt"): "--weights int4 / int8 are ONNX Runtime's MatMulNBits with float32 activations: use "
                                "--runtime aqua or genai (float16 is TensorRT's format: drop --weights)",
-    ("h2o", "serve"): "AQUA-H2O folders evict tokens inside the graph, per row, which continuous batching's row moves "
-                      "cannot follow: serve a folder built without --h2o-ratio (or run it with `aqua-export run`)",
     ("float16", "native"): "the native kernels run float32 graphs (a float16 kernel would round the scores to float16 "
                            "before the softmax): run this float16 folder with --kernel function (auto does)",
     ("quantized", "standard"): "--ops standard writes standard ONNX ops only, and int4 / int8 blocks are ONNX Runtime's "
                                "MatMulNBits: build it with --weights float, or drop --ops standard",
 }
 # pairs that run, but not as the setting says everywhere: the table's cell instead of "yes"
-NOTES = {
-    ("prompt_bf16", "function"): "yes, in float32 (the function body ignores prompt_bf16)",
-    ("prompt_bf16", "standard"): "yes, in float32 (the function body ignores prompt_bf16)",
-    ("prompt_bf16", "native"): "yes, in bfloat16 where the CPU has AVX512_BF16, else float32",
-}
+NOTES = {pair: cell for m in settings.MECHANISMS for pair, cell in m.notes.items()}
 assert all(f in {x.name for x in fields(Features)} and b in BACKENDS for f, b in (*REFUSALS, *NOTES)), \
     "a row or column is unknown"
 assert not set(REFUSALS) & set(NOTES), "a pair is refused or runs, not both"

@@ -9,7 +9,6 @@ import json
 
 from . import settings
 from .errors import ConfigError, reject_unknown
-from .settings import h2o, k_alloc, precision, prefill, selection, tokens
 
 __all__ = ["CONFIG_VERSION", "AquaConfig", "ConfigError", "reject_unknown"]
 
@@ -45,14 +44,8 @@ class _Config:
         """k for a layer that caches r coordinates."""
         return max(1, min(r, round(self.k_ratio * r)))
 
-    shared_selection = property(selection.shared)
-    weighted_selection = property(selection.weighted)
-    evicts = property(h2o.evicts)
-    selects_tokens = property(tokens.selects)
-    allocates_k = property(k_alloc.allocates)
-    shares_k = property(k_alloc.shares)
-    sparse_prefill = property(prefill.sparse)
-    prompt_bf16 = property(precision.bf16)
+    # the mechanisms' aliases (settings.Mechanism.aliases: shared_selection, evicts, selects_tokens, shares_k,
+    # sparse_prefill, prompt_bf16, ...) are set on this class below
 
     @property
     def on(self) -> tuple[str, ...]:
@@ -63,7 +56,7 @@ class _Config:
     def is_dense(self) -> bool:
         """Exact attention over every token: no mechanism that changes what a step computes is on (the prompt's
         bfloat16 products round, but approximate nothing: a dense folder needs no projection for them)."""
-        return not (set(self.on) - {"k_alloc", "precision"})
+        return not any(m.approximates and m.on(self) for m in settings.MECHANISMS)
 
     def require_projection(self, given: bool, fix: str, spell: str = "flag") -> None:
         """One ConfigError line when this config approximates (not is_dense) and no projection is given: it names
@@ -71,7 +64,7 @@ class _Config:
         k_ratio=0.5), then ``fix``."""
         if given or self.is_dense:
             return
-        on = [s for m in settings.MECHANISMS if m.name not in ("k_alloc", "precision") and m.on(self)
+        on = [s for m in settings.MECHANISMS if m.approximates and m.on(self)
               for s in m.settings
               if getattr(self, s.name) != s.default]
         shown = {s.name: f"{v:g}" if isinstance(v := getattr(self, s.name), float) else str(v) for s in on}
@@ -91,7 +84,7 @@ class _Config:
         reject_unknown(cls, data, "AQUA config ")
         version = data.get("version", 1)
         if isinstance(version, int) and version < 6:  # another type is refused below
-            data = prefill.upgrade(data)
+            data = settings.prefill.upgrade(data)
         return cls(**data)
 
     @classmethod
@@ -106,6 +99,9 @@ class _Config:
 AquaConfig = dataclasses.make_dataclass(
     "AquaConfig", [(s.name, s.kind, dataclasses.field(default=s.default)) for s in settings.SETTINGS.values()]
     + [("version", int, dataclasses.field(default=CONFIG_VERSION))], bases=(_Config,), frozen=True)
+for _m in settings.MECHANISMS:  # a mechanism's names for what a config does (AquaConfig.selects_tokens, ...)
+    for _alias, _fn in _m.aliases.items():
+        setattr(AquaConfig, _alias, property(_fn))
 AquaConfig.__module__ = __name__  # what pickle and repr name (make_dataclass cannot be told before Python 3.12)
 AquaConfig.__doc__ = "What AQUA does at inference time; one field per setting of settings.MECHANISMS:\n\n" + "\n".join(
     f"    {s.name}: {s.help}" for s in settings.SETTINGS.values())

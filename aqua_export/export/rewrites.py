@@ -97,18 +97,17 @@ def set_k(k: int):
     """The graph with every attention node scoring k coordinates, H2O nodes evicting nothing, token selection
     attending every token, sparse prefill every key block and the prompt's products in float32 (HF does none of
     these)."""
+    from .. import settings
+
     selecting = {op.name for op in OPS if "k" in op.attribute_names}
+    neutral = {"k": k} | {a: v for m in settings.MECHANISMS for a, v in m.neutral.items()}  # the mechanisms' own
 
     def transform(m):
         for n in m.graph.node:
             if n.domain == DOMAIN and n.op_type in selecting:
                 for a in n.attribute:
-                    if a.name == "k":
-                        a.i = k
-                    if a.name in ("ratio", "token_ratio", "prefill_threshold"):
-                        a.f = 1.0
-                    if a.name in ("token_budget", "prompt_bf16"):
-                        a.i = 0
+                    if a.name in neutral:  # an int attribute's i, a float's f (onnx.AttributeProto.INT / FLOAT)
+                        setattr(a, "f" if a.type == a.FLOAT else "i", neutral[a.name])
     return transform
 
 

@@ -1,7 +1,10 @@
 """AQUA's settings, one module per mechanism (selection, memory, k_alloc, h2o, tokens, prefill, precision). Each
 owns its fields, defaults, ranges, one-line help, the checks across fields and the attention node's attributes it
-contributes; AquaConfig (config.py), the CLI flags, lm-eval's model arguments and docs/cli.md's table are derived
-from MECHANISMS. A new mechanism is a module here and one entry below."""
+contributes, and its rows of the capability table (what it asks of a backend, and the line refusing it there).
+AquaConfig (config.py: its fields and aliases, is_dense), the CLI flags, lm-eval's model arguments, the capability
+table (capabilities.py) and export.rewrites.set_k are derived from MECHANISMS, as is docs/cli.md from them. A new
+mechanism is a module here and one entry below (or register(), before aqua_export.config is imported:
+tests/test_one_home.py adds a mode that way)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,19 @@ MECHANISMS: tuple[Mechanism, ...] = (selection.MECHANISM, memory.MECHANISM, k_al
 SETTINGS: dict[str, Setting] = {s.name: s for m in MECHANISMS for s in m.settings}
 
 __all__ = ["MAX_TOKENS", "MECHANISMS", "SETTINGS", "Mechanism", "Setting", "add_arguments", "from_args",
-           "from_text", "name_parts", "node_attrs", "table"]
+           "from_text", "name_parts", "node_attrs", "register", "table"]
+
+
+def register(mechanism: Mechanism) -> None:
+    """One more mechanism, declared outside this package: what a module here and its entry in MECHANISMS do. It must
+    come before aqua_export.config and aqua_export.capabilities are imported (they derive their fields then)."""
+    global MECHANISMS
+    import sys
+
+    if "aqua_export.config" in sys.modules:
+        raise RuntimeError("settings.register after aqua_export.config was imported: AquaConfig has its fields")
+    MECHANISMS = (*MECHANISMS, mechanism)
+    SETTINGS.update({s.name: s for s in mechanism.settings})
 
 
 def add_arguments(parser) -> None:

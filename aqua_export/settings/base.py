@@ -97,8 +97,9 @@ class Setting:
 
 @dataclass(frozen=True)
 class Mechanism:
-    """One mechanism of AQUA: its settings, whether a config turns it on, the checks that span its settings and the
-    others', and the attributes it gives the attention node (a dict merged into the node's attributes)."""
+    """One mechanism of AQUA, the whole of what the Python outside its op knows of it: its settings, whether a config
+    turns it on, the checks that span its settings and the others', the attributes it gives the attention node (a
+    dict merged into the node's attributes), and the rows it adds to the capability table (capabilities.py)."""
 
     name: str
     summary: str
@@ -109,3 +110,15 @@ class Mechanism:
     # the parts of a default folder name (build.default_out) this mechanism adds when on: every setting it has that
     # changes the graph, once it differs from its default
     name_parts: Callable[[object], list] = field(default=lambda cfg: [])
+    # on, it changes what a step computes: the config is not dense (AquaConfig.is_dense) and needs a projection;
+    # False for one that only spreads k or rounds the products
+    approximates: bool = True
+    # AquaConfig's properties it names (AquaConfig.selects_tokens: tokens.selects), {property: cfg -> value}
+    aliases: dict = field(default_factory=dict)
+    # the capability table's rows it asks for (capabilities.Features' fields), {row: cfg -> bool}
+    features: dict = field(default_factory=dict)
+    # {(row, backend): the one line refusing it there}; notes: {(row, backend): the cell where it runs differently}
+    refusals: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+    # {node attribute: its value where the mechanism does nothing} (export.rewrites.set_k: the graph at k = r)
+    neutral: dict = field(default_factory=dict)

@@ -19,4 +19,12 @@ def evicts(cfg) -> bool:
 
 MECHANISM = Mechanism("h2o", "AQUA-H2O: heavy-hitter eviction from the cache", (RATIO,), on=evicts,
                       node_attrs=lambda cfg: {"ratio": float(cfg.h2o_ratio)} if evicts(cfg) else {},
-                      name_parts=lambda cfg: [f"h{cfg.h2o_ratio:g}"] if evicts(cfg) else [])
+                      name_parts=lambda cfg: [f"h{cfg.h2o_ratio:g}"] if evicts(cfg) else [],
+                      aliases={"evicts": evicts}, features={"h2o": evicts}, neutral={"ratio": 1.0},
+                      refusals={("h2o", "genai"): "AQUA-H2O folders evict between tokens, which onnxruntime-genai "
+                                "cannot do: run them with --runtime aqua",
+                                ("h2o", "tensorrt"): "AQUA-H2O's H2OAttention node has no TensorRT plugin: use "
+                                "--runtime aqua for H2O folders",
+                                ("h2o", "serve"): "AQUA-H2O folders evict tokens inside the graph, per row, which "
+                                "continuous batching's row moves cannot follow: serve a folder built without "
+                                "--h2o-ratio (or run it with `aqua-export run`)"})

@@ -25,4 +25,10 @@ def shares(cfg) -> bool:
 
 
 MECHANISM = Mechanism("k_alloc", "the selection width spread over layers and heads", (ALLOC,), on=allocates,
-                      name_parts=lambda cfg: [f"kalloc-{cfg.k_alloc}"] if allocates(cfg) else [])
+                      name_parts=lambda cfg: [f"kalloc-{cfg.k_alloc}"] if allocates(cfg) else [],
+                      approximates=False,  # selection's k_ratio approximates; this only spreads it
+                      aliases={"allocates_k": allocates, "shares_k": shares}, features={"shared_k": shares},
+                      refusals={("shared_k", "tensorrt"): "--k-alloc energy / measured shares each layer's k among its "
+                                "heads per token, a mode of the fused AquaAttention node; TensorRT's TopKGatherDot "
+                                "plugin takes one k per row: use --runtime aqua, or --k-alloc uniform or --selection "
+                                "static"})

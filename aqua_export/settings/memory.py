@@ -19,5 +19,13 @@ def _name(cfg) -> list:
     return [f"s{cfg.slice_ratio:g}"] + ([cfg.slice_alloc] if cfg.slice_alloc != ALLOC.default else [])
 
 
+def uneven(cfg) -> bool:
+    """K^ and V cached at several widths (an allocated AQUA-Memory)."""
+    return cfg.slice_ratio > 0 and cfg.slice_alloc != "uniform"
+
+
 MECHANISM = Mechanism("memory", "AQUA-Memory: a narrower K^ and V in the cache", (RATIO, ALLOC),
-                      on=lambda cfg: cfg.slice_ratio > 0.0, name_parts=_name)
+                      on=lambda cfg: cfg.slice_ratio > 0.0, name_parts=_name, features={"uneven_widths": uneven},
+                      refusals={("uneven_widths", "genai"): "this folder caches K^ and V at several widths "
+                                "(--slice-alloc), and onnxruntime-genai takes one head_size for all: run it with "
+                                "--runtime aqua"})

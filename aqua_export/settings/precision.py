@@ -32,5 +32,13 @@ def _name(cfg) -> list:
     return ["bf16"] if bf16(cfg) else []
 
 
+_FLOAT32 = "yes, in float32 (the function body ignores prompt_bf16)"
 MECHANISM = Mechanism("precision", "a prompt's attention products in bfloat16 (float32 sums) on AVX512_BF16 CPUs",
-                      (PRECISION,), on=bf16, check=_check, node_attrs=_attrs, name_parts=_name)
+                      (PRECISION,), on=bf16, check=_check, node_attrs=_attrs, name_parts=_name,
+                      approximates=False,  # it rounds the products, approximating no attention: no projection needed
+                      aliases={"prompt_bf16": bf16}, features={"prompt_bf16": bf16}, neutral={"prompt_bf16": 0},
+                      refusals={("prompt_bf16", "tensorrt"): "--prompt-precision bfloat16 is a mode of the fused "
+                                "AquaAttention node's prompt, which has no TensorRT plugin (TensorRT picks its own "
+                                "precisions): drop it there"},
+                      notes={("prompt_bf16", "function"): _FLOAT32, ("prompt_bf16", "standard"): _FLOAT32,
+                             ("prompt_bf16", "native"): "yes, in bfloat16 where the CPU has AVX512_BF16, else float32"})

@@ -63,4 +63,8 @@ def _name(cfg) -> list:
 
 
 MECHANISM = Mechanism("prefill", "sparse prefill: a prompt block attends the key blocks its estimate picks",
-                      (THRESHOLD, STRIDE, K_RATIO), on=sparse, check=_check, node_attrs=_attrs, name_parts=_name)
+                      (THRESHOLD, STRIDE, K_RATIO), on=sparse, check=_check, node_attrs=_attrs, name_parts=_name,
+                      aliases={"sparse_prefill": sparse}, features={"prefill": sparse},
+                      neutral={"prefill_threshold": 1.0},
+                      refusals={("prefill", "tensorrt"): "sparse prefill (--prefill-threshold) is a mode of the fused "
+                                "AquaAttention node, which has no TensorRT plugin: use --runtime aqua or genai"})

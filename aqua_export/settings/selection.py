@@ -29,4 +29,5 @@ MECHANISM = Mechanism(
     "selection", "top-k coordinates of |q^| (or a variant rule) score each query", (K_RATIO, RULE),
     on=lambda cfg: cfg.k_ratio < 1.0,
     node_attrs=lambda cfg: {"rule": spec.SELECTIONS[cfg.selection][0]},
-    name_parts=lambda cfg: [cfg.selection] if cfg.selection != RULE.default else [])  # k: the name's -k<R>
+    name_parts=lambda cfg: [cfg.selection] if cfg.selection != RULE.default else [],  # k: the name's -k<R>
+    aliases={"shared_selection": shared, "weighted_selection": weighted})

@@ -50,4 +50,8 @@ def _name(cfg) -> list:
 
 
 MECHANISM = Mechanism("tokens", "token selection: a decode step attends the best-scored pages of tokens",
-                      (RATIO, BUDGET, SINK, WINDOW), on=selects, check=_check, node_attrs=_attrs, name_parts=_name)
+                      (RATIO, BUDGET, SINK, WINDOW), on=selects, check=_check, node_attrs=_attrs, name_parts=_name,
+                      aliases={"selects_tokens": selects}, features={"tokens": selects},
+                      neutral={"token_ratio": 1.0, "token_budget": 0},
+                      refusals={("tokens", "tensorrt"): "token selection is a mode of the fused AquaAttention node, "
+                                "which has no TensorRT plugin: use --runtime aqua"})
