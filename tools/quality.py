@@ -27,14 +27,14 @@ from aqua_export.config import AquaConfig
 from aqua_export.outputs import atomic_write_bytes
 from tools.harness import table, written_by
 from tools import quality_alloc
-from tools import quality_long, quality_prefill, quality_qa
+from tools import quality_long, quality_prefill, quality_qa, quality_ruler
 
 CALIB, EVAL = "builtin:python-reference", "builtin:gpl-3"
 K_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.4, 0.3)
 SELECTIONS = ("magnitude", "static", "weighted", "group", "group-weighted")
 GROUP_K = (0.75, 0.625, 0.5625, 0.5)  # the group rules' k_ratios: between 0.5 and 0.75 is where they pay off
 SECTIONS = ("selection", "memory", "h2o", "h2o-group", "retention", "lmeval", "long", "passkey", "k-alloc",
-            "prefill", "qa")
+            "prefill", "qa", "ruler")
 MEMORY = [(s, k) for s in (0.1, 0.25) for k in (0.75, 0.9, 1.0)]
 # AQUA-Memory's allocations compared with uniform at k 0.9 ('measured' also works, after 2 L n forwards that
 # measure its costs: add it here to compare it too)
@@ -168,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--long-tokens", type=int, default=8192, help="tokens of the long-window text per window length "
                     "(section long)")
+    ap.add_argument("--ruler-lengths", default=",".join(map(str, quality_ruler.LENGTHS)),
+                    help="section ruler: the prompt lengths in tokens")
+    ap.add_argument("--ruler-items", type=int, default=quality_ruler.ITEMS, help="section ruler: items per task and "
+                    "length")
+    ap.add_argument("--ruler-tasks", default=",".join(quality_ruler.TASKS), help="section ruler: lm-eval's tasks")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="measure only these (the others' figures are kept from quality.json, measured with the same "
@@ -275,8 +280,11 @@ def measure(a, sections: set, old: dict, model, tok, proj, proj_path: Path, text
     prefill = quality_prefill.measure(model, tok, proj, ROOT / "build" / "quality") if "prefill" in sections \
         else old.get("prefill", {})
     qa = quality_qa.measure(model, tok, proj, ROOT / "build" / "quality") if "qa" in sections else old.get("qa", {})
+    ruler = quality_ruler.measure(model, tok, proj, ROOT / "build" / "quality", a.ruler_tasks.split(","),
+                                  [int(n) for n in a.ruler_lengths.split(",")], a.ruler_items) \
+        if "ruler" in sections else old.get("ruler", {})
     return {"results": results, "union": union, "lm_eval": lm_grid, "kv_split": split, "long": long,
-            "passkey": passkey, "k_alloc": k_alloc, "prefill": prefill, "qa": qa}
+            "passkey": passkey, "k_alloc": k_alloc, "prefill": prefill, "qa": qa, "ruler": ruler}
 
 
 def render(data: dict, rep: dict) -> str:
@@ -325,6 +333,7 @@ def render(data: dict, rep: dict) -> str:
     L += quality_long.lines(data.get("long", {}), data.get("passkey", {}), union)
     L += quality_prefill.lines(data.get("prefill", {}))
     L += quality_qa.lines(data.get("qa", {}))
+    L += quality_ruler.lines(data.get("ruler", {}))
     L += quality_alloc.lines(data.get("k_alloc", {}))
     L.append("")
     return "\n".join(L)

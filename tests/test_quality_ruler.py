@@ -1,0 +1,82 @@
+"""RULER's needle tasks (tools/quality_ruler.py, `python -m tools quality --sections ruler`) at tiny size, offline:
+lm-eval builds the items with the embedded tokenizer and scores the text a model returns; one run through a model
+that reads the needle (found) or says nothing (not found), one through tiny folders of two settings."""
+
+import json
+import re
+
+import pytest
+from helpers import char_tokenizer, folder_cfg
+
+pytest.importorskip("lm_eval", reason="lm-eval is the eval extra: pip install -e '.[eval]'")
+
+from aqua_export.config import AquaConfig  # noqa: E402
+from aqua_export.export.exporter import export_onnx  # noqa: E402
+from tools import quality_ruler  # noqa: E402
+from tools.quality_qa import Setting  # noqa: E402
+from tools.ruler_items import scores  # noqa: E402
+
+TASK, LENGTH = "niah_single_1", 256
+
+
+def embedded_tokenizer() -> str:
+    from aqua_export import models
+
+    return str(models.resolve("llama")[0])
+
+
+def test_the_suite_scores_a_found_needle_one_and_a_missed_one_zero():
+    from lm_eval.api.model import LM
+
+    class Reader(LM):
+        """Answers every other item with the needle its prompt asks for, and nothing for the others."""
+
+        def generate_until(self, requests, disable_tqdm=False):
+            out = []
+            for i, r in enumerate(requests):
+                key = re.findall(r"special magic number for ([\w-]+) mentioned", r.args[0])[-1]
+                found = re.search(rf"special magic numbers? for {re.escape(key)} is: (\d+)", r.args[0]).group(1)
+                out.append(f" {found}." if i % 2 == 0 else " I do not know.")
+            return out
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    got = scores(Reader(), [TASK], [LENGTH], 4, embedded_tokenizer())
+    assert got[TASK][str(LENGTH)]["scores"] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_wilson_interval_brackets_the_share_and_narrows_with_items():
+    lo, hi = quality_ruler.wilson([1.0] * 5 + [0.0] * 5)
+    assert lo < 0.5 < hi and hi - lo > 0.5
+    lo2, hi2 = quality_ruler.wilson([1.0] * 50 + [0.0] * 50)
+    assert lo < lo2 < 0.5 < hi2 < hi
+    assert quality_ruler.wilson([1.0] * 20)[1] == pytest.approx(1.0) and quality_ruler.wilson([1.0] * 20)[0] > 0.8
+
+
+def test_each_setting_answers_the_same_items_through_its_folder(tiny_llama, tmp_path, monkeypatch):
+    model, proj = tiny_llama
+
+    def build(model_, tok, proj_, setting, folder):  # the tiny model: a folder as tests/test_replicas.py makes one
+        folder.mkdir(parents=True, exist_ok=True)
+        export_onnx(model, proj, setting.config, folder / "model.onnx")
+        char_tokenizer(folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())  # what AutoTokenizer (lm-eval's HFLM) reads
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+        config = model.config.to_dict() | {"max_position_embeddings": 4096}  # an item is ~1k characters
+        (folder / "config.json").write_text(json.dumps(config))  # the source's config, as a build copies it
+        folder_cfg(model, setting.config).seal(folder)
+
+    monkeypatch.setattr(quality_ruler, "build", build)
+    settings = {"dense": Setting(AquaConfig(k_ratio=0.5)),
+                "sparse": Setting(AquaConfig(k_ratio=0.5, prefill_threshold=0.5), dense="dense")}
+    data = quality_ruler.measure(model, None, proj, tmp_path, [TASK], [LENGTH], 2, settings, peers=())
+    for name in settings:
+        cell = data["engines"][name][TASK][str(LENGTH)]
+        assert len(cell["scores"]) == 2 and set(cell["scores"]) <= {0.0, 1.0} and cell["seconds"] > 0
+    assert not list(tmp_path.glob("ruler-*"))  # each folder removed after its run
+    text = "\n".join(quality_ruler.lines(data))
+    assert f"| {TASK} | {LENGTH} |" in text and "(n 2)" in text
