@@ -47,7 +47,7 @@ def wilson(scores: list[float], z: float = 1.96) -> tuple[float, float]:
         return (0.0, 1.0)
     p = sum(scores) / n
     mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return ((mid - half) / (1 + z * z / n), (mid + half) / (1 + z * z / n))
+    return (max(0.0, (mid - half) / (1 + z * z / n)), min(1.0, (mid + half) / (1 + z * z / n)))  # no -0.00
 
 
 def ours(folder: Path, tasks, lengths, items: int, tokenizer: str, threads: int = 2) -> dict:
