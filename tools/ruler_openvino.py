@@ -2,7 +2,7 @@
 (tools/ruler_items.py). Runs in OpenVINO's own virtual environment (build/venvs/openvino, lm_eval[ruler] added by
 tools/quality_ruler.py); writes the scores as JSON:
 
-    build/venvs/openvino/bin/python tools/ruler_openvino.py FOLDER MODE TOKENIZER OUT.json \
+    build/venvs/openvino/bin/python -m tools.ruler_openvino FOLDER MODE TOKENIZER OUT.json \
         --tasks niah_single_1 --lengths 2048 --items 20 --threads 2
 
 MODE: dense (its continuous-batching pipeline, no sparse attention), xattention (threshold 0.8, blocks of 64, stride
@@ -15,8 +15,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ("dense", "xattention", "trishape")
 
@@ -77,7 +75,7 @@ def model_class():
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
-    from ruler_items import TASKS, scores
+    from tools.ruler_items import TASKS, scores
 
     ap = argparse.ArgumentParser()
     ap.add_argument("folder")
