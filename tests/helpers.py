@@ -138,6 +138,25 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def tiny_folder(model, proj, config, folder, cache_dtype=None, hf: bool = False):
+    """A sealed folder of the tiny model exported with ``config`` (a character tokenizer; hf: also what
+    transformers' AutoConfig / AutoTokenizer read, as lm-eval's HFLM does, served at 4096 positions)."""
+    import json
+
+    from aqua_export.export.exporter import export_onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    export_onnx(model, proj, config, folder / "model.onnx", cache_dtype=cache_dtype)
+    char_tokenizer(folder)
+    if hf:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+        # the source's config, as a build copies it
+        (folder / "config.json").write_text(json.dumps(model.config.to_dict() | {"max_position_embeddings": 4096}))
+    folder_cfg(model, config, projection=proj if cache_dtype else None, cache_dtype=cache_dtype).seal(folder)
+    return folder
+
+
 def char_tokenizer(folder) -> None:
     """A character tokenizer of the tiny model's 128 ids (0 pad, 1 bos, 2 eos, printable ASCII and newline), with a
     chat template: the files a folder's runtime.tokenizer reads."""

@@ -2,10 +2,9 @@
 measures, and a run over a tiny folder per setting that compares each answer with its dense setting's."""
 
 import numpy as np
-from helpers import char_tokenizer, folder_cfg
+from helpers import char_tokenizer, tiny_folder
 
 from aqua_export.config import AquaConfig
-from aqua_export.export.exporter import export_onnx
 from aqua_export.runtime.text import load_tokenizer
 from tools import quality_qa
 from tools.quality_qa import Setting, agreement, repetition
@@ -22,11 +21,8 @@ def test_agreement_and_repetition_measure_what_they_say():
 def test_each_setting_is_compared_with_its_dense_one_at_the_same_weights(tiny_llama, tmp_path, monkeypatch):
     model, proj = tiny_llama
 
-    def build(model_, tok, proj_, setting, folder):  # the tiny model: a folder as tests/test_replicas.py makes one
-        folder.mkdir(parents=True, exist_ok=True)
-        export_onnx(model, proj, setting.config, folder / "model.onnx")
-        char_tokenizer(folder)
-        folder_cfg(model, setting.config).seal(folder)
+    def build(model_, tok, proj_, setting, folder):  # the tiny model's folder
+        tiny_folder(model, proj, setting.config, folder)
 
     monkeypatch.setattr(quality_qa, "build", build)
     (tmp_path / "tok").mkdir()

@@ -2,16 +2,14 @@
 lm-eval builds the items with the embedded tokenizer and scores the text a model returns; one run through a model
 that reads the needle (found) or says nothing (not found), one through tiny folders of two settings."""
 
-import json
 import re
 
 import pytest
-from helpers import char_tokenizer, folder_cfg
+from helpers import tiny_folder
 
 pytest.importorskip("lm_eval", reason="lm-eval is the eval extra: pip install -e '.[eval]'")
 
 from aqua_export.config import AquaConfig  # noqa: E402
-from aqua_export.export.exporter import export_onnx  # noqa: E402
 from tools import quality_ruler  # noqa: E402
 from tools.quality_qa import Setting  # noqa: E402
 from tools.ruler_items import scores  # noqa: E402
@@ -60,15 +58,8 @@ def test_wilson_interval_brackets_the_share_and_narrows_with_items():
 def test_each_setting_answers_the_same_items_through_its_folder(tiny_llama, tmp_path, monkeypatch):
     model, proj = tiny_llama
 
-    def build(model_, tok, proj_, setting, folder):  # the tiny model: a folder as tests/test_replicas.py makes one
-        folder.mkdir(parents=True, exist_ok=True)
-        export_onnx(model, proj, setting.config, folder / "model.onnx")
-        char_tokenizer(folder)
-        config = json.loads((folder / "tokenizer_config.json").read_text())  # what AutoTokenizer (lm-eval's HFLM) reads
-        (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
-        config = model.config.to_dict() | {"max_position_embeddings": 4096}  # an item is ~1k characters
-        (folder / "config.json").write_text(json.dumps(config))  # the source's config, as a build copies it
-        folder_cfg(model, setting.config).seal(folder)
+    def build(model_, tok, proj_, setting, folder):  # the tiny model, as lm-eval's HFLM reads a folder
+        tiny_folder(model, proj, setting.config, folder, hf=True)  # 4096 positions: an item is ~1k characters
 
     monkeypatch.setattr(quality_ruler, "build", build)
     settings = {"dense": Setting(AquaConfig(k_ratio=0.5)),

@@ -8,10 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import char_tokenizer, folder_cfg
+from helpers import tiny_folder
 
 from aqua_export.config import AquaConfig
-from aqua_export.export.exporter import export_onnx
 from tools import replicas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +24,7 @@ if not replicas.HAPROXY.exists():
 def folder(tmp_path_factory, tiny_llama):
     m, proj = tiny_llama
     cfg = AquaConfig(k_ratio=0.5)
-    d = tmp_path_factory.mktemp("replica")
-    export_onnx(m, proj, cfg, d / "model.onnx")
-    char_tokenizer(d)
-    folder_cfg(m, cfg).seal(d)
-    return d
+    return tiny_folder(m, proj, cfg, tmp_path_factory.mktemp("replica"))
 
 
 def test_a_replica_killed_under_load_loses_only_what_it_held_and_comes_back(folder, tmp_path):

@@ -15,10 +15,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import char_tokenizer, folder_cfg
+from helpers import tiny_folder
 
 from aqua_export.config import AquaConfig, ConfigError
-from aqua_export.export.exporter import export_onnx
 from aqua_export.runtime.lm import OrtLM
 from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.serving.engine import Engine, Sequence
@@ -35,11 +34,7 @@ def folders(tmp_path_factory, tiny_llama):
     tokens = AquaConfig(k_ratio=0.5, token_budget=32)
     for name, cfg, cache in (("dense", AquaConfig(k_ratio=0.5), None), ("tokens", tokens, None),
                              ("int8", dataclasses.replace(tokens, selection="group-weighted"), "int8")):
-        d = tmp_path_factory.mktemp(name)
-        export_onnx(m, proj, cfg, d / "model.onnx", cache_dtype=cache)
-        char_tokenizer(d)
-        folder_cfg(m, cfg, projection=proj if cache else None, cache_dtype=cache).seal(d)
-        out[name] = d
+        out[name] = tiny_folder(m, proj, cfg, tmp_path_factory.mktemp(name), cache_dtype=cache)
     return out
 
 

@@ -49,7 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tools.folders import FOLDERS, PY, Text, make, threads_label
+from tools.folders import FOLDERS, PY, Text, make, setup, threads_label
 from tools.servers import LLAMA_SERVER, LLAMACPP, SLOTS, WORK, Server, setup_llama_server
 from tools import serve_guidellm
 from tools.harness import BENCHMARKS, table, written_by
@@ -364,7 +364,7 @@ def main(argv=None) -> None:
     if set(only) - set(SCENARIOS):
         raise SystemExit(f"--only takes {', '.join(SCENARIOS)}")
     if a.setup:
-        serve_guidellm.setup()
+        setup(("guidellm", "vllm"))
         return setup_llama_server()
     missing = [f"no {p}: {how}" for p, how in ((LLAMACPP, "python -m tools prefill --setup"),
                                                 (OPENVINO, "python -m tools prefill --setup"),

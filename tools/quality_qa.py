@@ -118,6 +118,11 @@ def answer(folder: Path, asks: list[dict], new: int = NEW, threads: int = 2) -> 
     return out
 
 
+def slug(name: str) -> str:
+    """A setting's name as a folder's: "int4 token folder, sparse prefill 0.98" -> int4-token-folder-sparse-prefill-098."""
+    return name.replace(" + ", "-and-").replace(" ", "-").replace(",", "").replace(".", "")
+
+
 def build(model, tok, proj, setting: Setting, folder: Path) -> None:
     """The setting's folder (the build's export stage: no calibration, no parity) at ``folder``."""
     from aqua_export.build import export_folder
@@ -144,7 +149,7 @@ def measure(model, tok, proj, work: Path, settings: dict = SETTINGS, asks: list[
             out["settings"][name] = {"skipped": "float32 here (no AVX512_BF16): the dense answer"}
             continue
         t = time.perf_counter()
-        folder = Path(work) / name.replace(" ", "-").replace(",", "").replace(".", "")
+        folder = Path(work) / slug(name)
         build(model, tok, proj, s, folder)
         try:
             answers[name] = answer(folder, asks, new)

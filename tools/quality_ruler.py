@@ -21,8 +21,8 @@ from pathlib import Path
 
 from aqua_export.config import AquaConfig
 from tools.harness import table
-from tools.quality_qa import TOKENS, Setting, build
-from tools.ruler_items import TASKS, scores
+from tools.quality_qa import TOKENS, Setting, build, slug
+from tools.ruler_items import GEN_TOKENS, TASKS, scores
 
 LENGTHS = (2048, 4096, 8192)
 ITEMS = 50
@@ -65,11 +65,13 @@ def openvino(mode: str, tasks, lengths, items: int, tokenizer: str, work: Path, 
     if subprocess.run([py, "-c", "import lm_eval, wonderwords"], capture_output=True).returncode:
         from importlib.metadata import version  # the same lm-eval as ours: the same items
 
-        subprocess.run([py, "-m", "pip", "-q", "install", f"lm_eval[ruler]=={version('lm_eval')}"], check=True)
+        # datasets and huggingface-hub held where optimum-intel's converter (hub < 1.22) and transformers still load
+        subprocess.run([py, "-m", "pip", "-q", "install", f"lm_eval[ruler]=={version('lm_eval')}", "datasets<5",
+                        "huggingface-hub>=1.5,<1.22"], check=True)
     out = work / f"openvino-{mode}.json"
-    subprocess.run([py, str(Path(__file__).with_name("ruler_openvino.py")), make("openvino:fp32"), mode, tokenizer,
-                    str(out), "--tasks", ",".join(tasks), "--lengths", ",".join(map(str, lengths)), "--items",
-                    str(items), "--threads", str(threads)], check=True)
+    subprocess.run([py, "-m", "tools.ruler_openvino", make("openvino:fp32"), mode, tokenizer, str(out), "--tasks",
+                    ",".join(tasks), "--lengths", ",".join(map(str, lengths)), "--items", str(items), "--threads",
+                    str(threads)], check=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.read_text())
 
 
@@ -88,7 +90,7 @@ def measure(model, tok, proj, work: Path, tasks=TASKS, lengths=LENGTHS, items: i
         if s.needs_bf16 and not prompt_bf16_runs():
             out["engines"][name] = {"skipped": "float32 here (no AVX512_BF16): dense's answers"}
             continue
-        folder = work / ("ruler-" + name.replace(" ", "-").replace(",", "").replace(".", "").replace("+", "and"))
+        folder = work / f"ruler-{slug(name)}"
         build(model, tok, proj, s, folder)
         try:
             out["engines"][name] = ours(folder, tasks, lengths, items, tokenizer)
@@ -128,7 +130,8 @@ def lines(data: dict) -> list[str]:
     skipped = "; ".join(f"{k}: {v['skipped']}" for k, v in data["engines"].items() if "skipped" in v)
     return ["\n## RULER's needle tasks (`--sections ruler`)\n",
             f"lm-evaluation-harness's offline RULER tasks (`{', '.join(data['tasks'])}`), the first {data['items']} "
-            "items it builds at each length with the embedded tokenizer, greedy answers of up to 48 tokens scored by "
+            f"items it builds at each length with the embedded tokenizer, greedy answers of up to {GEN_TOKENS} tokens "
+            "scored by "
             "its string match. Ours: folders of the embedded model at float32 weights (ONNX Runtime, native kernels, "
             "2 threads); OpenVINO GenAI: its float32 conversion of the same checkpoint, its continuous-batching "
             "pipeline dense, with XAttention (threshold 0.8, blocks 64, stride 8) and with Tri-shape (its defaults), "

