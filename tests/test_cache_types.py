@@ -43,7 +43,7 @@ def test_float16_cache_build(tmp_path, proj, capsys):
 def test_int8_cache_build(tmp_path, proj, capsys):
     """A float32 graph caching int8 rows (--cache-dtype int8) under token selection: the gates run on the same graph
     caching float32 (rewrites.float32_cache) and pass as a float32 build's do; the folder's own run agrees with it
-    at gates.cache_top1; the buffers are int8 and one exponent wider, a quarter of float32's bytes, holding k^ / w^s
+    at gates.cache_gate's bar; the buffers are int8 and one exponent wider, a quarter of float32's bytes, holding k^ / w^s
     with the rest of the weighted rule's w on the nodes; it runs in both runtimes, the same tokens."""
     out = tmp_path / "kv8"
     assert main(["--model", "llama", "--k-ratio", "0.5", "--selection", "group-weighted", "--token-budget", "64",

@@ -1,6 +1,7 @@
 """A mode's declaration is all the Python it needs outside its op: a tiny mode declared here (a flag, a default, a
-node attribute, a capability row and its refusal) reaches the CLI, aqua_config.json, the node's attributes, the
-capability table and docs/cli.md, and AquaConfig's alias and is_dense, with no file of the package edited. Run in a
+node attribute, a capability row and its refusal, a parity probe) reaches the CLI, aqua_config.json, the node's
+attributes, the capability table and docs/cli.md, AquaConfig's alias and is_dense, and parity's gates, recorded
+choices, prompt length and refusal, with no file of the package edited. Run in a
 fresh interpreter: the mode registers before AquaConfig and the table derive their fields."""
 
 import json
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = r'''
 import json, sys
 from aqua_export import settings
-from aqua_export.settings.base import Mechanism, Setting
+from aqua_export.settings.base import Mechanism, Probe, Setting
 
 LEVEL = Setting("demo_level", int, 0, "demo: how hard the demo mode works (0 = off)", whole=(0, 3))
 on = lambda cfg: cfg.demo_level > 0
@@ -21,7 +22,10 @@ settings.register(Mechanism(
     "demo", "a demo mode", (LEVEL,), on=on, node_attrs=lambda cfg: {"demo_level": cfg.demo_level} if on(cfg) else {},
     name_parts=lambda cfg: [f"demo{cfg.demo_level}"] if on(cfg) else [], aliases={"demos": on},
     features={"demo": on}, neutral={"demo_level": 0},
-    refusals={("demo", "tensorrt"): "the demo mode has no TensorRT plugin: drop --demo-level"}))
+    refusals={("demo", "tensorrt"): "the demo mode has no TensorRT plugin: drop --demo-level"},
+    probe=Probe("demo_rows", "demo near-ties", "demo_out", prompt=lambda cfg, n, limit: max(n, min(100, limit)),
+                unexercised=lambda cfg, n, ctx: None if n >= 100 else
+                f"the demo mode needs 100 prompt tokens, not {n}")))
 
 from aqua_export import capabilities, cli
 from aqua_export.capabilities import Features
@@ -51,6 +55,14 @@ doc = reference()
 out["doc_flag"] = "`--demo-level`" in doc
 out["doc_rows"] = [line for line in doc.splitlines() if line.startswith("| demo |")]  # settings', capabilities'
 out["doc_refusal"] = "- demo on tensorrt: the demo mode has no TensorRT plugin: drop --demo-level" in doc
+from aqua_export.parity import gates, harness
+out["gate"] = gates.GATES.get("demo_rows")
+out["prompt"] = [harness.prompt_length(cfg, 16, 4, None), harness.prompt_length(AquaConfig(), 16, 4, None)]
+out["split"] = harness._split_selections([["coords", "demo"]], ["TopK_idx__0", "demo_out__1"])
+try:
+    harness.check_run(cfg, 16, 4, 64)
+except ConfigError as e:
+    out["parity_refused"] = str(e)
 print(json.dumps(out))
 '''
 
@@ -68,6 +80,9 @@ def test_a_mode_declared_in_one_place_reaches_every_derived_surface():
     settings_row, capability_row = got["doc_rows"]
     assert "`--demo-level`" in settings_row and "whole number in [0, 3]" in settings_row
     assert capability_row.count("| yes") == 6 and "| refused |" in capability_row  # tensorrt's column only
+    assert got["gate"] == "demo near-ties" and got["prompt"] == [100, 16]
+    assert got["split"]["coordinates"] == [["coords"]] and got["split"]["demo_rows"] == [["demo"]]
+    assert got["parity_refused"] == "the demo mode needs 100 prompt tokens, not 60"
 
 
 def test_register_after_the_config_exists_is_refused():

@@ -37,7 +37,7 @@ def test_h2o_parity_passes_under_replayed_eviction(h2o_export):
         assert res["native_vs_function_body"]["greedy_identical"]
         assert res["native_vs_function_body"]["eviction"]["decisions"] == 46 * 2 * 2
     # at k = r and no eviction the graph is HF's model
-    assert res["ort_k1_vs_hf"]["pass"] and "eviction off" in res["ort_k1_vs_hf"]["graph"]
+    assert res["ort_k1_vs_hf"]["pass"] and "AQUA-H2O off" in res["ort_k1_vs_hf"]["graph"]
 
 
 def test_replaying_a_wrong_eviction_is_caught(h2o_export):
@@ -60,7 +60,7 @@ def test_replaying_a_wrong_eviction_is_caught(h2o_export):
             n = live.sum(-1, keepdims=True)
             bad.append(np.arange(live.shape[-1])[None, None, :] < n)
         wrong.append(bad)
-    probe = ReplayProbe(evictions=wrong)
+    probe = ReplayProbe(eviction=wrong)
     with apply_aqua(m, proj, cfg, probe=probe) as aqua:
         torch_trace(m, ids, toks, aqua.new_cache(), probe)
     s = probe.eviction_summary(None, 1e-4)
@@ -82,9 +82,13 @@ def test_parity_of_a_shared_buffer_export(tmp_path, tiny_llama):
 def test_cache_gate_bar_follows_what_the_rounding_moves():
     """The narrow-cache gate on two traces of 65 forwards, 4 of them with another argmax (as the int4 token folder's
     float16 cache measured): it passes under token selection (the rounding moves page choices at any width:
-    gates.CACHE_TOP1_TOKENS) and fails a float16 cache without it (0.95), as it does 7 differing forwards at any bar;
-    7 whose argmax moved by near-ties (margins within gates.CACHE_TIE_TOKENS) pass under token selection only."""
-    from aqua_export.parity.gates import CACHE_TIE_TOKENS, TOLERANCE, cache_gate
+    settings/tokens.py's Probe.cache_top1) and fails a float16 cache without it (0.95), as it does 7 differing forwards at any bar;
+    7 whose argmax moved by near-ties (margins within its logit tie) pass under token selection only."""
+    from aqua_export.parity.gates import TOLERANCE, cache_gate
+    from aqua_export.settings import tokens as token_selection
+
+    moved = token_selection.MECHANISM.probe.cache_top1  # (bar, logit tie)
+    CACHE_TIE_TOKENS = moved[1]
 
     rng = np.random.default_rng(0)
     ref = [rng.standard_normal((1, 50)).astype(np.float32) for _ in range(65)]
@@ -102,13 +106,13 @@ def test_cache_gate_bar_follows_what_the_rounding_moves():
     for r in swapped[1:8]:
         r[0, int(np.argsort(r[0])[-2])] += CACHE_TIE_TOKENS
     for tokens in (False, True):
-        c = cache_gate(swapped, near, TOLERANCE["float32"], "float16", tokens)
+        c = cache_gate(swapped, near, TOLERANCE["float32"], "float16", moved if tokens else None)
         assert c["top1_differing"] == 7 and c["pass"] == tokens, c
 
     verdicts = {}
     for n in (4, 7):
         for tokens in (False, True):
-            c = cache_gate(flipped(n), ref, TOLERANCE["float32"], "float16", tokens)
+            c = cache_gate(flipped(n), ref, TOLERANCE["float32"], "float16", moved if tokens else None)
             assert c["top1_differing"] == n and c["top1_bar"] == (0.9 if tokens else 0.95)
             verdicts[n, tokens] = c["pass"]
     assert verdicts == {(4, False): False, (4, True): True, (7, False): False, (7, True): False}

@@ -75,16 +75,16 @@ def test_a_replayed_block_choice_is_attended_and_gated(tiny):
     ids = torch.randint(0, m.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1)).numpy()
     layers, hkv = m.config.num_hidden_layers, m.config.num_key_value_heads
     every = [[np.ones((1, hkv, PROMPT, PROMPT), dtype=bool) for _ in range(layers)]]
-    probe = ReplayProbe(blocks=every)
+    probe = ReplayProbe(prefill_blocks=every)
     with torch.no_grad():
         with apply_aqua(m, proj, CONFIG, probe=probe, token_rows_from=PROMPT) as aqua:
             replayed = torch_trace(m, ids, [], aqua.new_cache(), probe)[0]
         with apply_aqua(m, proj, AquaConfig(k_ratio=0.5), token_rows_from=PROMPT) as aqua:
             dense = torch_trace(m, ids, [], aqua.new_cache())[0]
     assert np.abs(replayed - dense).max() < 1e-9
-    summary = probe.block_summary(None, 1e-4)
+    summary = probe.prefill_blocks_summary(None, 1e-4)
     assert summary["rows_differing"] > 0 and summary["max_gap_of_differing"] > 1e-2 and not summary["pass"], summary
-    assert not ReplayProbe().block_summary(None, 1e-4)["pass"]  # no sparse row seen: not exercised, not a pass
+    assert not ReplayProbe().prefill_blocks_summary(None, 1e-4)["pass"]  # no sparse row seen: not exercised, not a pass
 
 
 def test_the_parity_prompt_is_long_enough_to_choose_blocks():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import settings
 from ..ops.spec import CACHES
 from .probe import NOISE_FACTOR
 
@@ -22,33 +23,17 @@ from .probe import NOISE_FACTOR
 TOLERANCE = {"float32": {"aqua": 1e-3, "dense_vs_hf": 1e-4, "near_tie": 1e-4, "top1": 1.0, "own_top1": 0.95},
              "float16": {"aqua": 0.5, "dense_vs_hf": 0.5, "near_tie": None, "top1": 0.95, "logit_tie": 0.5,
                          "own_top1": 0.95}}
+# every gate parity may report, in the order its lines read; the mechanisms that choose at run time add theirs
 GATES = {"ort_vs_reference": "values under ORT's selection", "selection": "selection near-ties",
-         "pages": "token pages near-ties", "prefill_blocks": "sparse prefill block near-ties",
-         "eviction": "H2O eviction near-ties", "native_vs_function_body": "native kernel vs function body",
-         "ort_k1_vs_hf": "ORT at k = r vs HF", "cache_rounding": "narrow cache vs float32 cache"}
+         **{m.probe.gate: m.probe.says for m in settings.MECHANISMS if m.probe},
+         "native_vs_function_body": "native kernel vs function body", "ort_k1_vs_hf": "ORT at k = r vs HF",
+         "cache_rounding": "narrow cache vs float32 cache"}
 # The folder's narrow cache against the same graph caching float32, on the same tokens: top-1 at least its
-# CacheType's parity_top1 (beyond logit ties), or one forward differing: float16 0.95, int8 0.9. An int8 row rounds to
+# CacheType's parity_top1 (beyond logit ties), or one forward differing: float16 0.95, int8 0.9 (a mechanism whose
+# choices move with the rounding sets its own bar: settings/tokens.py). An int8 row rounds to
 # 2^-7 of its largest value where float16 rounds to 2^-11 of each value, so near-ties flip more often; what it costs is
 # measured where it matters (perplexity, pass keys: benchmarks/quality.md), and a cache that moved more than one
 # forward in ten fails here.
-# Under token selection the rounding also moves which pages a step reads, whatever the cache's width, and a moved
-# choice moves that forward's logits by up to ~1.3, so near-tie argmaxes flip at the rate choices move, not at the
-# rounding's size: the int4 token folder (k 0.25 group-weighted, budget 512, 64 steps) differed in 3 and in 4 of 65
-# forwards at float16 on two builds of the kernels whose prompt attention rounds differently in the last bits, in 4
-# at int8. The int8 bar.
-CACHE_TOP1_TOKENS = 0.9
-# ... and a forward whose argmax moved by at most CACHE_TIE_TOKENS logits there counts as a near-tie: with the MLP's
-# gate in one node (ops/matmul_q4a8.py GATED: the same function up to float32 rounding) the same folder differed in 7
-# of 65 forwards at a 512-token prompt (3 before), every one by a margin of 0.006 to 0.18, while a moved page choice
-# moves a forward's logits by up to ~1.3. The count is a draw: at 512 / 640 / 768 / 896 / 1,024 / 1,152 prompt tokens
-# the graph with the gate in one node differed in 7 / 2 / 5 / 1 / 0 / 2 forwards, the one before in 3 / 1 / 1 / 1 /
-# 0 / 5. A cache that rounds wrongly moves argmaxes by more than near-ties.
-CACHE_TIE_TOKENS = 0.25
-
-
-def cache_top1(cache_dtype: str, selects_tokens: bool) -> float:
-    """The top-1 agreement a folder's narrow cache must keep with the same graph caching float32."""
-    return CACHE_TOP1_TOKENS if selects_tokens else CACHES[cache_dtype].parity_top1
 
 
 def top1_gate(trace, other, tol: dict) -> dict:
@@ -61,12 +46,13 @@ def top1_gate(trace, other, tol: dict) -> dict:
     return c
 
 
-def cache_gate(trace, float32_cache, tol: dict, cache_dtype: str, selects_tokens: bool) -> dict:
+def cache_gate(trace, float32_cache, tol: dict, cache_dtype: str, moved: tuple[float, float] | None = None) -> dict:
     """The folder's graph (its cache_dtype cache) against the same graph caching float32, on the same tokens: top-1
-    gated as the native kernel's is (a near-tie may flip under the cache's rounding; cache_top1), the logit
-    differences reported (what the narrower cache costs)."""
-    bar = cache_top1(cache_dtype, selects_tokens)
-    tie = {"logit_tie": CACHE_TIE_TOKENS} if selects_tokens else {}
+    gated as the native kernel's is (a near-tie may flip under the cache's rounding), at the cache type's own bar
+    (ops.spec.CACHES' parity_top1), or at ``moved`` = (bar, logit tie) where a mechanism's choices move with the
+    rounding (settings.base.Probe.cache_top1), the logit differences reported (what the narrower cache costs)."""
+    bar = moved[0] if moved else CACHES[cache_dtype].parity_top1
+    tie = {"logit_tie": moved[1]} if moved else {}
     return {**top1_gate(trace, float32_cache, {**tol, **tie, "own_top1": bar}), "cache_dtype": cache_dtype,
             "top1_bar": bar}
 

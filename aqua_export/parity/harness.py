@@ -28,8 +28,11 @@ float16's own rounding (TOLERANCE).
 
 A float16 or int8 cache under a float32 graph (contract cache_dtype) rounds each new K^ and V as it is written, which
 the reference does not: every gate above runs the graph with its cache float32 (rewrites.float32_cache), and the
-folder's own run is compared with that one (top-1 gated at gates.cache_top1, the logit differences reported: what the
-cache's rounding costs). The kernels' narrow-cache paths are checked against float64 by the op catalogue.
+folder's own run is compared with that one (top-1 gated at gates.cache_gate's bar, the logit differences reported:
+what the cache's rounding costs). The kernels' narrow-cache paths are checked against float64 by the op catalogue.
+
+What each mechanism that chooses at run time adds (its recorded choice, its gate, the prompt that exercises it) is its
+settings.base.Probe: this module asks `probes(config)`, never a mechanism by name.
 """
 
 from __future__ import annotations
@@ -40,14 +43,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import corpus
+from .. import corpus, settings
 from ..config import AquaConfig, ConfigError
 from ..export.rewrites import (all_logits, float32_cache, float32_weight_casts, float_activations, graph_variant,
                                selection_outputs, set_k)
 from ..meter import stage_bar
 from ..models import cache_keyword
-from ..ops.rules import pages_dropped
-from ..ops.spec import PAGE, PREFILL_BLOCK, PREFILL_TAIL
 from ..projection import Projection
 from ..reference.attention import apply_aqua
 from ..reference.exported_weights import ExportedWeights
@@ -55,6 +56,7 @@ from ..reference.precision import computing_in
 from ..runtime.folder import FolderConfig
 from ..runtime.lm import OrtLM
 from ..runtime.session import make_session
+from ..settings.base import LIVE
 from .gates import GATES, TOLERANCE, cache_gate, compare, eviction_agreement, gate, top1_gate
 from .probe import NOISE_FACTOR, ReplayProbe, RuntimeRecorder
 
@@ -102,12 +104,19 @@ def torch_trace(model, ids: np.ndarray, toks: list[int], cache, probe: ReplayPro
     return [logits[:n]] + [logits[n + s - 1:n + s] for s in range(1, len(toks) + 1)]
 
 
-def _split_selections(extra: list, names: list) -> tuple[list, list, list]:
+def probes(config: AquaConfig) -> list:
+    """The Probes (settings.base.Probe) of the mechanisms this config turns on, in MECHANISMS' order."""
+    return [m.probe for m in settings.MECHANISMS if m.probe and m.on(config)]
+
+
+def _split_selections(extra: list, names: list) -> dict:
     """A debug run's extra outputs per forward (rewrites.selection_outputs: every inlined TopK's indices, in layer
-    order) -> per forward and layer: the coordinates' indices, the pages' order, sparse prefill's kept keys."""
-    kind = [{"page_order": "pages", "pf_keep_rows": "blocks"}.get(n.split("__")[0], "coords")
-            for n in names]  # the inliner suffixes a call's names: __<i>
-    return tuple([[x for x, k in zip(f, kind) if k == want] for f in extra] for want in ("coords", "pages", "blocks"))
+    order) -> {"coordinates": per forward and layer the coordinates' indices, and each Probe's gate: per forward and
+    layer its recorded choice (the output named by its source: the pages' order, sparse prefill's kept keys)}."""
+    owner = {m.probe.source: m.probe.gate for m in settings.MECHANISMS if m.probe and m.probe.source != LIVE}
+    kind = [owner.get(n.split("__")[0], "coordinates") for n in names]  # the inliner suffixes a call's names: __<i>
+    return {want: [[x for x, k in zip(f, kind) if k == want] for f in extra]
+            for want in ("coordinates", *owner.values())}
 
 
 def _joined(selections: list) -> list:
@@ -140,18 +149,22 @@ class OrtRun:
 
 def _ort_runs(cfg: FolderConfig, config: AquaConfig, kernel: str, sparse: bool, gated: tuple) -> list[OrtRun]:
     """Parity's ONNX Runtime runs, in order; all but the first are fed the first's tokens."""
-    h2o, pages, blocks = config.evicts, config.selects_tokens, config.sparse_prefill
-    exposed = sparse or h2o or pages or blocks
+    chooses = probes(config)
+    live = any(p.source == LIVE for p in chooses)
+    exposed = sparse or bool(chooses)
 
     def selections(trace, lm, rec):
-        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k], the pages' order [B, Hkv, 1, T, P]
-        # and the kept keys [B, Hkv, T, L]; per token and layer the live tokens
-        coords, orders, kept = _split_selections(rec.extra, lm.output_names[lm.n_outputs:])
-        return {"trace": trace[0], "coordinates": coords if sparse else None, "pages": orders if pages else None,
-                "blocks": kept if blocks else None, "live": rec.live if h2o else None}
+        # per forward and layer the coordinates' TopK indices [B, Hkv, g, T, k] and each probe's recorded choice (the
+        # pages' order [B, Hkv, 1, T, P], the kept keys [B, Hkv, T, L]); per token and layer the live tokens
+        chosen = _split_selections(rec.extra, lm.output_names[lm.n_outputs:])
+        return {"trace": trace[0], "coordinates": chosen["coordinates"] if sparse else None,
+                **{p.gate: rec.live if p.source == LIVE else chosen[p.gate] for p in chooses}}
 
     wide_cfg = dataclasses.replace(cfg, contract=dataclasses.replace(cfg.contract, cache_dtype=cfg.contract.dtype))
-    no_evict = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, h2o_ratio=1.0))  # HF: no eviction
+    # the run at k = r: set_k neutralizes every mechanism that declares neutral attributes, and the loop runs them off
+    # (an H2O cache of every token)
+    off = {s.name: s.default for m in settings.MECHANISMS if m.neutral for s in m.settings}
+    no_aqua = dataclasses.replace(wide_cfg, aqua=dataclasses.replace(cfg.aqua, **off))
     runs = [
         OrtRun("main", "the folder's graph", True, kernel, record=lambda trace, lm, rec: trace, own_cache=True,
                lm_cfg=cfg),
@@ -165,10 +178,10 @@ def _ort_runs(cfg: FolderConfig, config: AquaConfig, kernel: str, sparse: bool, 
                not exposed and (kernel == "native" or bool(gated)), "function", gated,
                record=lambda trace, lm, rec: {"trace": trace[0]}, tag="function"),
         OrtRun("native", "the native kernel", kernel == "native", "native", gated, recorder=True,
-               record=lambda trace, lm, rec: (trace[0], rec.live if h2o else None)),
+               record=lambda trace, lm, rec: (trace[0], rec.live if live else None)),
         # slice 0: every layer is d wide, so one k = r fits all nodes
         OrtRun("k_eq_r", "the graph with k = r", not config.is_dense and config.slice_ratio == 0, "auto",
-               (*gated, set_k(cfg.contract.widths[0])), lm_cfg=no_evict),
+               (*gated, set_k(cfg.contract.widths[0])), lm_cfg=no_aqua),
     ]
     return [r if r.lm_cfg else dataclasses.replace(r, lm_cfg=wide_cfg) for r in runs]
 
@@ -190,7 +203,7 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
         if not run.on:
             continue
         progress("ONNX Runtime, " + run.says)
-        rec = RuntimeRecorder(evictions=config.evicts) if run.recorder else None
+        rec = RuntimeRecorder(evictions=any(p.source == LIVE for p in probes(config))) if run.recorder else None
         transforms = (*base, *(() if run.own_cache else wide), *run.rewrites)
         with graph_variant(model_path, run.tag or run.key, *transforms) as path:
             lm = OrtLM(make_session(path, kernel=run.kernel, lean=lean), run.lm_cfg, probe=rec, all_rows=True)
@@ -201,29 +214,26 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
                 lm.session = None  # the session (and its weights) goes now, whoever still holds lm
         toks = runs["main"][1]
     # the trace the values are gated on: the one whose selections are exposed, or the float32-activation one
-    exposed = sparse or config.evicts or config.selects_tokens
+    exposed = sparse or bool(probes(config))
     runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (exposed or gated) else \
         runs.get("cache", runs["main"])[0]
     return runs
 
 
 def prompt_length(config: AquaConfig, requested: int, steps: int, context: int | None) -> int:
-    """The parity prompt's length: ``requested``, lengthened page by page (within the model's context, steps included)
-    until token selection's first decode step leaves a page out, so that parity tests the choice and not only the
-    exact attention of every token (a budget of 512 and a 256-token prompt read every page). Its gate fails when
-    no step leaves one out (ReplayProbe.page_summary); the build refuses that up front (check_exercised). Sparse
-    prefill: at least long enough for a query block to choose between key blocks (the third block, its two
-    predecessors forced, before the call's dense last rows), else its gate fails as not exercised."""
+    """The parity prompt's length: ``requested``, lengthened (within the model's context, steps included) until every
+    mechanism that chooses at run time is exercised by it (each Probe's prompt: token selection's first decode step
+    leaves a page out, sparse prefill's query blocks choose between key blocks), else their gates fail as not
+    exercised (ReplayProbe's summaries); check_run refuses up front what no prompt that fits can exercise."""
     limit = (context or 1 << 30) - steps
-    if config.sparse_prefill:
-        requested = max(requested, min(3 * PREFILL_BLOCK + PREFILL_TAIL, limit))
-    if not config.selects_tokens:
-        return requested
     n = requested
-    while n + PAGE <= limit and not pages_dropped(n + 1, config.token_ratio, config.token_budget, config.token_sink,
-                                                  config.token_window):
-        n += PAGE
-    return n
+    while True:  # to a fixed point: each probe's length is at least its input's
+        longer = n
+        for p in probes(config):
+            longer = p.prompt(config, longer, limit)
+        if longer == n:
+            return n
+        n = longer
 
 
 def parity_lengths(prompt: int | None, steps: int | None, context: int | None) -> tuple[int, int]:
@@ -249,15 +259,11 @@ def check_run(config: AquaConfig, requested: int, steps: int, context: int | Non
     if context and requested + steps > context:
         raise ConfigError(f"a parity prompt of {requested} tokens and {steps} decode steps is past the model's context "
                           f"of {context} tokens: lower them (--parity-prompt-tokens, --parity-steps / --steps)")
-    if not config.selects_tokens:
-        return
     n = prompt_length(config, requested, steps, context)
-    if not pages_dropped(n + 1, config.token_ratio, config.token_budget, config.token_sink, config.token_window):
-        what = f"--token-budget {config.token_budget}" if config.token_budget else f"--token-ratio {config.token_ratio:g}"
-        raise ConfigError(f"token selection ({what} plus the first {config.token_sink} and last {config.token_window} "
-                          f"tokens) reads every token of any prompt that fits this model's context of {context} "
-                          "tokens: nothing would ever be left out, and parity could not test it; lower the budget, "
-                          "--token-sink or --token-window")
+    for p in probes(config):
+        line = p.unexercised(config, n, context)
+        if line:
+            raise ConfigError(line)
 
 
 def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, config: AquaConfig, reference, *,
@@ -288,8 +294,9 @@ def run_parity(model_path, cfg: FolderConfig, tok, projection: Projection, confi
     _reference_phase(res, runs, model, ids, projection, config, tol, sparse, weights)
     _versus_hf(res, runs, model, ids, config, tol, weights)
     if "cache" in runs:
+        moved = [p.cache_top1 for p in probes(config) if p.cache_top1]
         res["cache_rounding"] = cache_gate(runs["main"][0], runs["cache"][0], tol, cfg.contract.cache_dtype,
-                                           config.selects_tokens)
+                                           min(moved) if moved else None)
     res["failed"] = [GATES[g] for g in GATES if g in res and not res[g].get("pass", True)]
     res["pass"] = not res["failed"]
     return res
@@ -299,7 +306,7 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
     """The PyTorch side of every AQUA comparison, on the tokens the ONNX Runtime runs were fed (weights: a quantized
     folder's, exported_weights.ExportedWeights)."""
     ort_trace, toks = runs.get("cache", runs["main"])  # the export as the reference computes it (cache float32)
-    h2o = config.evicts
+    chooses = probes(config)
     exact = tol["near_tie"] is not None  # float32 builds: float64 runs measure float32's own error
 
     def trace(dtype, probe=None):  # token selection on the fed tokens' rows, as the graph's decode steps
@@ -309,26 +316,22 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
 
     own = trace(torch.float32)
     res["ort_vs_reference_unforced"] = compare(ort_trace, own, tol["aqua"], tol.get("logit_tie"))
-    if sparse or h2o or config.selects_tokens or config.sparse_prefill:
+    if sparse or chooses:
         dbg = runs["debug"]
         sel = _joined(dbg["coordinates"]) if dbg["coordinates"] is not None else None
-        probes = [ReplayProbe(sel, dbg["live"], dbg["pages"], ids.shape[1], dbg["blocks"]) for _ in range(2)]
-        ref32 = trace(torch.float32, probes[0])
-        ref64 = trace(torch.float64, probes[1]) if exact else None
-        p32, p64 = probes[0], probes[1] if exact else None
+        probes_ = [ReplayProbe(sel, prompt=ids.shape[1], **{p.gate: dbg[p.gate] for p in chooses}) for _ in range(2)]
+        ref32 = trace(torch.float32, probes_[0])
+        ref64 = trace(torch.float64, probes_[1]) if exact else None
+        p32, p64 = probes_[0], probes_[1] if exact else None
         res["ort_vs_reference"] = gate(dbg["trace"], ref32, ref64, tol["aqua"], tol)
         res["selection"] = p32.selection_summary(p64, tol["near_tie"]) if sparse else \
             {"skipped": "k = r: nothing is selected"}
-        if h2o:
-            res["eviction"] = p32.eviction_summary(p64, tol["near_tie"])
-        if config.selects_tokens:
-            res["pages"] = p32.page_summary(p64, tol["near_tie"])
-        if config.sparse_prefill:
-            res["prefill_blocks"] = p32.block_summary(p64, tol["near_tie"])
+        for p in chooses:
+            res[p.gate] = getattr(p32, p.gate + "_summary")(p64, tol["near_tie"])
     else:
         res["ort_vs_reference"] = gate(runs["gated"], own, trace(torch.float64) if exact else None, tol["aqua"], tol)
         res["selection"] = {"skipped": "k = r: nothing is selected"}
-    for choice in ("selection", "pages", "prefill_blocks"):  # float16: top-1 agreement, each side choosing alone
+    for choice in ("selection", *(p.gate for p in chooses)):  # float16: top-1 agreement, each side choosing alone
         if res.get(choice, {}).get("gated") is False:
             res[choice]["pass"] = res["ort_vs_reference_unforced"]["top1_agreement_beyond_ties"] >= tol["top1"] and \
                 res[choice].get("pages_dropped", 1) > 0
@@ -337,8 +340,10 @@ def _reference_phase(res, runs, model, ids, projection, config, tol, sparse, wei
         # each side selects on its own here (the native kernel takes no forced indices): their score sums round
         # differently, later layers' q^ differ in the last bits, and a near-tie row can flip
         nf = top1_gate(native, runs["debug"]["trace"], tol)
-        if h2o:  # reported: a near-tie of two heavy sums can flip, and the logits gate above judges the outcome
-            nf["eviction"] = eviction_agreement(native_log, runs["debug"]["live"])
+        # reported: a near-tie of two heavy sums can flip, and the logits gate above judges the outcome
+        for p in chooses:
+            if p.source == LIVE:
+                nf[p.gate] = eviction_agreement(native_log, runs["debug"][p.gate])
         res["native_vs_function_body"] = nf
 
 
@@ -357,8 +362,10 @@ def _versus_hf(res: dict, runs: dict, model, ids, config: AquaConfig, tol: dict,
         with computing_in(model, torch.float64, weights):
             hf64 = torch_trace(model, ids, toks, None)
     res["ort_k1_vs_hf"] = gate(trace, hf32, hf64, tol["dense_vs_hf"] if config.is_dense else tol["aqua"], tol)
+    # set_k's neutral attributes: each mechanism named as its summary names it (AQUA-H2O, token selection, ...)
+    off = [m.summary.split(":")[0] for m in settings.MECHANISMS if m.neutral and m.on(config)]
     res["ort_k1_vs_hf"]["graph"] = "the folder's graph" if config.is_dense else \
-        "this folder's graph with k set to r (calibrated P kept)" + (", H2O eviction off" if config.evicts else "")
+        "this folder's graph with k set to r (calibrated P kept)" + (f", {' / '.join(off)} off" if off else "")
 
 
 def _quantization_reports(res, runs, model, ids, projection, config, tol, cfg) -> None:

@@ -37,16 +37,18 @@ class RuntimeRecorder:
 
 class ReplayProbe:
     """selections: per forward, per layer the indices [B, Hkv, g, T, k] another implementation kept, or None (the
-    reference keeps its own); evictions: per token, per layer the live tokens [B, Hkv, seen] after its step, or
-    None; page_orders: per forward (the prompt's, then each decode step's), per layer its ranked pages [B, Hkv, 1, T,
-    P] (token selection), or None; prompt: the prompt's length (decode step s is the row at position prompt + s);
-    blocks: per forward, per layer the keys sparse prefill kept [B, Hkv, T, L] (rewrites.selection_outputs'
-    pf_keep_rows: ORT's prompt calls, their rows' block choice), or None. Call next_forward() before each forward."""
+    reference keeps its own); prompt: the prompt's length (decode step s is the row at position prompt + s). The
+    recorded choices of the mechanisms that choose at run time, each under its Probe's gate (settings.base.Probe),
+    or None: eviction, per token, per layer the live tokens [B, Hkv, seen] after its step (AQUA-H2O); pages, per
+    forward (the prompt's, then each decode step's), per layer its ranked pages [B, Hkv, 1, T, P] (token selection);
+    prefill_blocks, per forward, per layer the keys sparse prefill kept [B, Hkv, T, L] (rewrites.selection_outputs'
+    pf_keep_rows: ORT's prompt calls, their rows' block choice). Each gate's reader is ``<gate>_summary``. Call
+    next_forward() before each forward."""
 
-    def __init__(self, selections: list | None = None, evictions: list | None = None, page_orders: list | None = None,
-                 prompt: int = 0, blocks: list | None = None):
-        self.selections, self.evictions, self.page_orders, self.prompt = selections, evictions, page_orders, prompt
-        self.kept_blocks = blocks  # per forward, per layer sparse prefill's kept keys [B, Hkv, T, L] bool, or None
+    def __init__(self, selections: list | None = None, prompt: int = 0, *, eviction: list | None = None,
+                 pages: list | None = None, prefill_blocks: list | None = None):
+        self.selections, self.evictions, self.page_orders, self.prompt = selections, eviction, pages, prompt
+        self.kept_blocks = prefill_blocks  # per forward, per layer sparse prefill's kept keys [B, Hkv, T, L], or None
         self.block_flips: list[tuple[int, int, float]] = []  # per call: sparse rows, rows keeping other keys, gap
         self.block_boundary: list[np.ndarray] = []  # per call: the mass at each sparse row's decision nearest X
         self.page_flips: list[tuple[int, int, float]] = []  # per call: rows, rows choosing other pages, gap
@@ -135,7 +137,7 @@ class ReplayProbe:
         error of the k-th score in this (float32) run against ``exact``'s float64 run)."""
         return _summary(self.flips, "rows", _relative_error(self.boundary, exact.boundary if exact else None), floor)
 
-    def page_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
+    def pages_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Decode rows whose own pages differ from the replayed ones, each a near-tie when the relative gap between
         the last page chosen by score and the next is within the bound (as selection_summary); and how many of the
         visible pages the decode rows left out: none means selection was never exercised, which does not pass."""
@@ -147,7 +149,7 @@ class ReplayProbe:
             out["pass"] = False
         return out
 
-    def block_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
+    def prefill_blocks_summary(self, exact: "ReplayProbe | None", floor: float | None) -> dict:
         """Sparse rows whose own key blocks differ from ONNX Runtime's, each a near-tie when the mass kept before
         its nearest decision is within the bound of the threshold (the bound as selection_summary's, from that
         mass's float32 error); and how many rows were sparse at all: none means the choice was never exercised,

@@ -2,7 +2,8 @@
 owns its fields, defaults, ranges, one-line help, the checks across fields and the attention node's attributes it
 contributes, and its rows of the capability table (what it asks of a backend, and the line refusing it there).
 AquaConfig (config.py: its fields and aliases, is_dense), the CLI flags, lm-eval's model arguments, the capability
-table (capabilities.py) and export.rewrites.set_k are derived from MECHANISMS, as is docs/cli.md from them. A new
+table (capabilities.py), export.rewrites.set_k and parity's per-mode gates and runs (Mechanism.probe) are derived
+from MECHANISMS, as is docs/cli.md from them. A new
 mechanism is a module here and one entry below (or register(), before aqua_export.config is imported:
 tests/test_one_home.py adds a mode that way)."""
 

@@ -95,6 +95,32 @@ class Setting:
                             choices=self.choices or None, help=f"{self.help} (default %(default)s)")
 
 
+LIVE = "live"  # Probe.source: the runtime loop's live tokens, not a graph output
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What parity (parity/harness.py) checks of a mechanism that chooses at run time: ONNX Runtime's choice is
+    recorded, the reference replays it (parity.probe.ReplayProbe), and every place the reference's own rule would
+    have chosen otherwise must be a float near-tie.
+
+    gate: the parity result's key, ReplayProbe's keyword for the recorded choice and its ``<gate>_summary`` reader;
+    says: the gate's name in the README's parity lines; source: where ONNX Runtime's choice is read, the debug graph's
+    output named so (export.rewrites.selection_outputs) or ``live`` (the loop's record of the live tokens after each
+    token: runtime.lm.Probe, a prompt then runs token by token); prompt: (cfg, requested, limit) -> the parity
+    prompt's length that exercises the choice within limit tokens; unexercised: (cfg, n, context) -> the line
+    refusing a config whose choice an n-token prompt (the longest in the model's context) never exercises, or None;
+    cache_top1: (top-1 agreement, logit tie) a narrow cache must keep with a float32 one when the mechanism is on
+    (its choices move with the rounding), or None for the cache type's own bar."""
+
+    gate: str
+    says: str
+    source: str  # LIVE, or an output name
+    prompt: Callable[[object, int, int], int] = lambda cfg, n, limit: n
+    unexercised: Callable[[object, int, object], str | None] = lambda cfg, n, context: None
+    cache_top1: tuple[float, float] | None = None
+
+
 @dataclass(frozen=True)
 class Mechanism:
     """One mechanism of AQUA, the whole of what the Python outside its op knows of it: its settings, whether a config
@@ -120,5 +146,8 @@ class Mechanism:
     # {(row, backend): the one line refusing it there}; notes: {(row, backend): the cell where it runs differently}
     refusals: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
-    # {node attribute: its value where the mechanism does nothing} (export.rewrites.set_k: the graph at k = r)
+    # {node attribute: its value where the mechanism does nothing} (export.rewrites.set_k: the graph at k = r; parity's
+    # run at k = r also sets this mechanism's settings to their defaults)
     neutral: dict = field(default_factory=dict)
+    # what parity checks of the choices it makes at run time (Probe), or None
+    probe: Probe | None = None

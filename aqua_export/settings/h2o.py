@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Mechanism, Setting
+from .base import LIVE, Mechanism, Probe, Setting
 
 RATIO = Setting("h2o_ratio", float, 1.0, "AQUA-H2O: share of tokens kept in the cache, in (0, 1]; 1 = no eviction",
                 interval=(0.0, 1.0, True, False))
@@ -21,6 +21,7 @@ MECHANISM = Mechanism("h2o", "AQUA-H2O: heavy-hitter eviction from the cache", (
                       node_attrs=lambda cfg: {"ratio": float(cfg.h2o_ratio)} if evicts(cfg) else {},
                       name_parts=lambda cfg: [f"h{cfg.h2o_ratio:g}"] if evicts(cfg) else [],
                       aliases={"evicts": evicts}, features={"h2o": evicts}, neutral={"ratio": 1.0},
+                      probe=Probe("eviction", "H2O eviction near-ties", LIVE),
                       refusals={("h2o", "genai"): "AQUA-H2O folders evict between tokens, which onnxruntime-genai "
                                 "cannot do: run them with --runtime aqua",
                                 ("h2o", "tensorrt"): "AQUA-H2O's H2OAttention node has no TensorRT plugin: use "

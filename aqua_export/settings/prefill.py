@@ -5,7 +5,8 @@ by estimated softmax mass until the threshold; decode steps and a call's last ro
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .base import Mechanism, Setting
+from ..ops import spec
+from .base import Mechanism, Probe, Setting
 
 THRESHOLD = Setting("prefill_threshold", float, 1.0, "sparse prefill: share of each prompt block's estimated softmax "
                     "mass its chosen key blocks keep, in (0, 1]; 1 = dense prompt", interval=(0.0, 1.0, True, False))
@@ -54,6 +55,12 @@ def _attrs(cfg) -> dict:
             "prefill_k_ratio": float(cfg.prefill_k_ratio)}
 
 
+def _parity_prompt(cfg, n: int, limit: int) -> int:
+    """Parity's prompt at least long enough (within limit) for a query block to choose between key blocks: the third
+    block, its two predecessors forced, before the call's dense last rows (else its gate fails as not exercised)."""
+    return max(n, min(3 * spec.PREFILL_BLOCK + spec.PREFILL_TAIL, limit))
+
+
 def _name(cfg) -> list:
     if not sparse(cfg):
         return []
@@ -66,5 +73,7 @@ MECHANISM = Mechanism("prefill", "sparse prefill: a prompt block attends the key
                       (THRESHOLD, STRIDE, K_RATIO), on=sparse, check=_check, node_attrs=_attrs, name_parts=_name,
                       aliases={"sparse_prefill": sparse}, features={"prefill": sparse},
                       neutral={"prefill_threshold": 1.0},
+                      probe=Probe("prefill_blocks", "sparse prefill block near-ties", "pf_keep_rows",
+                                  prompt=_parity_prompt),
                       refusals={("prefill", "tensorrt"): "sparse prefill (--prefill-threshold) is a mode of the fused "
                                 "AquaAttention node, which has no TensorRT plugin: use --runtime aqua or genai"})
