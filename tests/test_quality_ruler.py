@@ -71,3 +71,25 @@ def test_each_setting_answers_the_same_items_through_its_folder(tiny_llama, tmp_
     assert not list(tmp_path.glob("ruler-*"))  # each folder removed after its run
     text = "\n".join(quality_ruler.lines(data))
     assert f"| {TASK} | {LENGTH} |" in text and "(n 2)" in text
+
+
+def test_a_run_of_some_engines_merges_into_the_last_run_of_the_same_item_count():
+    cell = lambda *s: {"scores": list(s), "seconds": 1.0}  # noqa: E731
+    old = {"tasks": [TASK], "lengths": [2048], "items": 2,
+           "engines": {"dense": {TASK: {"2048": cell(1.0, 1.0)}},
+                       "openvino xattention": {TASK: {"2048": cell(0.0, 0.0)}}}}
+    new = {"tasks": [TASK], "lengths": [4096], "items": 2,
+           "engines": {"dense": {TASK: {"4096": cell(1.0, 0.0)}},
+                       "openvino xattention-all": {TASK: {"4096": cell(0.0, 1.0)}}}}
+    got = quality_ruler.merge(old, new)
+    assert got["lengths"] == [2048, 4096] and set(got["engines"]["dense"][TASK]) == {"2048", "4096"}
+    assert got["engines"]["openvino xattention"] == old["engines"]["openvino xattention"]
+    assert "openvino xattention-all" in got["engines"]
+    assert quality_ruler.merge(old, {**new, "items": 3}) == {**new, "items": 3}  # other counts: not one table
+    text = "\n".join(quality_ruler.lines(got))
+    assert f"| {TASK} | 4096 |" in text and "| - |" in text  # a cell an engine did not run
+
+
+def test_an_unknown_engine_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit, match="unknown openvino xattn; use any of dense"):
+        quality_ruler.measure(None, None, None, tmp_path, engines="dense,openvino xattn")

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ruler-items", type=int, default=quality_ruler.ITEMS, help="section ruler: items per task and "
                     "length")
     ap.add_argument("--ruler-tasks", default=",".join(quality_ruler.TASKS), help="section ruler: lm-eval's tasks")
+    ap.add_argument("--ruler-engines", default="", help="section ruler: only these engines, comma-separated (ours: "
+                    f"{', '.join(quality_ruler.SETTINGS)}; openvino <mode>: {', '.join(quality_ruler.OPENVINO)}), "
+                    "their cells merged into quality.json's of the same item count (default: every engine)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="measure only these (the others' figures are kept from quality.json, measured with the same "
@@ -280,8 +283,9 @@ def measure(a, sections: set, old: dict, model, tok, proj, proj_path: Path, text
     prefill = quality_prefill.measure(model, tok, proj, ROOT / "build" / "quality") if "prefill" in sections \
         else old.get("prefill", {})
     qa = quality_qa.measure(model, tok, proj, ROOT / "build" / "quality") if "qa" in sections else old.get("qa", {})
-    ruler = quality_ruler.measure(model, tok, proj, ROOT / "build" / "quality", a.ruler_tasks.split(","),
-                                  [int(n) for n in a.ruler_lengths.split(",")], a.ruler_items) \
+    ruler = quality_ruler.merge(old.get("ruler", {}), quality_ruler.measure(
+        model, tok, proj, ROOT / "build" / "quality", a.ruler_tasks.split(","),
+        [int(n) for n in a.ruler_lengths.split(",")], a.ruler_items, engines=a.ruler_engines)) \
         if "ruler" in sections else old.get("ruler", {})
     return {"results": results, "union": union, "lm_eval": lm_grid, "kv_split": split, "long": long,
             "passkey": passkey, "k_alloc": k_alloc, "prefill": prefill, "qa": qa, "ruler": ruler}

@@ -3,7 +3,7 @@ length, answered by folders of the embedded model at every speed setting and by 
 Tri-shape) on the same items, each cell with its count and a 95% interval, the dense folder's score beside it.
 
     python -m tools quality --sections ruler [--ruler-lengths 2048,4096,8192] [--ruler-items 50]
-                            [--ruler-tasks niah_single_1,...]
+                            [--ruler-tasks niah_single_1,...] [--ruler-engines "dense,openvino xattention"]
 
 Items: the first N lm-eval builds at each length with the embedded tokenizer (tools/ruler_items.py). Ours through
 aqua_export.lm_eval_model.AquaLM (ONNX Runtime, native kernels, 2 threads); OpenVINO's through
@@ -36,7 +36,7 @@ SETTINGS = {
     "token selection + sparse prefill 0.98, float16 cache": Setting(AquaConfig(**TOKENS, prefill_threshold=0.98),
                                                                     cache_dtype="float16", dense="dense"),
 }
-OPENVINO = ("dense", "xattention", "trishape")  # tools/ruler_openvino.py's modes, on its float32 conversion
+OPENVINO = ("dense", "xattention", "xattention-all", "trishape")  # tools/ruler_openvino.py's modes, its float32 IR
 NEAR_ZERO = 0.1  # dense's score at a length below which the length is dropped from claims
 
 
@@ -76,9 +76,17 @@ def openvino(mode: str, tasks, lengths, items: int, tokenizer: str, work: Path, 
 
 
 def measure(model, tok, proj, work: Path, tasks=TASKS, lengths=LENGTHS, items: int = ITEMS,
-            settings: dict = SETTINGS, peers=OPENVINO) -> dict:
+            settings: dict = SETTINGS, peers=OPENVINO, engines: str = "") -> dict:
     """{engine: {task: {length: {scores, seconds}}}} for ours (each setting's folder, built then removed) and
-    OpenVINO's modes."""
+    OpenVINO's modes; engines: only these (comma-separated names: a setting's, or "openvino <mode>"), or all."""
+    if engines:
+        wanted = [e.strip() for e in engines.split(",")]
+        known = [*settings, *(f"openvino {m}" for m in peers)]
+        unknown = [e for e in wanted if e not in known]
+        if unknown:
+            raise SystemExit(f"--ruler-engines: unknown {', '.join(unknown)}; use any of {', '.join(known)}")
+        settings = {k: v for k, v in settings.items() if k in wanted}
+        peers = [m for m in peers if f"openvino {m}" in wanted]
     from aqua_export import models
     from aqua_export.runtime.session import prompt_bf16_runs
 
@@ -103,8 +111,25 @@ def measure(model, tok, proj, work: Path, tasks=TASKS, lengths=LENGTHS, items: i
     return out
 
 
+def merge(old: dict, new: dict) -> dict:
+    """new's cells over old's (engine, task, length), when both counted the same items; else new alone."""
+    if not old or old.get("items") != new["items"]:
+        return new
+    engines = {k: dict(v) for k, v in old["engines"].items()}
+    for name, cells in new["engines"].items():
+        if "skipped" in cells or "skipped" in engines.get(name, {}):
+            engines[name] = cells
+            continue
+        for task, by in cells.items():
+            engines.setdefault(name, {}).setdefault(task, {}).update(by)
+    union = lambda a, b: [*a, *(x for x in b if x not in a)]  # noqa: E731
+    return {**new, "tasks": union(old["tasks"], new["tasks"]), "lengths": sorted(union(old["lengths"], new["lengths"])),
+            "engines": engines}
+
+
 def _brief(cells: dict) -> str:
-    return ", ".join(f"{t} {n}: {sum(c['scores'])}/{len(c['scores'])}" for t, by in cells.items() for n, c in by.items())
+    return ", ".join(f"{t} {n}: {sum(c['scores'])}/{len(c['scores'])}"
+                     for t, by in cells.items() for n, c in by.items())
 
 
 def _cell(c: dict) -> str:
@@ -134,8 +159,9 @@ def lines(data: dict) -> list[str]:
             "scored by "
             "its string match. Ours: folders of the embedded model at float32 weights (ONNX Runtime, native kernels, "
             "2 threads); OpenVINO GenAI: its float32 conversion of the same checkpoint, its continuous-batching "
-            "pipeline dense, with XAttention (threshold 0.8, blocks 64, stride 8) and with Tri-shape (its defaults), "
-            "2 threads. Each cell: the share found [95% Wilson interval] (items)."
+            "pipeline dense, with XAttention (threshold 0.8, blocks 64, stride 8; xattention-all: threshold 0.9999, "
+            "which keeps every block's mass, a control that should answer as dense does) and with Tri-shape (its "
+            "defaults), 2 threads. Each cell: the share found [95% Wilson interval] (items)."
             + (f" Not run: {skipped}." if skipped else "") + "\n",
             *table(head, rows),
             "\nSeconds per item (its prompt and answer, the engine's whole time over the items):\n",

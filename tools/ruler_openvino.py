@@ -6,7 +6,8 @@ tools/quality_ruler.py); writes the scores as JSON:
         --tasks niah_single_1 --lengths 2048 --items 20 --threads 2
 
 MODE: dense (its continuous-batching pipeline, no sparse attention), xattention (threshold 0.8, blocks of 64, stride
-8: OpenVINO's documented settings, as tools/request_runner.py runs it) or trishape (its defaults).
+8: OpenVINO's documented settings, as tools/request_runner.py runs it), xattention-all (the same at threshold 0.9999,
+where every block's mass is kept: a control that should answer as dense does) or trishape (its defaults).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ("dense", "xattention", "trishape")
+MODES = ("dense", "xattention", "xattention-all", "trishape")
+THRESHOLDS = {"xattention": 0.8, "xattention-all": 0.9999}
 
 
 def pipeline(folder: str, mode: str, threads: int):
@@ -26,9 +28,9 @@ def pipeline(folder: str, mode: str, threads: int):
     if mode != "dense":
         sc.use_sparse_attention = True
         cfg = ovg.SparseAttentionConfig()
-        if mode == "xattention":
+        if mode in THRESHOLDS:
             cfg.mode = ovg.SparseAttentionMode.XATTENTION
-            cfg.xattention_threshold, cfg.xattention_block_size, cfg.xattention_stride = 0.8, 64, 8
+            cfg.xattention_threshold, cfg.xattention_block_size, cfg.xattention_stride = THRESHOLDS[mode], 64, 8
         else:
             cfg.mode = ovg.SparseAttentionMode.TRISHAPE
         sc.sparse_attention_config = cfg
