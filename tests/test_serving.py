@@ -18,6 +18,7 @@ import pytest
 from helpers import tiny_folder
 
 from aqua_export.config import AquaConfig, ConfigError
+from aqua_export.runtime.caches import RowCache
 from aqua_export.runtime.lm import OrtLM
 from aqua_export.runtime.sampling import SamplingConfig
 from aqua_export.serving.engine import Engine, Sequence
@@ -62,11 +63,12 @@ def _serve_all(lm, requests, **engine_args):
 
 
 @pytest.mark.parametrize("kind", ["dense", "tokens", "int8"])
-def test_batching_never_changes_results(folders, kind):
+def test_batching_never_changes_results(folders, kind, monkeypatch):
     """32 requests of mixed lengths, 8 at a time, prefilled in chunks between the others' steps, with the rows moved
-    left and right as they come and go: token for token what each gives alone; with the prefix cache on (half the
-    prompts share a 64-token prefix) too, and the prefix cache is used. The int8 folder's rows (codes and scale) move
-    like any others."""
+    left and right as they come and go and the row cache regrown (in steps of 16 slots here) as they join and lengthen:
+    token for token what each gives alone; with the prefix cache on (half the prompts share a 64-token prefix) too,
+    and the prefix cache is used. The int8 folder's rows (codes and scale) move like any others."""
+    monkeypatch.setattr(RowCache, "GROW", 16)
     lm = OrtLM.from_folder(folders[kind], threads=1)
     if kind == "int8":
         import onnx
@@ -79,6 +81,7 @@ def test_batching_never_changes_results(folders, kind):
         alone, _ = _serve_all(lm, reqs, max_seqs=1, chunk=16)
         batched, engine = _serve_all(lm, reqs, max_seqs=8, chunk=16, prefix_bytes=(1 << 20) * shared)
         assert min(engine.moves.values()) > 0 and engine.steps < sum(n for _, n in reqs), (engine.moves, engine.steps)
+        assert engine.rows.regrown >= 4 and engine.rows.held == 8, (engine.rows.regrown, engine.rows.held)
         if shared:
             assert engine.prefix.hits >= 8 and engine.prefix.reused_tokens >= 8 * 64
         for i, (a, b) in enumerate(zip(alone, batched)):
@@ -86,6 +89,19 @@ def test_batching_never_changes_results(folders, kind):
     # and alone through the engine is OrtLM.generate's answer (the whole prompt in one forward)
     p, n = reqs[1]
     assert alone[1] == lm.generate(p[None], np.ones((1, len(p)), np.int64), SamplingConfig(max_new_tokens=n))[0].tolist()
+
+
+def test_the_row_cache_takes_memory_as_sequences_come(folders, monkeypatch):
+    """An engine of 8 rows of 144 slots serving one short request holds one row of the slots it used (in steps of 16
+    here), not the 8 x 144 its limits allow; 8 requests at once hold 8 rows."""
+    monkeypatch.setattr(RowCache, "GROW", 16)
+    lm = OrtLM.from_folder(folders["dense"], threads=1)
+    _, one = _serve_all(lm, [(np.arange(4, 24), 8)], max_seqs=8)
+    _, eight = _serve_all(lm, [(np.arange(4, 24), 8)] * 8, max_seqs=8)
+    assert (one.rows.held, one.rows.capacity) == (1, 144) and one.rows.slots < 144
+    per_slot = one.rows.nbytes // (one.rows.held * one.rows.slots)
+    assert one.rows.nbytes == per_slot * one.rows.slots and eight.rows.held == 8
+    assert one.rows.nbytes * 8 <= per_slot * 8 * 144 // 4  # a quarter of a reservation at the limits, or less
 
 
 def test_prefix_cache_is_bounded_and_evicts_the_oldest(folders):

@@ -134,20 +134,51 @@ class H2OCache(SharedCache):
 
 
 class RowCache:
-    """Continuous batching's buffers (serving.engine): ``rows`` sequences of up to ``capacity`` slots, allocated once,
-    zeroed, past and present of a forward over the first n rows (numpy views: the batch axis is outermost, so rows
-    0..n-1 are one contiguous block; the live sequences are kept packed there).
+    """Continuous batching's buffers (serving.engine): up to ``rows`` sequences of up to ``capacity`` slots, past and
+    present of a forward over the first n rows (numpy views: the batch axis is outermost, so rows 0..n-1 are one
+    contiguous block; the live sequences are kept packed there).
+
+    Memory is taken as the sequences come and grow, not reserved at the limits: the buffers hold ``held`` rows of
+    ``slots`` slots, regrown (one copy of what they hold) when a forward needs more rows or slots, each time by at
+    least half the rows and a quarter of the slots (and GROW), up to the limits. A mapping of zero pages reserved at the limits would not do
+    it: a K^ buffer is dim-major (a row's slots of one coordinate are contiguous), so writing one token touches a
+    page per coordinate, and a huge page per 2 MiB of them.
 
     Every row's tokens sit right-aligned at slots [start, total), the same ``total`` for all (the contract writes a
     forward's new tokens at total - sequence .. total - 1 of every row); slots before a row's start are masked out
     (attention_mask 0), and positions come from the mask and token selection's pages from the first visible slot
     (ops.rules.page_origin), so where a row starts changes nothing it computes."""
 
+    GROW = 256
+
     def __init__(self, contract: Contract, rows: int, capacity: int):
         self.contract, self.rows, self.capacity = contract, rows, capacity
-        self.arrays = {k: [contract.empty_buffer(k, rows, capacity, i, large_zeros, zeroed=True)
-                           for i in range(contract.layers)] for k in contract.kinds}
+        self.held = self.slots = self.regrown = 0
+        self.arrays: dict[str, list[np.ndarray]] = {k: [] for k in contract.kinds}
         self._ort: dict[int, dict[str, list]] = {}  # n -> OrtValues over the first n rows (no copy)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layers in self.arrays.values() for a in layers)
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """At least ``rows`` rows of ``slots`` slots held (within the limits; past them is the engine's bug)."""
+        if rows > self.rows or slots > self.capacity:
+            raise ValueError(f"{rows} rows of {slots} slots asked of a row cache of {self.rows} x {self.capacity}")
+        if rows <= self.held and slots <= self.slots:
+            return
+        held = min(self.rows, max(rows, self.held + max(1, self.held // 2)))
+        grown = -(-max(slots, self.slots + max(self.GROW, self.slots // 4)) // self.GROW) * self.GROW
+        cap = min(self.capacity, grown) if slots > self.slots else self.slots
+        ct = self.contract
+        for kind, layers in self.arrays.items():
+            fresh = [ct.empty_buffer(kind, held, cap, i, large_zeros, zeroed=True) for i in range(ct.layers)]
+            for a, b in zip(fresh, layers):  # what is held, into the new buffers' first rows and slots
+                slot_view(ct, kind, a)[:self.held, ..., :self.slots] = slot_view(ct, kind, b)
+            self.arrays[kind] = fresh
+        self.held, self.slots = held, cap
+        self.regrown += 1
+        self._ort.clear()
 
     def view(self, n: int, total: int) -> _Rows:
         """Rows 0..n-1 holding ``total`` slots, as OrtLM.step takes a cache (its next forward writes slots from
@@ -169,6 +200,7 @@ class RowCache:
     def shift(self, n: int, lo: int, hi: int, by: int) -> None:
         """Slots [lo, hi) of rows 0..n-1 moved ``by`` slots (either way; numpy copies through a buffer where the two
         ranges overlap)."""
+        self.reserve(n, hi + by)
         for kind, layers in self.arrays.items():
             for a in layers:
                 s = slot_view(self.contract, kind, a)
@@ -177,6 +209,7 @@ class RowCache:
     def put(self, row: int, src: SharedCache, at: int) -> None:
         """A sequence prefilled on its own (a one-row SharedCache of ``src.length`` tokens) into ``row`` at slots
         [at, at + length)."""
+        self.reserve(row + 1, at + src.length)
         copy_slots(self.contract, (self.arrays, row, at), (src.arrays, 0, 0), src.length)
 
     def move(self, dst: int, src: int, lo: int, hi: int) -> None:
@@ -208,8 +241,7 @@ class _Rows:
         return attention_mask.shape[1]
 
     def reserve(self, needed: int) -> None:
-        if needed > self.cache.capacity:  # the engine compacts before: a slip here would write out of bounds
-            raise ValueError(f"{needed} slots asked of a row cache of {self.cache.capacity}")
+        self.cache.reserve(self.n, needed)  # past its capacity raises: the engine compacts before
 
     def bind(self, io) -> None:
         self.cache.bind(io, self.n)

@@ -1,5 +1,6 @@
 """Continuous batching over one folder's graph: sequences join the running batch at a step boundary and leave it when
-they finish, over one fixed-capacity cache (runtime.caches.RowCache, one row per live sequence).
+they finish, over one cache of bounded capacity (runtime.caches.RowCache, one row per live sequence; its memory
+taken as sequences come and grow).
 
 One thread runs the model (Engine.run); requests arrive from any thread (submit, cancel). Each turn of the loop:
 
@@ -89,8 +90,7 @@ class Engine:
         self.lm, self.max_seqs, self.chunk, self.queue = lm, max_seqs, chunk, queue
         self.context = context or lm.cfg.serving_context
         self.rows = RowCache(lm.contract, max_seqs, self.capacity_for(self.context, margin))
-        self.private = SharedCache(1, lm.contract, lm.dtype)
-        self.private.reserve(self.context)
+        self.private = SharedCache(1, lm.contract, lm.dtype)  # grows with the prompts it holds
         self.prefix = PrefixCache(lm.contract, lm.dtype, chunk, prefix_bytes)
         self.waiting: deque[Sequence] = deque()
         self.live: list[Sequence] = []
