@@ -238,7 +238,7 @@ def _serve_parser(sub) -> None:
                                                          "server answers 429 (default %(default)s)")
     p.add_argument("--chunk", type=int, default=512, help="prompt tokens per prefill forward, interleaved with the "
                                                           "others' decode steps (default %(default)s)")
-    p.add_argument("--prefix-cache-mb", type=int, default=1024, help="memory kept for prompts' cache rows, reused by "
+    p.add_argument("--prefix-cache-mb", type=int, default=256, help="memory kept for prompts' cache rows, reused by "
                                                                     "prompts that start the same way; 0 = off "
                                                                     "(default %(default)s)")
     p.add_argument("--model-name", default="", help="the model id clients name (default: the folder's name)")

@@ -49,7 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tools.folders import FOLDERS, PY, Text, make, setup, threads_label
+from tools.folders import FOLDERS, PY, Text, make, setup, sized, threads_label
 from tools.servers import LLAMA_SERVER, LLAMACPP, SLOTS, WORK, Server, setup_llama_server
 from tools import serve_guidellm
 from tools.harness import BENCHMARKS, table, written_by
@@ -107,13 +107,14 @@ IN_PROCESS = {"openvino-cb": (OPENVINO, "cb_runner.py", OPENVINO_FOLDER),
 
 
 def drive_in_process(engine: str, prompts: list[str], new: int, concurrency: int, threads: int,
-                     system: str | None = None, raw: bool = False, precision: str = ""):
+                     system: str | None = None, raw: bool = False, precision: str = "", folder: str | None = None):
     """The same load without HTTP: OpenVINO GenAI's continuous-batching pipeline (tools/cb_runner.py, its environment,
-    prefix caching on as ours is) or our serving.Engine (tools/engine_runner.py); its summary, or (raw) each
-    request's record."""
+    prefix caching on as ours is) or our serving.Engine (tools/engine_runner.py), on its folder of the embedded model
+    or ``folder``; its summary, or (raw) each request's record."""
     import tempfile
 
-    python, runner, folder = IN_PROCESS[engine]
+    python, runner, embedded = IN_PROCESS[engine]
+    folder = folder or embedded
     load = {"chats": [[system, p] for p in prompts], "new": new, "at_once": concurrency, "threads": threads,
             "max_seqs": SLOTS, "prefix_caching": True, "precision": precision, "context": 2048}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
@@ -159,7 +160,7 @@ def summary(res: list[dict], wall: float, n: int, concurrency: int) -> dict:
             "decode_tokens_per_s": round(decode_pieces / decoding, 2) if decoding > 0 else None}
 
 
-SCENARIOS = ("load", "batching", "prefix", "peers", "guidellm")
+SCENARIOS = ("load", "batching", "prefix", "peers", *serve_guidellm.LOADS)  # guidellm, guidellm-1b
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -253,17 +254,24 @@ def peers(text: Text, threads: int, quick: bool, skip: bool) -> dict:
     return out
 
 
-def guidellm(text: Text, threads: int, quick: bool, with_peers: bool) -> dict:
-    """GuideLLM drives the HTTP servers (tools/serve_guidellm.py); OpenVINO's pipeline, which has no HTTP server
-    here, runs in process on prose prompts of the same length at the same concurrency."""
-    levels = (1, 4) if quick else serve_guidellm.CONCURRENCY
+def guidellm(text: Text, threads: int, quick: bool, with_peers: bool, scenario: str = "guidellm") -> dict:
+    """GuideLLM drives the HTTP servers (tools/serve_guidellm.py) at the scenario's load (serve_guidellm.LOADS: its
+    model, prompt and levels); OpenVINO's pipeline, which has no HTTP server here, runs in process on the same
+    prompts."""
+    load = serve_guidellm.LOADS[scenario]
+    levels = load.levels[:2] if quick else load.levels
     engines = ("ours-tokens-int4", *(("llama-server", "vllm") if with_peers else ()))
-    data = {c: serve_guidellm.prompts_file(text, WORK / f"guidellm-prompts-{c}.jsonl", serve_guidellm.requests_at(c))
+    models = {} if load.shape == "135M" else {"ours-tokens-int4": sized(load.shape, "ours"),  # the embedded: FOLDERS
+                                              "llama-server": sized(load.shape, "gguf"),
+                                              "vllm": sized(load.shape, "checkpoint")}
+    data = {c: serve_guidellm.prompts_file(text, WORK / f"{scenario}-prompts-{c}.jsonl", serve_guidellm.requests_at(c),
+                                           load.prompt, load.output)
             for c in levels}  # each level its own prompts: a server's prefix cache finds none from the level before
-    out = serve_guidellm.run(lambda e: Server(e, 2048, threads), data, engines, WORK)
+    out = serve_guidellm.run(lambda e: Server(e, 2048, threads, model=models.get(e)), data, engines, WORK, scenario)
     if with_peers:  # the same prompts
+        folder = sized(load.shape, "openvino") if models else None
         runs = [drive_in_process("openvino-cb", [json.loads(line)["prompt"] for line in path.read_text().splitlines()],
-                                 serve_guidellm.OUTPUT, c, threads) for c, path in data.items()]
+                                 load.output, c, threads, folder=folder) for c, path in data.items()]
         out["openvino-cb (in process)"] = {"rows": [serve_guidellm.of_summary(r) for r in runs],
                                            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
     return out
@@ -343,7 +351,8 @@ def write(res: dict) -> None:
     lines += ["## Against llama-cpp-python's server (one request at a time)", "",
               *table(["engine", "prompt tokens", "requests", "at once", "wall s", "tokens/s", "TTFT p50 / p95 s",
                       "peak RSS MB"], rows), ""]
-    lines += serve_guidellm.lines(res.get("guidellm", {}), res.get("measured_on", {}).get("guidellm", ""))
+    for name, load in serve_guidellm.LOADS.items():
+        lines += serve_guidellm.lines(res.get(name, {}), res.get("measured_on", {}).get(name, ""), load)
     (BENCHMARKS / "serve.md").write_text("\n".join(lines))
 
 
@@ -402,7 +411,8 @@ def main(argv=None) -> None:
                     "batching": lambda: batching(text, a.threads, 4 if a.quick else 16, ps),
                     "prefix": lambda: prefix(text, a.threads, 2 if a.quick else 4, ps),
                     "peers": lambda: peers(text, a.threads, a.quick, a.skip_peers or vi > 0),
-                    "guidellm": lambda: guidellm(text, a.threads, a.quick, not (a.skip_peers or vi))}
+                    **{name: (lambda name=name: guidellm(text, a.threads, a.quick, not (a.skip_peers or vi), name))
+                       for name in serve_guidellm.LOADS}}
             for i, name in enumerate(SCENARIOS):
                 if name in only:
                     print(name, f"[{native_variant()}]", flush=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "prefill"
 VENVS = ROOT / "build" / "venvs"
+LLAMA_SERVER_DIR = ROOT / "build" / "llama-server"  # tools/servers.setup_llama_server's (llama.cpp's sources too)
 PY = {"ours": sys.executable, "openvino": str(VENVS / "openvino" / "bin" / "python"),
       "llamacpp": str(VENVS / "llamacpp" / "bin" / "python"), "vllm": str(VENVS / "vllm" / "bin" / "python"),
       "guidellm": str(VENVS / "guidellm" / "bin" / "python")}
@@ -109,6 +110,53 @@ def make(spec: str) -> str:
         if tmp != out:
             tmp.replace(out)
     return str(out) + (f"@{suffix}" if suffix else "")
+
+
+SIZED = ROOT / "build" / "sized"  # sized(): each checkpoint shape's models, build/sized/<shape>/
+
+
+def sized(shape: str, kind: str) -> str:
+    """A random-weight checkpoint of tools/checkpoints.SHAPES[shape] and each engine's form of its weights, made once
+    under build/sized/<shape>: kind "checkpoint" (the bfloat16 HF folder, vLLM's), "ours" (the int4 token folder:
+    OURS["tokens-int4-f16"]), "openvino" (its int4 conversion, as make("openvino:int4")) or "gguf" (Q4_1, as the
+    embedded GGUF: converted by llama.cpp's own script, quantized by its library in build/venvs/llamacpp)."""
+    root = SIZED / shape
+    ckpt = root / "checkpoint"
+    if not ckpt.exists():
+        from tools.checkpoints import write_checkpoint
+
+        print(f"  writing the {shape} checkpoint", flush=True)
+        write_checkpoint(ckpt, shape)
+    out = {"checkpoint": ckpt, "ours": root / "ours-tokens-int4-f16", "openvino": root / "openvino-int4",
+           "gguf": root / "q4_1.gguf"}[kind]
+    if out.exists():
+        if kind == "ours":
+            current_kernels(out)
+        return str(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if kind == "ours":  # aqua-export writes its folder whole or not at all
+        tmp = out
+        steps = [[str(ROOT / ".venv" / "bin" / "aqua-export"), "--model", str(ckpt), *OURS["tokens-int4-f16"],
+                  "--out", str(out), "--force"]]
+    elif kind == "openvino":
+        steps = [[str(VENVS / "openvino" / "bin" / "optimum-cli"), "export", "openvino", "--model", str(ckpt), "--task",
+                  "text-generation-with-past", "--weight-format", "int4", "--group-size", "32", "--ratio", "1.0",
+                  str(tmp)]]
+    else:
+        convert = next(LLAMA_SERVER_DIR.glob("src/*/vendor/llama.cpp/convert_hf_to_gguf.py"))  # `serve --setup`'s
+        f16 = root / "f16.gguf"
+        steps = [[sys.executable, str(convert), str(ckpt), "--outtype", "f16", "--outfile", str(f16)],
+                 [PY["llamacpp"], "-c", "import ctypes, sys, llama_cpp as l; p = l.llama_model_quantize_default_params();"
+                  " p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_1; sys.exit(l.llama_model_quantize(sys.argv[1].encode(), "
+                  "sys.argv[2].encode(), ctypes.byref(p)))", str(f16), str(tmp)]]
+    print("  making", f"{shape}/{out.name}", flush=True)
+    with open(root / f"{out.name}.log", "w") as log:
+        for cmd in steps:
+            subprocess.run(cmd, check=True, stdout=log, stderr=log)
+    if tmp != out:
+        tmp.replace(out)
+    (root / "f16.gguf").unlink(missing_ok=True)
+    return str(out)
 
 
 def current_kernels(folder: Path) -> None:

