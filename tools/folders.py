@@ -144,6 +144,10 @@ def sized(shape: str, kind: str) -> str:
                   str(tmp)]]
     else:
         convert = next(LLAMA_SERVER_DIR.glob("src/*/vendor/llama.cpp/convert_hf_to_gguf.py"))  # `serve --setup`'s
+        import importlib.util
+
+        if importlib.util.find_spec("sentencepiece") is None:  # llama.cpp's converter imports it for any Llama
+            subprocess.run([sys.executable, "-m", "pip", "-q", "install", "sentencepiece"], check=True)
         f16 = root / "f16.gguf"
         steps = [[sys.executable, str(convert), str(ckpt), "--outtype", "f16", "--outfile", str(f16)],
                  [PY["llamacpp"], "-c", "import ctypes, sys, llama_cpp as l; p = l.llama_model_quantize_default_params();"
