@@ -427,7 +427,7 @@ def main(argv=None) -> None:
         res["variants"] = ran
     res.setdefault("measured_on", {}).update({name: f"{cpu_name()}, our kernels {' and '.join(ran)}, "
                                                      f"{a.threads} threads" for name in only})
-    if not a.quick and all(k in res for k in SCENARIOS):
+    if not a.quick and all(k in res for k in SCENARIOS[:4]):  # a GuideLLM section not yet run is left out
         write(res)
     print(json.dumps(res))
 
