@@ -160,7 +160,8 @@ def summary(res: list[dict], wall: float, n: int, concurrency: int) -> dict:
             "decode_tokens_per_s": round(decode_pieces / decoding, 2) if decoding > 0 else None}
 
 
-SCENARIOS = ("load", "batching", "prefix", "peers", *serve_guidellm.LOADS)  # guidellm, guidellm-1b
+IN_HOUSE = ("load", "batching", "prefix", "peers")  # our own client's scenarios; serve.md needs each
+SCENARIOS = (*IN_HOUSE, *serve_guidellm.LOADS)  # and GuideLLM's: guidellm, guidellm-1b
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -427,7 +428,7 @@ def main(argv=None) -> None:
         res["variants"] = ran
     res.setdefault("measured_on", {}).update({name: f"{cpu_name()}, our kernels {' and '.join(ran)}, "
                                                      f"{a.threads} threads" for name in only})
-    if not a.quick and all(k in res for k in SCENARIOS[:4]):  # a GuideLLM section not yet run is left out
+    if not a.quick and all(k in res for k in IN_HOUSE):  # a GuideLLM section not yet run is left out
         write(res)
     print(json.dumps(res))
 

@@ -37,14 +37,13 @@ class Load:
 
 # at 1B a 1,000-token prompt is ~2 TFLOP, ~27 s of a 2-core AVX2 CPU at its multiply-add peak: 512 + 64 at 1 and 4
 LOADS = {"guidellm": Load("135M", 1000, 128, (1, 4, 16)), "guidellm-1b": Load("1B", 512, 64, (1, 4))}
-PROMPT, OUTPUT = LOADS["guidellm"].prompt, LOADS["guidellm"].output
 
 
 def requests_at(streams: int) -> int:
     return max(4, 2 * streams)
 
 
-def prompts_file(text, path: Path, n: int, prompt: int = PROMPT, output: int = OUTPUT) -> Path:
+def prompts_file(text, path: Path, n: int, prompt: int, output: int) -> Path:
     """n prose prompts of ``prompt`` tokens (text: tools.folders.Text; none shares a prefix with another, nor with
     any other file's: a server's prefix cache finds nothing), each asking ``output`` tokens, as GuideLLM's JSON-lines
     data reads them. Written before the load: GuideLLM's own synthetic data is made by a worker process during the

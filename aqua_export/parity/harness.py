@@ -198,12 +198,14 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
     # quantized folders: the gated runs keep activations float32 (the folder's own level is the main run's)
     gated = (float_activations,) if cfg.weights.quantized and cfg.weights.accuracy_level else ()
     runs: dict = {"float16_weights": "cast per node at run time" if lean else None}
+    chooses = probes(config)
+    live = any(p.source == LIVE for p in chooses)
     toks = None
     for run in _ort_runs(cfg, config, kernel, sparse, gated):
         if not run.on:
             continue
         progress("ONNX Runtime, " + run.says)
-        rec = RuntimeRecorder(evictions=any(p.source == LIVE for p in probes(config))) if run.recorder else None
+        rec = RuntimeRecorder(evictions=live) if run.recorder else None
         transforms = (*base, *(() if run.own_cache else wide), *run.rewrites)
         with graph_variant(model_path, run.tag or run.key, *transforms) as path:
             lm = OrtLM(make_session(path, kernel=run.kernel, lean=lean), run.lm_cfg, probe=rec, all_rows=True)
@@ -214,7 +216,7 @@ def _ort_phase(model_path: Path, cfg: FolderConfig, config: AquaConfig, ids, ste
                 lm.session = None  # the session (and its weights) goes now, whoever still holds lm
         toks = runs["main"][1]
     # the trace the values are gated on: the one whose selections are exposed, or the float32-activation one
-    exposed = sparse or bool(probes(config))
+    exposed = sparse or bool(chooses)
     runs["gated"] = runs["debug"]["trace"] if "debug" in runs and (exposed or gated) else \
         runs.get("cache", runs["main"])[0]
     return runs

@@ -80,16 +80,9 @@ class SharedCache:
         if needed <= self.capacity:
             return
         cap = -(-needed // self.GROW) * self.GROW
-        ct, old = self.contract, self.capacity
-        for kind, layers in self.arrays.items():
-            grown = [ct.empty_buffer(kind, self.batch, cap, i, large_empty) for i in range(ct.layers)]
-            for a, b in zip(grown, layers if old else []):
-                if kind == "key":
-                    ct.key_rows(a)[..., :old] = ct.key_rows(b)
-                else:
-                    a[:, :, :old] = b
-            self.arrays[kind] = grown
-            self.ort[kind] = [ort.OrtValue.ortvalue_from_numpy(a) for a in grown]
+        self.ort = {k: [] for k in self.arrays}  # its OrtValues hold the old buffers
+        regrow(self.contract, self.arrays, self.batch, cap, large_empty)
+        self.ort = {k: [ort.OrtValue.ortvalue_from_numpy(a) for a in v] for k, v in self.arrays.items()}
         self.capacity = cap
 
     def bind(self, io) -> None:
@@ -149,7 +142,7 @@ class RowCache:
     (attention_mask 0), and positions come from the mask and token selection's pages from the first visible slot
     (ops.rules.page_origin), so where a row starts changes nothing it computes."""
 
-    GROW = 256
+    GROW = SharedCache.GROW
 
     def __init__(self, contract: Contract, rows: int, capacity: int):
         self.contract, self.rows, self.capacity = contract, rows, capacity
@@ -170,16 +163,8 @@ class RowCache:
         held = min(self.rows, max(rows, self.held + max(1, self.held // 2)))
         grown = -(-max(slots, self.slots + max(self.GROW, self.slots // 4)) // self.GROW) * self.GROW
         cap = min(self.capacity, grown) if slots > self.slots else self.slots
-        ct = self.contract
         self._ort.clear()  # its OrtValues hold the old buffers
-        for kind, layers in self.arrays.items():
-            for i in range(ct.layers):  # a layer at a time: the old and new buffers together are one layer's more
-                fresh = ct.empty_buffer(kind, held, cap, i, large_zeros, zeroed=True)
-                if i < len(layers):  # what is held, into the new buffer's first rows and slots
-                    slot_view(ct, kind, fresh)[:self.held, ..., :self.slots] = slot_view(ct, kind, layers[i])
-                    layers[i] = fresh
-                else:
-                    layers.append(fresh)
+        regrow(self.contract, self.arrays, held, cap, large_zeros, zeroed=True)
         self.held, self.slots = held, cap
         self.regrown += 1
 
@@ -218,6 +203,26 @@ class RowCache:
     def move(self, dst: int, src: int, lo: int, hi: int) -> None:
         """Row src's slots [lo, hi) into row dst (a finished row's place taken by the last live one)."""
         copy_slots(self.contract, (self.arrays, dst, lo), (self.arrays, src, lo), hi - lo)
+
+
+def regrow(contract: Contract, arrays: dict, rows: int, slots: int, allocate, zeroed: bool = False) -> None:
+    """Every layer's buffers of ``arrays`` ({kind: [layer buffers]}) replaced in place by buffers of ``rows`` rows and
+    ``slots`` slots (contract.empty_buffer's allocate and zeroed), what the old ones held in their first rows and
+    slots; a layer at a time, so the old and new buffers together are one layer's more than either, never twice the
+    cache. An empty list gets its layers."""
+    for kind, layers in arrays.items():
+        for i in range(contract.layers):
+            fresh = contract.empty_buffer(kind, rows, slots, i, allocate, zeroed=zeroed)
+            if i == len(layers):
+                layers.append(fresh)
+                continue
+            old = layers[i]
+            b, c = old.shape[0], old.shape[2]  # every kind is declared [B, Hkv, slots, ...]
+            if kind == "key":  # K^ dim-major: its slots are the last axis of the rows' view
+                contract.key_rows(fresh)[:b, ..., :c] = contract.key_rows(old)
+            else:
+                fresh[:b, :, :c] = old
+            layers[i] = fresh
 
 
 def slot_view(contract: Contract, kind: str, a: np.ndarray) -> np.ndarray:
