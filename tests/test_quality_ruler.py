@@ -93,3 +93,10 @@ def test_a_run_of_some_engines_merges_into_the_last_run_of_the_same_item_count()
 def test_an_unknown_engine_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(SystemExit, match="unknown openvino xattn; use any of dense"):
         quality_ruler.measure(None, None, None, tmp_path, engines="dense,openvino xattn")
+
+
+def test_every_engine_can_be_named_in_the_comma_separated_list(tmp_path):
+    names = [*quality_ruler.SETTINGS, *(f"openvino {m}" for m in quality_ruler.OPENVINO)]
+    assert all("," not in n for n in names)  # a comma in a name splits it into two unknown ones
+    with pytest.raises(SystemExit, match="unknown x;"):
+        quality_ruler.measure(None, None, None, tmp_path, engines=",".join([*names, "x"]))  # refused before anything builds

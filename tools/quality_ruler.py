@@ -33,8 +33,8 @@ SETTINGS = {
     "bfloat16 prompt": Setting(AquaConfig(prompt_precision="bfloat16"), dense="dense", needs_bf16=True),
     "int8 cache": Setting(AquaConfig(), cache_dtype="int8", dense="dense"),
     # the README's recommendation for speed at float weights (int4 weights loop on the 135M model: section qa)
-    "token selection + sparse prefill 0.98, float16 cache": Setting(AquaConfig(**TOKENS, prefill_threshold=0.98),
-                                                                    cache_dtype="float16", dense="dense"),
+    "token selection + sparse prefill 0.98 + float16 cache": Setting(AquaConfig(**TOKENS, prefill_threshold=0.98),
+                                                                     cache_dtype="float16", dense="dense"),
 }
 OPENVINO = ("dense", "xattention", "xattention-all", "trishape")  # tools/ruler_openvino.py's modes, its float32 IR
 NEAR_ZERO = 0.1  # dense's score at a length below which the length is dropped from claims
