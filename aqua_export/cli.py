@@ -239,8 +239,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--chunk", type=int, default=512, help="prompt tokens per prefill forward, interleaved with the "
                                                           "others' decode steps (default %(default)s)")
     p.add_argument("--prefix-cache-mb", type=int, default=256, help="memory kept for prompts' cache rows, reused by "
-                                                                    "prompts that start the same way; 0 = off "
-                                                                    "(default %(default)s)")
+                                                                    "prompts that start the same way (a start kept "
+                                                                    "once seen twice); 0 = off (default %(default)s)")
     p.add_argument("--model-name", default="", help="the model id clients name (default: the folder's name)")
     p.add_argument("--api-key", default=os.environ.get("AQUA_API_KEY", ""),
                    help="ask clients for `Authorization: Bearer KEY` on /v1 (default: $AQUA_API_KEY; none when unset)")

@@ -11,12 +11,21 @@ from tools.folders import Text
 
 def test_each_load_names_a_shape_checkpoints_make():
     for load in serve_guidellm.LOADS.values():
-        assert load.shape in SHAPES and load.levels == tuple(sorted(load.levels)) and load.prompt > load.output
+        assert load.shape in SHAPES and load.levels == tuple(sorted(load.levels))
+        assert min(load.lengths(load.at(load.levels[0]))) > load.output
+
+
+def test_a_load_of_a_length_range_spreads_its_prompts_over_it():
+    load = serve_guidellm.LOADS["guidellm-load"]
+    lengths = load.lengths(load.at(16))
+    assert len(lengths) == 200 and (min(lengths), max(lengths)) == (50, 400)
+    assert lengths != sorted(lengths) and lengths == load.lengths(200)  # shuffled, the same each run
+    assert abs(sum(lengths) / 200 - 225) < 1 and serve_guidellm.LOADS["guidellm"].at(4) == 8
 
 
 def test_prompts_are_distinct_and_of_the_length_asked(tmp_path):
     text = Text()
-    path = serve_guidellm.prompts_file(text, tmp_path / "p.jsonl", 3, prompt=64, output=8)
+    path = serve_guidellm.prompts_file(text, tmp_path / "p.jsonl", [64] * 3, output=8)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 3 and len({r["prompt"] for r in rows}) == 3
     assert all(r["prompt_tokens_count"] == 64 and r["output_tokens_count"] == 8 for r in rows)
@@ -30,4 +39,20 @@ def test_the_section_names_its_model_and_load():
                                           serve_guidellm.LOADS["guidellm-1b"]))
     assert "GuideLLM, 1B: 512-token prompts + 64 generated, at 1, 4 concurrent streams" in text
     assert "random-weight checkpoint of the 1B shape" in text and "| ours-tokens-int4 | 1 |" in text
-    assert serve_guidellm.lines({}, "here") == []
+    assert serve_guidellm.lines({}, "here") == [] and "int8 cache" not in text
+    load = serve_guidellm.LOADS["guidellm-load"]
+    text = "\n".join(serve_guidellm.lines({"ours-tokens-int4-i8": {"rows": [row], "peak_rss_mb": 900}}, "here", load))
+    assert "GuideLLM, 135M: 200 requests, 50-400-token prompts + 32 generated, at 16 concurrent streams" in text
+    assert "200 requests at each level, every server" in text and "int8 cache, as OpenVINO's own KV cache is u8" in text
+
+
+def test_a_rate_sweep_offers_each_rate_to_every_server_alike():
+    load, streams = serve_guidellm.LOADS["guidellm-rates"], serve_guidellm.LOADS["guidellm-load"]
+    assert load.rates and not streams.rates and load.levels == tuple(sorted(load.levels))
+    assert load.profile(1.0) == "kind=poisson,rate=1.0" and streams.profile(16) == "kind=concurrent,streams=16"
+    row = {"rate": 2.0, "requests": 48, "errored": 0, "duration_s": 30.0, "ttft_p50_s": 0.5, "ttft_p95_s": 1.0,
+           "itl_p50_ms": 40.0, "output_tokens_per_s": 50.0, "requests_per_s": 1.6}
+    text = "\n".join(serve_guidellm.lines({"vllm": {"rows": [row], "peak_rss_mb": 5000}}, "here", load))
+    assert "48 requests at each rate, 50-400-token prompts + 32 generated, at 0.5, 1.0, 2.0 requests/s" in text
+    assert "| engine | offered |" in text and "| vllm | 2.0/s |" in text and "`poisson` profile" in text
+    assert "No openvino-cb row" in text

