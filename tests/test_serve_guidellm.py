@@ -56,3 +56,17 @@ def test_a_rate_sweep_offers_each_rate_to_every_server_alike():
     assert "48 requests at each rate, 50-400-token prompts + 32 generated, at 0.5, 1.0, 2.0 requests/s" in text
     assert "| engine | offered |" in text and "| vllm | 2.0/s |" in text and "`poisson` profile" in text
     assert "No openvino-cb row" in text
+
+
+def test_serve_md_names_the_machine_of_each_section_a_part_run_measured(tmp_path, monkeypatch):
+    from tools import bench_serve
+
+    monkeypatch.setattr(bench_serve, "BENCHMARKS", tmp_path)
+    prefix = {"ours-tokens-int4": {"system_tokens": 2048, "cold_ttft_s": 8.2, "second_ttft_s": 8.0,
+                                   "warm_ttft_s": 0.37, "ratio": 22.2}}
+    bench_serve.write({"threads": 2, "load": {}, "batching": {}, "peers": {}, "prefix": prefix,
+                       "measured_on": {"prefix": "an AVX2 CPU"}})
+    text = (tmp_path / "serve.md").read_text()
+    assert "Measured on an AVX2 CPU." in text.split("## Prefix cache")[1].split("##")[0]
+    assert "Measured on" not in text.split("## Prefix cache")[0]  # the load's and batching's: none recorded
+    assert "| ours-tokens-int4 | 2048 | 8.2 | 8.0 | 0.37 | 22.2x |" in text

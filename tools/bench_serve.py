@@ -306,6 +306,12 @@ def _in_process(agg: dict) -> str:
             f"{ours['decode_tokens_per_s'] / ov['decode_tokens_per_s']:.2f}x its decode")
 
 
+def _where(res: dict, name: str) -> list[str]:
+    """A section's machine line, when a part run recorded it (measured_on); the header's otherwise."""
+    where = res.get("measured_on", {}).get(name)
+    return [f"Measured on {where}.", ""] if where else []
+
+
 def write(res: dict) -> None:
     (BENCHMARKS / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
     lines = ["# Serving under load: `aqua-export serve` against llama-server and OpenVINO GenAI", "",
@@ -321,7 +327,7 @@ def write(res: dict) -> None:
              "counted. "
              f"{SLOTS} sequences at once in each. Token counts by the embedded tokenizer.", ""]
     ld = res["load"]
-    lines += ["## Load: 200 requests of 50-400 prose tokens + 32 generated, 16 at a time", "",
+    lines += ["## Load: 200 requests of 50-400 prose tokens + 32 generated, 16 at a time", "", *_where(res, "load"),
               *table(["engine", "answered", "unique", "TTFT p50 / p95 s", "latency p50 / p95 s", "wall s", "tokens/s",
                       "peak RSS MB"],
                      [[k, f"{v['answered']} of {v['requests']}", v["unique"], f"{v['ttft_p50_s']} / {v['ttft_p95_s']}",
@@ -341,7 +347,7 @@ def write(res: dict) -> None:
             rows.append([engine, "one at a time" if x["concurrency"] == 1 else f"{x['concurrency']} at once",
                          x["wall_s"], x["tokens_per_s"], x["decode_tokens_per_s"], x["ttft_p50_s"], b["peak_rss_mb"],
                          f"**{b['ratio']}x**" if x["concurrency"] > 1 and "ratio" in b else ""])
-    lines += ["## Continuous batching: 16 chats of 1k prose tokens, 128 tokens each", "",
+    lines += ["## Continuous batching: 16 chats of 1k prose tokens, 128 tokens each", "", *_where(res, "batching"),
               *table(["engine", "", "wall s", "tokens/s (over the wall)", "decode tokens/s (all decoding)",
                       "TTFT p50 s", "peak RSS MB", "vs one at a time"], rows), "",
               "Tokens/s over the wall: the 16 x 128 generated tokens over the whole load, prompts included. Decode "
@@ -350,13 +356,14 @@ def write(res: dict) -> None:
               f"{_lead(agg, 'ours-tokens-int4', 'decode_tokens_per_s')} decode tokens/s"
               + (_in_process(agg) if "ours-engine" in agg and "openvino-cb" in agg else "") + ".", ""]
     lines += ["## Prefix cache: a 2k-token shared system prompt, then other questions under it", "",
+              *_where(res, "prefix"),
               *table(["engine", "system prompt tokens", "TTFT first s", "TTFT second s", "TTFT third on (median) s",
                       "first / third on"],
                      [[k, v["system_tokens"], v["cold_ttft_s"], v.get("second_ttft_s", "-"), v["warm_ttft_s"],
                        f"{v['ratio']}x"] for k, v in res["prefix"].items()]), ""]
     rows = [[k.split("@")[0], k.split("@")[1], v["requests"], v["concurrency"], v["wall_s"], v["tokens_per_s"],
              f"{v['ttft_p50_s']} / {v['ttft_p95_s']}", v["peak_rss_mb"]] for k, v in res["peers"].items()]
-    lines += ["## Against llama-cpp-python's server (one request at a time)", "",
+    lines += ["## Against llama-cpp-python's server (one request at a time)", "", *_where(res, "peers"),
               *table(["engine", "prompt tokens", "requests", "at once", "wall s", "tokens/s", "TTFT p50 / p95 s",
                       "peak RSS MB"], rows), ""]
     for name, load in serve_guidellm.LOADS.items():
