@@ -166,7 +166,7 @@ def summary(res: list[dict], wall: float, n: int, concurrency: int) -> dict:
 
 
 IN_HOUSE = ("load", "batching", "prefix", "peers")  # our own client's scenarios; serve.md needs each
-SCENARIOS = (*IN_HOUSE, *serve_guidellm.LOADS)  # and GuideLLM's: guidellm, guidellm-1b
+SCENARIOS = (*IN_HOUSE, *serve_guidellm.LOADS)  # and GuideLLM's (serve_guidellm.LOADS)
 
 
 def _pct(xs: list[float], p: float) -> float:

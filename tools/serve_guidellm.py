@@ -134,14 +134,14 @@ def of_summary(r: dict) -> dict:
 def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-bench"), tag: str = "guidellm") -> dict:
     """server_of(engine) -> a started bench_serve.Server; each engine at each of the load's levels over its prompts
     (data: {level: prompts_file}), its peak RSS; GuideLLM's files named by tag (the scenario, a LOADS key)."""
-    out = {}
+    out, load = {}, LOADS[tag]
+    counts = {c: len(path.read_text().splitlines()) for c, path in data.items()}  # every prompt of a file, once
     for engine in engines:
         server = server_of(engine)
         rows = []
         try:
             for c, path in data.items():
-                n = len(path.read_text().splitlines())  # every prompt of the file, once
-                rows.append(guidellm(server.port, server.model, LOADS[tag], c, n, work / f"{tag}-{engine}-{c}.json",
+                rows.append(guidellm(server.port, server.model, load, c, counts[c], work / f"{tag}-{engine}-{c}.json",
                                      path))
                 print(f"  guidellm {engine} at {c}: {rows[-1]}", flush=True)
         finally:
