@@ -40,6 +40,7 @@ def test_the_section_names_its_model_and_load():
     assert "GuideLLM, 1B: 512-token prompts + 64 generated, at 1, 4 concurrent streams" in text
     assert "random-weight checkpoint of the 1B shape" in text and "| ours-tokens-int4 | 1 |" in text
     assert serve_guidellm.lines({}, "here") == [] and "int8 cache" not in text
+    assert "GuideLLM CPU s" not in text and "ours-engine" not in text  # a run that measured neither
     load = serve_guidellm.LOADS["guidellm-load"]
     text = "\n".join(serve_guidellm.lines({"ours-tokens-int4-i8": {"rows": [row], "peak_rss_mb": 900}}, "here", load))
     assert "GuideLLM, 135M: 200 requests, 50-400-token prompts + 32 generated, at 16 concurrent streams" in text
@@ -72,3 +73,38 @@ def test_serve_md_names_the_machine_of_each_section_a_part_run_measured(tmp_path
     assert "Measured on an AVX2 CPU." in text.split("## Prefix cache")[1].split("##")[0]
     assert "Measured on" not in text.split("## Prefix cache")[0]  # the load's and batching's: none recorded
     assert "| ours-tokens-int4 | 2048 | 8.2 | 8.0 | 0.37 | 22.2x |" in text
+
+
+FAKE_GUIDELLM = """#!{python}
+import json, sys, time
+out = next(a for a in sys.argv if a.startswith("kind=json,path=")).split("path=", 1)[1]
+t = time.process_time()
+while time.process_time() - t < 0.4:  # the CPU a client takes from the server's cores
+    pass
+p = {{"percentiles": {{"p50": 1500.0, "p95": 2500.0}}, "mean": 10.0}}
+metrics = {{"time_to_first_token_ms": {{"successful": p}}, "inter_token_latency_ms": {{"successful": p}},
+           "output_tokens_per_second": {{"successful": p}}, "requests_per_second": {{"successful": p}},
+           "request_totals": {{"successful": 4, "errored": 0}}}}
+json.dump({{"benchmarks": [{{"metrics": metrics, "duration": 9.0, "requests": {{"successful": []}}}}]}}, open(out, "w"))
+"""
+
+
+def test_a_row_counts_the_cpu_guidellm_took_from_the_servers_cores(tmp_path, monkeypatch):
+    import sys
+
+    exe = tmp_path / "guidellm" / "bin" / "guidellm"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(FAKE_GUIDELLM.format(python=sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setattr(serve_guidellm, "VENVS", tmp_path)
+    load = serve_guidellm.LOADS["guidellm-1b-16"]
+    row = serve_guidellm.guidellm(1, "m", load, 16, 16, tmp_path / "out.json", tmp_path / "data.jsonl")
+    assert row["client_cpu_s"] >= 0.3 and row["ttft_p50_s"] == 1.5 and row["requests"] == 4
+    text = "\n".join(serve_guidellm.lines({"vllm": {"rows": [row], "peak_rss_mb": 5000},
+                                           "openvino-cb (in process)": {"rows": [serve_guidellm.of_summary(
+                                               {"concurrency": 16, "answered": 16, "requests": 16, "wall_s": 8.0,
+                                                "ttft_p50_s": 1.0, "ttft_p95_s": 2.0, "tokens_per_s": 9.0})],
+                                               "peak_rss_mb": 900}}, "here", load))
+    assert "GuideLLM, 1B: 16 requests, 1000-token prompts + 128 generated, at 16 concurrent streams" in text
+    assert f"| 10.0 | 10.0 | {row['client_cpu_s']} | 5000 |" in text and "| 9.0 | 2.0 | - | 900 |" in text
+    assert "GuideLLM CPU s: the CPU seconds" in text and "ours-engine" not in text

