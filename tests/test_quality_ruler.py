@@ -100,3 +100,14 @@ def test_every_engine_can_be_named_in_the_comma_separated_list(tmp_path):
     assert all("," not in n for n in names)  # a comma in a name splits it into two unknown ones
     with pytest.raises(SystemExit, match="unknown x;"):
         quality_ruler.measure(None, None, None, tmp_path, engines=",".join([*names, "x"]))  # refused before anything builds
+
+
+def test_a_task_and_length_no_run_measured_gets_no_row():
+    cell = lambda *s: {"scores": list(s), "seconds": 1.0}  # noqa: E731
+    data = {"tasks": [TASK, "niah_multikey_2"], "lengths": [2048, 4096], "items": 2,
+            "engines": {"dense": {TASK: {"2048": cell(1.0, 1.0), "4096": cell(1.0, 0.0)}},
+                        "sparse prefill 0.98": {"niah_multikey_2": {"2048": cell(0.0, 1.0)}}}}
+    text = "\n".join(quality_ruler.lines(data))
+    assert f"| {TASK} | 2048 |" in text and f"| {TASK} | 4096 |" in text
+    assert "| niah_multikey_2 | 2048 | - | 0.50" in text and "dense not run |" in text
+    assert "| niah_multikey_2 | 4096 |" not in text  # neither engine ran it: no row of dashes
