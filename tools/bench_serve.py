@@ -277,10 +277,11 @@ def guidellm(text: Text, threads: int, quick: bool, with_peers: bool, scenario: 
     out = serve_guidellm.run(lambda e: Server(e, 2048, threads, model=models.get(e)), data, engines, WORK, scenario)
     if with_peers and not load.rates:  # the same prompts (at a concurrency: our in-process client has no rate), and
         # our engine the same way: the in-process pair compares without HTTP or GuideLLM on the cores
+        prompts = {c: [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+                   for c, path in data.items()}
         for engine, folder in (("openvino-cb", sized(load.shape, "openvino") if models else None),
                                ("ours-engine", models.get("ours-tokens-int4"))):
-            runs = [drive_in_process(engine, [json.loads(line)["prompt"] for line in path.read_text().splitlines()],
-                                     load.output, c, threads, folder=folder) for c, path in data.items()]
+            runs = [drive_in_process(engine, ps, load.output, c, threads, folder=folder) for c, ps in prompts.items()]
             out[f"{engine} (in process)"] = {"rows": [serve_guidellm.of_summary(r) for r in runs],
                                              "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
     return out

@@ -134,8 +134,7 @@ def of_summary(r: dict) -> dict:
     """A row from tools/bench_serve.py's in-process summary (no inter-token latency there)."""
     return {"streams": r["concurrency"], "requests": r["answered"], "errored": r["requests"] - r["answered"],
             "duration_s": r["wall_s"], "ttft_p50_s": r["ttft_p50_s"], "ttft_p95_s": r["ttft_p95_s"], "itl_p50_ms": "-",
-            "output_tokens_per_s": r["tokens_per_s"], "requests_per_s": round(r["answered"] / r["wall_s"], 3),
-            "client_cpu_s": "-"}
+            "output_tokens_per_s": r["tokens_per_s"], "requests_per_s": round(r["answered"] / r["wall_s"], 3)}
 
 
 def run(server_of, data: dict, engines=ENGINES, work: Path = Path("build/serve-bench"), tag: str = "guidellm") -> dict:
