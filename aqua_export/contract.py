@@ -24,9 +24,9 @@ The logits (last_logits, what the ONNX Runtime graphs do): only each sequence's 
 (its last position whose attention_mask is 1); the other rows are unspecified (ops/logit_rows.py: never written, so a
 long prompt's [T, vocab] logits are never resident; the last layer's MLP already runs on those rows alone:
 export.decoder_graph). Generation reads those rows alone, onnxruntime-genai included.
-Perplexity, lm-eval and parity open the graph with its constant ``all_logits`` set to 1 (rewrites.all_logits), which
-computes every row. (A graph input with a default would do it per call, but ONNX Runtime's IOBinding cannot bind
-an input that has an initializer.)
+Perplexity, lm-eval and parity open the graph with its constant ``all_logits`` made an input (rewrites.all_logits;
+not an initializer with a default, which ONNX Runtime's IOBinding cannot bind), fed per forward by runtime.lm.OrtLM:
+1 computes every row, 0 the last rows alone (the prompt lm-eval's generate_until generates from).
 
 The KV contract, as onnxruntime-genai drives it (docs/design.md, The KV contract):
   * total = attention_mask.shape[1] is the only length the graph needs; the new tokens go to slots

@@ -350,6 +350,7 @@ def test_last_layer_computes_the_head_rows_alone(tiny_llama, tmp_path, settings,
     """A last_logits graph's last layer runs its MLP (and, where a decode step of that row is exact, its attention)
     on each sequence's last real token alone: a prompt's logits equal the every-row graph's at that row, padded on
     either side; token selection and H2O keep every query row in the attention."""
+    from aqua_export.runtime.sampling import SamplingConfig
     from aqua_export.runtime.session import native_library
 
     if kernel == "native" and native_library() is None:
@@ -376,6 +377,16 @@ def test_last_layer_computes_the_head_rows_alone(tiny_llama, tmp_path, settings,
         at = [np.flatnonzero(xm[b])[-1] for b in range(2)]
         assert got.shape == (2, 1, m.config.vocab_size)
         assert np.abs(got[:, 0] - want[[0, 1], at]).max() <= 1e-5
+        # the every-row graph told to compute the last rows alone (a prompt generated from: lm-eval's generate_until)
+        alone, _ = every.step(x, xm, every.empty_past(2), last_row=True)
+        assert every.row_switch and np.abs(alone[[0, 1], at] - want[[0, 1], at]).max() <= 1e-5
+        if kernel == "function":  # its body writes zeros where the native kernel leaves rows unwritten
+            others = np.ones(alone.shape[:2], bool)
+            others[[0, 1], at] = False
+            assert not alone[others].any() and want[others].any()
+    new_rows = rows.generate(ids.numpy(), mask.numpy(), SamplingConfig(max_new_tokens=6), eos_token_id=None)
+    assert np.array_equal(every.generate(ids.numpy(), mask.numpy(), SamplingConfig(max_new_tokens=6),
+                                         eos_token_id=None), new_rows)
 
 
 @pytest.mark.parametrize("settings", [dict(k_ratio=0.5), dict(k_ratio=0.5, token_budget=32, selection="group"),

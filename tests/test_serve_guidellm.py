@@ -50,12 +50,13 @@ def test_the_section_names_its_model_and_load():
 def test_a_rate_sweep_offers_each_rate_to_every_server_alike():
     load, streams = serve_guidellm.LOADS["guidellm-rates"], serve_guidellm.LOADS["guidellm-load"]
     assert load.rates and not streams.rates and load.levels == tuple(sorted(load.levels))
-    assert load.profile(1.0) == "kind=poisson,rate=1.0" and streams.profile(16) == "kind=concurrent,streams=16"
+    assert load.profile(1.0) == "kind=constant,rate=1.0" and streams.profile(16) == "kind=concurrent,streams=16"
     row = {"rate": 2.0, "requests": 48, "errored": 0, "duration_s": 30.0, "ttft_p50_s": 0.5, "ttft_p95_s": 1.0,
            "itl_p50_ms": 40.0, "output_tokens_per_s": 50.0, "requests_per_s": 1.6, "arrived_per_s": 3.9}
     text = "\n".join(serve_guidellm.lines({"vllm": {"rows": [row], "peak_rss_mb": 5000}}, "here", load))
     assert "48 requests at each rate, 50-400-token prompts + 32 generated, at 0.5, 1.0, 2.0 requests/s" in text
-    assert "| engine | offered |" in text and "| vllm | 2.0/s (3.9/s arrived) |" in text and "`poisson` profile" in text
+    assert "| engine | offered |" in text and "| vllm | 2.0/s (3.9/s arrived) |" in text
+    assert "`constant` profile" in text
     starts = [{"request_start_time": 100.0 + 0.5 * i} for i in (3, 0, 2, 1)]  # 2 a second, in any order
     assert serve_guidellm.arrived(starts) == 2.0 and serve_guidellm.arrived(starts[:1]) != 2.0
     assert "No openvino-cb row" in text

@@ -33,8 +33,8 @@ embedded tokenizer, the GGUF's own vocabulary):
               (tools/serve_guidellm.py); OpenVINO's pipeline in process on the same prompts
     guidellm-1b    the same at the 1B shape, 512 + 64 at 1 / 4 streams (float16 cache)
     guidellm-load  the load scenario's 200 requests of 50-400 tokens + 32, 16 at a time, under GuideLLM
-    guidellm-rates the same requests offered at fixed rates (GuideLLM's Poisson arrivals): 48 at each of 0.5 / 1 /
-                   2 requests/s, each row with the rate they arrived at (GuideLLM 0.8.1 sent ~1.8x the rate asked)
+    guidellm-rates the same requests offered at fixed rates (GuideLLM's constant profile: evenly spaced): 48 at each
+                   of 0.5 / 1 / 2 requests/s, each row with the rate they arrived at
 
 Writes benchmarks/serve.json and benchmarks/serve.md. Folders: build/prefill's ours-int4, ours-tokens-int4-f16,
 ours-tokens-int4-i8 (the same with --cache-dtype int8) and openvino-int4, built there once as `python -m tools

@@ -197,13 +197,18 @@ def _without_int8_rows(m, ct) -> None:
 
 
 def all_logits(m):
-    """The graph with its constant all_logits (contract.Contract, last_logits) 1: the head computes every position's
-    logits, not only each sequence's last (a graph without the constant is returned as it is)."""
-    from onnx import numpy_helper
+    """The graph whose constant all_logits (contract.Contract, last_logits) becomes an input of the same name, [1]
+    int64 that runtime.lm.OrtLM feeds each forward: 1, the head computes every position's logits (perplexity,
+    lm-eval's loglikelihood, parity); 0, each sequence's last row alone (a prompt generated from: lm-eval's
+    generate_until). A graph without the constant is returned as it is."""
+    from onnx import TensorProto
+    from onnx import helper as H
 
-    for t in m.graph.initializer:
+    for i, t in enumerate(m.graph.initializer):
         if t.name == Contract.ALL_LOGITS:
-            t.CopyFrom(numpy_helper.from_array(np.ones(1, np.int64), t.name))
+            del m.graph.initializer[i]  # an input, not an overridable initializer: ONNX Runtime binds only inputs
+            m.graph.input.append(H.make_tensor_value_info(Contract.ALL_LOGITS, TensorProto.INT64, [1]))
+            break
     return m
 
 

@@ -68,6 +68,10 @@ class OrtLM:
         # whether a forward's logits hold every position (a graph opened with rewrites.all_logits, or one computing
         # them all: TensorRT's) or each sequence's last real token's row only (contract last_logits)
         self.all_rows = not self.contract.last_logits if all_rows is None else all_rows
+        # the all-logits graph's input (rewrites.all_logits), fed each forward: 1 every row, 0 (a prompt generated
+        # from) each sequence's last row alone
+        self.row_switch = hasattr(session, "get_inputs") and any(
+            i.name == self.contract.ALL_LOGITS for i in session.get_inputs())
         self._check_graph()
 
     def _check_graph(self) -> None:
@@ -128,12 +132,14 @@ class OrtLM:
             return [ct.empty_buffer(kind, batch, 0, i) for i in range(self.layers) for kind in ct.kinds]
         return H2OCache(batch, ct, self.dtype, self.h2o_ratio) if self.h2o else SharedCache(batch, ct, self.dtype)
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past):
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past, last_row: bool = False):
         """One forward. input_ids [B, T], attention_mask [B, P+T] (every token seen, padding 0); past as from
         empty_past. Returns (logits, present): logits [B, T, V] when the session computes every row (all_rows), else
-        [B, 1, V], each sequence's last real token's (what the next token is picked from: contract.Contract)."""
+        [B, 1, V], each sequence's last real token's (what the next token is picked from: contract.Contract).
+        last_row: only each sequence's last real token's row is read (a prompt being generated from): an all-logits
+        session's head computes that row alone (row_switch) and leaves the others of [B, T, V] unspecified."""
         if not self.shared:
-            out = self._run(input_ids, attention_mask, past)
+            out = self._run(input_ids, attention_mask, past, last_row)
             self._record(out[self.n_outputs:])
             return self._rows(out[0], attention_mask), out[1:self.n_outputs]
         if self.probe is not None and self.probe.evictions and input_ids.shape[1] > 1:
@@ -147,7 +153,7 @@ class OrtLM:
             self._record([np.concatenate(x, axis=-2) for x in zip(*extra)])
             logits = np.concatenate(logits, axis=1)  # a row per token: every position
             return logits if self.all_rows else self._rows(logits, attention_mask, pick=True), past
-        logits, past, extra = self._step_shared(input_ids, attention_mask, past)
+        logits, past, extra = self._step_shared(input_ids, attention_mask, past, last_row)
         if self.probe is not None and self.probe.evictions:
             self.probe.evicted([past.live(i) for i in range(self.layers)])
         self._record(extra)
@@ -165,14 +171,16 @@ class OrtLM:
         if self.probe is not None:
             self.probe.forward(extra)
 
-    def _run(self, input_ids, attention_mask, past) -> list[np.ndarray]:
+    def _run(self, input_ids, attention_mask, past, last_row: bool = False) -> list[np.ndarray]:
         ct = self.contract
         feed = {ct.INPUT_IDS: input_ids.astype(np.int64), ct.ATTENTION_MASK: attention_mask.astype(np.int64)}
+        if self.row_switch:
+            feed[ct.ALL_LOGITS] = np.array([0 if last_row else 1], np.int64)
         names = [ct.past(i, kind) for i in range(self.layers) for kind in ct.kinds]
         feed.update(zip(names, past))
         return self.session.run(None, feed)
 
-    def _step_shared(self, input_ids, attention_mask, cache: SharedCache):
+    def _step_shared(self, input_ids, attention_mask, cache: SharedCache, last_row: bool = False):
         """past and present bound to the same buffers (IOBinding): the graph writes the new entries in place.
         Returns (logits [B, T, V] or each sequence's last row [B, 1, V], cache, the outputs beyond the contract). The
         logits go to a buffer of ours, so that of a long prompt's [B, T, V] only the rows read are ever touched
@@ -186,6 +194,8 @@ class OrtLM:
         io = self.session.io_binding()
         io.bind_cpu_input(ct.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
         io.bind_cpu_input(ct.ATTENTION_MASK, mask)
+        if self.row_switch:
+            io.bind_cpu_input(ct.ALL_LOGITS, np.array([0 if last_row else 1], np.int64))
         logits = np.empty((b, t, ct.vocab), self.dtype)
         io.bind_ortvalue_output(ct.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         extra = self.output_names[self.n_outputs:]
@@ -197,17 +207,18 @@ class OrtLM:
         cache.after(t)
         return self._rows(logits, mask), cache, [o.numpy() for o in outs[1:1 + len(extra)]]
 
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, last_row: bool = False):
         """Prompts [B, T] (attention_mask [B, T]) into a fresh cache -> (the last forward's logits, past), as step
-        returns them. Forwards of PREFILL_CHUNK tokens when every row ends at the last column (its last token then
-        falls in the last chunk; right-padded rows are one forward) and no probe watches; AQUA-H2O: one forward."""
+        returns them (last_row: as step's). Forwards of PREFILL_CHUNK tokens when every row ends at the last column
+        (its last token then falls in the last chunk; right-padded rows are one forward) and no probe watches;
+        AQUA-H2O: one forward."""
         t = input_ids.shape[1]
         chunk = t
         if t > PREFILL_CHUNK and self.probe is None and not self.h2o and bool((attention_mask[:, -1] != 0).all()):
             chunk = PREFILL_CHUNK
         past = self.empty_past(input_ids.shape[0])
         for s in range(0, t, chunk):
-            logits, past = self.step(input_ids[:, s:s + chunk], attention_mask[:, :s + chunk], past)
+            logits, past = self.step(input_ids[:, s:s + chunk], attention_mask[:, :s + chunk], past, last_row)
         return logits, past
 
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray, sampling: SamplingConfig,
@@ -219,7 +230,7 @@ class OrtLM:
         rng = np.random.default_rng(sampling.seed if sampling.seed >= 0 else None)  # < 0: fresh, as genai
         b = input_ids.shape[0]
         mask = attention_mask.astype(np.int64)
-        logits, past = self.prefill(input_ids, mask)
+        logits, past = self.prefill(input_ids, mask, last_row=True)
         logits = self._rows(logits, mask, pick=True)  # a session computing every row: each prompt's last token's
         done = np.zeros(b, dtype=bool)
         out = []
