@@ -68,9 +68,20 @@ def test_each_setting_answers_the_same_items_through_its_folder(tiny_llama, tmp_
     for name in settings:
         cell = data["engines"][name][TASK][str(LENGTH)]
         assert len(cell["scores"]) == 2 and set(cell["scores"]) <= {0.0, 1.0} and cell["seconds"] > 0
+        assert cell["head"] == "last row"
     assert not list(tmp_path.glob("ruler-*"))  # each folder removed after its run
     text = "\n".join(quality_ruler.lines(data))
     assert f"| {TASK} | {LENGTH} |" in text and "(n 2)" in text
+    assert "head on every position" not in text  # no cell of this run is marked
+
+
+def test_seconds_measured_before_the_last_row_head_are_marked():
+    data = {"tasks": [TASK], "lengths": [2048], "items": 1,
+            "engines": {"dense": {TASK: {"2048": {"scores": [1.0], "seconds": 13.0}}},
+                        "int8 cache": {TASK: {"2048": {"scores": [1.0], "seconds": 9.0, "head": "last row"}}},
+                        "openvino dense": {TASK: {"2048": {"scores": [1.0], "seconds": 10.0}}}}}
+    text = "\n".join(quality_ruler.lines(data))
+    assert f"| {TASK} | 2048 | 13.0 * | 9.0 | 10.0 |" in text and "head on every position" in text
 
 
 def test_a_run_of_some_engines_merges_into_the_last_run_of_the_same_item_count():
