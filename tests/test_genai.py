@@ -127,7 +127,7 @@ def test_chunked_prefill_equals_one_forward(folders, monkeypatch):
     calls = []
     lm = open_lm(folder, "aqua")
     step = lm.step
-    monkeypatch.setattr(lm, "step", lambda i, m, p: (calls.append(i.shape[1]), step(i, m, p))[1])
+    monkeypatch.setattr(lm, "step", lambda i, m, p, *last: (calls.append(i.shape[1]), step(i, m, p, *last))[1])
     monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 16)
     chunked, chunked_logits = _generate(lm, tok, prompt)
     assert calls[:ids.shape[1] // 16] == [16] * (ids.shape[1] // 16), calls[:12]  # the prompt went in 16 at a time
