@@ -51,9 +51,14 @@ class Load:
     def at(self, level) -> int:
         return self.requests or max(4, 2 * int(level))
 
+    @property
+    def kind(self) -> str:
+        """GuideLLM's profile: requests at a rate, or streams at a concurrency."""
+        return "constant" if self.rates else "concurrent"
+
     def profile(self, level) -> str:
         """GuideLLM's --profile at a level."""
-        return f"kind=constant,rate={level}" if self.rates else f"kind=concurrent,streams={level}"
+        return f"kind={self.kind},{'rate' if self.rates else 'streams'}={level}"
 
     def lengths(self, n: int) -> list[int]:
         """n requests' prompt lengths."""
@@ -178,7 +183,7 @@ def _about(res: dict, where: str, load: Load, cpu: bool) -> str:
     model = "the embedded model (SmolLM2-135M)" if load.shape == "135M" else \
         f"a random-weight checkpoint of the {load.shape} shape (tools/checkpoints.py; each engine its own int4 form)"
     return (f"The model: {model}. Measured on {where}. Driven by GuideLLM (`guidellm run`, its "
-            f"`{'constant' if load.rates else 'concurrent'}` profile, its own figures from "
+            f"`{load.kind}` profile, its own figures from "
             "its JSON; the prompts distinct prose slices, written to its JSON-lines data before the load), "
             f"{f'{load.requests} requests at each level' if load.requests else '2 x concurrency requests each'}, "
             "every server over HTTP on the loopback. "
